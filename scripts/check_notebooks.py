@@ -1,0 +1,61 @@
+"""Fail when a notebook in git carries outputs, execution counts or widget state.
+
+Run by `make lint`; `python scripts/check_notebooks.py --strip` cleans them in place.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOTS = ("notebooks", "tutorials")
+
+
+def dirty_reasons(nb: dict) -> list[str]:
+    reasons = []
+    if "widgets" in nb.get("metadata", {}):
+        reasons.append("notebook metadata holds widget state")
+    for i, cell in enumerate(nb.get("cells", [])):
+        if cell.get("cell_type") != "code":
+            continue
+        if cell.get("outputs"):
+            reasons.append(f"cell {i} has outputs")
+        if cell.get("execution_count") is not None:
+            reasons.append(f"cell {i} has an execution count")
+    return reasons
+
+
+def strip(nb: dict) -> dict:
+    nb.get("metadata", {}).pop("widgets", None)
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code":
+            cell["outputs"] = []
+            cell["execution_count"] = None
+    return nb
+
+
+def main(argv: list[str]) -> int:
+    fix = "--strip" in argv
+    repo = Path(__file__).resolve().parent.parent
+    bad = 0
+    for root in ROOTS:
+        for path in sorted((repo / root).glob("**/*.ipynb")):
+            if ".ipynb_checkpoints" in path.parts:
+                continue
+            nb = json.loads(path.read_text())
+            reasons = dirty_reasons(nb)
+            if reasons and fix:
+                path.write_text(json.dumps(strip(nb), indent=1, ensure_ascii=False) + "\n")
+                print(f"stripped {path.relative_to(repo)}")
+            elif reasons:
+                bad += 1
+                print(f"{path.relative_to(repo)}: {'; '.join(reasons)}")
+    if bad:
+        print(f"{bad} notebook(s) carry outputs: run `python scripts/check_notebooks.py --strip`")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,3 @@
+from superoffload.cli import main
+
+raise SystemExit(main())

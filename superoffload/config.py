@@ -1,0 +1,263 @@
+"""Typed configuration of the offload engine, validated once.
+
+`OffloadConfig` is the one place every knob of the engine is named, documented and checked.
+DeepSpeed-style dicts are accepted at the edge (`superoffload.ds_config.from_deepspeed`) and
+converted into this dataclass once; nothing downstream re-validates.
+
+Paper references (SuperOffload, Lian et al., ASPLOS 2026, arXiv 2509.21271):
+  bucket_bytes   -- §4.2 bucketization repartitioning (~64 MB saturates NVLink-C2C)
+  ratio          -- §4.2 GPU tail buckets ("ratio" of buckets offloaded to the CPU)
+  speculation    -- §4.3 speculation-then-validation (STV)
+  grad_cast / param_cast -- §4.4 Superchip-aware casting
+  weights        -- §4.5 adaptive weight offloading (stationary vs flow)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MiB = 1 << 20
+
+Speculation = Literal["on", "off", "adaptive"]
+RollbackMode = Literal["inverse", "snapshot"]
+CastSide = Literal["device", "host", "auto"]
+WeightPolicy = Literal["stationary", "flow", "auto"]
+LossScale = Literal["dynamic", "none"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value. The message names the field and the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """Every setting of the offload engine. Construct, then call `validate()` (done by
+    `superoffload.initialize`); `replace(**changes)` returns a validated copy."""
+
+    device: str = "auto"
+    """Where forward/backward run: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:N"."""
+
+    bucket_bytes: int = 64 * MiB
+    """Gradient bucket size in bytes of fp32 gradient (4 B/param). Paper §4.2: ~64 MB saturates C2C."""
+
+    ratio: float = 0.9
+    """Fraction of the gradient work (by bytes) offloaded to the CPU. The remaining 1-ratio are the
+    buckets produced last in backward (first layers), stepped on the device (paper §4.2)."""
+
+    max_grad_norm: float | None = None
+    """Global gradient-norm clipping threshold; None or 0 disables clipping."""
+
+    speculation: Speculation = "on"
+    """STV mode (paper §4.3): "on" steps CPU buckets before validation and rolls back on clip or
+    overflow; "off" steps after validation (ZeRO-Offload-like); "adaptive" stops speculating while
+    clipping fires often and resumes when it calms down."""
+
+    rollback: RollbackMode = "inverse"
+    """How speculative steps are undone: "inverse" (algebraic inverse, a few ulps, no memory) or
+    "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param of host memory)."""
+
+    adaptive_window: int = 20
+    """Adaptive STV: number of recent iterations over which the clipping rate is measured."""
+
+    adaptive_threshold: float = 0.25
+    """Adaptive STV: stop speculating when more than this fraction of the window clipped."""
+
+    grad_cast: CastSide = "auto"
+    """D2H direction for low-precision models: "device" casts bf16->fp32 on the device and moves
+    fp32; "host" moves bf16 and casts inside the CPU kernel's pass; "auto" asks the cost model."""
+
+    param_cast: CastSide = "auto"
+    """H2D direction: "host" writes the bf16 copy in the CPU kernel's pass and moves bf16;
+    "device" moves fp32 and casts on the device; "auto" asks the cost model."""
+
+    loss_scale: LossScale = "dynamic"
+    """fp16 only: "dynamic" loss scaling (DeepSpeed semantics) or "none". Ignored for bf16/fp32."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic loss scaling: the first scale is 2**initial_scale_power."""
+
+    loss_scale_window: int = 1000
+    """fp16: grow the scale by 2 after this many overflow-free iterations."""
+
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the scale is shrunk."""
+
+    min_loss_scale: float = 1.0
+    """fp16: the scale never drops below this."""
+
+    grad_accum_steps: int = 1
+    """Micro-steps per optimizer step; buckets are offloaded on the last micro-step only."""
+
+    cpu_threads: int | None = None
+    """Threads of the CPU optimizer; None derives them from `cpu_cores_frac`."""
+
+    cpu_cores_frac: float = 0.9
+    """Share of the host's cores given to the CPU optimizer (DeepSpeed `cpuadam_cores_perc`)."""
+
+    pin_memory: bool = True
+    """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
+
+    weights: WeightPolicy = "stationary"
+    """Weight policy (paper §4.5): bf16 weights stay on the device ("stationary"), stream in per
+    block from the host ("flow"), or the cost model chooses ("auto")."""
+
+    prefetch_depth: int = 2
+    """Weight-flow: blocks fetched ahead of the one running."""
+
+    watchdog_s: float = 300.0
+    """A bucket stuck in flight longer than this raises an error naming it instead of hanging."""
+
+    telemetry: bool = True
+    """Record timeline spans (cheap; bounded memory)."""
+
+    telemetry_max_events: int = 200_000
+    """Ring-buffer capacity of the telemetry recorder."""
+
+    seed: int = 0
+    """Seed for stochastic rounding and anything else the engine randomises."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes carried along (e.g. the tuner's explanation); never read by the engine."""
+
+    def validate(self) -> OffloadConfig:
+        """Check every field once; raise `ConfigError` naming the field and the fix."""
+        _check(
+            isinstance(self.device, str)
+            and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")),
+            "device",
+            self.device,
+            'use "auto", "cpu", "cuda" or "cuda:N"',
+        )
+        _check(
+            _is_int(self.bucket_bytes) and self.bucket_bytes >= 4096,
+            "bucket_bytes",
+            self.bucket_bytes,
+            "use a whole number of bytes >= 4096 (the paper uses 64 MiB)",
+        )
+        _check(
+            _is_real(self.ratio) and 0.0 <= self.ratio <= 1.0,
+            "ratio",
+            self.ratio,
+            "use a fraction in [0, 1]: 1 offloads every bucket, 0 keeps all on the device",
+        )
+        _check(
+            self.max_grad_norm is None or (_is_real(self.max_grad_norm) and self.max_grad_norm >= 0),
+            "max_grad_norm",
+            self.max_grad_norm,
+            "use a positive number, or None/0 to disable clipping",
+        )
+        _check_choice("speculation", self.speculation, ("on", "off", "adaptive"))
+        _check_choice("rollback", self.rollback, ("inverse", "snapshot"))
+        _check_choice("grad_cast", self.grad_cast, ("device", "host", "auto"))
+        _check_choice("param_cast", self.param_cast, ("device", "host", "auto"))
+        _check_choice("loss_scale", self.loss_scale, ("dynamic", "none"))
+        _check_choice("weights", self.weights, ("stationary", "flow", "auto"))
+        _check(
+            _is_int(self.adaptive_window) and self.adaptive_window >= 1,
+            "adaptive_window",
+            self.adaptive_window,
+            "use a whole number of iterations >= 1",
+        )
+        _check(
+            _is_real(self.adaptive_threshold) and 0.0 < self.adaptive_threshold <= 1.0,
+            "adaptive_threshold",
+            self.adaptive_threshold,
+            "use a fraction in (0, 1]",
+        )
+        _check(
+            _is_int(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
+            "initial_scale_power",
+            self.initial_scale_power,
+            "use a whole number in [0, 64] (DeepSpeed's default is 16)",
+        )
+        for name in ("loss_scale_window", "hysteresis", "grad_accum_steps", "telemetry_max_events"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, value, "use a whole number >= 1")
+        _check(
+            _is_real(self.min_loss_scale) and self.min_loss_scale > 0,
+            "min_loss_scale",
+            self.min_loss_scale,
+            "use a positive number",
+        )
+        _check(
+            self.cpu_threads is None or (_is_int(self.cpu_threads) and self.cpu_threads >= 1),
+            "cpu_threads",
+            self.cpu_threads,
+            "use a whole number >= 1, or None to derive it from cpu_cores_frac",
+        )
+        _check(
+            _is_real(self.cpu_cores_frac) and 0.0 < self.cpu_cores_frac <= 1.0,
+            "cpu_cores_frac",
+            self.cpu_cores_frac,
+            "use a fraction in (0, 1] (DeepSpeed's cpuadam_cores_perc)",
+        )
+        _check(isinstance(self.pin_memory, bool), "pin_memory", self.pin_memory, "use True or False")
+        _check(isinstance(self.telemetry, bool), "telemetry", self.telemetry, "use True or False")
+        _check(
+            _is_int(self.prefetch_depth) and self.prefetch_depth >= 1,
+            "prefetch_depth",
+            self.prefetch_depth,
+            "use a whole number of blocks >= 1",
+        )
+        _check(
+            _is_real(self.watchdog_s) and self.watchdog_s > 0,
+            "watchdog_s",
+            self.watchdog_s,
+            "use a positive number of seconds",
+        )
+        _check(_is_int(self.seed), "seed", self.seed, "use a whole number")
+        return self
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        """A validated copy with `changes` applied (unknown names raise ConfigError)."""
+        names = {f.name for f in dataclasses.fields(self)}
+        for key in changes:
+            if key not in names:
+                raise ConfigError(
+                    f"OffloadConfig has no field {key!r}; known fields: {', '.join(sorted(names))}"
+                )
+        return dataclasses.replace(self, **changes).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (JSON-safe) used in checkpoints and telemetry."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OffloadConfig:
+        """Inverse of `to_dict`; unknown keys are errors that name the key."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown OffloadConfig key(s) {unknown}; known fields: {', '.join(sorted(names))}"
+            )
+        return cls(**data).validate()
+
+    @property
+    def clipping(self) -> bool:
+        """True when gradient clipping is configured."""
+        return bool(self.max_grad_norm)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+def _check(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {fix}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    _check(value in choices, name, value, "use one of " + ", ".join(repr(c) for c in choices))

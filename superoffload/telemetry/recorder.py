@@ -1,0 +1,148 @@
+"""Thread-safe, bounded recorder of timeline spans, per-iteration scalars and notes.
+
+Cheap when nobody reads it: recording is an append to a bounded deque under a lock.
+Readers take snapshots (`spans()`, `spans_since(seq)`), never live views, so the engine's
+threads never wait on a widget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from superoffload.telemetry.events import LANES, Span
+
+
+@dataclass(frozen=True, slots=True)
+class Scalar:
+    """A named number for one iteration (loss, loss scale, grad norm, ratio in force...)."""
+
+    name: str
+    iteration: int
+    value: float
+    time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """A plain-language event (e.g. "adaptive STV: speculation off, clipping in 6 of 20")."""
+
+    iteration: int
+    text: str
+    time_s: float
+
+
+class Recorder:
+    """Collects spans from any thread. `enabled=False` makes every call a no-op."""
+
+    def __init__(self, *, enabled: bool = True, max_events: int = 200_000, rank: int = 0) -> None:
+        if max_events < 1:
+            raise ValueError(f"Recorder max_events={max_events} must be >= 1")
+        self.enabled = enabled
+        self.rank = rank
+        self.max_events = max_events
+        self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
+        self._spans: deque[tuple[int, Span]] = deque(maxlen=max_events)
+        self._scalars: deque[Scalar] = deque(maxlen=max_events)
+        self._notes: deque[Note] = deque(maxlen=10_000)
+        self._seq = itertools.count()
+        self._last_seq = -1
+
+    # ----------------------------------------------------------------- writing
+    def now(self) -> float:
+        """Seconds since this recorder's origin (time.perf_counter based)."""
+        return time.perf_counter() - self._t0
+
+    def to_relative(self, perf_counter_s: float) -> float:
+        """Convert an absolute time.perf_counter() reading to this recorder's time base."""
+        return perf_counter_s - self._t0
+
+    def record(self, span: Span) -> None:
+        if not self.enabled:
+            return
+        if span.lane not in LANES:
+            raise ValueError(f"Span.lane={span.lane!r} is not one of {LANES}")
+        with self._lock:
+            seq = next(self._seq)
+            self._last_seq = seq
+            self._spans.append((seq, span))
+
+    def add(
+        self,
+        lane: str,
+        kind: str,
+        start_s: float,
+        end_s: float,
+        *,
+        iteration: int,
+        bucket: int = -1,
+        nbytes: int = 0,
+    ) -> None:
+        """Record a span from two `now()` readings."""
+        if self.enabled:
+            self.record(Span(lane, kind, start_s, end_s, iteration, bucket, nbytes, self.rank))
+
+    @contextlib.contextmanager
+    def span(
+        self, lane: str, kind: str, *, iteration: int, bucket: int = -1, nbytes: int = 0
+    ) -> Iterator[None]:
+        """Time the body of a `with` block as one span (host clock)."""
+        if not self.enabled:
+            yield
+            return
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(lane, kind, start, self.now(), iteration=iteration, bucket=bucket, nbytes=nbytes)
+
+    def scalar(self, name: str, iteration: int, value: float) -> None:
+        if self.enabled:
+            with self._lock:
+                self._scalars.append(Scalar(name, iteration, float(value), self.now()))
+
+    def note(self, iteration: int, text: str) -> None:
+        """Plain-language events are kept even when spans are disabled: they are rare."""
+        with self._lock:
+            self._notes.append(Note(iteration, text, self.now()))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._spans.clear()
+            self._scalars.clear()
+            self._notes.clear()
+
+    # ----------------------------------------------------------------- reading
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the newest span (-1 before the first)."""
+        return self._last_seq
+
+    def spans(self) -> list[Span]:
+        with self._lock:
+            return [s for _, s in self._spans]
+
+    def spans_since(self, seq: int) -> tuple[list[Span], int]:
+        """Spans recorded after sequence number `seq`, and the newest sequence number."""
+        with self._lock:
+            out = [s for q, s in self._spans if q > seq]
+            return out, self._last_seq
+
+    def scalars(self, name: str | None = None) -> list[Scalar]:
+        with self._lock:
+            return [s for s in self._scalars if name is None or s.name == name]
+
+    def notes(self) -> list[Note]:
+        with self._lock:
+            return list(self._notes)
+
+    def iterations(self) -> list[int]:
+        """Iterations with at least one span, ascending."""
+        with self._lock:
+            return sorted({s.iteration for _, s in self._spans})
