@@ -1,14 +1,186 @@
-"""`python -m superoffload plan` (placeholder until its issue lands)."""
+"""`python -m superoffload simulate|tune`: the planner on the command line (plain tables, --json).
+
+    python -m superoffload simulate --profile gh200 --layers 40 --hidden 5120 --heads 40 \
+        --seq 4096 --micro-batch 4 --schedule all --ablation
+    python -m superoffload tune --profile gh200 --layers 40 --hidden 5120 --heads 40 --seq 4096
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from superoffload.config import MiB, OffloadConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="plan (not built yet)")
-    p.set_defaults(func=_run)
+    sim = sub.add_parser("simulate", help="predict an iteration on a hardware profile")
+    _shape_args(sim)
+    sim.add_argument("--schedule", default="all",
+                     choices=["all", "superoffload", "zero-offload", "gpu"],
+                     help="schedule to simulate; 'all' compares the three (default)")
+    sim.add_argument("--ratio", type=float, help="OffloadConfig.ratio (default 0.9)")
+    sim.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default 64)")
+    sim.add_argument("--speculation", choices=["on", "off", "adaptive"])
+    sim.add_argument("--grad-cast", choices=["device", "host", "auto"])
+    sim.add_argument("--param-cast", choices=["device", "host", "auto"])
+    sim.add_argument("--weights", choices=["stationary", "flow", "auto"])
+    sim.add_argument("--cpu-threads", type=int)
+    sim.add_argument("--kernel", choices=["ours", "deepspeed", "torch"], default="ours")
+    sim.add_argument("--disable", action="append", default=[],
+                     choices=["buckets", "gpu_tail", "stv", "casting", "adaptive_weights"],
+                     help="switch a SuperOffload technique off (repeatable)")
+    sim.add_argument("--ablation", action="store_true", help="also print the ablation table")
+    sim.set_defaults(func=_simulate)
+
+    tune = sub.add_parser("tune", help="search the best OffloadConfig for a hardware profile")
+    _shape_args(tune)
+    tune.add_argument("--device-gb", type=float, help="cap on device memory, GB")
+    tune.add_argument("--host-gb", type=float, help="cap on host memory, GB")
+    tune.add_argument("--cpu-cores", type=int, help="host cores the job may use")
+    tune.add_argument("--max-grad-norm", type=float)
+    tune.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUE",
+                      help="keep an OffloadConfig field fixed, e.g. --fix ratio=0.9 (repeatable)")
+    tune.add_argument("--out", type=Path, help="write the chosen OffloadConfig as JSON here")
+    tune.set_defaults(func=_tune)
 
 
-def _run(args: argparse.Namespace) -> int:
-    raise SystemExit("superoffload plan is not built yet")
+def _shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default="gh200",
+                   help="preset name (gh200, gb200, mi300a, h100-pcie, h200-pcie, cpu-laptop), "
+                        "'local' (measure this machine), or a profile JSON file")
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--heads", type=int, default=40)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--no-checkpointing", action="store_true",
+                   help="no activation checkpointing (more activation memory, no recompute)")
+    p.add_argument("--rollback-rate", type=float,
+                   help="share of iterations that clip/overflow (default: the paper's 0.0012)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _profile(name: str) -> Any:
+    from superoffload import plan
+
+    if name == "local":
+        return plan.measure_local()
+    path = Path(name)
+    if path.suffix == ".json" and path.exists():
+        return plan.HardwareProfile.from_dict(json.loads(path.read_text()))
+    return plan.profiles.get(name)
+
+
+def _shape(args: argparse.Namespace) -> Any:
+    from superoffload import plan
+
+    return plan.ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                           vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch,
+                           activation_checkpointing=not args.no_checkpointing)
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from superoffload import plan
+
+    try:
+        prof, shape = _profile(args.profile), _shape(args)
+        changes: dict[str, Any] = {}
+        for name in ("ratio", "speculation", "grad_cast", "param_cast", "weights", "cpu_threads"):
+            if getattr(args, name) is not None:
+                changes[name] = getattr(args, name)
+        if args.bucket_mb is not None:
+            changes["bucket_bytes"] = args.bucket_mb * MiB
+        cfg = OffloadConfig().replace(**changes)
+        tech = plan.Techniques(kernel=args.kernel, **({"rollback_rate": args.rollback_rate}
+                                                     if args.rollback_rate is not None else {}))
+        for name in args.disable:
+            tech = tech.replace(**({name: "host"} if name == "casting" else {name: False}))
+        schedules = plan.SCHEDULES if args.schedule == "all" else (args.schedule,)
+        results = [plan.simulate(shape, prof, s, cfg, tech) for s in schedules]
+        abl = plan.ablation.ablation(shape, prof, cfg, tech.rollback_rate) if args.ablation else None
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.json:
+        out: dict[str, Any] = {"results": [r.summary() for r in results]}
+        if abl is not None:
+            out["ablation"] = abl.to_dict()
+        print(json.dumps(out, indent=1, default=float))
+        return 0
+    print(f"{prof.name}: {prof.device_name} + {prof.cpu_name}")
+    print(f"model: {shape.params / 1e9:.2f}B params, {shape.layers} x {shape.hidden}, seq "
+          f"{shape.seq} x batch {shape.micro_batch}, checkpointing "
+          f"{'on' if shape.activation_checkpointing else 'off'}")
+    print(_results_table(results))
+    if abl is not None:
+        print()
+        print(abl.table())
+    return 0
+
+
+def _results_table(results: list[Any]) -> str:
+    from superoffload.telemetry.events import LANES
+
+    head = (f"{'schedule':13} {'iter ms':>9} {'TFLOPS':>7} "
+            + " ".join(f"{lane[:10]:>10}" for lane in LANES) + f" {'device GB':>9} {'host GB':>8}  fits")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        util = " ".join(f"{r.lanes[lane].utilization:>10.0%}" for lane in LANES)
+        lines.append(f"{r.plan.schedule:13} {r.iteration_s * 1e3:9.1f} {r.tflops:7.0f} {util} "
+                     f"{r.memory['device'] / 1e9:9.1f} {r.memory['host'] / 1e9:8.1f}  "
+                     f"{'yes' if r.fits else 'NO: ' + '; '.join(r.problems)}")
+    lines.append("(lane columns: busy share of one steady-state iteration)")
+    return "\n".join(lines)
+
+
+def _parse_fix(items: list[str]) -> dict[str, Any]:
+    fixed: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--fix {item!r}: use FIELD=VALUE, e.g. --fix ratio=0.9")
+        key, raw = item.split("=", 1)
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        fixed[key.strip()] = value
+    return fixed
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from superoffload import plan
+
+    try:
+        prof, shape = _profile(args.profile), _shape(args)
+        extra = {} if args.rollback_rate is None else {"rollback_rate": args.rollback_rate}
+        cons = plan.Constraints(
+            device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
+            host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
+            cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm,
+            fixed=_parse_fix(args.fix), **extra)
+        cfg, why, pred = plan.tune(shape, prof, cons)
+    except ValueError as exc:
+        return _fail(str(exc))
+    if args.out is not None:
+        args.out.write_text(json.dumps(cfg.to_dict(), indent=1, default=float))
+    if args.json:
+        print(json.dumps({"config": cfg.to_dict(), "explanation": why,
+                          "prediction": pred.summary()}, indent=1, default=float))
+        return 0
+    print(why)
+    print()
+    keys = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
+            "cpu_cores_frac", "prefetch_depth", "max_grad_norm")
+    print("OffloadConfig(" + ", ".join(f"{k}={getattr(cfg, k)!r}" for k in keys) + ")")
+    print()
+    print(_results_table([pred]))
+    return 0

@@ -1,0 +1,50 @@
+"""The planner: hardware profiles, model shapes, cost model, simulator, tuner (DESIGN.md §5).
+
+Pure code: no threads, no devices, no torch state (torch only to describe a module and, in
+`measure_local`, to time microbenchmarks).
+
+    from superoffload import plan
+    prof = plan.profiles.get("gh200")
+    shape = plan.ModelShape(layers=40, hidden=5120, heads=40, vocab=50257, seq=4096, micro_batch=4)
+    res = plan.simulate(shape, prof, schedule="superoffload")
+    cfg, why, prediction = plan.tune(shape, prof)
+"""
+
+from __future__ import annotations
+
+from superoffload.plan import ablation, cost, profiles
+from superoffload.plan.calibrate import Measurements, calibrate, measurements_from_spans
+from superoffload.plan.capacity import fit_problems, gpt_by_layers, max_model_size
+from superoffload.plan.measure import measure_local
+from superoffload.plan.memory import Memory, memory
+from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.shapes import ModelShape
+from superoffload.plan.simulate import LaneStats, SimResult, simulate
+from superoffload.plan.techniques import SCHEDULES, ZERO_OFFLOAD, Techniques
+from superoffload.plan.tune import Constraints, InfeasibleError, tune
+
+__all__ = [
+    "SCHEDULES",
+    "ZERO_OFFLOAD",
+    "ablation",
+    "Constraints",
+    "HardwareProfile",
+    "InfeasibleError",
+    "LaneStats",
+    "Measurements",
+    "Memory",
+    "ModelShape",
+    "SimResult",
+    "Techniques",
+    "calibrate",
+    "cost",
+    "fit_problems",
+    "gpt_by_layers",
+    "max_model_size",
+    "measure_local",
+    "measurements_from_spans",
+    "memory",
+    "profiles",
+    "simulate",
+    "tune",
+]

@@ -1,0 +1,137 @@
+"""Fit a profile's rates to what the engine measured (its telemetry spans), so the simulator
+predicts this machine (DESIGN.md §5: "reproduces the engine's measured timeline").
+
+Fits, each a robust one-parameter (or latency + rate) fit on medians:
+  compute      achieved FLOP/s = median over iterations of executed FLOPs / (forward + backward
+               busy time); needs the ModelShape the spans came from
+  CPU Adam     t = call + params / rate   (cpu_step spans; params = nbytes / 28, as the engine
+               records 28 B per parameter stepped)
+  device Adam  rate from device_step spans (params = nbytes / 28)
+  links        t = latency + bytes / bandwidth per direction (d2h, h2d spans)
+The first iteration (warm-up: allocation, page faults, thread start) is dropped when there are
+several. Spans of kind replay/rollback are ignored.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.shapes import ModelShape
+from superoffload.telemetry import events as ev
+
+
+@dataclass
+class Measurements:
+    """Raw (size, seconds) samples, from spans or from elsewhere."""
+
+    compute: list[tuple[float, float]] = field(default_factory=list)
+    """(FLOPs, seconds) per iteration."""
+    cpu_step: list[tuple[float, float]] = field(default_factory=list)
+    """(parameters, seconds) per CPU optimizer call."""
+    device_step: list[tuple[float, float]] = field(default_factory=list)
+    """(parameters, seconds) per device optimizer call."""
+    d2h: list[tuple[float, float]] = field(default_factory=list)
+    """(bytes, seconds) per transfer."""
+    h2d: list[tuple[float, float]] = field(default_factory=list)
+    """(bytes, seconds) per transfer."""
+    cpu_threads: int | None = None
+    """Threads the CPU optimizer ran with (for the profile's Adam table)."""
+
+
+def measurements_from_spans(spans: Iterable[ev.Span], shape: ModelShape | None = None,
+                            *, drop_first: bool = True, cpu_threads: int | None = None
+                            ) -> Measurements:
+    """Collect samples from engine (or simulator) spans. Compute needs `shape`."""
+    spans = list(spans)
+    iters = sorted({s.iteration for s in spans})
+    if drop_first and len(iters) > 2:
+        spans = [s for s in spans if s.iteration != iters[0]]
+    out = Measurements(cpu_threads=cpu_threads)
+    busy: dict[int, float] = defaultdict(float)
+    for s in spans:
+        d = s.duration_s
+        if d <= 0:
+            continue
+        if s.kind in (ev.KIND_FORWARD, ev.KIND_BACKWARD):
+            busy[s.iteration] += d
+        elif s.kind == ev.KIND_CPU_STEP and s.nbytes > 0:
+            out.cpu_step.append((s.nbytes / ADAM_BYTES_PER_PARAM, d))
+        elif s.kind == ev.KIND_DEVICE_STEP and s.nbytes > 0:
+            out.device_step.append((s.nbytes / ADAM_BYTES_PER_PARAM, d))
+        elif s.kind == ev.KIND_D2H and s.nbytes > 0:
+            out.d2h.append((float(s.nbytes), d))
+        elif s.kind == ev.KIND_H2D and s.nbytes > 0:
+            out.h2d.append((float(s.nbytes), d))
+    if shape is not None:
+        out.compute = [(shape.executed_flops, t) for t in busy.values() if t > 0]
+    return out
+
+
+def fit_latency_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(latency_s, rate per second) for t = latency + size / rate. With one distinct size (or a
+    fit that comes out negative) the latency is 0 and the rate is the median of size/t.
+    Sizes are grouped and each group's median time is used, so outliers do not steer the line."""
+    if not samples:
+        raise ValueError("fit_latency_rate: no samples")
+    groups: dict[float, list[float]] = defaultdict(list)
+    for size, t in samples:
+        groups[size].append(t)
+    pts = sorted((size, statistics.median(ts)) for size, ts in groups.items())
+    if len(pts) >= 2:
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+        lat = my - slope * mx
+        if slope > 0 and lat >= 0:
+            return lat, 1.0 / slope
+    return 0.0, statistics.median(size / t for size, t in samples)
+
+
+def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
+              shape: ModelShape | None = None, *, cpu_threads: int | None = None,
+              adam_bytes_per_param: float = ADAM_BYTES_PER_PARAM) -> HardwareProfile:
+    """A copy of `profile` whose rates match the measurements (figures with no samples keep the
+    profile's value). `data`: Measurements, or spans (then pass `shape` to fit compute).
+    `adam_bytes_per_param`: what the measured CPU pass touched per parameter (28 for fp32
+    gradients and no fused cast, as an fp32 model runs); the profile's Adam rate is stated at
+    28 B, so the fitted rate is scaled by adam_bytes_per_param / 28."""
+    m = data if isinstance(data, Measurements) else measurements_from_spans(
+        data, shape, cpu_threads=cpu_threads)
+    threads = m.cpu_threads or cpu_threads or profile.cpu_cores
+    changes: dict[str, object] = {}
+    sources = dict(profile.sources)
+    if m.compute:
+        tflops = statistics.median(f / t for f, t in m.compute) / 1e12
+        changes["device_achieved_tflops"] = tflops
+        changes["device_peak_tflops"] = max(profile.device_peak_tflops, tflops)
+        sources["device_achieved_tflops"] = "calibrated from engine spans"
+    if m.cpu_step:
+        call, rate = fit_latency_rate(m.cpu_step)
+        changes["cpu_call_s"] = call
+        rate *= adam_bytes_per_param / ADAM_BYTES_PER_PARAM
+        changes["cpu_adam_table"] = ((threads, rate),)
+        changes["cpu_adam_params_per_s_per_core"] = rate / threads
+        sources["cpu_adam_params_per_s_per_core"] = "calibrated from engine spans"
+    if m.device_step:
+        launch, rate = fit_latency_rate(m.device_step)
+        changes["device_mem_bw_gbps"] = rate * ADAM_BYTES_PER_PARAM / 1e9
+        changes["device_launch_s"] = launch
+        sources["device_mem_bw_gbps"] = "calibrated from engine spans (device Adam rate)"
+    lats = []
+    for direction, samples in (("d2h", m.d2h), ("h2d", m.h2d)):
+        if samples:
+            lat, rate = fit_latency_rate(samples)
+            changes[f"{direction}_gbps"] = rate / 1e9
+            changes[f"{direction}_table"] = ()
+            lats.append(lat)
+            sources[f"{direction}_gbps"] = "calibrated from engine spans"
+    if lats:
+        changes["link_latency_s"] = statistics.fmean(lats)
+    changes["sources"] = tuple(sources.items())
+    changes["name"] = profile.name if profile.name.endswith("-calibrated") else profile.name + "-calibrated"
+    return profile.replace(**changes)

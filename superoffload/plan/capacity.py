@@ -1,0 +1,63 @@
+"""The largest model a machine can train with a policy (memory only, DESIGN.md §5).
+
+Model family: GPT-3-like shapes, hidden = 128 x layers (shapes.gpt_by_layers), grown one layer
+at a time until memory.check_fits fails. "superoffload" may use any of its memory-saving
+settings (ratio 1, weight-flow); "zero-offload" keeps bf16 weights, gradients and activations
+on the device; "gpu" keeps all 18 B/param on the device.
+"""
+
+from __future__ import annotations
+
+from superoffload.config import OffloadConfig
+from superoffload.plan.memory import check_fits, memory
+from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.shapes import ModelShape
+from superoffload.plan.techniques import SCHEDULES, resolve
+
+MAX_LAYERS = 1000
+
+
+def gpt_by_layers(layers: int, *, seq: int, micro_batch: int, vocab: int = 50257,
+                  activation_checkpointing: bool = True) -> ModelShape:
+    """GPT-3-like shape: hidden = 128 x layers, head size 128 (13B: 40 x 5120; 175B: 96 x 12288)."""
+    hidden = 128 * layers
+    return ModelShape(layers=layers, hidden=hidden, heads=layers, vocab=vocab, seq=seq,
+                      micro_batch=micro_batch, activation_checkpointing=activation_checkpointing)
+
+
+def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
+         config: OffloadConfig | None = None) -> list[str]:
+    """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
+    config, the most memory-frugal settings are tried (ratio 1, then weight-flow)."""
+    if config is not None or schedule != "superoffload":
+        plan = resolve(shape, prof, schedule, config, None)
+        return check_fits(memory(shape, prof, plan), prof)
+    problems: list[str] = []
+    for cfg in (OffloadConfig(ratio=1.0, weights="stationary", grad_cast="host", param_cast="host"),
+                OffloadConfig(ratio=1.0, weights="flow", grad_cast="host", param_cast="host")):
+        plan = resolve(shape, prof, schedule, cfg, None)
+        problems = check_fits(memory(shape, prof, plan), prof)
+        if not problems:
+            return []
+    return problems
+
+
+def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: int = 1024,
+                   micro_batch: int = 1, config: OffloadConfig | None = None,
+                   activation_checkpointing: bool = True) -> int:
+    """Parameters of the largest GPT-like model that fits `prof` under `schedule` (0 if none)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    best = 0
+    lo, hi = 1, MAX_LAYERS
+    # memory grows monotonically with layers (and hidden), so bisect on the layer count
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        shape = gpt_by_layers(mid, seq=seq, micro_batch=micro_batch,
+                              activation_checkpointing=activation_checkpointing)
+        if fit_problems(shape, prof, schedule, config):
+            hi = mid - 1
+        else:
+            best = shape.params
+            lo = mid + 1
+    return best

@@ -1,0 +1,99 @@
+"""Memory per side for each policy, and the largest model a machine can train with it.
+
+Bytes per parameter (DESIGN.md §1; mixed-precision Adam, Rajbhandari et al. 2020 "ZeRO" §3):
+  plain GPU           device: 2 (bf16 weight) + 2 (bf16 grad) + 16 (fp32 master, m, v, grad)
+  offloaded params    device: 2 (bf16 weight, stationary) + 2 (bf16 grad until its bucket leaves)
+                      host:   16 (fp32 master, m, v, grad buffer) + 2 (pinned bf16 weight copy)
+                              + 12 with snapshot rollback (pre-step p, m, v; DESIGN.md §4)
+  GPU tail params     device: 2 + 2 + 16 (like plain GPU)
+  weight-flow         device keeps only (prefetch_depth + 1) layers of bf16 weights (paper §4.5);
+                      the bf16 copy of offloaded weights lives on the host (the 2 B above)
+  staging             fp32 copies of two buckets per direction cast on the device (double
+                      buffering); none for a direction cast on the host
+  activations         ModelShape.activation_bytes()
+Headroom: 5% of device memory (allocator fragmentation, CUDA context) and 10% of host memory
+(the OS, the data pipeline) are kept free -- estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.shapes import ModelShape
+from superoffload.plan.techniques import Resolved
+
+DEVICE_HEADROOM = 0.95
+HOST_HEADROOM = 0.90
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """Bytes on each side and what they hold."""
+
+    device: float
+    host: float
+    device_parts: dict[str, float]
+    host_parts: dict[str, float]
+
+    def as_dict(self) -> dict[str, float]:
+        return {"device": self.device, "host": self.host}
+
+
+def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
+    """Parameters whose fp32 state lives on the host: the first `ratio` of the gradient stream
+    (in backward order), as the simulator splits it."""
+    if plan.schedule == "gpu":
+        return 0.0
+    n = float(shape.params)
+    return float(round(plan.ratio * n))
+
+
+def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
+    """Per-side bytes for `shape` under the resolved schedule `plan`."""
+    n = float(shape.params)
+    off = offloaded_params(shape, plan)
+    tail = n - off
+    dev: dict[str, float] = {}
+    host: dict[str, float] = {}
+    if plan.weights == "flow" and off > 0:
+        biggest = max(shape.layer_params())
+        dev["weights_bf16"] = 2.0 * tail + 2.0 * (plan.prefetch_depth + 1) * biggest
+        dev["grads_bf16"] = 2.0 * tail + 2.0 * biggest
+    else:
+        dev["weights_bf16"] = 2.0 * n
+        dev["grads_bf16"] = 2.0 * n
+    dev["tail_fp32_state"] = 16.0 * tail
+    if off > 0:
+        # fp32 copies made on the device for device-side casting, two buckets in flight
+        bucket_params = off if plan.whole_model_bucket else min(off, plan.bucket_bytes / 4)
+        per_param = (4.0 if plan.grad_cast == "device" else 0.0) + (
+            4.0 if plan.param_cast == "device" else 0.0)
+        dev["staging"] = 2.0 * per_param * bucket_params
+    dev["activations"] = shape.activation_bytes()
+    if off > 0:
+        host["fp32_state"] = 16.0 * off
+        host["weights_bf16_pinned"] = 2.0 * (off if plan.weights != "flow" else n)
+        if plan.speculate and plan.snapshot_rollback:
+            host["rollback_snapshot"] = 12.0 * off
+    return Memory(sum(dev.values()), sum(host.values()), dev, host)
+
+
+def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
+    """Reasons the memory does not fit the profile (empty when it fits)."""
+    problems = []
+    dev_cap = prof.device_memory_bytes * DEVICE_HEADROOM
+    host_cap = prof.host_memory_bytes * HOST_HEADROOM
+    if prof.shared_memory:
+        total = mem.device + mem.host
+        if total > host_cap:
+            problems.append(f"needs {total / 1e9:.0f} GB of shared memory (device + host), "
+                            f"profile {prof.name} has {host_cap / 1e9:.0f} usable")
+        return problems
+    if mem.device > dev_cap:
+        problems.append(f"needs {mem.device / 1e9:.0f} GB device memory, profile {prof.name} "
+                        f"has {dev_cap / 1e9:.0f} usable of {prof.device_memory_bytes / 1e9:.0f}")
+    if mem.host > host_cap:
+        problems.append(f"needs {mem.host / 1e9:.0f} GB host memory, profile {prof.name} has "
+                        f"{host_cap / 1e9:.0f} usable of {prof.host_memory_bytes / 1e9:.0f}")
+    return problems

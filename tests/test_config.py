@@ -1,0 +1,65 @@
+"""OffloadConfig: validated once, errors name the field and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from superoffload.config import ConfigError, OffloadConfig
+
+
+def test_defaults_validate_and_round_trip_through_json() -> None:
+    cfg = OffloadConfig().validate()
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert OffloadConfig.from_dict(data) == cfg
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("ratio", 1.5, "[0, 1]"),
+        ("ratio", float("nan"), "[0, 1]"),
+        ("ratio", True, "[0, 1]"),
+        ("bucket_bytes", 100, ">= 4096"),
+        ("bucket_bytes", 4096.5, ">= 4096"),
+        ("max_grad_norm", -1.0, "positive"),
+        ("speculation", "maybe", "'adaptive'"),
+        ("rollback", "undo", "'snapshot'"),
+        ("grad_cast", "gpu", "'device'"),
+        ("device", "tpu", "cuda:N"),
+        ("cpu_threads", 0, ">= 1"),
+        ("cpu_cores_frac", 0.0, "(0, 1]"),
+        ("grad_accum_steps", 0, ">= 1"),
+        ("initial_scale_power", 100, "[0, 64]"),
+        ("watchdog_s", 0, "positive"),
+        ("weights", "sometimes", "'flow'"),
+    ],
+)
+def test_invalid_field_is_named_with_a_fix(field: str, value: object, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig(**{field: value}).validate()  # type: ignore[arg-type]
+    message = str(info.value)
+    assert f"OffloadConfig.{field}=" in message
+    assert words in message
+
+
+def test_replace_validates_and_rejects_unknown_names() -> None:
+    cfg = OffloadConfig()
+    assert cfg.replace(ratio=0.5).ratio == 0.5
+    assert cfg.ratio == 0.9  # the original is untouched
+    with pytest.raises(ConfigError, match="ratio"):
+        cfg.replace(ratio=-0.1)
+    with pytest.raises(ConfigError, match="no field 'ration'"):
+        cfg.replace(ration=0.5)
+
+
+def test_from_dict_names_unknown_keys() -> None:
+    with pytest.raises(ConfigError, match="bucket_size"):
+        OffloadConfig.from_dict({"bucket_size": 1 << 20})
+
+
+def test_clipping_property() -> None:
+    assert not OffloadConfig().clipping
+    assert not OffloadConfig(max_grad_norm=0.0).clipping
+    assert OffloadConfig(max_grad_norm=1.0).clipping

@@ -1,0 +1,103 @@
+"""Tuner: feasible, respects constraints, refuses the impossible with the reason; capacity."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from superoffload import plan
+from superoffload.config import OffloadConfig
+from superoffload.models.gpt import GPT, gpt_tiny
+
+GH200 = plan.profiles.get("gh200")
+PCIE = plan.profiles.get("h100-pcie")
+SHAPE = plan.ModelShape(layers=40, hidden=5120, heads=40, vocab=50257, seq=4096, micro_batch=1)
+
+
+@pytest.fixture(scope="module")
+def tuned() -> tuple[OffloadConfig, str, plan.SimResult]:
+    return plan.tune(SHAPE, GH200)
+
+
+def test_tune_returns_a_feasible_better_config(tuned) -> None:
+    cfg, why, pred = tuned
+    assert isinstance(cfg, OffloadConfig) and cfg.validate() is cfg
+    assert pred.fits
+    default = plan.simulate(SHAPE, GH200, config=OffloadConfig())
+    assert pred.iteration_s <= default.iteration_s
+    # the prediction is what the config simulates to
+    again = plan.simulate(SHAPE, GH200, config=cfg)
+    assert again.iteration_s == pytest.approx(pred.iteration_s)
+    for word in ("ratio", "bucket_bytes", "speculation", "ZeRO-Offload", "TFLOPS"):
+        assert word in why
+    notes = cfg.extra["planner"]
+    assert notes["predicted_iteration_s"] == pytest.approx(pred.iteration_s)
+    json.dumps(cfg.to_dict())  # the explanation travels in a JSON-safe form
+
+
+def test_tune_is_a_local_optimum(tuned) -> None:
+    cfg, _, pred = tuned
+    for field, values in (("ratio", (0.8, 0.9, 1.0)), ("speculation", ("off",)),
+                          ("bucket_bytes", (16 << 20, 64 << 20))):
+        for v in values:
+            other = plan.simulate(SHAPE, GH200, config=cfg.replace(**{field: v}))
+            assert not other.fits or other.iteration_s >= pred.iteration_s * (1 - 0.003), (field, v)
+
+
+def test_constraints_are_respected() -> None:
+    cons = plan.Constraints(device_memory_bytes=60e9, cpu_cores=16, fixed={"speculation": "off"},
+                            max_grad_norm=1.0)
+    cfg, why, pred = plan.tune(SHAPE, GH200, cons)
+    assert pred.memory["device"] <= 60e9
+    assert pred.plan.threads <= 16
+    assert cfg.speculation == "off" and cfg.max_grad_norm == 1.0
+    assert "fixed by the constraints" in why
+    with pytest.raises(ValueError, match="cpu_cores"):
+        plan.tune(SHAPE, GH200, plan.Constraints(cpu_cores=0))
+
+
+def test_infeasible_requests_name_the_reason() -> None:
+    huge = plan.ModelShape(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)
+    with pytest.raises(plan.InfeasibleError, match=r"needs \d+ GB host memory, profile h100-pcie has"):
+        plan.tune(huge, PCIE)
+    with pytest.raises(ValueError, match="host memory"):
+        plan.tune(SHAPE, GH200, plan.Constraints(host_memory_bytes=100e9))
+
+
+def test_tune_accepts_a_module() -> None:
+    torch.manual_seed(0)
+    cfg, _, pred = plan.tune(GPT(gpt_tiny()), plan.profiles.get("cpu-laptop"), seq=64)
+    assert pred.fits and pred.shape.params == GPT(gpt_tiny()).num_params()
+    with pytest.raises(TypeError, match="seq"):
+        plan.tune(GPT(gpt_tiny()), GH200)
+
+
+def test_max_model_size_orders_the_policies() -> None:
+    sizes = {s: plan.max_model_size(GH200, schedule=s, seq=1024, micro_batch=1) for s in plan.SCHEDULES}
+    assert 0 < sizes["gpu"] < sizes["zero-offload"] <= sizes["superoffload"]
+    # GPU-only is bounded by ~20 B/param of 91 GB usable HBM
+    assert 3e9 < sizes["gpu"] < 96e9 * 0.95 / 20
+    # the answer is tight: it fits, one layer more does not
+    layers = round((sizes["superoffload"] / (12 * 128 * 128)) ** (1 / 3))
+    fit = plan.gpt_by_layers(layers, seq=1024, micro_batch=1)
+    assert fit.params == sizes["superoffload"]
+    assert not plan.fit_problems(fit, GH200, "superoffload")
+    assert plan.fit_problems(plan.gpt_by_layers(layers + 1, seq=1024, micro_batch=1), GH200, "superoffload")
+    bigger_host = GH200.replace(host_memory_bytes=960e9)
+    assert plan.max_model_size(bigger_host, seq=1024) > sizes["superoffload"]
+    with pytest.raises(ValueError, match="schedule"):
+        plan.max_model_size(GH200, schedule="fsdp")
+
+
+def test_memory_by_hand_for_zero_offload() -> None:
+    shape = plan.ModelShape(layers=4, hidden=1024, heads=8, vocab=50257, seq=1024)
+    res = plan.simulate(shape, GH200, "zero-offload")
+    n = shape.params
+    # device: bf16 weights + bf16 grads + activations; host: fp32 p, m, v, grad + pinned bf16 copy
+    assert res.memory["device"] == pytest.approx(4 * n + shape.activation_bytes())
+    assert res.memory["host"] == pytest.approx(18 * n)
+    snap = plan.simulate(shape, GH200, config=OffloadConfig(ratio=1.0, rollback="snapshot",
+                                                           grad_cast="host", param_cast="host"))
+    assert snap.memory["host"] == pytest.approx(30 * n)  # + 12 B/param pre-step snapshot
