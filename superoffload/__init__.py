@@ -29,6 +29,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "widgets": ("superoffload.widgets", None),
     "models": ("superoffload.models", None),
     "data": ("superoffload.data", None),
+    "distributed": ("superoffload.distributed", None),
 }
 
 

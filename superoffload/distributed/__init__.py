@@ -1,0 +1,73 @@
+"""Scale-out on torch.distributed: torchrun plumbing, dp x sp groups, Ulysses attention.
+
+    from superoffload.distributed import init_distributed, get_groups, apply_ulysses
+    info = init_distributed(sp=2)                 # under torchrun; gloo on CPU, nccl on CUDA
+    apply_ulysses(model, get_groups().sp_group)
+
+See docs/distributed.md. ZeRO-style data parallel of the offloaded optimizer state is not here
+yet (it lives with the engine).
+"""
+
+from superoffload.distributed.groups import (
+    ParallelGroups,
+    ParallelLayout,
+    create_groups,
+    plan_parallel_layout,
+)
+from superoffload.distributed.launch import (
+    DistInfo,
+    DistributedError,
+    add_parallel_args,
+    collective_guard,
+    dist_info,
+    get_groups,
+    init_distributed,
+    init_from_args,
+    shutdown,
+)
+from superoffload.distributed.sequence_parallel import (
+    UlyssesSelfAttention,
+    apply_ulysses,
+    average_gradients,
+    mean_over_group,
+    remove_ulysses,
+    sequence_positions,
+    split_sequence,
+)
+from superoffload.distributed.ulysses import (
+    UlyssesAttention,
+    check_sequence_split,
+    check_ulysses_shapes,
+    heads_to_seq,
+    seq_to_heads,
+    ulysses_attention,
+)
+
+__all__ = [
+    "DistInfo",
+    "DistributedError",
+    "ParallelGroups",
+    "ParallelLayout",
+    "UlyssesAttention",
+    "UlyssesSelfAttention",
+    "add_parallel_args",
+    "apply_ulysses",
+    "average_gradients",
+    "check_sequence_split",
+    "check_ulysses_shapes",
+    "collective_guard",
+    "create_groups",
+    "dist_info",
+    "get_groups",
+    "heads_to_seq",
+    "init_distributed",
+    "init_from_args",
+    "mean_over_group",
+    "plan_parallel_layout",
+    "remove_ulysses",
+    "seq_to_heads",
+    "sequence_positions",
+    "shutdown",
+    "split_sequence",
+    "ulysses_attention",
+]

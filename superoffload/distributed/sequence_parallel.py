@@ -1,0 +1,170 @@
+"""Make our GPT sequence-parallel with Ulysses, and the per-rank data/loss/gradient helpers.
+
+Recipe (one training step on a sequence-parallel group of P ranks; docs/distributed.md):
+
+    apply_ulysses(model, sp_group)                        # before the engine hooks the params
+    idx_r, tgt_r = split_sequence(idx, sp_group), split_sequence(targets, sp_group)
+    loss_r = model(idx_r, tgt_r)                          # mean CE over this rank's S/P tokens
+    loss_r.backward()
+    average_gradients(model.parameters(), world_group)    # d(global mean)/d(theta)
+    loss = mean_over_group(loss_r.detach(), sp_group)     # for logging: the global mean
+
+Why the gradient average is right: every rank back-propagates its own local mean L_r, and the
+all-to-all backward routes each rank's output gradient to the ranks that computed it, so rank
+r's parameter gradient is d(sum_r' L_r')/d(theta) restricted to rank r's tokens. Summing over
+ranks gives d(sum_r L_r)/d(theta) = P * d(L)/d(theta) for the global mean L = mean_r L_r
+(equal token counts per rank), hence an all-reduce *average*. With dp x sp the same average
+over all dp*sp ranks also averages the data-parallel replicas.
+
+We do not edit models/gpt.py: `apply_ulysses` swaps each block's attention for a module that
+shares the original qkv/proj Linear layers (same parameters, same state_dict keys) and shifts
+the positional-embedding lookup by the rank's sequence offset with a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.ulysses import (
+    check_sequence_split,
+    group_rank,
+    group_size,
+    ulysses_attention,
+)
+from superoffload.models.gpt import GPT, CausalSelfAttention
+
+
+class UlyssesSelfAttention(nn.Module):
+    """GPT's CausalSelfAttention with the attention core replaced by ulysses_attention.
+    Holds the *same* qkv/proj modules as the one it replaces."""
+
+    def __init__(self, original: CausalSelfAttention, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.n_head, self.dropout = original.n_head, original.dropout
+        self.qkv, self.proj, self.resid_drop = original.qkv, original.proj, original.resid_drop
+        self.group = group
+        self._original = [original]  # a list, so it is not registered as a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape  # t = S/P local positions
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = ulysses_attention(q, k, v, self.group, causal=True,
+                              dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        return self.resid_drop(self.proj(y))
+
+
+def _position_shift_hook(group: dist.ProcessGroup | None, block_size: int):
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        (pos,) = args  # GPT.forward looks up arange(S/P): shift to this rank's positions
+        p, t_local = group_size(group), pos.shape[-1]
+        if t_local * p > block_size:
+            raise ValueError(
+                f"sequence-parallel GPT: {p} ranks x {t_local} local positions = {t_local * p} "
+                f"exceeds block_size={block_size}: use shorter sequences or a larger block_size"
+            )
+        return (pos + group_rank(group) * t_local,)
+
+    return hook
+
+
+def apply_ulysses(model: GPT, group: dist.ProcessGroup | None = None) -> GPT:
+    """Make `model` sequence-parallel over `group` in place and return it.
+
+    Afterwards `model(idx_r, targets_r)` takes this rank's contiguous S/P slice of each
+    sequence (see split_sequence) and returns the mean loss over the local tokens. Checks the
+    head count now, so a bad --sp fails before the first step. Undo with remove_ulysses().
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"apply_ulysses: expected superoffload.models.GPT, got "
+                        f"{type(model).__name__}; for other models call ulysses_attention in "
+                        "their attention (docs/distributed.md)")
+    if getattr(model, "_ulysses_hook", None) is not None:
+        raise ValueError("apply_ulysses: the model is already sequence-parallel; call "
+                         "remove_ulysses(model) first to change the group")
+    p = group_size(group)
+    if model.config.n_head % p:
+        raise ValueError(
+            f"apply_ulysses: n_head={model.config.n_head} is not divisible by the "
+            f"sequence-parallel group size {p}: use --sp that divides {model.config.n_head}"
+        )
+    for block in model.blocks:
+        attn = block.attn
+        if not isinstance(attn, CausalSelfAttention):
+            raise TypeError(f"apply_ulysses: block attention is {type(attn).__name__}, expected "
+                            "GPT's CausalSelfAttention")
+        block.attn = UlyssesSelfAttention(attn, group)
+    handle = model.wpe.register_forward_pre_hook(
+        _position_shift_hook(group, model.config.block_size))
+    model._ulysses_hook = handle  # type: ignore[assignment]
+    return model
+
+
+def remove_ulysses(model: GPT) -> GPT:
+    """Restore the single-process attention and positions (same parameters)."""
+    handle: RemovableHandle | None = getattr(model, "_ulysses_hook", None)
+    if handle is None:
+        raise ValueError("remove_ulysses: the model is not sequence-parallel")
+    handle.remove()
+    model._ulysses_hook = None  # type: ignore[assignment]
+    for block in model.blocks:
+        attn = block.attn
+        if isinstance(attn, UlyssesSelfAttention):
+            block.attn = attn._original[0]
+    return model
+
+
+def split_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, *,
+                   dim: int = 1) -> torch.Tensor:
+    """This rank's contiguous slice of `x` along `dim` (tokens, targets, position ids,
+    attention masks): rank r of P gets positions [r*S/P, (r+1)*S/P)."""
+    p = group_size(group)
+    check_sequence_split(x.shape[dim], p)
+    return x.chunk(p, dim=dim)[group_rank(group)]
+
+
+def sequence_positions(seq_len: int, group: dist.ProcessGroup | None = None, *,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Global position ids of this rank's slice of a `seq_len` sequence (for models that take
+    position_ids, e.g. Hugging Face's: pass them so RoPE/learned positions stay global)."""
+    t_local = check_sequence_split(seq_len, group_size(group))
+    start = group_rank(group) * t_local
+    return torch.arange(start, start + t_local, device=device)
+
+
+def average_gradients(params: Iterable[nn.Parameter],
+                      group: dist.ProcessGroup | None = None) -> None:
+    """All-reduce-average the .grad of every parameter over `group` (one flat buffer per
+    dtype). Pass the group of all ranks that hold distinct tokens of the global batch."""
+    if group_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        with collective_guard("all_reduce (average_gradients)", group):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= group_size(group)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def mean_over_group(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Average of a (detached) tensor over `group`: the global mean loss from local means."""
+    out = value.detach().clone()
+    if group_size(group) > 1:
+        with collective_guard("all_reduce (mean_over_group)", group):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        out /= group_size(group)
+    return out
