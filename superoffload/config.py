@@ -88,6 +88,9 @@ class OffloadConfig:
     min_loss_scale: float = 1.0
     """fp16: the scale never drops below this."""
 
+    static_loss_scale: float = 1.0
+    """fp16 with loss_scale="none": the fixed loss scale (DeepSpeed `fp16.loss_scale` > 0)."""
+
     grad_accum_steps: int = 1
     """Micro-steps per optimizer step; buckets are offloaded on the last micro-step only."""
 
@@ -181,6 +184,12 @@ class OffloadConfig:
             "min_loss_scale",
             self.min_loss_scale,
             "use a positive number",
+        )
+        _check(
+            _is_real(self.static_loss_scale) and self.static_loss_scale > 0,
+            "static_loss_scale",
+            self.static_loss_scale,
+            "use a positive number (1.0 means no scaling)",
         )
         _check(
             self.cpu_threads is None or (_is_int(self.cpu_threads) and self.cpu_threads >= 1),

@@ -1,0 +1,206 @@
+"""Device specifics behind one small interface (DESIGN.md §2-3): CPU and CUDA.
+
+The engine runs the same schedule on both. A backend allocates buffers, copies a bucket's
+gradients device->host (computing the bucket's local validation statistics on the way),
+copies updated weights host->device, and orders the next forward after those copies.
+
+* ``CPUBackend``: the "device" is the CPU; device buffers are ordinary tensors; transfers are
+  copies run on the transfer threads; nothing to order (a finished copy is visible).
+* ``CUDABackend``: D2H and H2D run on their own ``torch.cuda.Stream``s into pinned, reused
+  host buffers; a ``torch.cuda.Event`` recorded on the compute stream when a bucket's
+  gradients are final orders the D2H after them; the H2D event is waited on by the compute
+  stream (not the host) just before the module that needs the bucket runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from superoffload import kernels
+
+
+@dataclass(frozen=True, slots=True)
+class GradStats:
+    """Local validation of one bucket: sum of squares of its (scaled) gradient and the count
+    of non-finite elements (DESIGN.md §3 step 2)."""
+
+    sum_sq: float
+    nonfinite: int
+
+
+class Backend(Protocol):
+    device: torch.device
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+    def ready_token(self) -> Any:
+        """Called in the thread producing gradients, when a bucket's last one is final."""
+        ...
+
+    def d2h(
+        self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
+    ) -> GradStats: ...
+
+    def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any: ...
+
+    def wait(self, token: Any) -> None:
+        """Order the next device work after an H2D (its returned token)."""
+        ...
+
+    def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats: ...
+
+    def synchronize(self) -> None: ...
+
+
+def host_stats(grads: Sequence[torch.Tensor]) -> GradStats:
+    """Local statistics with the kernel's fused pass (it reads fp32/bf16; fp16 is widened)."""
+    ok = [g if g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous() else g.float()
+          for g in grads]
+    sum_sq, nonfinite = kernels.grad_stats_multi(ok)
+    return GradStats(float(sum_sq), int(nonfinite))
+
+
+def stats_tensor(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[sum of squares, number of non-finite tensors] as a device tensor, no host sync.
+
+    One fused multi-tensor norm (fp32 accumulation); a tensor holding inf/nan has a
+    non-finite norm, which is all the verdict needs (then the step is skipped anyway)."""
+    if not grads:
+        return torch.zeros(2, dtype=torch.float32, device=device)
+    norms = torch.stack(torch._foreach_norm(list(grads), 2, dtype=torch.float32))
+    finite = torch.isfinite(norms)
+    sum_sq = torch.where(finite, norms, 0.0).square().sum()
+    return torch.stack([sum_sq, (~finite).sum().float()])
+
+
+class CPUBackend:
+    """The device is the CPU. Same schedule, plain tensors and copies."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def ready_token(self) -> Any:
+        return None  # autograd on the CPU has finished the gradient when the hook fires
+
+    def d2h(
+        self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
+    ) -> GradStats:
+        stats = host_stats(grads)
+        with torch.no_grad():
+            for g, d in zip(grads, dst):
+                d.copy_(g)  # casts when the policy moves fp32 (device-side cast)
+        return stats
+
+    def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any:
+        with torch.no_grad():
+            for s, d in zip(src, dst):
+                d.copy_(s)
+        return None
+
+    def wait(self, token: Any) -> None:
+        return None
+
+    def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats:
+        return host_stats(grads)
+
+    def synchronize(self) -> None:
+        return None
+
+
+class CUDABackend:
+    """CUDA streams, pinned host memory and events (needs a GPU; tested in test_cuda_engine)."""
+
+    def __init__(self, device: torch.device, *, pin_memory: bool = True) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDABackend needs CUDA; use device='cpu' or 'auto'")
+        self.device = device
+        self.pin_memory = pin_memory
+        self.d2h_stream = torch.cuda.Stream(device=device)
+        self.h2d_stream = torch.cuda.Stream(device=device)
+
+    def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        # Pinned (page-locked) memory lets the copy engines DMA asynchronously.
+        t = torch.empty(numel, dtype=dtype)
+        return t.pin_memory() if self.pin_memory else t
+
+    def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def ready_token(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def d2h(
+        self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
+    ) -> GradStats:
+        stream = self.d2h_stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)  # after the kernels that produced the gradients
+            stats_dev = stats_tensor(grads, self.device)
+            for g, d in zip(grads, dst):
+                src = g if g.dtype == d.dtype else g.to(d.dtype)  # device-side cast
+                d.copy_(src, non_blocking=True)
+                # The gradient's memory belongs to the compute stream's allocator pool; keep it
+                # alive until this stream is done with it (zero_grad may free it meanwhile).
+                g.record_stream(stream)
+            stats_host = torch.empty(2, dtype=torch.float32, pin_memory=self.pin_memory)
+            stats_host.copy_(stats_dev, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # this runs on the D2H transfer thread, not the training thread
+        return GradStats(float(stats_host[0]), int(stats_host[1]))
+
+    def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any:
+        stream = self.h2d_stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for s, d in zip(src, dst):
+                if s.dtype == d.dtype:
+                    d.copy_(s, non_blocking=True)
+                else:
+                    # Device-side cast: a mixed-dtype CPU->CUDA copy_ would convert on the
+                    # host into unpinned memory, so stage the fp32 copy on the device first.
+                    staged = torch.empty(s.shape, dtype=s.dtype, device=self.device)
+                    staged.copy_(s, non_blocking=True)
+                    d.copy_(staged)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def wait(self, token: Any) -> None:
+        if token is not None:
+            torch.cuda.current_stream(self.device).wait_event(token)
+
+    def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats:
+        stats = stats_tensor(grads, self.device).cpu()
+        return GradStats(float(stats[0]), int(stats[1]))
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def make_backend(device: str, *, pin_memory: bool) -> Backend:
+    """Resolve OffloadConfig.device ("auto", "cpu", "cuda", "cuda:N") to a backend."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return CPUBackend()
+    if not torch.cuda.is_available():
+        raise ValueError(f"OffloadConfig.device={device!r} but CUDA is not available; use 'cpu' or 'auto'")
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return CUDABackend(dev, pin_memory=pin_memory)

@@ -1,0 +1,66 @@
+"""Dynamic loss scaling for fp16, with DeepSpeed's semantics (deepspeed/runtime/fp16/
+loss_scaler.py, ``DynamicLossScaler.update_scale``): halve on overflow once ``hysteresis``
+overflows have been tolerated, never below ``min_scale``; double after ``scale_window``
+overflow-free iterations. bf16 and fp32 use a static scale (1.0 unless configured).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LossScaler:
+    """Static (``dynamic=False``) or dynamic loss scale."""
+
+    def __init__(
+        self,
+        *,
+        dynamic: bool,
+        init_scale: float = 1.0,
+        scale_window: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        scale_factor: float = 2.0,
+    ) -> None:
+        self.dynamic = dynamic
+        self.cur_scale = float(init_scale)
+        self.scale_window = scale_window
+        self.delayed_shift = hysteresis
+        self.cur_hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.scale_factor = scale_factor
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def update(self, overflow: bool) -> None:
+        """Call once per iteration with that iteration's overflow verdict."""
+        if not self.dynamic:
+            return
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            self.cur_hysteresis = self.delayed_shift
+            self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "cur_scale": self.cur_scale,
+            "cur_iter": self.cur_iter,
+            "last_overflow_iter": self.last_overflow_iter,
+            "cur_hysteresis": self.cur_hysteresis,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_iter = int(state["cur_iter"])
+        self.last_overflow_iter = int(state["last_overflow_iter"])
+        self.cur_hysteresis = int(state["cur_hysteresis"])

@@ -1,0 +1,131 @@
+"""The engine's optimizer as a ``torch.optim.Optimizer`` (STYLE.md §4: keep PyTorch's contracts).
+
+NOTE: ``EngineOptimizer`` holds the param groups (lr, betas, eps, weight_decay, ...) and
+nothing else; the state lives in the engine's bucket buffers. Its ``step()`` is the
+engine's step, so LR schedulers (which wrap ``optimizer.step``) work unchanged: a change of
+``group["lr"]`` is read when the next step is launched, for host and device buckets alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from superoffload.runtime.steps import AdamHyper
+
+DEFAULTS: dict[str, Any] = {
+    # torch.optim.AdamW's defaults (PyTorch docs), plus the kernel's two switches.
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "adamw_mode": True,
+    "bias_correction": True,
+}
+_KNOWN = set(DEFAULTS) | {"params"}
+
+
+def _check_group(group: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(set(group) - _KNOWN)
+    if unknown:
+        raise ValueError(
+            f"optimizer{where}: unknown key(s) {unknown}; use {sorted(_KNOWN - {'params'})}"
+        )
+    lr = group.get("lr", DEFAULTS["lr"])
+    if not isinstance(lr, (int, float)) or lr < 0:
+        raise ValueError(f"optimizer{where}['lr']={lr!r}: use a number >= 0")
+    betas = group.get("betas", DEFAULTS["betas"])
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ValueError(f"optimizer{where}['betas']={betas!r}: use two numbers in [0, 1)")
+    eps = group.get("eps", DEFAULTS["eps"])
+    if not isinstance(eps, (int, float)) or eps <= 0:
+        raise ValueError(f"optimizer{where}['eps']={eps!r}: use a positive number")
+    wd = group.get("weight_decay", DEFAULTS["weight_decay"])
+    if not isinstance(wd, (int, float)) or wd < 0:
+        raise ValueError(f"optimizer{where}['weight_decay']={wd!r}: use a number >= 0")
+
+
+def param_groups_from(
+    model: torch.nn.Module, optimizer: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """Normalise ``optimizer`` (a dict of hyperparameters for every trainable parameter, or a
+    list of torch-style param-group dicts) into groups of trainable parameters."""
+    if optimizer is None:
+        optimizer = {}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer: pass hyperparameters (a dict, or a list of param-group dicts), not a "
+            "torch optimizer; the engine owns the optimizer state"
+        )
+    if isinstance(optimizer, Mapping):
+        _check_group(optimizer, "")
+        if "params" in optimizer:
+            raise ValueError("optimizer['params']: pass a list of groups to choose parameters")
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{**DEFAULTS, **optimizer, "params": params}]
+    groups: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for k, g in enumerate(optimizer):
+        if not isinstance(g, Mapping) or "params" not in g:
+            raise TypeError(f"optimizer[{k}]: each group is a dict with a 'params' list")
+        _check_group(g, f"[{k}]")
+        params = [p for p in _as_list(g["params"]) if p.requires_grad]
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"optimizer[{k}]: a parameter appears in more than one group")
+            seen.add(id(p))
+        groups.append({**DEFAULTS, **g, "params": params})
+    return groups
+
+
+def _as_list(params: Any) -> list[torch.nn.Parameter]:
+    if isinstance(params, torch.Tensor):
+        return [params]  # type: ignore[list-item]
+    return list(params)
+
+
+def hyper_of(group: Mapping[str, Any]) -> AdamHyper:
+    beta1, beta2 = group["betas"]
+    return AdamHyper(
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
+        bias_correction=bool(group["bias_correction"]),
+    )
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """Param groups only; ``step``/``zero_grad``/``state_dict`` delegate to the engine."""
+
+    def __init__(
+        self,
+        groups: Iterable[dict[str, Any]],
+        *,
+        step_fn: Callable[[], None],
+        zero_grad_fn: Callable[[bool], None],
+        state_fn: Callable[[], dict[str, Any]],
+        load_fn: Callable[[dict[str, Any]], None],
+    ) -> None:
+        super().__init__(list(groups), dict(DEFAULTS))
+        self._step_fn = step_fn
+        self._zero_grad_fn = zero_grad_fn
+        self._state_fn = state_fn
+        self._load_fn = load_fn
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_fn()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero_grad_fn(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._state_fn()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self._load_fn(state_dict)

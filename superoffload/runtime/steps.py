@@ -1,0 +1,237 @@
+"""Optimizer-step tasks on a bucket: step, and undo a speculative step (paper §4.3).
+
+A bucket's members are grouped into ``KernelCall``s sharing one param group and one step
+count, so one kernel launch covers each group (DESIGN.md §4). Hyperparameters are read in
+the training thread when the task is built and frozen into it, so an LR scheduler's change
+takes effect on the next step and never races with the worker.
+
+Rollback (DESIGN.md §4): "inverse" applies the kernel's algebraic inverse with the same
+gradient, scale and hyperparameters (exact to a few ulps); "snapshot" restores pre-step
+copies of p, m, v taken just before the speculative step (bit-exact, 12 B/param).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from superoffload import kernels
+from superoffload.runtime.backend import GradStats
+from superoffload.runtime.state import BucketBuffers
+from superoffload.runtime.transfers import wait_for
+from superoffload.telemetry.events import (
+    KIND_CPU_STEP,
+    KIND_DEVICE_STEP,
+    KIND_REPLAY,
+    KIND_ROLLBACK,
+    LANE_CPU,
+    LANE_DEVICE_OPT,
+)
+from superoffload.telemetry.recorder import Recorder
+
+
+@dataclass(frozen=True, slots=True)
+class AdamHyper:
+    """One param group's hyperparameters at the time a step was launched."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool = True
+    bias_correction: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCall:
+    """Members (positions within the bucket) sharing a param group and a step count."""
+
+    members: tuple[int, ...]
+    step: int
+    hyper: AdamHyper
+
+
+def run_calls(
+    buffers: BucketBuffers,
+    calls: tuple[KernelCall, ...],
+    grads: list[torch.Tensor],
+    *,
+    grad_scale: float,
+    threads: int | None,
+    rollback: bool = False,
+) -> None:
+    """Run the kernel (or its inverse) over ``calls``; ``grads`` indexed by bucket position."""
+    on_cpu = buffers.master[0].device.type == "cpu" if buffers.master else True
+    if rollback:
+        if not on_cpu:
+            raise RuntimeError("device buckets are never speculated, so never rolled back")
+        fn: Callable[..., None] = kernels.adam_rollback_multi
+    else:
+        fn = kernels.adam_step_multi if on_cpu else device_adam_multi
+    for call in calls:
+        idx = call.members
+        lp: list[torch.Tensor] | None = None
+        if buffers.lp_host is not None:
+            lp = [buffers.lp_host[i] for i in idx]
+        elif buffers.on_device and buffers.master[idx[0]].data_ptr() != buffers.params[idx[0]].data_ptr():
+            lp = [buffers.params[i].data for i in idx]  # tail bucket of a bf16 model
+        h = call.hyper
+        fn(
+            [buffers.master[i] for i in idx],
+            [grads[i] for i in idx],
+            [buffers.exp_avg[i] for i in idx],
+            [buffers.exp_avg_sq[i] for i in idx],
+            step=call.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+            weight_decay=h.weight_decay, adamw_mode=h.adamw_mode,
+            bias_correction=h.bias_correction, grad_scale=grad_scale, params_lp=lp,
+            threads=threads,
+        )
+
+
+def device_adam_multi(params: list[torch.Tensor], grads: list[torch.Tensor],
+                      exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                      step: int, lr: float, beta1: float, beta2: float, eps: float,
+                      weight_decay: float, adamw_mode: bool, bias_correction: bool,
+                      grad_scale: float, params_lp: list[torch.Tensor] | None,
+                      threads: int | None = None) -> None:
+    """The kernel's maths (DESIGN.md §4) in torch ops, for GPU tail buckets on CUDA (the
+    compiled kernel is CPU-only). Same order of operations as kernels/torch_ref.py."""
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2_sqrt = math.sqrt(1.0 - beta2**step) if bias_correction else 1.0
+    if not params:
+        return
+    # foreach ops: one launch per op over all tensors (torch.optim's foreach AdamW idea).
+    g32 = [x.float() for x in grads] if grads[0].dtype != torch.float32 else list(grads)
+    g = list(torch._foreach_mul(g32, grad_scale))
+    if not adamw_mode and weight_decay != 0.0:
+        torch._foreach_add_(g, params, alpha=weight_decay)  # Adam with L2: decay in the moments
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_add_(exp_avgs, g, alpha=1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1.0 - beta2)
+    if adamw_mode and weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
+    if params_lp is not None:
+        for lp, p in zip(params_lp, params):
+            lp.copy_(p)
+
+
+def members_of(calls: tuple[KernelCall, ...]) -> list[int]:
+    return [i for c in calls for i in c.members]
+
+
+@dataclass(frozen=True, slots=True)
+class StepTask:
+    """Step a host bucket from its host gradient buffer.
+
+    Speculative steps (``after`` = the bucket's D2H future, ``skip_nonfinite``) run before
+    the global verdict and are skipped when the bucket's own gradient is non-finite:
+    that bucket would only have to be undone, and the inverse cannot undo inf/nan.
+    Returns True when the step ran.
+    """
+
+    bucket: int
+    iteration: int
+    buffers: BucketBuffers
+    calls: tuple[KernelCall, ...]
+    grad_scale: float
+    threads: int | None
+    after: Future[GradStats] | None
+    skip_nonfinite: bool
+    snapshot: bool
+    replay: bool
+    recorder: Recorder
+    watchdog_s: float
+
+    def run(self) -> bool:
+        if self.after is not None:
+            stats = wait_for(self.after, self.watchdog_s, f"D2H of bucket {self.bucket}")
+            if self.skip_nonfinite and stats.nonfinite:
+                return False
+        buf = self.buffers
+        with torch.no_grad():
+            if self.snapshot:
+                snap = buf.snapshot
+                assert snap is not None, "snapshot buffers are allocated before speculating"
+                n = len(buf.params)
+                for i in members_of(self.calls):
+                    snap[i].copy_(buf.master[i])
+                    snap[n + i].copy_(buf.exp_avg[i])
+                    snap[2 * n + i].copy_(buf.exp_avg_sq[i])
+            kind = KIND_REPLAY if self.replay else KIND_CPU_STEP
+            with self.recorder.span(
+                LANE_CPU, kind, iteration=self.iteration, bucket=self.bucket,
+                nbytes=28 * sum(buf.master[i].numel() for i in members_of(self.calls)),
+            ):
+                run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
+                          threads=self.threads)
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class RollbackTask:
+    """Undo a speculative step of a host bucket (if it ran). Returns True when undone."""
+
+    bucket: int
+    iteration: int
+    buffers: BucketBuffers
+    calls: tuple[KernelCall, ...]
+    grad_scale: float
+    """The scale the speculative step used (inverse mode needs the same gradient)."""
+    threads: int | None
+    step_future: Future[Any]
+    mode: str
+    recorder: Recorder
+    watchdog_s: float
+
+    def run(self) -> bool:
+        stepped = wait_for(self.step_future, self.watchdog_s, f"CPU step of bucket {self.bucket}")
+        if not stepped:
+            return False
+        buf = self.buffers
+        with torch.no_grad(), self.recorder.span(
+            LANE_CPU, KIND_ROLLBACK, iteration=self.iteration, bucket=self.bucket
+        ):
+            if self.mode == "snapshot":
+                snap = buf.snapshot
+                assert snap is not None
+                n = len(buf.params)
+                for i in members_of(self.calls):
+                    buf.master[i].copy_(snap[i])
+                    buf.exp_avg[i].copy_(snap[n + i])
+                    buf.exp_avg_sq[i].copy_(snap[2 * n + i])
+                    if buf.lp_host is not None:
+                        buf.lp_host[i].copy_(buf.master[i])
+            else:
+                run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
+                          threads=self.threads, rollback=True)
+        return True
+
+
+def device_step(
+    buffers: BucketBuffers,
+    calls: tuple[KernelCall, ...],
+    *,
+    grad_scale: float,
+    recorder: Recorder,
+    iteration: int,
+) -> None:
+    """Step a GPU tail bucket on the device with the final clip/unscale factor (§4.2)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in buffers.params]
+    # The kernels read fp32 or bf16 gradients; widen fp16 ones on the device.
+    grads = [g.float() if g.dtype == torch.float16 else g for g in grads]
+    with torch.no_grad(), recorder.span(
+        LANE_DEVICE_OPT, KIND_DEVICE_STEP, iteration=iteration, bucket=buffers.bucket.id,
+        nbytes=28 * sum(buffers.master[i].numel() for i in members_of(calls)),
+    ):
+        run_calls(buffers, calls, grads, grad_scale=grad_scale, threads=None)

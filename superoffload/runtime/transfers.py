@@ -1,0 +1,88 @@
+"""Transfer tasks: a bucket's gradients device->host, its updated weights host->device.
+
+Both are frozen task dataclasses run on their own lane (a transfer thread driving, on CUDA,
+its own stream). Each records one telemetry span with the bytes it moved (paper §4.2:
+a bucket is offloaded the moment its last gradient is final; weights return per bucket).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from superoffload.runtime.backend import Backend, GradStats
+from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
+from superoffload.telemetry.recorder import Recorder
+
+
+class WatchdogTimeout(RuntimeError):
+    """A bucket stayed in flight longer than OffloadConfig.watchdog_s."""
+
+
+def wait_for(future: Future[Any], timeout_s: float, what: str) -> Any:
+    """Block on ``future`` (no polling); name the stuck bucket instead of hanging forever."""
+    try:
+        return future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise WatchdogTimeout(
+            f"{what} did not finish within watchdog_s={timeout_s}s; the lane serving it is "
+            "stuck or overloaded (raise OffloadConfig.watchdog_s if the step is just slow)"
+        ) from None
+
+
+def tensors_nbytes(tensors: tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True, slots=True)
+class D2HTask:
+    """Copy a bucket's final gradients into its host buffers; return local validation stats."""
+
+    bucket: int
+    iteration: int
+    grads: tuple[torch.Tensor, ...]
+    """Device gradients (``param.grad``) of the members that have one."""
+    grad_host: tuple[torch.Tensor, ...]
+    """Matching host views; a dtype change here is the device-side cast."""
+    ready: Any
+    """Backend token recorded when the last gradient was final (a CUDA event, or None)."""
+    backend: Backend
+    recorder: Recorder
+
+    def run(self) -> GradStats:
+        with self.recorder.span(
+            LANE_D2H, KIND_D2H, iteration=self.iteration, bucket=self.bucket,
+            nbytes=tensors_nbytes(self.grad_host),
+        ):
+            return self.backend.d2h(self.grads, self.grad_host, self.ready)
+
+
+@dataclass(frozen=True, slots=True)
+class H2DTask:
+    """Copy a bucket's updated weights (bf16 copy, or fp32 master cast on the device) back."""
+
+    bucket: int
+    iteration: int
+    src_host: tuple[torch.Tensor, ...]
+    dst_device: tuple[torch.Tensor, ...]
+    """``param.data`` of each member (writes bypass autograd's version counter)."""
+    after: Future[Any] | None
+    """The step (or rollback) this copy publishes; a step that did not run needs no copy."""
+    backend: Backend
+    recorder: Recorder
+    watchdog_s: float
+
+    def run(self) -> Any:
+        if self.after is not None:
+            stepped = wait_for(self.after, self.watchdog_s, f"CPU step of bucket {self.bucket}")
+            if stepped is False:
+                return None
+        with self.recorder.span(
+            LANE_H2D, KIND_H2D, iteration=self.iteration, bucket=self.bucket,
+            nbytes=tensors_nbytes(self.src_host),
+        ):
+            return self.backend.h2d(self.src_host, self.dst_device)
