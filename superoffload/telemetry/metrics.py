@@ -1,0 +1,388 @@
+"""Derived metrics over a timeline of `Span`s: pure functions, so the engine's recorded
+timeline and the planner's simulated one are measured the same way (DESIGN.md §2, §5).
+
+Legend (per iteration i):
+  window        [start of i's first device-compute span, start of i+1's first one); the last
+                iteration ends at its last span's end
+  wall_s        window length: the iteration time a user sees
+  device busy   union of the device-compute and device-optimizer lanes' spans, minus the
+                union of "wait" spans (the device blocked on another lane)
+  model compute forward, backward and weight-fetch spans only, minus waits
+  link GB/s     two readings per direction: `*_gbps_busy` = bytes / union of that lane's busy
+                time (the rate the link achieved while moving), `*_gbps_wall` = bytes / wall_s
+                (the rate averaged over the iteration; what the link costs the iteration)
+  overlap       share of i's CPU-optimizer time that ran while the device computed
+                (paper §4.2: the point of bucketization is to hide the CPU step behind backward)
+  exposed optimizer time
+                the part of [end of i's backward, end of i's last optimizer-side span (CPU
+                step, H2D, device step, validation, rollback, replay)] during which the device
+                did no model compute: the optimizer time the next forward waited for. For a
+                ZeRO-Offload schedule it is the whole CPU step; SuperOffload aims to shrink it
+                to the GPU tail step (paper §4.2, Fig. 5)
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from superoffload.telemetry.events import (
+    KIND_BACKWARD,
+    KIND_FORWARD,
+    KIND_REPLAY,
+    KIND_ROLLBACK,
+    KIND_VALIDATE,
+    KIND_WAIT,
+    KIND_WEIGHT_FETCH,
+    LANE_COMPUTE,
+    LANE_CPU,
+    LANE_D2H,
+    LANE_DEVICE_OPT,
+    LANE_H2D,
+    Span,
+)
+
+Interval = tuple[float, float]
+GB = 1e9
+
+# ------------------------------------------------------------------ interval algebra
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint union of [start, end] intervals (empty ones dropped)."""
+    out: list[Interval] = []
+    for start, end in sorted((s, e) for s, e in intervals if e > s):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """Total length of the union of `intervals`."""
+    return sum(e - s for s, e in union(intervals))
+
+
+def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """Union(a) ∩ union(b), as a sorted disjoint list."""
+    ua, ub = union(a), union(b)
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(ua) and j < len(ub):
+        start = max(ua[i][0], ub[j][0])
+        end = min(ua[i][1], ub[j][1])
+        if end > start:
+            out.append((start, end))
+        if ua[i][1] < ub[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """Union(a) minus union(b), as a sorted disjoint list."""
+    out: list[Interval] = []
+    ub = union(b)
+    for start, end in union(a):
+        cur = start
+        for bs, be in ub:
+            if be <= cur or bs >= end:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+            if cur >= end:
+                break
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+def clip(intervals: Iterable[Interval], window: Interval) -> list[Interval]:
+    """`intervals` cut to `window`."""
+    return intersect(intervals, [window])
+
+
+class _Disjoint:
+    """A sorted disjoint interval list with O(log n) window queries (the timeline of a long
+    run has ~10^4 spans; clipping it once per iteration must not be quadratic)."""
+
+    def __init__(self, intervals: Iterable[Interval]) -> None:
+        self.items = union(intervals)
+        self.ends = [e for _, e in self.items]
+
+    def clip(self, window: Interval) -> list[Interval]:
+        lo, hi = window
+        out: list[Interval] = []
+        for start, end in self.items[bisect.bisect_right(self.ends, lo):]:
+            if start >= hi:
+                break
+            out.append((max(start, lo), min(end, hi)))
+        return [iv for iv in out if iv[1] > iv[0]]
+
+    def length_in(self, window: Interval) -> float:
+        return sum(e - s for s, e in self.clip(window))
+
+    def overlap(self, intervals: Iterable[Interval]) -> float:
+        """Length of union(intervals) ∩ self."""
+        return sum(self.length_in(iv) for iv in union(intervals))
+
+
+# ------------------------------------------------------------------ per-iteration metrics
+
+_COMPUTE_KINDS = (KIND_FORWARD, KIND_BACKWARD, KIND_WEIGHT_FETCH)
+_OPTIMIZER_LANES = (LANE_CPU, LANE_H2D, LANE_DEVICE_OPT)
+_OPTIMIZER_KINDS = (KIND_VALIDATE, KIND_ROLLBACK, KIND_REPLAY)
+
+
+@dataclass(frozen=True, slots=True)
+class IterationMetrics:
+    """What one iteration did, derived from its spans (see the module legend)."""
+
+    iteration: int
+    start_s: float
+    """Start of the iteration's window (its first device-compute span)."""
+    wall_s: float
+    """Length of the iteration's window: the iteration time."""
+    compute_s: float
+    """Device busy time inside the window (model compute and device optimizer, waits excluded)."""
+    device_idle_frac: float
+    """1 - compute_s / wall_s."""
+    cpu_busy_s: float
+    """Union of the CPU-optimizer lane's spans (any iteration's) inside the window."""
+    cpu_busy_frac: float
+    """cpu_busy_s / wall_s."""
+    cpu_step_s: float
+    """Union of this iteration's CPU-optimizer spans (wherever they fall)."""
+    cpu_overlap_frac: float
+    """Share of cpu_step_s that ran while the device was busy (1.0 when there was no CPU work)."""
+    exposed_optimizer_s: float
+    """Optimizer time after backward during which the device did no model compute."""
+    d2h_bytes: int
+    h2d_bytes: int
+    d2h_gbps_busy: float
+    """d2h_bytes / union of this iteration's D2H spans (the rate while the link moved)."""
+    h2d_gbps_busy: float
+    d2h_gbps_wall: float
+    """d2h_bytes / wall_s (the rate averaged over the iteration)."""
+    h2d_gbps_wall: float
+    rollbacks: int
+    """Rollback spans (one per bucket rolled back)."""
+    replays: int
+    """Replay spans (one per bucket replayed with clipped gradients)."""
+
+
+def _intervals(spans: Iterable[Span]) -> list[Interval]:
+    return [(s.start_s, s.end_s) for s in spans]
+
+
+def device_busy(spans: Sequence[Span]) -> list[Interval]:
+    """Intervals when the device worked (any non-wait span on the device-compute or
+    device-optimizer lane: model compute, validation, the GPU tail step), minus waits."""
+    work = [(s.start_s, s.end_s) for s in spans
+            if s.lane in (LANE_COMPUTE, LANE_DEVICE_OPT) and s.kind != KIND_WAIT]
+    waits = [(s.start_s, s.end_s) for s in spans
+             if s.lane in (LANE_COMPUTE, LANE_DEVICE_OPT) and s.kind == KIND_WAIT]
+    return subtract(work, waits)
+
+
+def model_compute(spans: Sequence[Span]) -> list[Interval]:
+    """Intervals of forward/backward (and weight-fetch) work on the device, minus waits."""
+    work = [(s.start_s, s.end_s) for s in spans
+            if s.lane == LANE_COMPUTE and s.kind in _COMPUTE_KINDS]
+    waits = [(s.start_s, s.end_s) for s in spans if s.lane == LANE_COMPUTE and s.kind == KIND_WAIT]
+    return subtract(work, waits)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / GB if seconds > 0 else 0.0
+
+
+def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
+    """One `IterationMetrics` per iteration that has device-compute spans, ascending.
+    Pass the whole timeline: an iteration's CPU work and the next forward overlap."""
+    by_iter: dict[int, list[Span]] = {}
+    for s in spans:
+        by_iter.setdefault(s.iteration, []).append(s)
+    starts = {
+        it: min(s.start_s for s in group if s.lane == LANE_COMPUTE)
+        for it, group in by_iter.items()
+        if any(s.lane == LANE_COMPUTE for s in group)
+    }
+    order = sorted(starts)
+    busy = _Disjoint(device_busy(spans))
+    compute = _Disjoint(model_compute(spans))
+    cpu_all = _Disjoint((s.start_s, s.end_s) for s in spans if s.lane == LANE_CPU)
+    out: list[IterationMetrics] = []
+    for k, it in enumerate(order):
+        group = by_iter[it]
+        start = starts[it]
+        if k + 1 < len(order):
+            end = starts[order[k + 1]]
+        else:
+            end = max(s.end_s for s in group)
+        wall = max(end - start, 0.0)
+        window = (start, end)
+        compute_s = busy.length_in(window)
+        cpu_busy_s = cpu_all.length_in(window)
+        cpu_own = union(_intervals(s for s in group if s.lane == LANE_CPU))
+        cpu_step_s = length(cpu_own)
+        overlap_s = busy.overlap(cpu_own)
+        backward_ends = [s.end_s for s in group if s.lane == LANE_COMPUTE and s.kind == KIND_BACKWARD]
+        opt_ends = [s.end_s for s in group
+                    if s.lane in _OPTIMIZER_LANES or s.kind in _OPTIMIZER_KINDS]
+        exposed = 0.0
+        if backward_ends and opt_ends:
+            tail = (max(backward_ends), max(opt_ends))
+            if tail[1] > tail[0]:
+                exposed = (tail[1] - tail[0]) - compute.length_in(tail)
+        d2h = [s for s in group if s.lane == LANE_D2H]
+        h2d = [s for s in group if s.lane == LANE_H2D]
+        d2h_bytes = sum(s.nbytes for s in d2h)
+        h2d_bytes = sum(s.nbytes for s in h2d)
+        out.append(
+            IterationMetrics(
+                iteration=it,
+                start_s=start,
+                wall_s=wall,
+                compute_s=compute_s,
+                device_idle_frac=1.0 - compute_s / wall if wall > 0 else 0.0,
+                cpu_busy_s=cpu_busy_s,
+                cpu_busy_frac=cpu_busy_s / wall if wall > 0 else 0.0,
+                cpu_step_s=cpu_step_s,
+                cpu_overlap_frac=overlap_s / cpu_step_s if cpu_step_s > 0 else 1.0,
+                exposed_optimizer_s=max(exposed, 0.0),
+                d2h_bytes=d2h_bytes,
+                h2d_bytes=h2d_bytes,
+                d2h_gbps_busy=_gbps(d2h_bytes, length(_intervals(d2h))),
+                h2d_gbps_busy=_gbps(h2d_bytes, length(_intervals(h2d))),
+                d2h_gbps_wall=_gbps(d2h_bytes, wall),
+                h2d_gbps_wall=_gbps(h2d_bytes, wall),
+                rollbacks=sum(1 for s in group if s.kind == KIND_ROLLBACK),
+                replays=sum(1 for s in group if s.kind == KIND_REPLAY),
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------ summaries and export
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Medians over iterations (after `skip` warm-up iterations) and totals over all."""
+
+    iterations: int
+    """Iterations in the timeline (totals count all of them)."""
+    iterations_in_medians: int
+    """Iterations the medians are taken over (after the skipped warm-up)."""
+    wall_s: float
+    compute_s: float
+    device_idle_frac: float
+    cpu_busy_frac: float
+    cpu_overlap_frac: float
+    exposed_optimizer_s: float
+    d2h_gbps_busy: float
+    h2d_gbps_busy: float
+    d2h_gbps_wall: float
+    h2d_gbps_wall: float
+    d2h_bytes_total: int
+    h2d_bytes_total: int
+    rollbacks_total: int
+    replays_total: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_MEDIAN_FIELDS = ("wall_s", "compute_s", "device_idle_frac", "cpu_busy_frac",
+                  "cpu_overlap_frac", "exposed_optimizer_s", "d2h_gbps_busy", "h2d_gbps_busy",
+                  "d2h_gbps_wall", "h2d_gbps_wall")
+
+
+def summarize_metrics(metrics: Sequence[IterationMetrics], *, skip: int = 0) -> Summary:
+    """Medians over `metrics[skip:]` (all of them when fewer remain: the first iterations pay
+    one-off costs), totals over all of `metrics` (a rollback in warm-up still happened)."""
+    if skip < 0:
+        raise ValueError(f"summarize: skip={skip} must be >= 0")
+    ms = list(metrics[skip:]) or list(metrics)
+    med = {name: statistics.median(getattr(m, name) for m in ms) if ms else math.nan
+           for name in _MEDIAN_FIELDS}
+    return Summary(
+        iterations=len(metrics),
+        iterations_in_medians=len(ms),
+        d2h_bytes_total=sum(m.d2h_bytes for m in metrics),
+        h2d_bytes_total=sum(m.h2d_bytes for m in metrics),
+        rollbacks_total=sum(m.rollbacks for m in metrics),
+        replays_total=sum(m.replays for m in metrics),
+        **med,
+    )
+
+
+def summarize(spans: Sequence[Span], *, skip: int = 0) -> Summary:
+    """`summarize_metrics(iteration_metrics(spans), skip=skip)`."""
+    return summarize_metrics(iteration_metrics(spans), skip=skip)
+
+
+def bandwidth_series(
+    spans: Sequence[Span], lane: str, *, bin_s: float | None = None
+) -> tuple[list[float], list[float]]:
+    """(bin start times, GB/s per bin) for one transfer lane, spreading each span's bytes
+    uniformly over its duration. `bin_s` defaults to 1/200 of the timeline."""
+    moves = [s for s in spans if s.lane == lane and s.nbytes > 0]
+    if not spans:
+        return [], []
+    t0 = min(s.start_s for s in spans)
+    t1 = max(s.end_s for s in spans)
+    if t1 <= t0:
+        return [], []
+    if bin_s is None:
+        bin_s = (t1 - t0) / 200
+    if bin_s <= 0:
+        raise ValueError(f"bandwidth_series: bin_s={bin_s!r} must be > 0")
+    n = max(1, math.ceil((t1 - t0) / bin_s))
+    moved = [0.0] * n
+    for s in moves:
+        dur = s.end_s - s.start_s
+        if dur <= 0:
+            moved[min(n - 1, int((s.start_s - t0) / bin_s))] += s.nbytes
+            continue
+        rate = s.nbytes / dur
+        first, last = int((s.start_s - t0) / bin_s), min(n - 1, int((s.end_s - t0) / bin_s))
+        for b in range(first, last + 1):
+            lo, hi = t0 + b * bin_s, t0 + (b + 1) * bin_s
+            moved[b] += rate * max(0.0, min(hi, s.end_s) - max(lo, s.start_s))
+    return [t0 + b * bin_s for b in range(n)], [m / bin_s / GB for m in moved]
+
+
+def to_records(spans: Sequence[Span]) -> list[dict[str, Any]]:
+    """Per-iteration metrics as plain dicts (JSON-safe), one per iteration."""
+    return [asdict(m) for m in iteration_metrics(spans)]
+
+
+def to_dataframe(spans: Sequence[Span]) -> Any:
+    """Per-iteration metrics as a pandas DataFrame (pandas is optional: not a dependency)."""
+    try:
+        import pandas as pd
+    except ImportError as exc:
+        raise ImportError(
+            "to_dataframe needs pandas (pip install pandas); to_records() gives plain dicts"
+        ) from exc
+    columns = [f.name for f in fields(IterationMetrics)]
+    return pd.DataFrame.from_records(to_records(spans), columns=columns)
+
+
+def spans_to_dataframe(spans: Sequence[Span]) -> Any:
+    """The raw spans as a pandas DataFrame (one row per span)."""
+    try:
+        import pandas as pd
+    except ImportError as exc:
+        raise ImportError("spans_to_dataframe needs pandas (pip install pandas)") from exc
+    return pd.DataFrame.from_records([s.to_dict() for s in spans])

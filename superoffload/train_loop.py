@@ -1,0 +1,258 @@
+"""The training loop of the main job, as a function the CLI, the benchmarks and the notebooks
+call: warm-up + cosine learning rate through a torch LR scheduler on the engine's optimizer,
+byte-level batches from `superoffload.data`, live telemetry metrics, a held-out loss.
+
+    engine = so.initialize(model, optimizer={...}, config=so.presets.tiny_cpu())
+    result = train(engine, model, train_sampler, TrainSettings(steps=300), val_sampler=val)
+
+The loop needs only the engine's public contract (`EngineLike`), so a plain-PyTorch stand-in
+with the same four methods runs it too (the benchmark's baseline does exactly that).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from superoffload.telemetry.events import Span
+from superoffload.telemetry.metrics import IterationMetrics, Summary, iteration_metrics, summarize
+from superoffload.telemetry.recorder import Recorder
+
+
+class EngineLike(Protocol):
+    """What the loop uses of `superoffload.runtime.engine.OffloadEngine`."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def telemetry(self) -> Recorder: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class Batches(Protocol):
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSettings:
+    """The loop's knobs (the engine's live in OffloadConfig)."""
+
+    steps: int = 400
+    """Optimizer steps."""
+    warmup_steps: int = 20
+    """Linear learning-rate warm-up from lr/warmup_steps to lr."""
+    min_lr_frac: float = 0.1
+    """Cosine decay ends at lr * min_lr_frac (Loshchilov & Hutter 2017; nanoGPT uses 0.1)."""
+    eval_batches: int = 8
+    """Batches of held-out data for the final validation loss (0: skip)."""
+    metrics_every: int = 10
+    """Steps between refreshes of the live telemetry metrics handed to `on_step`."""
+    final_window: int = 10
+    """`final_loss` is the mean training loss over the last this-many steps."""
+
+    def validate(self) -> TrainSettings:
+        for name in ("steps", "metrics_every", "final_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainSettings.{name}={value!r} is invalid: use a whole number >= 1")
+        for name in ("warmup_steps", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainSettings.{name}={value!r} is invalid: use a whole number >= 0")
+        if not 0.0 <= self.min_lr_frac <= 1.0:
+            raise ValueError(f"TrainSettings.min_lr_frac={self.min_lr_frac!r} is invalid: use [0, 1]")
+        return self
+
+
+def lr_factor(step: int, *, steps: int, warmup_steps: int, min_lr_frac: float) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based): linear warm-up, then a
+    cosine from 1 down to `min_lr_frac` at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_frac + (1.0 - min_lr_frac) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What `on_step` sees after each optimizer step."""
+
+    step: int
+    """Steps done so far (1-based)."""
+    loss: float
+    lr: float
+    tokens_per_s: float
+    """Tokens per second since the end of the first (warm-up) step."""
+    link_gbps: float
+    """Recent link traffic, both directions, bytes / iteration time (GB/s); 0 without telemetry."""
+    overlap: float
+    """Recent share of CPU optimizer time hidden behind device compute (nan when unknown)."""
+
+
+@dataclass
+class TrainResult:
+    """What a run did. `to_dict()` is the JSON the CLI prints."""
+
+    steps: int
+    first_loss: float
+    final_loss: float
+    """Mean training loss over the last `TrainSettings.final_window` steps."""
+    val_loss: float | None
+    tokens: int
+    elapsed_s: float
+    tokens_per_s: float
+    """Tokens / second after the first step (the first step pays one-off set-up costs)."""
+    losses: list[float] = field(repr=False)
+    lrs: list[float] = field(default_factory=list, repr=False)
+    """Learning rate (first param group) used at each step."""
+    summary: Summary | None = None
+    spans: list[Span] = field(default_factory=list, repr=False)
+    """The training iterations' telemetry spans (evaluation forwards excluded)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in ("steps", "first_loss", "final_loss", "val_loss",
+                                             "tokens", "elapsed_s", "tokens_per_s")}
+        out["summary"] = self.summary.to_dict() if self.summary else None
+        return out
+
+
+class _LiveMetrics:
+    """Per-iteration metrics of the last few iterations, from the recorder's new spans only."""
+
+    def __init__(self, recorder: Recorder | None, keep_iterations: int = 4) -> None:
+        self.recorder = recorder
+        self.keep = keep_iterations
+        self.seq = recorder.last_seq if recorder is not None else -1
+        self.spans: list[Span] = []
+
+    def refresh(self) -> list[IterationMetrics]:
+        if self.recorder is None:
+            return []
+        new, self.seq = self.recorder.spans_since(self.seq)
+        self.spans.extend(new)
+        if not self.spans:
+            return []
+        newest = max(s.iteration for s in self.spans)
+        self.spans = [s for s in self.spans if s.iteration > newest - self.keep]
+        # the newest iteration may still be in flight: report the complete ones
+        return [m for m in iteration_metrics(self.spans) if m.iteration < newest]
+
+
+def _recorder_of(engine: EngineLike) -> Recorder | None:
+    rec = getattr(engine, "telemetry", None)
+    return rec if isinstance(rec, Recorder) else None
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Batches, n_batches: int,
+             device: torch.device) -> float:
+    """Mean loss over `n_batches` held-out batches (model in eval mode, no gradients)."""
+    was_training = model.training
+    model.eval()
+    try:
+        losses = []
+        for _ in range(n_batches):
+            x, y = batches.next_batch()
+            losses.append(float(model(x.to(device), y.to(device))))
+        return statistics.fmean(losses)
+    finally:
+        model.train(was_training)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    params: Iterator[torch.Tensor] = model.parameters()
+    first = next(params, None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def train(
+    engine: EngineLike,
+    model: torch.nn.Module,
+    batches: Batches,
+    settings: TrainSettings,
+    *,
+    val_batches: Batches | None = None,
+    on_step: Callable[[StepInfo], None] | None = None,
+) -> TrainResult:
+    """Train for `settings.steps` optimizer steps; return losses, throughput and a telemetry
+    summary. The learning rate follows `lr_factor` via `torch.optim.lr_scheduler.LambdaLR`
+    on `engine.optimizer` (the engine keeps torch's optimizer contract)."""
+    settings.validate()
+    device = _device_of(model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        engine.optimizer,
+        lambda s: lr_factor(s, steps=settings.steps, warmup_steps=settings.warmup_steps,
+                            min_lr_frac=settings.min_lr_frac),
+    )
+    recorder = _recorder_of(engine)
+    live = _LiveMetrics(recorder)
+    first_seq = recorder.last_seq if recorder is not None else -1
+    model.train()
+    losses: list[float] = []
+    lrs: list[float] = []
+    tokens = 0
+    link_gbps, overlap = 0.0, math.nan
+    start = time.perf_counter()
+    warm_start, warm_tokens = start, 0
+    for step in range(settings.steps):
+        x, y = batches.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        loss = model(x, y)
+        engine.backward(loss)
+        lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
+        engine.step()
+        engine.zero_grad()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+        tokens += x.numel()
+        if step == 0:
+            warm_start, warm_tokens = time.perf_counter(), tokens
+        if (step + 1) % settings.metrics_every == 0 or step + 1 == settings.steps:
+            recent = live.refresh()
+            if recent:
+                wall = sum(m.wall_s for m in recent)
+                moved = sum(m.d2h_bytes + m.h2d_bytes for m in recent)
+                link_gbps = moved / wall / 1e9 if wall > 0 else 0.0
+                overlap = statistics.fmean(m.cpu_overlap_frac for m in recent)
+        if on_step is not None:
+            now = time.perf_counter()
+            rate = (tokens - warm_tokens) / (now - warm_start) if step > 0 else 0.0
+            on_step(StepInfo(step=step + 1, loss=losses[-1], lr=float(scheduler.get_last_lr()[0]),
+                             tokens_per_s=rate, link_gbps=link_gbps, overlap=overlap))
+    engine.synchronize()
+    end = time.perf_counter()
+    timed_tokens = tokens - warm_tokens
+    tokens_per_s = timed_tokens / (end - warm_start) if timed_tokens else tokens / (end - start)
+    summary: Summary | None = None
+    spans: list[Span] = []
+    if recorder is not None:  # before evaluation, whose forwards the engine also records
+        spans, _ = recorder.spans_since(first_seq)
+        if spans and iteration_metrics(spans):
+            summary = summarize(spans, skip=1)
+    val_loss = None
+    if val_batches is not None and settings.eval_batches:
+        val_loss = evaluate(model, val_batches, settings.eval_batches, device)
+    window = losses[-settings.final_window:]
+    return TrainResult(
+        steps=settings.steps,
+        first_loss=losses[0],
+        final_loss=statistics.fmean(window),
+        val_loss=val_loss,
+        tokens=tokens,
+        elapsed_s=end - start,
+        tokens_per_s=tokens_per_s,
+        losses=losses,
+        lrs=lrs,
+        summary=summary,
+        spans=spans,
+    )

@@ -1,0 +1,185 @@
+"""The main job: the training loop (against a plain-PyTorch stand-in and the real engine)
+and `python -m superoffload train --json`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import superoffload as so
+from superoffload.data import BatchSampler, load_tokens
+from superoffload.models import GPT, gpt_tiny
+from superoffload.telemetry import Recorder
+from superoffload.train_loop import StepInfo, TrainSettings, lr_factor, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PlainEngine:
+    """Stand-in with the engine's contract: torch AdamW, no offload, no telemetry spans."""
+
+    def __init__(self, model: torch.nn.Module, **hyper: float) -> None:
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), **hyper)  # type: ignore[arg-type]
+        self.telemetry = Recorder()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _sampler(seed: int = 0) -> BatchSampler:
+    return BatchSampler(load_tokens()[:200_000], batch_size=2, seq_len=16, seed=seed)
+
+
+def test_lr_schedule_by_hand() -> None:
+    def f(step: int) -> float:
+        return lr_factor(step, steps=11, warmup_steps=2, min_lr_frac=0.1)
+
+    assert f(0) == 0.5 and f(1) == 1.0  # linear warm-up
+    assert f(2) == pytest.approx(1.0)  # cosine starts at the top
+    # the cosine spans steps 2..10; halfway (step 6): 0.1 + 0.9 * 0.5 * (1 + cos(pi/2)) = 0.55
+    assert f(6) == pytest.approx(0.55)
+    assert f(10) == pytest.approx(0.1)  # ends at min_lr_frac
+
+
+def test_loop_matches_a_hand_written_adamw_loop() -> None:
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny())
+    ref = GPT(gpt_tiny())
+    ref.load_state_dict(model.state_dict())
+    settings = TrainSettings(steps=6, warmup_steps=2, eval_batches=0, final_window=2)
+    seen: list[StepInfo] = []
+    result = train(PlainEngine(model, lr=1e-3), model, _sampler(), settings, on_step=seen.append)
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    batches = _sampler()
+    expected = []
+    for step in range(6):
+        for g in opt.param_groups:
+            g["lr"] = 1e-3 * lr_factor(step, steps=6, warmup_steps=2, min_lr_frac=0.1)
+        x, y = batches.next_batch()
+        loss = ref(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    # same ops in the same order on the same data: equal up to float reassociation
+    assert result.losses == pytest.approx(expected, rel=1e-6, abs=1e-6)
+    assert result.lrs == pytest.approx([1e-3 * lr_factor(s, steps=6, warmup_steps=2,
+                                                         min_lr_frac=0.1) for s in range(6)])
+    assert result.first_loss == expected[0]
+    assert result.final_loss == pytest.approx(sum(expected[-2:]) / 2)
+    assert result.tokens == 6 * 2 * 16 and result.tokens_per_s > 0
+    assert [s.step for s in seen] == [1, 2, 3, 4, 5, 6]
+    assert result.summary is None and math.isnan(seen[-1].overlap)  # the stand-in records no spans
+
+
+def test_loop_with_the_engine_matches_the_stand_in() -> None:
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny())
+    ref = GPT(gpt_tiny())
+    ref.load_state_dict(model.state_dict())
+    settings = TrainSettings(steps=5, warmup_steps=1, eval_batches=2)
+    cfg = so.OffloadConfig(device="cpu", bucket_bytes=64 * 1024, ratio=0.5, speculation="on")
+    with so.initialize(model, optimizer={"lr": 1e-3, "weight_decay": 0.0}, config=cfg) as engine:
+        got = train(engine, model, _sampler(), settings, val_batches=_sampler(1))
+    want = train(PlainEngine(ref, lr=1e-3, weight_decay=0.0), ref, _sampler(), settings,
+                 val_batches=_sampler(1))
+    # fp32 everywhere: the engine's Adam differs from torch's by reassociation only
+    assert got.losses == pytest.approx(want.losses, rel=1e-4)
+    assert got.val_loss == pytest.approx(want.val_loss, rel=1e-4)
+    assert got.summary is not None and got.summary.iterations == 5
+    assert got.summary.d2h_bytes_total > 0  # the offloaded half really moved
+    assert {s.iteration for s in got.spans} == set(range(5))  # evaluation forwards left out
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        TrainSettings(steps=0).validate()
+    with pytest.raises(ValueError, match="min_lr_frac"):
+        TrainSettings(min_lr_frac=2.0).validate()
+
+
+def test_train_command_prints_json_last_and_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "superoffload", "train", "--steps", "4", "--model", "tiny",
+         "--batch", "2", "--seq", "32", "--eval-batches", "1", "--device", "cpu",
+         "--out", str(out), "--json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert result["steps"] == 4 and result["model"] == "GPT tiny"
+    assert result["first_loss"] == pytest.approx(math.log(256), abs=0.15)
+    assert math.isfinite(result["final_loss"]) and result["tokens_per_s"] > 0
+    assert "report:" in proc.stdout  # the human summary comes before the JSON line
+    report = Path(result["report"])
+    assert report.exists() and "device_compute" in report.read_text()
+    saved = json.loads((out / "result.json").read_text())
+    assert len(saved["iterations"]) == 4 and saved["final_loss"] == result["final_loss"]
+    assert "train" in proc.stderr  # the progress bar goes to stderr
+
+
+def test_train_command_explains_missing_transformers(tmp_path: Path) -> None:
+    # hide transformers even where it is installed: sys.modules[name] = None fails its import
+    code = ("import sys; sys.modules['transformers'] = None; from superoffload.cli import main; "
+            f"sys.exit(main(['train', '--hf', '--steps', '1', '--device', 'cpu', "
+            f"'--out', {str(tmp_path / 'hf')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "pip install 'superoffload[hf]'" in proc.stderr
+    assert not (tmp_path / "hf").exists()  # refused before any output was written
+
+
+def test_hf_model_trains_through_the_engine() -> None:
+    pytest.importorskip("transformers")
+    from superoffload.models.hf import tiny_hf_causal_lm
+
+    model = tiny_hf_causal_lm(block_size=16, n_layer=1, n_embd=32, n_head=2)
+    x, y = _sampler().next_batch()
+    assert model(x).shape == (2, 16, 256)
+    cfg = so.OffloadConfig(device="cpu", bucket_bytes=64 * 1024, ratio=0.5)
+    with so.initialize(model, optimizer={"lr": 3e-3}, config=cfg) as engine:
+        result = train(engine, model, _sampler(), TrainSettings(steps=8, warmup_steps=1,
+                                                                eval_batches=0))
+    assert result.final_loss < result.first_loss
+
+
+def test_engine_benchmark_runs_all_three_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    # a smoke run (1 iteration each) so the benchmark cannot rot; its numbers are not checked
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_engine
+    finally:
+        sys.path.pop(0)
+    out = bench_engine.main(["--device", "cpu", "--model", "tiny", "--batch", "2", "--seq", "16",
+                             "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"])
+    rows = {r["schedule"]: r for r in out["rows"]}
+    assert set(rows) == {"plain", "zero", "super"}
+    assert rows["plain"]["vs_plain"] == 1.0 and rows["zero"]["vs_zero"] == 1.0
+    assert out["meta"]["super_config"]["ratio"] < 1.0  # the tuned schedule keeps a GPU tail
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+
+
+def test_gpu_check_script_is_valid_bash() -> None:
+    proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
