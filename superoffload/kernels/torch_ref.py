@@ -1,100 +1,234 @@
-"""Pure-torch reference/fallback of the CPU Adam kernel (same signatures as the C path).
+"""Pure-torch reference and fallback of the CPU Adam kernel (same signatures as the C path).
 
-Used when the compiled module is missing, and as a readable statement of the maths
-(DESIGN.md §4). All arithmetic in float32, elementwise, in place.
+Used when the compiled module is missing (or SUPEROFFLOAD_KERNEL=torch), and as a readable
+statement of the maths (DESIGN.md §4). It mirrors cext/so_adam_body.h operation by
+operation (fp32, one rounding per op, no FMA; the same coefficient rounding, the same bf16 /
+fp16 bit conversions and stochastic-rounding hash, the same grad_stats blocks), so the C
+kernel and this file agree bit for bit. `threads` is accepted and ignored.
+
+Legend: p param, g grad, m exp_avg, v exp_avg_sq, lp low-precision param copy, sr
+stochastic rounding, bc bias correction.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 
+from superoffload.kernels.validate import AdamCall, check_adam_call, check_grads
+
 SIMD_PATH = "torch"
+STATS_BLOCK = 4096  # = SO_STATS_BLOCK in cext/so_cpu_adam.h
+_MASK32 = 0xFFFFFFFF
 
 
-def _coefficients(step: int, lr: float, beta1: float, beta2: float, bias_correction: bool):
-    if bias_correction:
-        bc1 = 1.0 - beta1**step
-        bc2 = 1.0 - beta2**step
+def _div(a: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
+    """a / scalar as a true elementwise division: ATen turns division by a 0-dim tensor into
+    multiplication by its reciprocal (a different rounding), so expand the divisor."""
+    return a / scalar.expand_as(a)
+
+
+def _sqrt(v: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 sqrt (as sqrtps / C sqrtf). torch's fp32 sqrt on the CPU goes
+    through MKL and is off by 1 ulp on ~20% of inputs; fp64 sqrt rounded to fp32 is exact
+    (53 >= 2*24 + 2 bits, so the double rounding is innocuous)."""
+    return torch.sqrt(v.double()).float()
+
+
+def _f32(x: float) -> torch.Tensor:
+    """A Python float rounded once to fp32, as the C side's `(float)x`."""
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def coefficients(call: AdamCall) -> dict[str, torch.Tensor]:
+    """The fp32 coefficients of cext/so_cpu_adam.c so_coeffs_make(), from the same doubles."""
+    hp = call.hp
+    bc1 = 1.0 - hp.beta1**hp.step if hp.bias_correction else 1.0
+    bc2 = 1.0 - hp.beta2**hp.step if hp.bias_correction else 1.0
+    return {
+        "b1": _f32(hp.beta1), "b2": _f32(hp.beta2),
+        "omb1": _f32(1.0 - hp.beta1), "omb2": _f32(1.0 - hp.beta2),
+        "eps": _f32(hp.eps), "gs": _f32(hp.grad_scale), "wd": _f32(hp.weight_decay),
+        "decay": _f32(1.0 - hp.lr * hp.weight_decay) if hp.adamw_mode else _f32(1.0),
+        "step_size": _f32(hp.lr / bc1), "bc2_sqrt": _f32(math.sqrt(bc2)),
+    }
+
+
+# ---- bit-level helpers on int64 tensors holding unsigned 32-bit values -------------------
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & _MASK32
+
+
+def _from_bits(u: torch.Tensor) -> torch.Tensor:
+    signed = torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
+    return signed.view(torch.float32)
+
+
+def _store16(dst: torch.Tensor, u16: torch.Tensor) -> None:
+    """Write unsigned 16-bit patterns into a bf16/fp16 tensor."""
+    dst.view(torch.int16).copy_(torch.where(u16 >= 2**15, u16 - 2**16, u16).to(torch.int16))
+
+
+def _mul32(h: torch.Tensor, k: int) -> torch.Tensor:
+    """(h * k) mod 2^32 without int64 overflow: split k into 16-bit halves."""
+    return (h * (k & 0xFFFF) + (((h * (k >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(h: torch.Tensor) -> torch.Tensor:
+    """so_mix32 (lowbias32)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = _mul32(h, 0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def sr_bits(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """32 random bits per global element index: so_mix32((uint32)i ^ so_sr_key(seed, i>>32))."""
+    key = mix32((index >> 32) ^ 0x9E3779B9)
+    key = mix32(key ^ (seed >> 32))
+    key = mix32(key ^ (seed & _MASK32))
+    return mix32((index & _MASK32) ^ key)
+
+
+def bf16_rne_bits(x: torch.Tensor) -> torch.Tensor:
+    """so_f32_to_bf16_rne: round to nearest even; NaN -> 0xffff."""
+    u = _bits(x)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return torch.where((u & 0x7FFFFFFF) > 0x7F800000, 0xFFFF, rounded)
+
+
+def bf16_sr_bits(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """so_f32_to_bf16_sr: add 16 random bits and truncate; inf/NaN keep their class."""
+    u = _bits(x)
+    rounded = (u + random16) >> 16
+    special = (u >> 16) | torch.where((u & 0x7FFFFFFF) > 0x7F800000, 0x40, 0)
+    return torch.where((u & 0x7F800000) == 0x7F800000, special, rounded)
+
+
+def f16_rne_bits(x: torch.Tensor) -> torch.Tensor:
+    """so_f32_to_f16_rne: round to nearest even, F16C NaN semantics."""
+    u = _bits(x)
+    sign = u & 0x80000000
+    a = u ^ sign
+    special = torch.where(a > 0x7F800000, 0x7E00 | ((a >> 13) & 0x3FF), 0x7C00)
+    denorm = _from_bits(a) + _f32(0.5)
+    sub = (_bits(denorm) - 0x3F000000) & _MASK32
+    normal = ((a + 0xC8000FFF + ((a >> 13) & 1)) & _MASK32) >> 13
+    out = torch.where(a >= 0x47800000, special, torch.where(a < 0x38800000, sub, normal))
+    return out | (sign >> 16)
+
+
+# ---- the step and its inverse ------------------------------------------------------------
+
+def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollback: bool) -> None:
+    p, m_t, v_t = call.params[i], call.exp_avgs[i], call.exp_avg_sqs[i]
+    lp = None if call.params_lp is None else call.params_lp[i]
+    l2 = not call.hp.adamw_mode and call.hp.weight_decay != 0.0
+    g = call.grads[i].float() * c["gs"]
+    m, v, w = m_t.float(), v_t.float(), p.clone()
+    if not rollback:
+        if l2:
+            g = g + c["wd"] * w
+        m = c["b1"] * m + c["omb1"] * g
+        v = c["b2"] * v + c["omb2"] * (g * g)
+        denom = _div(_sqrt(v), c["bc2_sqrt"]) + c["eps"]
+        w = w * c["decay"]
+        w = w - c["step_size"] * (m / denom)
     else:
-        bc1 = bc2 = 1.0
-    return lr / bc1, math.sqrt(bc2)
+        denom = _div(_sqrt(v), c["bc2_sqrt"]) + c["eps"]
+        w = w + c["step_size"] * (m / denom)
+        w = _div(w, c["decay"])
+        if l2:
+            g = g + c["wd"] * w
+        m = _div(m - c["omb1"] * g, c["b1"])
+        v = _div(v - c["omb2"] * (g * g), c["b2"])
+        v = torch.where(v > 0.0, v, _f32(0.0))  # fp32 cancellation can leave v < 0
+    p.copy_(w)
+    if call.moment_dtype == torch.bfloat16:
+        r = sr_bits(call.hp.sr_seed, torch.arange(index0, index0 + p.numel(), dtype=torch.int64))
+        _store16(m_t, bf16_sr_bits(m.reshape(-1), r & 0xFFFF).view(m_t.shape))
+        _store16(v_t, bf16_sr_bits(v.reshape(-1), r >> 16).view(v_t.shape))
+    else:
+        m_t.copy_(m)
+        v_t.copy_(v)
+    if lp is not None:
+        _store16(lp, (bf16_rne_bits(w) if lp.dtype == torch.bfloat16 else f16_rne_bits(w)))
 
 
-def _step_one(p, g_in, m, v, p_lp, *, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-              bias_correction, grad_scale):
-    g = g_in.float() * grad_scale if (g_in.dtype != torch.float32 or grad_scale != 1.0) else g_in
-    if not adamw_mode and weight_decay != 0.0:
-        g = g + weight_decay * p
-    m32 = m.float()
-    v32 = v.float()
-    m32.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    v32.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    step_size, bc2_sqrt = _coefficients(step, lr, beta1, beta2, bias_correction)
-    if adamw_mode and weight_decay != 0.0:
-        p.mul_(1.0 - lr * weight_decay)
-    denom = (v32.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(m32, denom, value=-step_size)
-    if m.dtype != torch.float32:
-        m.copy_(m32)
-        v.copy_(v32)
-    if p_lp is not None:
-        p_lp.copy_(p)
+def _check_finite_for_rollback(call: AdamCall) -> None:
+    for name, seq in (("param", call.params), ("exp_avg", call.exp_avgs),
+                      ("exp_avg_sq", call.exp_avg_sqs), ("grad", call.grads)):
+        for t in seq:
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"adam_rollback: {name} holds non-finite values, so the step "
+                                 "cannot be inverted; nothing was modified (skip the rollback "
+                                 "and restore from a snapshot)")
 
 
-def _rollback_one(p, g_in, m, v, p_lp, *, step, lr, beta1, beta2, eps, weight_decay, adamw_mode,
-                  bias_correction, grad_scale):
-    for name, t in (("param", p), ("exp_avg", m), ("exp_avg_sq", v)):
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"adam_rollback: {name} holds non-finite values; cannot invert the step")
-    g = g_in.float() * grad_scale
-    m32 = m.float()
-    v32 = v.float()
-    step_size, bc2_sqrt = _coefficients(step, lr, beta1, beta2, bias_correction)
-    denom = (v32.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(m32, denom, value=step_size)
-    if adamw_mode and weight_decay != 0.0:
-        p.div_(1.0 - lr * weight_decay)
-    if not adamw_mode and weight_decay != 0.0:
-        g = g + weight_decay * p
-    m32.sub_(g, alpha=1.0 - beta1).div_(beta1)
-    v32.addcmul_(g, g, value=-(1.0 - beta2)).div_(beta2).clamp_(min=0.0)
-    m.copy_(m32)
-    v.copy_(v32)
-    if p_lp is not None:
-        p_lp.copy_(p)
-
-
-def adam_step_multi(params: Sequence[torch.Tensor], grads, exp_avgs, exp_avg_sqs, *, step, lr,
-                    beta1, beta2, eps, weight_decay=0.0, adamw_mode=True, bias_correction=True,
-                    grad_scale=1.0, params_lp=None, threads=None, sr_seed=0) -> None:
-    lps = params_lp if params_lp is not None else [None] * len(params)
+def run(call: AdamCall, rollback: bool) -> None:
+    """Apply a validated call (used by the public functions below and by tests)."""
+    if rollback:
+        _check_finite_for_rollback(call)
+    c = coefficients(call)
+    index0 = 0  # global element index across the list, as the C side counts it
     with torch.no_grad():
-        for p, g, m, v, lp in zip(params, grads, exp_avgs, exp_avg_sqs, lps):
-            _step_one(p, g, m, v, lp, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                      weight_decay=weight_decay, adamw_mode=adamw_mode,
-                      bias_correction=bias_correction, grad_scale=grad_scale)
+        for i in range(len(call.params)):
+            if call.params[i].numel():
+                _one(c, call, i, index0, rollback)
+            index0 += call.params[i].numel()
 
 
-def adam_rollback_multi(params: Sequence[torch.Tensor], grads, exp_avgs, exp_avg_sqs, *, step, lr,
-                        beta1, beta2, eps, weight_decay=0.0, adamw_mode=True, bias_correction=True,
-                        grad_scale=1.0, params_lp=None, threads=None, sr_seed=0) -> None:
-    lps = params_lp if params_lp is not None else [None] * len(params)
-    with torch.no_grad():
-        for p, g, m, v, lp in zip(params, grads, exp_avgs, exp_avg_sqs, lps):
-            _rollback_one(p, g, m, v, lp, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                          weight_decay=weight_decay, adamw_mode=adamw_mode,
-                          bias_correction=bias_correction, grad_scale=grad_scale)
+def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+                    weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
+                    params_lp=None, threads=None, sr_seed=0) -> None:
+    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
+                           rollback=False, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, adamw_mode=adamw_mode,
+                           bias_correction=bias_correction, grad_scale=grad_scale,
+                           sr_seed=sr_seed)
+    run(call, rollback=False)
 
 
-def grad_stats_multi(grads: Sequence[torch.Tensor]) -> tuple[float, int]:
-    sum_sq = 0.0
+def adam_rollback_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+                        weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
+                        params_lp=None, threads=None, sr_seed=0) -> None:
+    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
+                           rollback=True, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                           weight_decay=weight_decay, adamw_mode=adamw_mode,
+                           bias_correction=bias_correction, grad_scale=grad_scale,
+                           sr_seed=sr_seed)
+    run(call, rollback=True)
+
+
+def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
+    """Sum of squares of the finite values in fp64, and the non-finite count, summed in the
+    C kernel's order: per tensor blocks of STATS_BLOCK, 8 lanes (element i -> lane i % 8),
+    lanes added in a fixed tree, blocks added in order."""
+    gs = check_grads(grads)
+    partials: list[float] = []
     nonfinite = 0
-    for g in grads:
-        g64 = g.detach().double()
-        finite = torch.isfinite(g64)
+    for g in gs:
+        n = g.numel()
+        if n == 0:
+            continue
+        x = g.detach().reshape(-1).double()
+        finite = torch.isfinite(x)
         nonfinite += int((~finite).sum())
-        sum_sq += float(torch.where(finite, g64, 0.0).square().sum())
-    return sum_sq, nonfinite
+        sq = torch.where(finite, x, 0.0).square()
+        blocks = -(-n // STATS_BLOCK)
+        padded = torch.zeros(blocks * STATS_BLOCK, dtype=torch.float64)
+        padded[:n] = sq
+        lanes_in = padded.view(blocks, STATS_BLOCK // 8, 8)
+        lane = torch.zeros(blocks, 8, dtype=torch.float64)
+        for k in range(STATS_BLOCK // 8):  # sequential per lane, as the C loop
+            lane = lane + lanes_in[:, k, :]
+        tree = ((lane[:, 0] + lane[:, 1]) + (lane[:, 2] + lane[:, 3])) + (
+            (lane[:, 4] + lane[:, 5]) + (lane[:, 6] + lane[:, 7]))
+        partials.extend(tree.tolist())
+    total = 0.0
+    for s in partials:
+        total += s
+    return total, nonfinite
