@@ -1,0 +1,37 @@
+"""Jupyter views over telemetry and the planner: views only, no training logic.
+
+    from superoffload.widgets import LiveDashboard, OffloadTuner, BackgroundTrainer
+
+`LiveDashboard` draws the engine's timeline, link GB/s, overlap, memory and loss live (or a
+simulated timeline); `OffloadTuner` shows the planner's prediction for every setting and
+applies settings to a running engine; `BackgroundTrainer` runs training off the cell so the
+widgets stay interactive. Everything degrades to text or static HTML outside a notebook.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from superoffload.widgets._env import WidgetsUnavailable, in_notebook, live_widgets_available
+
+_LAZY = {
+    "LiveDashboard": "superoffload.widgets.dashboard",
+    "OffloadTuner": "superoffload.widgets.tuner",
+    "BackgroundTrainer": "superoffload.widgets.background",
+    "TrainResult": "superoffload.widgets.background",
+    "engine_step_fn": "superoffload.widgets.background",
+    "DashboardState": "superoffload.widgets.series",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import superoffload.widgets` does not import plotly or numpy-heavy modules.
+    if name not in _LAZY:
+        raise AttributeError(f"module 'superoffload.widgets' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["WidgetsUnavailable", "in_notebook", "live_widgets_available", *_LAZY]

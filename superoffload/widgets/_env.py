@@ -1,0 +1,94 @@
+"""Where are we running? Which widget libraries are importable? Output from threads.
+
+The widgets degrade instead of failing: without plotly they explain what to install;
+without ipywidgets/anywidget (plotly's FigureWidget is an anywidget since plotly 6) they draw
+a static figure; outside a notebook they print a text summary and point at `to_html(path)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+INSTALL_HINT = "pip install 'superoffload[notebooks]'  (jupyterlab, ipywidgets, plotly, anywidget)"
+
+
+class WidgetsUnavailable(RuntimeError):
+    """Raised when a view needs a library that is not installed; the message says which."""
+
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def plotly_available() -> bool:
+    return has_module("plotly")
+
+
+def live_widgets_available() -> bool:
+    """True when a live FigureWidget and ipywidgets controls can be built."""
+    return all(has_module(m) for m in ("plotly", "ipywidgets", "anywidget"))
+
+
+def missing_for_live() -> list[str]:
+    return [m for m in ("plotly", "ipywidgets", "anywidget") if not has_module(m)]
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (where widget front-ends can render)."""
+    ipython = _get_ipython()
+    return ipython is not None and getattr(ipython, "kernel", None) is not None
+
+
+def require_plotly(what: str) -> None:
+    if not plotly_available():
+        raise WidgetsUnavailable(f"{what} needs plotly, which is not installed: {INSTALL_HINT}")
+
+
+def _get_ipython() -> Any:
+    mod = sys.modules.get("IPython")
+    if mod is None:
+        return None
+    try:
+        return mod.get_ipython()
+    except Exception:  # IPython half-imported or shutting down
+        return None
+
+
+def capture_output_parent() -> Any:
+    """The parent message of the cell running now, or None outside a kernel.
+
+    Call it in the cell that starts a thread and hand the result to `bind_thread_output`
+    in that thread: otherwise what the thread prints lands in whichever cell runs next
+    (ipykernel routes output by the parent header of the *current* request).
+    """
+    ipython = _get_ipython()
+    if ipython is None or getattr(ipython, "kernel", None) is None:
+        return None
+    try:
+        return ipython.get_parent()
+    except Exception:  # an IPython without get_parent: nothing to route
+        return None
+
+
+def bind_thread_output(parent: Any) -> None:
+    """Route this thread's prints and displays to the cell whose `parent` was captured."""
+    ipython = _get_ipython()
+    if parent is None or ipython is None:
+        return
+    setter = getattr(ipython, "set_thread_parent", None)  # ipykernel >= 7: this thread only
+    if setter is not None:
+        setter(parent)
+    elif hasattr(ipython, "set_parent"):
+        ipython.set_parent(parent)
+
+
+def display_or_print(obj: Any, text: str) -> None:
+    """`IPython.display.display(obj)` inside a kernel, else print `text`."""
+    if in_notebook():
+        from IPython.display import display
+
+        display(obj)
+    else:
+        print(text)

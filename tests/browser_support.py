@@ -1,0 +1,176 @@
+"""Harness for the real-browser test: a throwaway JupyterLab server and Debian's chromium.
+
+Everything is bounded: the server gets a free port on 127.0.0.1, no token, its own config,
+data, runtime and workspace folders, and no network calls (no news, no update check); it is
+always terminated (then killed) on exit, with its kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
+]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def jupyter_lab(root: Path, *, start_timeout_s: float = 90.0) -> Iterator[str]:
+    """Run JupyterLab on `root`; yield its base URL; always shut it down."""
+    port = free_port()
+    home = root.parent / "jupyter-home"
+    env = dict(os.environ)
+    for name, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
+                      ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython")):
+        (home / sub).mkdir(parents=True, exist_ok=True)
+        env[name] = str(home / sub)
+    env["JUPYTER_PLATFORM_DIRS"] = "1"
+    settings = home / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True, exist_ok=True)
+    # no "get notified about news?" toast over the screenshot
+    (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    notebook_settings = home / "settings" / "@jupyterlab" / "notebook-extension"
+    notebook_settings.mkdir(parents=True, exist_ok=True)
+    # every cell stays attached: no re-rendering of outputs as the page scrolls
+    (notebook_settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [
+        sys.executable, "-m", "jupyterlab",
+        "--no-browser",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        "--IdentityProvider.token=",
+        "--ServerApp.password=",
+        "--ServerApp.open_browser=False",
+        f"--ServerApp.root_dir={root}",
+        "--LabApp.expose_app_in_browser=True",  # window.jupyterapp: run commands, read state
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--LabApp.workspaces_dir={home / 'workspaces'}",
+        f"--LabApp.user_settings_dir={home / 'settings'}",
+        "--LabApp.extension_manager=readonly",  # no PyPI queries
+        "--ServerApp.terminals_enabled=False",
+    ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-root")  # CI containers run as root
+    log = (root.parent / "jupyter.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited with {proc.returncode}: see {log.name}")
+            try:
+                with urllib.request.urlopen(f"{url}/api/status", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"jupyter lab did not answer within {start_timeout_s} s: see {log.name}")
+            time.sleep(0.25)  # waiting on another process's socket: nothing to block on
+        yield url
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        # the server's own process group holds its kernels: end them together
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+
+def prepare_notebook(src: Path, dst: Path, *, parameters: dict[str, Any]) -> None:
+    """Copy a notebook for the browser run: the cell tagged "parameters" gets `parameters`
+    appended (papermill's convention) and cells tagged "final-check" are dropped, so the run
+    ends with training still going in its background thread."""
+    nb = json.loads(src.read_text())
+    cells = []
+    found = False
+    for cell in nb["cells"]:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if "final-check" in tags:
+            continue
+        if "parameters" in tags:
+            found = True
+            source = "".join(cell["source"])
+            extra = "".join(f"\n{k} = {v!r}" for k, v in parameters.items())
+            cell["source"] = source.rstrip("\n") + "\n# set by tests/test_browser.py" + extra + "\n"
+        cells.append(cell)
+    if not found:
+        raise ValueError(f"{src} has no cell tagged 'parameters'")
+    nb["cells"] = cells
+    dst.write_text(json.dumps(nb, indent=1))
+
+
+# JavaScript run in the page ----------------------------------------------------------
+
+JS_APP_READY = """() => {
+  const app = window.jupyterapp;
+  if (!app || !app.shell || !app.shell.currentWidget) return false;
+  const w = app.shell.currentWidget;
+  return !!(w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel
+            && w.sessionContext.session.kernel.connectionStatus === 'connected'
+            && w.content && w.content.widgets && w.content.widgets.length > 0);
+}"""
+
+JS_RUN_ALL = """async () => {
+  await window.jupyterapp.commands.execute('notebook:run-all-cells');
+  return true;
+}"""
+
+JS_KERNEL_STATUS = """() => {
+  const w = window.jupyterapp.shell.currentWidget;
+  return w.sessionContext.session.kernel.status;
+}"""
+
+JS_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map(gd => ({
+  title: (gd.layout && gd.layout.title && gd.layout.title.text) || '',
+  names: (gd.data || []).map(t => t.name || ''),
+  lengths: (gd.data || []).map(t => (t.x ? t.x.length : 0)),
+  lastX: (gd.data || []).map(t => {
+     if (!t.x || !t.x.length) return null;
+     let m = -Infinity; for (let i = 0; i < t.x.length; i++) { const v = Number(t.x[i]);
+       if (!Number.isNaN(v) && v > m) m = v; }
+     return m === -Infinity ? null : m; }),
+}))"""
+
+JS_CELL_ERRORS = """() => Array.from(document.querySelectorAll(
+  '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]'
+)).map(e => e.innerText.slice(0, 2000))"""

@@ -1,0 +1,108 @@
+"""BackgroundTrainer: runs off the calling thread, stops on request, surfaces errors, routes
+its output to the starting cell, and drives the dashboard's refresher."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from superoffload.telemetry.recorder import Recorder
+from superoffload.widgets import _env
+from superoffload.widgets.background import BackgroundTrainer
+from superoffload.widgets.dashboard import LiveDashboard
+from tests.widgets_support import FakeShell, record_iteration
+
+
+def test_runs_every_step_on_another_thread_and_returns_the_losses() -> None:
+    threads: set[str] = set()
+
+    def step(i: int) -> float:
+        threads.add(threading.current_thread().name)
+        return 10.0 - i
+
+    trainer = BackgroundTrainer(step, steps=5, name="t-run").start()
+    result = trainer.wait(timeout_s=30)
+    assert threads == {"t-run"}
+    assert result.steps_done == 5 and not result.stopped_early
+    assert result.losses == [10.0, 9.0, 8.0, 7.0, 6.0]
+    assert (result.first_loss, result.final_loss) == (10.0, 6.0)
+    assert not trainer.running and "done, step 5/5" in trainer.status()
+    bar, label = trainer.progress.children
+    assert bar.value == 5 and bar.bar_style == "success"
+
+
+def test_stop_ends_the_loop_between_steps() -> None:
+    release = threading.Event()
+    started = threading.Event()
+
+    def step(i: int) -> None:
+        started.set()
+        release.wait(30)
+
+    trainer = BackgroundTrainer(step, steps=1000).start()
+    assert started.wait(30)
+    trainer.stop(wait=False)
+    release.set()
+    result = trainer.wait(timeout_s=30)
+    assert result.stopped_early and result.steps_done == 1
+    assert result.losses == []
+
+
+def test_an_exception_in_the_thread_is_re_raised_by_wait(capsys) -> None:
+    def step(i: int) -> float:
+        if i == 2:
+            raise ArithmeticError("boom at 2")
+        return 1.0
+
+    trainer = BackgroundTrainer(step, steps=5).start()
+    with pytest.raises(RuntimeError, match="failed at step 2") as info:
+        trainer.wait(timeout_s=30)
+    assert isinstance(info.value.__cause__, ArithmeticError)
+    assert "boom at 2" in capsys.readouterr().out
+    assert trainer.progress.children[0].bar_style == "danger"
+
+
+def test_thread_output_goes_to_the_cell_that_started_it(monkeypatch) -> None:
+    shell = FakeShell()
+    monkeypatch.setattr(_env, "_get_ipython", lambda: shell)
+    trainer = BackgroundTrainer(lambda i: 0.0, steps=2, name="t-out").start()
+    shell.parent = {"header": {"msg_id": "a-later-cell"}}  # the user runs another cell
+    trainer.wait(timeout_s=30)
+    assert shell.thread_parents == [("t-out", {"header": {"msg_id": "cell-1"}})]
+
+
+def test_the_dashboard_follows_the_run_and_gets_a_final_refresh() -> None:
+    rec = Recorder()
+    dash = LiveDashboard(rec, refresh_hz=20)
+    t = [0.0]
+
+    def step(i: int) -> float:
+        t[0] = record_iteration(rec, i, t[0], loss=3.0 - 0.1 * i) + 0.001
+        return 3.0 - 0.1 * i
+
+    trainer = BackgroundTrainer(step, steps=6, dashboard=dash).start()
+    trainer.wait(timeout_s=30)
+    assert not dash.running, "the refresher stops with the run"
+    assert len(dash.state.series()["iteration"]) == 6
+    assert len(dash.state.loss) == 6
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"), ({"steps": 3, "print_every": -1}, "print_every")],
+)
+def test_bad_arguments_name_the_field(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        BackgroundTrainer(lambda i: None, **kwargs)
+
+
+def test_not_callable_and_wait_before_start_and_double_start() -> None:
+    with pytest.raises(TypeError, match="step_fn"):
+        BackgroundTrainer(42, steps=1)  # type: ignore[arg-type]
+    trainer = BackgroundTrainer(lambda i: None, steps=1)
+    with pytest.raises(RuntimeError, match="never started"):
+        trainer.wait()
+    trainer.start().wait(timeout_s=30)
+    with pytest.raises(RuntimeError, match="already started"):
+        trainer.start()

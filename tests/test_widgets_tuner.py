@@ -1,0 +1,143 @@
+"""OffloadTuner without a browser: move controls, assert the prediction shown and what apply
+sends to the engine (a fake one, then the real engine on a tiny GPT)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import superoffload as so
+from superoffload import plan
+from superoffload.config import ConfigError, MiB
+from superoffload.widgets import _env
+from superoffload.widgets.dashboard import LiveDashboard
+from superoffload.widgets.tuner import OffloadTuner
+from superoffload.widgets.tuner_core import engine_changes, prediction_text
+from tests.widgets_support import FakeEngine
+
+SHAPE = plan.ModelShape(layers=8, hidden=1024, heads=16, vocab=50257, seq=1024, micro_batch=2)
+
+
+def simulated_s(config: so.OffloadConfig, profile: str = "gh200") -> float:
+    return plan.simulate(SHAPE, plan.profiles.get(profile), schedule="superoffload", config=config).iteration_s
+
+
+def test_every_control_change_shows_the_planners_prediction() -> None:
+    tuner = OffloadTuner(SHAPE, "gh200")
+    first = tuner.prediction_html.value
+    assert tuner.prediction.iteration_s == pytest.approx(simulated_s(tuner.config), rel=1e-12)
+    tuner.controls["ratio"].value = 0.3  # what a slider move in the browser does
+    assert tuner.values["ratio"] == 0.3 and tuner.config.ratio == 0.3
+    assert tuner.prediction.iteration_s == pytest.approx(simulated_s(tuner.config), rel=1e-12)
+    assert tuner.prediction_html.value != first
+    assert prediction_text(tuner.prediction) in tuner.prediction_html.value.replace("&#x27;", "'")
+    tuner.controls["weights"].value = "flow"
+    res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=tuner.config)
+    assert tuner.prediction.device_bytes == res.memory["device"]
+    assert tuner.prediction.host_bytes == res.memory["host"]
+
+
+def test_set_moves_the_controls_and_extends_the_bucket_choices() -> None:
+    tuner = OffloadTuner(SHAPE, "h100-pcie")
+    pred = tuner.set(ratio=0.55, bucket_bytes=3 * MiB, speculation="off", cpu_threads=4)
+    assert tuner.controls["ratio"].value == 0.55
+    assert tuner.controls["bucket_bytes"].value == 3 * MiB
+    assert tuner.controls["bucket_bytes"].label == "3 MiB"
+    assert tuner.controls["speculation"].value == "off"
+    assert pred.iteration_s == pytest.approx(simulated_s(tuner.config, "h100-pcie"), rel=1e-12)
+    assert pred.baseline_s == pytest.approx(
+        plan.simulate(SHAPE, plan.profiles.get("h100-pcie"), schedule="zero-offload").iteration_s
+    )
+
+
+def test_bad_settings_are_refused_before_touching_the_controls() -> None:
+    tuner = OffloadTuner(SHAPE, "gh200")
+    with pytest.raises(ConfigError, match="ratio"):
+        tuner.set(ratio=1.5)
+    with pytest.raises(ValueError, match="unknown control"):
+        tuner.set(lr=1.0)
+    assert tuner.values["ratio"] == tuner.base_config.ratio
+    with pytest.raises(ValueError, match="no engine attached"):
+        tuner.apply()
+    assert tuner.apply_button.disabled
+
+
+def test_apply_sends_only_the_changed_reconfigurable_fields() -> None:
+    engine = FakeEngine(iteration=12)
+    tuner = OffloadTuner(SHAPE, "gh200", engine=engine)
+    assert tuner.values["ratio"] == engine.config.ratio
+    tuner.set(ratio=0.5, bucket_bytes=2 * MiB, weights="flow")
+    tuner.apply_button.click()  # the browser's click lands here
+    assert engine.calls == [{"ratio": 0.5, "bucket_bytes": 2 * MiB}]
+    assert "applied ratio=0.5, bucket_bytes=2097152 at iteration 12" in tuner.status_html.value
+    assert "needs a restart: weights=flow" in tuner.status_html.value
+    assert tuner.apply() == {}  # applied already: nothing new
+    assert len(engine.calls) == 1
+
+
+def test_engine_changes_splits_live_and_restart_fields() -> None:
+    cur = so.OffloadConfig()
+    live, restart = engine_changes(cur, cur.replace(ratio=0.2, weights="flow"), frozenset({"ratio"}))
+    assert live == {"ratio": 0.2} and restart == {"weights": "flow"}
+
+
+def test_a_preview_dashboard_draws_the_simulated_timeline_of_each_setting() -> None:
+    preview = LiveDashboard(None)
+    tuner = OffloadTuner(SHAPE, "gh200", preview=preview)
+    assert preview.figure.layout.title.text.startswith("simulated")
+    before = preview.simulation
+    tuner.set(ratio=0.0)
+    assert preview.simulation is not before
+    assert preview.simulation.iteration_s == pytest.approx(tuner.prediction.iteration_s)
+    assert preview.state.spans_seen > 0
+
+
+def test_static_html_and_text_outside_a_notebook(tmp_path, capsys) -> None:
+    tuner = OffloadTuner(SHAPE, "gh200")
+    page = tuner.to_html(tmp_path / "tuner.html").read_text()
+    assert "predicted iteration" in page and "plotly" in page
+    tuner.display()
+    out = capsys.readouterr().out
+    assert "predicted iteration" in out and "not in a notebook" in out
+
+
+def test_without_ipywidgets_the_tuner_still_predicts(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(_env, "has_module", lambda name: name != "ipywidgets")
+    tuner = OffloadTuner(SHAPE, "gh200")
+    assert tuner.widget is None and tuner.controls == {}
+    pred = tuner.set(ratio=0.4)
+    assert pred.iteration_s == pytest.approx(simulated_s(tuner.config), rel=1e-12)
+    tuner.display()
+    assert "ipywidgets missing" in capsys.readouterr().out
+
+
+def test_apply_reconfigures_a_real_engine_on_a_later_iteration() -> None:
+    from superoffload.data import BatchSampler, load_tokens
+    from superoffload.models.gpt import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny())
+    config = so.presets.tiny_cpu().replace(bucket_bytes=64 * 1024, ratio=0.5)
+    batches = BatchSampler(load_tokens()[:20000], batch_size=2, seq_len=16, seed=0)
+    with so.initialize(model, optimizer={"lr": 1e-3}, config=config) as engine:
+        tuner = OffloadTuner(model, "cpu-laptop", engine=engine, micro_batch=2, compare_baseline=False)
+
+        def one_step() -> None:
+            x, y = batches.next_batch()
+            engine.backward(model(x, y))
+            engine.step()
+            engine.zero_grad()
+
+        one_step()
+        tuner.set(ratio=1.0)
+        assert tuner.apply() == {"ratio": 1.0}
+        assert engine.config.ratio == 0.5, "applied at the next iteration boundary, not now"
+        applied_at = engine.iteration
+        one_step()
+        one_step()
+        assert engine.config.ratio == 1.0
+        ratios = {s.iteration: s.value for s in engine.telemetry.scalars("ratio")}
+        assert ratios[applied_at - 1] == 0.5 and ratios[applied_at] == 1.0
+        dash = LiveDashboard(engine)
+        dash.refresh()
+        assert f"ratio 1.00 (since it. {applied_at})" in dash.title_text()
