@@ -20,7 +20,10 @@ import pytest
 
 from tests import browser_support as bs
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+# One retry: an end-to-end run through JupyterLab and chromium on a loaded 2-core machine can
+# lose a render race that has nothing to do with our code; a real defect fails twice (the
+# failing attempt's screenshot and JupyterLab log are kept in artifacts/browser/).
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(300), pytest.mark.flaky(reruns=1)]
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "tutorials" / "01_quick_start.ipynb"

@@ -106,3 +106,22 @@ def test_not_callable_and_wait_before_start_and_double_start() -> None:
     trainer.start().wait(timeout_s=30)
     with pytest.raises(RuntimeError, match="already started"):
         trainer.start()
+
+
+def test_wait_for_steps_blocks_until_that_many_steps_are_done() -> None:
+    gate = threading.Semaphore(0)
+
+    def step(i: int) -> float:
+        gate.acquire()  # each step waits for the test's permission
+        return float(i)
+
+    trainer = BackgroundTrainer(step, steps=10, name="t-wait").start()
+    with pytest.raises(TimeoutError, match="did only 0 of 3 steps"):
+        trainer.wait_for_steps(3, timeout_s=0.2)
+    for _ in range(3):
+        gate.release()
+    assert trainer.wait_for_steps(3, timeout_s=30) >= 3
+    for _ in range(7):
+        gate.release()
+    assert trainer.wait_for_steps(50, timeout_s=30) == 10  # the run ended first
+    assert trainer.wait(timeout_s=30).steps_done == 10

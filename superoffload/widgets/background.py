@@ -76,6 +76,7 @@ class BackgroundTrainer:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._done = threading.Event()
+        self._progressed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._wall_s = 0.0
@@ -102,7 +103,9 @@ class BackgroundTrainer:
                 loss = self.step_fn(i)
                 if loss is not None:
                     self.losses.append(float(loss))
-                self.steps_done = i + 1
+                with self._progressed:
+                    self.steps_done = i + 1
+                    self._progressed.notify_all()
                 self._show_progress()
                 if self.print_every and (i + 1) % self.print_every == 0:
                     print(f"step {i + 1}/{self.steps} loss {self.losses[-1] if self.losses else math.nan:.4f}")
@@ -115,6 +118,8 @@ class BackgroundTrainer:
                 self.dashboard.stop()
             self._show_progress(final=True)
             self._done.set()
+            with self._progressed:
+                self._progressed.notify_all()
 
     def stop(self, *, wait: bool = True, timeout_s: float = 60.0) -> None:
         """Ask the loop to stop after the current step; optionally wait for it."""
@@ -139,6 +144,23 @@ class BackgroundTrainer:
             stopped_early=self.steps_done < self.steps,
             wall_s=self._wall_s,
         )
+
+    def wait_for_steps(self, steps: int, timeout_s: float = 60.0) -> int:
+        """Block until at least `steps` steps are done (or the run ended); return steps done.
+
+        Use it before changing settings that must land on a *later* iteration than the first.
+        """
+        if self._thread is None:
+            raise RuntimeError(f"{self.name} was never started: call .start() first")
+        with self._progressed:
+            reached = self._progressed.wait_for(
+                lambda: self.steps_done >= steps or self._done.is_set(), timeout_s
+            )
+        if not reached:
+            raise TimeoutError(
+                f"{self.name} did only {self.steps_done} of {steps} steps in {timeout_s} s"
+            )
+        return self.steps_done
 
     @property
     def running(self) -> bool:
