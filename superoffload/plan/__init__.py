@@ -22,6 +22,7 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import LaneStats, SimResult, simulate
 from superoffload.plan.techniques import SCHEDULES, ZERO_OFFLOAD, Techniques
 from superoffload.plan.tune import Constraints, InfeasibleError, tune
+from superoffload.plan.weights import WeightChoice, choose_weights
 
 __all__ = [
     "SCHEDULES",
@@ -36,7 +37,9 @@ __all__ = [
     "ModelShape",
     "SimResult",
     "Techniques",
+    "WeightChoice",
     "calibrate",
+    "choose_weights",
     "cost",
     "fit_problems",
     "gpt_by_layers",

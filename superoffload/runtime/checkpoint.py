@@ -35,7 +35,7 @@ META = "meta.json"
 PLACEMENT_FIELDS = frozenset({
     "device", "bucket_bytes", "ratio", "speculation", "rollback", "adaptive_window",
     "adaptive_threshold", "grad_cast", "param_cast", "cpu_threads", "cpu_cores_frac",
-    "pin_memory", "prefetch_depth", "watchdog_s", "telemetry", "telemetry_max_events", "extra",
+    "pin_memory", "prefetch_depth", "weights", "watchdog_s", "telemetry", "telemetry_max_events", "extra",
 })
 
 
@@ -44,8 +44,9 @@ class CheckpointMismatch(ValueError):
 
 
 def _signature(engine: OffloadEngine) -> list[list[Any]]:
-    return [[n, list(p.shape), str(p.dtype), bool(p.requires_grad)]
-            for n, p in zip(engine._names, engine._params)]
+    # shapes recorded at construction: weight-flow's released parameters hold 0 elements
+    return [[n, list(shape), str(p.dtype), bool(p.requires_grad)]
+            for n, p, shape in zip(engine._names, engine._params, engine._shapes)]
 
 
 def engine_state_dict(engine: OffloadEngine) -> dict[str, Any]:
@@ -67,11 +68,16 @@ def engine_state_dict(engine: OffloadEngine) -> dict[str, Any]:
                                "exp_avg_sq": s.exp_avg_sq, "step": s.step}
             for i, s in states.items()
         },
-        "model": {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()},
+        "model": _model_state(engine),
         "loss_scaler": engine.scaler.state_dict(),
         "stv": engine.adaptive.state_dict(),
         "stats": {k: getattr(engine.stats, k) for k in engine.stats.__slots__},  # type: ignore[attr-defined]
     }
+
+
+def _model_state(engine: OffloadEngine) -> dict[str, torch.Tensor]:
+    with engine.resident_weights():  # weight-flow: streamed blocks are fetched first
+        return {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
 
 
 def _plain(value: Any) -> Any:
@@ -116,6 +122,11 @@ def load_engine_state_dict(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     check_compatible(engine, sd)
     engine.synchronize()
     engine._reset_iteration()
+    with engine.resident_weights():  # weight-flow: load into, and re-plan from, real weights
+        _load_model_and_state(engine, sd)
+
+
+def _load_model_and_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     engine.model.load_state_dict(sd["model"])
     for g_ck, g in zip(sd["param_groups"], engine.optimizer.param_groups):
         for key, value in g_ck.items():

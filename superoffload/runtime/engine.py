@@ -1,10 +1,12 @@
-"""The offload engine, weight-stationary policy (paper §4; DESIGN.md §3).
+"""The offload engine (paper §4; DESIGN.md §3), weight-stationary or weight-flow (§4.5).
 
 One iteration: forward with the device weights (each module waits only for its own
 bucket's H2D); backward, where a bucket is offloaded the moment its last gradient is final
 (post-accumulate-grad hooks) and the CPU worker steps it speculatively; then ``step()``
 validates (global norm, inf/nan), rolls back / replays / skips as the verdict says
-(``runtime/iteration.py``), and steps the GPU tail buckets on the device.
+(``runtime/iteration.py``), and steps the GPU tail buckets on the device. Under weight-flow
+the blocks' weights stream in per block (``runtime/weightflow.py``); ``runtime/weights.py``
+chooses and switches the policy.
 
 Threads: the training thread owns all bookkeeping; the D2H lane, the CPU worker and the H2D
 lane only run frozen tasks (``runtime/worker.py``). An exception on a lane is stored and
@@ -13,9 +15,10 @@ raised in the training thread at its next call.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +27,7 @@ import torch
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
+from superoffload.plan.profiles import HardwareProfile
 from superoffload.runtime import hooks as _hooks
 from superoffload.runtime import iteration as _iter
 from superoffload.runtime.backend import Backend, make_backend
@@ -39,6 +43,7 @@ from superoffload.runtime.state import (
 )
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transfers import wait_for
+from superoffload.runtime.weights import WeightPolicyController
 from superoffload.runtime.worker import Lane, describe, make_lane
 from superoffload.telemetry.events import KIND_BACKWARD, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
@@ -46,7 +51,9 @@ from superoffload.telemetry.recorder import Recorder
 RECONFIGURABLE = frozenset({
     "ratio", "bucket_bytes", "speculation", "grad_cast", "param_cast", "cpu_threads",
     "max_grad_norm", "rollback", "adaptive_window", "adaptive_threshold", "watchdog_s",
+    "weights", "prefetch_depth",
 })
+_WEIGHT_KEYS = frozenset({"weights", "prefetch_depth"})
 _REPLAN_KEYS = frozenset({"ratio", "bucket_bytes", "grad_cast", "param_cast"})
 
 
@@ -97,13 +104,15 @@ class OffloadEngine:
         *,
         inline: bool = False,
         backend: Backend | None = None,
+        profile: HardwareProfile | str | None = None,
+        seq_len: int | None = None,
+        micro_batch: int | None = None,
+        device_budget_bytes: int | None = None,
     ) -> None:
+        """``profile``, ``seq_len``, ``micro_batch``: what weights="auto" asks the planner with
+        (runtime/weights.py); ``device_budget_bytes``: the device memory that choice and a
+        switch back to weight-stationary may assume (a cap; tests use it on the CPU)."""
         self.config = config.validate()
-        if config.weights == "flow":
-            raise ConfigError(
-                "OffloadConfig.weights='flow' is not run by this engine (weight-stationary); "
-                "use weights='stationary' or 'auto'"
-            )
         self.model = model
         self.telemetry = telemetry or Recorder(
             enabled=config.telemetry, max_events=config.telemetry_max_events
@@ -121,6 +130,7 @@ class OffloadEngine:
         named = list(model.named_parameters())
         self._names = [n for n, _ in named]
         self._params: list[torch.nn.Parameter] = [p for _, p in named]
+        self._shapes = [p.shape for p in self._params]
         self._index = {id(p): i for i, p in enumerate(self._params)}
         dev = self.backend.device
         for p in self._params:
@@ -164,22 +174,34 @@ class OffloadEngine:
             for n in ("d2h", "cpu_worker", "h2d")
         ]
         self.d2h_lane, self.worker, self.h2d_lane = self._lanes
+        # weight-flow fetches: their own thread, the H2D stream on CUDA (runtime/weightflow.py)
+        self.fetch_lane = make_lane("fetch", inline=inline, on_error=self._on_lane_error)
+        self._lanes.append(self.fetch_lane)
         self._h2d_pending: dict[int, Future[Any]] = {}
+        self._home_ready: dict[int, Future[Any]] = {}
+        """Weight-flow: per bucket, the last CPU step/rollback that wrote its host weights."""
         self._it = _Mutable()
         self._last_step_end = time.perf_counter()
+        self.weights = WeightPolicyController(
+            self, profile=profile, seq_len=seq_len, micro_batch=micro_batch,
+            device_budget_bytes=device_budget_bytes)
         self._build(self.config, [initial_state(self._params[i]) for i in trainable])
         self._hooks = _hooks.register(self)
+        self._hooks += self.weights.start()
 
     # ------------------------------------------------------------------ setup
     def _build(self, config: OffloadConfig, states: Sequence[ParamState]) -> None:
-        """(Re)plan buckets and allocate their buffers from placement-free ``states``."""
+        """(Re)plan buckets and allocate their buffers from placement-free ``states``.
+        Weight-flow plans every bucket on the host with host-side weight casting (§4.5)."""
+        flow = self.weights.active == "flow"
         self.cast: CastPolicy = resolve_casting(
-            config.grad_cast, config.param_cast, model_dtype=self.model_dtype,
+            config.grad_cast, "host" if flow else config.param_cast, model_dtype=self.model_dtype,
             device_type=self.backend.device.type,
         )
         specs = [ParamSpec(i, self._params[i].numel(), True, self._names[i]) for i in self._trainable]
         self.bucket_plan: BucketPlan = plan_buckets(specs, bucket_bytes=config.bucket_bytes,
-                                                    ratio=config.ratio)
+                                                    ratio=1.0 if flow else config.ratio)
+        self._home_ready.clear()
         by_index = dict(zip(self._trainable, states))
         self._buffers: list[BucketBuffers] = []
         self._bucket_of: dict[int, tuple[int, int]] = {}
@@ -221,6 +243,7 @@ class OffloadEngine:
         finally:
             self.telemetry.add(LANE_COMPUTE, KIND_BACKWARD, t0, self.telemetry.now(),
                                iteration=self.iteration)
+            self.weights.end_backward()
         it.losses.append(float(loss.detach()))
         if it.armed:
             for b in range(len(self._buffers)):  # buckets some of whose params got no grad
@@ -241,6 +264,7 @@ class OffloadEngine:
         it = self._it
         if 0 < it.micro_step < self.config.grad_accum_steps:
             return  # DeepSpeed semantics: step() every micro-step, acts on the boundary
+        self.weights.end_backward()
         if it.micro_step == 0:  # gradients from a plain loss.backward(): no overlap, no STV
             self._apply_pending()
             it.speculate = False
@@ -248,7 +272,9 @@ class OffloadEngine:
             for b in range(len(self._buffers)):
                 it.flights[b] = _iter.Flight.placeholder(b)
                 self._launch(b)
+        n = self.iteration
         _iter.finish_iteration(self)
+        self.weights.close_iteration(n)
         now = time.perf_counter()
         self.telemetry.scalar("iteration_s", self.iteration - 1, now - self._last_step_end)
         self._last_step_end = now
@@ -298,7 +324,11 @@ class OffloadEngine:
         with self._reconf_lock:
             merged = {**self._pending_changes, **changes}
             self.config.replace(**merged)  # validate now, in the caller's thread
+            weight_changes = {k: merged.pop(k) for k in _WEIGHT_KEYS & merged.keys()}
             self._pending_changes = merged
+        if weight_changes:
+            # applied where an iteration's forward starts, not at its backward (weights.py)
+            self.weights.request(weight_changes)
 
     def _apply_pending(self) -> None:
         with self._reconf_lock:
@@ -327,6 +357,24 @@ class OffloadEngine:
             steps = [self._steps[i] for i in buf.bucket.param_indices]
             out.update(zip(buf.bucket.param_indices, export_state(buf, steps)))
         return out
+
+    def resident_weights(self) -> contextlib.AbstractContextManager[None]:
+        """Within it every streamed block is resident (weight-flow; a no-op otherwise):
+        model.state_dict() / load_state_dict() see the real weights (checkpoints)."""
+        flow = self.weights.flow
+        if flow is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def resident() -> Iterator[None]:
+            self.synchronize()
+            flow.materialize()
+            try:
+                yield
+            finally:
+                flow.release_all()
+
+        return resident()
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """fp32 master weight of every trainable parameter (CPU copies), after synchronizing."""
@@ -380,9 +428,18 @@ class OffloadEngine:
         """Drain and stop the lanes, remove hooks, release buffers. Idempotent."""
         if self._closed:
             return
+        flow = self.weights.flow
+        if flow is not None and self._error is None:
+            # weight-flow: leave the model holding its latest weights, as stationary does
+            try:
+                self.synchronize()
+                flow.detach()
+            except Exception:  # closing must not raise; a failed lane was reported already
+                pass
         self._closed = True
         for lane in self._lanes:
             lane.close()
+        self.weights.flow = None
         for h in self._hooks:
             h.remove()
         self._hooks = []

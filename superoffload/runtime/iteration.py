@@ -79,6 +79,14 @@ def _calls(engine: OffloadEngine, buf: BucketBuffers, members: tuple[int, ...]) 
 
 def _submit_h2d(engine: OffloadEngine, buf: BucketBuffers, members: tuple[int, ...],
                 after: Future[Any]) -> None:
+    flow = engine.weights.flow
+    if flow is not None:
+        # weight-flow: streamed weights are not on the device; their next fetch waits for
+        # this step (runtime/weightflow.py). Only the resident members are copied.
+        engine._home_ready[buf.bucket.id] = after
+        members = tuple(i for i in members if not flow.is_streamed(buf.params[i]))
+        if not members:
+            return
     src_all = buf.lp_host if buf.lp_host is not None else buf.master
     task = H2DTask(
         bucket=buf.bucket.id, iteration=engine.iteration,
@@ -121,6 +129,11 @@ def launch_bucket(engine: OffloadEngine, b: int) -> Flight:
         grad_host=tuple(buf.grad_host[i] for i in members),
         ready=engine.backend.ready_token(), backend=engine.backend, recorder=engine.telemetry,
     ))
+    flow = engine.weights.flow
+    if flow is not None:  # weight-flow: the gradient has left, free its device copy (§4.5)
+        for i in members:
+            if flow.is_streamed(buf.params[i]):
+                buf.params[i].grad = None
     if engine._it.speculate:
         if engine.config.rollback == "snapshot":
             buf.ensure_snapshot(engine.backend.alloc_host)

@@ -1,0 +1,89 @@
+"""What weight-flow streams, and the task that fetches one block (paper §4.5).
+
+``find_blocks``/``block_params`` pick the streamed parameters; ``FetchTask`` is the frozen
+task the ``fetch`` lane runs (runtime/worker.py): wait for the CPU step that last wrote the
+block's host copies, then one H2D copy of the block, recorded as a ``weight_fetch`` span on
+the h2d lane. The schedule that submits them is runtime/weightflow.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from superoffload.runtime.backend import Backend
+from superoffload.runtime.transfers import tensors_nbytes, wait_for
+from superoffload.telemetry.events import KIND_WEIGHT_FETCH, LANE_H2D
+from superoffload.telemetry.recorder import Recorder
+
+
+class WeightFlowError(RuntimeError):
+    """The weight-flow schedule broke an invariant (a bug, or a model it cannot stream)."""
+
+
+def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The streamed blocks: the longest ``nn.ModuleList`` (as ModelShape.from_module)."""
+    lists: list[torch.nn.ModuleList] = [
+        m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(
+            "OffloadConfig.weights='flow' streams the blocks of the model's longest nn.ModuleList, "
+            "and this model has none; use weights='stationary'"
+        )
+    sizes = [len(m) for m in lists]
+    return list(lists[sizes.index(max(sizes))])  # the first of the longest, as from_module
+
+
+def block_params(model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
+                 streamable: set[int]) -> list[list[torch.nn.Parameter]]:
+    """Per block, the parameters that stream: owned only inside that one block and in
+    ``streamable`` (trainable, planned). Shared or tied weights stay resident."""
+    owner: dict[int, set[int]] = {}
+    inside: set[int] = set()
+    for k, block in enumerate(blocks):
+        for m in block.modules():
+            inside.add(id(m))
+            for p in m.parameters(recurse=False):
+                owner.setdefault(id(p), set()).add(k)
+    outside: set[int] = set()
+    for m in model.modules():
+        if id(m) not in inside:
+            outside.update(id(p) for p in m.parameters(recurse=False))
+    out: list[list[torch.nn.Parameter]] = []
+    for k, block in enumerate(blocks):
+        ps = [p for p in block.parameters()
+              if id(p) in streamable and owner[id(p)] == {k} and id(p) not in outside]
+        out.append(ps)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FetchTask:
+    """Copy one block's home copies into its fresh device buffer (one H2D per block)."""
+
+    block: int
+    iteration: int
+    src_host: tuple[torch.Tensor, ...]
+    dst_device: tuple[torch.Tensor, ...]
+    after: tuple[Future[Any], ...]
+    """The last CPU step / rollback / replay of each bucket holding the block's weights."""
+    ready: Any
+    """Compute-stream token recorded when the buffer was allocated (CUDA event, or None)."""
+    backend: Backend
+    recorder: Recorder
+    watchdog_s: float
+
+    def run(self) -> Any:
+        for fut in self.after:
+            wait_for(fut, self.watchdog_s, f"CPU step before the fetch of block {self.block}")
+        with self.recorder.span(LANE_H2D, KIND_WEIGHT_FETCH, iteration=self.iteration,
+                                nbytes=tensors_nbytes(self.src_host)):
+            stream = getattr(self.backend, "h2d_stream", None)
+            if stream is not None and self.ready is not None:
+                # the buffer may reuse memory the compute stream still reads: order after it
+                stream.wait_event(self.ready)
+            return self.backend.h2d(self.src_host, self.dst_device)

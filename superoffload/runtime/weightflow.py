@@ -1,0 +1,350 @@
+"""Weight-flow: block weights live on the host and stream to the device per block (paper §4.5).
+
+Under weight-flow the optimizer runs on the host for every bucket (the engine plans with
+ratio 1), so the host copy each CPU step writes -- the bf16 copy (``lp_host``) of a
+low-precision model, the fp32 master of an fp32 model -- is the weights' *home*. The
+transformer blocks (the longest ``nn.ModuleList``, as ``plan.ModelShape.from_module`` reads
+it) stream; everything else (embeddings, final norm, head, tied or frozen weights) stays on
+the device as in weight-stationary.
+
+Per block ``k`` (``param.data`` is swapped between a device buffer and an empty placeholder,
+the mechanism ZeRO-3 uses; autograd saves leaf parameters by reference, so backward reads
+whatever buffer is current):
+
+* forward pre-hook: make ``k`` resident (fetch, or wait for its prefetch) and prefetch the
+  next blocks while fewer than ``prefetch_depth + 1`` are resident (the memory bound);
+* forward post-hook: release ``k`` -- except the last ``prefetch_depth + 1`` blocks of a
+  forward that will be differentiated, which backward needs first -- and wrap the output
+  in an identity autograd node whose backward fetches ``k`` before its backward runs;
+* backward: that node makes ``k`` resident and prefetches ``k-1, k-2, ...``; block ``j`` is
+  released once every one of its streamed parameters has accumulated its gradient (a
+  post-accumulate-grad hook; AccumulateGrad needs the full-shape parameter) and the
+  backward has moved below it;
+* activation-checkpoint recompute re-enters the forward hooks inside backward
+  (``torch._C._current_graph_task_id() != -1``): the pre-hook acts as the backward entry of
+  ``k`` (with reentrant checkpointing the forward ran under no_grad, so there is no output
+  node and this is the only one), the post-hook does nothing.
+
+A fetch is a frozen task on its own lane (the ``fetch`` thread, driving the backend's H2D
+stream on CUDA) and waits for the CPU step (or rollback/replay) that last wrote the block's
+home buckets; it records a ``weight_fetch`` span on the h2d lane.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from superoffload.runtime.fetch import FetchTask, WeightFlowError, block_params, find_blocks
+from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
+
+if TYPE_CHECKING:
+    from superoffload.runtime.engine import OffloadEngine
+
+
+@dataclass(slots=True)
+class _Resident:
+    flat: torch.Tensor
+    future: Future[Any]
+    nbytes: int
+
+
+@dataclass(slots=True)
+class FlowStats:
+    """What the weight-flow schedule did (tests read it; telemetry gets the scalars)."""
+
+    fetches: int = 0
+    fetch_order: list[tuple[str, int]] = field(default_factory=list)
+    """("f"|"b"|"r"|"m", block) per fetch submitted: forward, backward, recompute-time,
+    materialize (every block at once: checkpoints, switching, close)."""
+    peak_resident_blocks: int = 0
+    peak_resident_bytes: int = 0
+    """Peak bytes of blocks in use."""
+    peak_held_bytes: int = 0
+    """Peak bytes of device weight buffers (in use + kept for reuse)."""
+    max_fetch_order: int = 10_000
+
+
+class WeightFlow:
+    """Streams the blocks of ``engine.model`` (see the module docstring)."""
+
+    def __init__(self, engine: OffloadEngine, depth: int, lane: Any) -> None:
+        self.engine = engine
+        self.depth = depth
+        self.lane = lane
+        blocks = find_blocks(engine.model)
+        streamable = {id(engine._params[i]) for i in engine._trainable if i in engine._bucket_of}
+        self.blocks = blocks
+        self.params = block_params(engine.model, blocks, streamable)
+        self.indices = [[engine._index[id(p)] for p in ps] for ps in self.params]
+        self._streamed = {id(p) for ps in self.params for p in ps}
+        # full shapes, read while every block is resident (released parameters hold 0 elements)
+        self.shapes = [[p.shape for p in ps] for ps in self.params]
+        self.numel = [sum(p.numel() for p in ps) for ps in self.params]
+        self.dtype = engine.model_dtype
+        self.device = engine.backend.device
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.resident: dict[int, _Resident] = {}
+        self._pool: list[torch.Tensor] = []
+        self.resident_bytes = 0
+        self.iteration_peak_bytes = 0
+        """Peak of resident_bytes since the last iteration boundary (telemetry)."""
+        self.stats = FlowStats()
+        self._seen: list[set[int]] = [set() for _ in blocks]
+        self._cursor = -1
+        self._backward = False
+        self._handles: list[Any] = []
+
+    def is_streamed(self, param: torch.Tensor) -> bool:
+        return id(param) in self._streamed
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of all streamed weights (what weight-stationary would keep resident)."""
+        return sum(self.numel) * self._empty.element_size()
+
+    @property
+    def block_bytes(self) -> list[int]:
+        return [n * self._empty.element_size() for n in self.numel]
+
+    def attach(self) -> None:
+        """Install the hooks and release every streamed block (weights already in their homes)."""
+        for k, block in enumerate(self.blocks):
+            if not self.numel[k]:
+                continue
+            self._handles.append(block.register_forward_pre_hook(self._pre_hook(k)))
+            self._handles.append(block.register_forward_hook(self._post_hook(k)))
+            for p in self.params[k]:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(k, id(p))))
+        for k in range(len(self.blocks)):
+            self._release_now(k, force=True)
+
+    def detach(self) -> None:
+        """Make every block resident again (weight-stationary) and remove the hooks."""
+        self.materialize()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.resident.clear()
+        self._pool.clear()
+        self.resident_bytes = 0
+
+    def materialize(self) -> None:
+        """Fetch every block and wait (checkpoints, switching policy); exceeds the bound."""
+        for k in range(len(self.blocks)):
+            self.ensure(k, kind="m")
+
+    def release_all(self) -> None:
+        for k in list(self.resident):
+            self._release_now(k, force=True)
+
+    # ------------------------------------------------------------------ fetch / release
+    def _home(self, index: int) -> torch.Tensor:
+        b, pos = self.engine._bucket_of[index]
+        buf = self.engine._buffers[b]
+        return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
+
+    def submit(self, k: int, kind: str) -> None:
+        """Allocate block k's device buffer, point its parameters at it, queue the copy."""
+        if not 0 <= k < len(self.blocks) or k in self.resident or not self.numel[k]:
+            return
+        eng = self.engine
+        flat = self._alloc(self.numel[k])
+        views, offset = [], 0
+        for shape in self.shapes[k]:
+            n = shape.numel()
+            views.append(flat[offset: offset + n].view(shape))
+            offset += n
+        buckets = sorted({eng._bucket_of[i][0] for i in self.indices[k]})
+        after = tuple(f for f in (eng._home_ready.get(b) for b in buckets) if f is not None)
+        ready = eng.backend.ready_token() if eng.backend.device.type == "cuda" else None
+        task = FetchTask(
+            block=k, iteration=eng.iteration,
+            src_host=tuple(self._home(i) for i in self.indices[k]), dst_device=tuple(views),
+            after=after, ready=ready, backend=eng.backend, recorder=eng.telemetry,
+            watchdog_s=eng.config.watchdog_s,
+        )
+        with torch.no_grad():
+            for p, v in zip(self.params[k], views):
+                p.data = v  # nobody reads block k before ensure(k) waits for the copy
+        nbytes = self.numel[k] * flat.element_size()
+        self.resident[k] = _Resident(flat, self.lane.submit(task), nbytes)
+        self.resident_bytes += nbytes
+        st = self.stats
+        st.fetches += 1
+        if len(st.fetch_order) < st.max_fetch_order:
+            st.fetch_order.append((kind, k))
+        if kind == "m":
+            return  # materialize() exceeds the bound on purpose (checkpoints, switching)
+        st.peak_resident_blocks = max(st.peak_resident_blocks, len(self.resident))
+        st.peak_resident_bytes = max(st.peak_resident_bytes, self.resident_bytes)
+        st.peak_held_bytes = max(st.peak_held_bytes, self.held_bytes)
+        self.iteration_peak_bytes = max(self.iteration_peak_bytes, self.held_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of weight buffers: resident blocks plus the reuse pool."""
+        in_use = sum(_base_nbytes(r.flat) for r in self.resident.values())
+        return in_use + sum(_base_nbytes(t) for t in self._pool)
+
+    def _alloc(self, numel: int) -> torch.Tensor:
+        """A device buffer for one block: a released one of the same size when pooled (no
+        allocator round trip, no fresh page faults on the CPU), else a new one."""
+        fits = [i for i, t in enumerate(self._pool) if t.numel() >= numel]
+        if fits:
+            i = min(fits, key=lambda j: self._pool[j].numel())  # best fit
+            return self._pool.pop(i)[:numel]
+        if self._pool:  # none fits: give one back so at most depth + 1 buffers exist
+            self._pool.pop(0)
+        return self.engine.backend.alloc_device(numel, self.dtype)
+
+    def ensure(self, k: int, kind: str = "f") -> None:
+        """Block k is resident and its copy has landed (the compute stream waits on CUDA)."""
+        if not self.numel[k]:
+            return
+        self.submit(k, kind)
+        res = self.resident[k]
+        eng = self.engine
+        if not res.future.done():
+            t0 = eng.telemetry.now()
+            token = eng._wait(res.future, f"fetch of block {k}")
+            eng.telemetry.add(LANE_COMPUTE, KIND_WAIT, t0, eng.telemetry.now(),
+                              iteration=eng.iteration)
+        else:
+            token = res.future.result()
+        eng.backend.wait(token)
+
+    def _release_now(self, k: int, *, force: bool = False) -> None:
+        res = self.resident.pop(k, None)
+        if res is not None:
+            # an unused prefetch may still be copying: the compute stream orders after it
+            # before the memory is handed out again
+            self.engine.backend.wait(self.engine._wait(res.future, f"fetch of block {k}"))
+            self.resident_bytes -= res.nbytes
+            if len(self.resident) + len(self._pool) < self.depth + 1:
+                self._pool.append(_base(res.flat))  # at most depth + 1 buffers exist at any time
+        if res is not None or force:
+            with torch.no_grad():
+                for p in self.params[k]:
+                    p.data = self._empty
+
+    def _top_up(self) -> None:
+        """Prefetch in the current direction while fewer than depth + 1 blocks are resident."""
+        step = -1 if self._backward else 1
+        k = self._cursor + step
+        ahead = 0
+        while 0 <= k < len(self.blocks) and ahead < self.depth:
+            if self.numel[k]:
+                ahead += 1
+                if k not in self.resident:
+                    if len(self.resident) >= self.depth + 1:
+                        return
+                    self.submit(k, "b" if self._backward else "f")
+            k += step
+
+    # ------------------------------------------------------------------ phases
+    def begin_forward(self) -> None:
+        """Root forward pre-hook: a new pass starts in forward order."""
+        self.release_all()
+        self._backward = False
+        self._cursor = -1
+        self._seen = [set() for _ in self.blocks]
+        self._top_up()
+
+    def end_backward(self) -> None:
+        """After backward (or at step()): nothing streamed stays resident."""
+        self.release_all()
+        self._backward = False
+        self._cursor = -1
+
+    def _enter_backward(self, k: int) -> None:
+        self._backward = True
+        self._cursor = k
+        for j in [j for j in self.resident if j > k and self._done(j)]:
+            self._release_now(j)
+        self.ensure(k, "b")
+        self._top_up()
+
+    def _done(self, j: int) -> bool:
+        return len(self._seen[j]) == len(self.params[j])
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_hook(self, k: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                # activation-checkpoint recompute, inside block k's backward: non-reentrant
+                # checkpointing got here through the output node (a no-op then); reentrant
+                # ran the forward under no_grad, so this is where backward meets block k
+                self._enter_backward(k)
+                return
+            self._cursor = k
+            self.ensure(k, "f")
+            self._top_up()
+        return hook
+
+    def _post_hook(self, k: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+            if torch._C._current_graph_task_id() != -1:
+                return None
+            grad = torch.is_grad_enabled()
+            keep = grad and k >= self._keep_from()
+            if not keep:
+                self._release_now(k)
+            if grad:
+                return _wrap(output, self, k)
+            return None
+        return hook
+
+    def _keep_from(self) -> int:
+        """Blocks from here on stay resident after forward: backward needs them first."""
+        streamed = [k for k, n in enumerate(self.numel) if n]
+        return streamed[max(0, len(streamed) - self.depth - 1)] if streamed else 0
+
+    def _grad_hook(self, k: int, pid: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self._seen[k].add(pid)
+            if self._backward and k > self._cursor and self._done(k) and k in self.resident:
+                self._release_now(k)
+                self._top_up()
+        return hook
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The whole pooled buffer behind a (prefix) slice."""
+    return t if t._base is None else t._base
+
+
+def _base_nbytes(t: torch.Tensor) -> int:
+    b = _base(t)
+    return b.numel() * b.element_size()
+
+
+class _BackwardFetch(torch.autograd.Function):
+    """Identity whose backward runs before the block's own backward: fetch the block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, flow: WeightFlow, k: int) -> torch.Tensor:
+        ctx.flow, ctx.k = flow, k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        ctx.flow._enter_backward(ctx.k)
+        return grad, None, None
+
+
+def _wrap(output: Any, flow: WeightFlow, k: int) -> Any:
+    if isinstance(output, torch.Tensor):
+        return _BackwardFetch.apply(output, flow, k) if output.requires_grad else None
+    if isinstance(output, tuple):
+        for i, t in enumerate(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return (*output[:i], _BackwardFetch.apply(t, flow, k), *output[i + 1:])
+    raise WeightFlowError(
+        f"block {k} returned {type(output).__name__} with no tensor requiring grad; weight-flow "
+        "needs a tensor (or a tuple holding one) to fetch the block before its backward"
+    )

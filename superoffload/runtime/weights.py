@@ -1,0 +1,189 @@
+"""Which weight policy the engine runs, and switching it (paper §4.5).
+
+``OffloadConfig.weights``: "stationary" and "flow" run as asked; "auto" asks
+``plan.weights.choose_weights`` with the model's shape (``plan.ModelShape.from_module``), the
+micro-batch and sequence length (given to ``initialize``, else read from the first batch the
+model sees) and a hardware profile (given, a cached ``measure_local`` profile, or a preset).
+The choice, the predicted numbers and the reason go to the log (logger
+``superoffload.weights``) and to a telemetry note.
+
+A switch (``engine.reconfigure(weights=..., prefetch_depth=...)``, or "auto" deciding) is
+applied at the next forward that starts an iteration: drain every lane, make all weights
+resident, re-plan the buckets (weight-flow plans ratio 1 and host-side weight casting), and,
+for weight-flow, release the blocks again. Going back to weight-stationary needs every
+weight and gradient resident; with ``device_budget_bytes`` set and too small for that, the
+switch is refused with a note (the run stays on weight-flow).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.shapes import ModelShape
+from superoffload.plan.weights import WeightChoice, choose_weights
+from superoffload.runtime.policy import resolve_profile
+from superoffload.runtime.weightflow import WeightFlow
+
+if TYPE_CHECKING:
+    from superoffload.runtime.engine import OffloadEngine
+
+log = logging.getLogger("superoffload.weights")
+
+
+class WeightPolicyController:
+    """Owns the active weight policy of one engine (see the module docstring)."""
+
+    def __init__(self, engine: OffloadEngine, *, profile: HardwareProfile | str | None,
+                 seq_len: int | None, micro_batch: int | None,
+                 device_budget_bytes: int | None) -> None:
+        for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
+                            ("device_budget_bytes", device_budget_bytes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ValueError(f"initialize({name}={value!r}): use a whole number >= 1 or None")
+        self.engine = engine
+        self.requested = engine.config.weights
+        self.depth = engine.config.prefetch_depth
+        self.active = "flow" if self.requested == "flow" else "stationary"
+        self.flow: WeightFlow | None = None
+        self.choice: WeightChoice | None = None
+        self.device_budget_bytes = device_budget_bytes
+        self._profile_arg = profile
+        self._profile: HardwareProfile | None = None
+        self._batch: tuple[int, int] | None = (
+            (micro_batch or 1, seq_len) if seq_len is not None else None)
+        self._pending: dict[str, Any] = {}
+        self._lock = threading.Lock()  # reconfigure() may come from another thread
+        if self.requested == "auto" and self._batch is not None:
+            self.active = self._decide()
+
+    # ------------------------------------------------------------------ engine entry points
+    def start(self) -> list[Any]:
+        """After the engine's first build: stream if flow; returns hook handles."""
+        if self.active == "flow":
+            self._attach()
+        return [self.engine.model.register_forward_pre_hook(self._on_forward)]
+
+    def request(self, changes: dict[str, Any]) -> None:
+        """reconfigure(weights=..., prefetch_depth=...): applied at the next iteration start."""
+        with self._lock:
+            self._pending.update(changes)
+
+    def end_backward(self) -> None:
+        if self.flow is not None:
+            self.flow.end_backward()
+
+    def close_iteration(self, iteration: int) -> None:
+        rec = self.engine.telemetry
+        rec.scalar("weights_flow", iteration, 1.0 if self.active == "flow" else 0.0)
+        rec.scalar("device_weight_bytes", iteration, float(self.device_weight_bytes(peak=True)))
+        if self.flow is not None:
+            self.flow.iteration_peak_bytes = self.flow.held_bytes
+
+    def device_weight_bytes(self, *, peak: bool = False) -> int:
+        """Bytes of model weights on the device now (or at this iteration's peak)."""
+        flow = self.flow
+        skip = set() if flow is None else {id(p) for ps in flow.params for p in ps}
+        fixed = sum(p.numel() * p.element_size() for p in self.engine.model.parameters()
+                    if id(p) not in skip)
+        if flow is None:
+            return fixed
+        return fixed + (flow.iteration_peak_bytes if peak else flow.held_bytes)
+
+    def activations_on_host(self) -> Any:
+        """Wrap a forward in it to keep what autograd saves for backward on the host (pinned
+        on CUDA) -- with activation checkpointing, the checkpoints (each block's input) --
+        and bring it back in backward: ``torch.autograd.graph.save_on_cpu``. Device memory
+        for activations then drops to the recompute of one block; the cost is a D2H + H2D of
+        every saved tensor (the option the paper pairs with weight-flow for long sequences)."""
+        # on the CPU backend the "host copy" is a separate CPU tensor: DeviceMeter, whose
+        # saved-tensor hooks this inner context replaces, then no longer counts it
+        pin = self.engine.backend.device.type == "cuda" and self.engine.config.pin_memory
+        return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+
+    # ------------------------------------------------------------------ decisions
+    def profile(self) -> HardwareProfile:
+        if self._profile is None:
+            self._profile = resolve_profile(self._profile_arg, self.engine.backend.device.type)
+        return self._profile
+
+    def shape(self) -> ModelShape:
+        assert self._batch is not None
+        mb, seq = self._batch
+        ckpt = bool(getattr(getattr(self.engine.model, "config", None), "checkpointing", False))
+        return ModelShape.from_module(self.engine.model, seq=seq, micro_batch=mb,
+                                      activation_checkpointing=ckpt)
+
+    def _decide(self) -> str:
+        cap = self.device_budget_bytes
+        choice = choose_weights(self.shape(), self.profile(),
+                                self.engine.config.replace(weights="stationary"),
+                                device_memory_bytes=cap)
+        self.choice = choice
+        text = f"weights='auto' on profile {self.profile().name}: {choice.reason}"
+        log.info(text)
+        self.engine.telemetry.note(self.engine.iteration, text)
+        return choice.policy
+
+    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        eng = self.engine
+        if eng._it.micro_step == 0 and torch._C._current_graph_task_id() == -1:
+            if self._batch is None and args and isinstance(args[0], torch.Tensor) \
+                    and args[0].dim() >= 2:
+                self._batch = (int(args[0].shape[0]), int(args[0].shape[1]))
+                if self.requested == "auto":
+                    with self._lock:
+                        self._pending.setdefault("weights", "auto")
+            elif self._batch is None and self.requested == "auto":
+                raise ValueError(
+                    "OffloadConfig.weights='auto' needs the sequence length: the model's first "
+                    "argument is not a (batch, seq) tensor; pass initialize(..., seq_len=N)")
+            if self._pending:
+                self._apply()
+        if self.flow is not None and torch._C._current_graph_task_id() == -1:
+            self.flow.begin_forward()
+
+    def _apply(self) -> None:
+        with self._lock:
+            changes, self._pending = self._pending, {}
+        eng = self.engine
+        old_depth = self.depth
+        if "prefetch_depth" in changes:
+            self.depth = int(changes["prefetch_depth"])
+        if "weights" in changes:
+            self.requested = changes["weights"]
+        eng.config = eng.config.replace(weights=self.requested, prefetch_depth=self.depth)
+        target = self._decide() if self.requested == "auto" else self.requested
+        if target == "stationary" and self.active == "flow" and not self._stationary_fits():
+            eng.telemetry.note(eng.iteration, "weights: switch to stationary refused, every "
+                               f"weight and gradient would not fit device_budget_bytes="
+                               f"{self.device_budget_bytes}; staying on weight-flow")
+            target = "flow"
+        if target == self.active and (target != "flow" or self.depth == old_depth):
+            return
+        eng.synchronize()
+        if self.flow is not None:
+            self.flow.detach()
+            self.flow = None
+        states = eng._export_states()
+        previous, self.active = self.active, target
+        eng._build(eng.config, [states[i] for i in eng._trainable])
+        if target == "flow":
+            self._attach()
+        eng.telemetry.note(eng.iteration, f"weights: {previous} -> {target} (prefetch_depth "
+                                          f"{self.depth}) from iteration {eng.iteration}")
+
+    def _stationary_fits(self) -> bool:
+        if self.device_budget_bytes is None:
+            return True
+        need = 2 * sum(p.numel() for p in self.engine._params) * self.engine.model_dtype.itemsize
+        return need <= self.device_budget_bytes
+
+    def _attach(self) -> None:
+        self.flow = WeightFlow(self.engine, self.depth, self.engine.fetch_lane)
+        self.flow.attach()
