@@ -167,3 +167,16 @@ def test_bad_sources_and_rates_are_refused() -> None:
         DashboardState(window_iterations=0)
     with pytest.raises(ValueError, match="no engine or recorder"):
         LiveDashboard.from_spans([]).start()
+
+
+def test_device_memory_falls_back_to_device_resident_weight_bytes_without_cuda() -> None:
+    rec = Recorder()
+    dash = LiveDashboard(rec)
+    t = record_iteration(rec, 0, 0.0, loss=5.0)
+    rec.scalar("device_weight_bytes", 0, 3e9)  # what weight-flow bounds by its prefetch depth
+    record_iteration(rec, 1, t + 0.001, loss=4.9)
+    dash.refresh()
+    assert list(dash.figure.data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(3.0)
+    rec.scalar("device_mem_bytes", 1, 5e9)  # the engine's own figure wins when it records one
+    dash.refresh()
+    assert list(dash.figure.data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(5.0)

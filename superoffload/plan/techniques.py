@@ -107,9 +107,13 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
     weights = "stationary"
     if tech.adaptive_weights and schedule == "superoffload":
         if cfg.weights == "auto":
-            eff = cost.weight_flow_efficiency(shape, prof)
-            weights = "flow" if eff >= 0.98 else "stationary"
-            reasons.append(f"weight-flow efficiency {eff:.3f} -> {weights}")
+            # the same rule the engine applies (plan/weights.py), so a simulated "auto" and a
+            # running engine choose alike; imported here because it simulates both policies
+            from superoffload.plan.weights import choose_weights
+
+            choice = choose_weights(shape, prof, cfg)
+            weights = choice.policy
+            reasons.append(choice.reason)
         else:
             weights = cfg.weights
     if weights == "flow" and param_cast != "host":

@@ -209,12 +209,17 @@ class LiveDashboard:
 
     def _memory_bytes(self) -> tuple[float | None, float | None]:
         """(host, device) bytes in use: the engine's own scalars when it records them, else
-        this process's resident memory and the CUDA allocator's count."""
+        this process's resident memory and the CUDA allocator's count; on a CPU-only host the
+        device side falls back to the engine's device-resident weight bytes, which is what
+        weight-flow bounds by its prefetch depth (paper §4.5)."""
         assert self.recorder is not None
         host_s = self.recorder.scalars("host_mem_bytes")
         device_s = self.recorder.scalars("device_mem_bytes")
         host = host_s[-1].value if host_s else _process_rss_bytes()
         device = device_s[-1].value if device_s else _cuda_allocated_bytes()
+        if device is None:
+            weights_s = self.recorder.scalars("device_weight_bytes")
+            device = weights_s[-1].value if weights_s else None
         return host, device
 
     # ----------------------------------------------------------------- display
