@@ -197,7 +197,9 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
         "grad_cast": "where gradients are cast (§4.4)",
         "param_cast": "where updated weights are cast (§4.4)",
         "speculation": f"STV mode at an expected clipping rate of {cons.rollback_rate:.4f} (§4.3)",
-        "cpu_cores_frac": "share of host cores for the CPU optimizer",
+        "cpu_cores_frac": "share of host cores for the CPU optimizer (settings within "
+                          f"{TIE:.1%} of the fastest count as equal; fewer cores win the tie, "
+                          "leaving the rest to the data pipeline)",
         "prefetch_depth": "weight-flow blocks fetched ahead",
     }
     for name, results in tried.items():
@@ -223,4 +225,6 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
 def _fmt(name: str, value: Any) -> str:
     if name == "bucket_bytes":
         return f"{value // MiB} MiB"
+    if isinstance(value, float):
+        return f"{value:.3g}"
     return repr(value) if isinstance(value, str) else str(value)
