@@ -68,9 +68,10 @@ def _kill_recorded_pids(out_dir: Path) -> None:
 
 def run_ranks(scenario: str, world_size: int, out_dir: Path, *, timeout_s: float,
               args: dict | None = None, wait_for: tuple[int, ...] | None = None,
-              ) -> list[RankResult]:
+              worker: Path = WORKER) -> list[RankResult]:
     """Run `scenario` on `world_size` ranks; wait at most `timeout_s` for the ranks in
-    `wait_for` (default all), then kill every rank still running."""
+    `wait_for` (default all), then kill every rank still running. `worker`: the script each
+    rank runs (default tests/_dist_worker.py; tests/_zero_worker.py for ZeRO)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(2):  # retry once if another process grabbed the port meanwhile
         port = free_port()
@@ -84,7 +85,7 @@ def run_ranks(scenario: str, world_size: int, out_dir: Path, *, timeout_s: float
                                    "MASTER_PORT": str(port)})
                 with open(log_path, "wb") as log:
                     procs.append(subprocess.Popen(
-                        [sys.executable, str(WORKER), scenario, str(out_dir),
+                        [sys.executable, str(worker), scenario, str(out_dir),
                          json.dumps(args or {})],
                         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + timeout_s

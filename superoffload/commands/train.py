@@ -67,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="train a tiny Hugging Face GPT-2 (needs the optional transformers)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from superoffload.distributed.launch import add_parallel_args
+
+    add_parallel_args(p)  # --dp/--sp/--dist-backend/--dist-timeout-s (docs/distributed.md)
     p.set_defaults(func=_run)
 
 
@@ -157,10 +160,18 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     from superoffload.telemetry.metrics import to_records
     from superoffload.train_loop import TrainSettings, train
 
-    device = _resolve_device(args.device)
+    dp = _start_data_parallel(args)  # None unless under torchrun (or --dp/--sp > 1)
+    device = torch.device(dp.device) if dp is not None else _resolve_device(args.device)
     d = _DEFAULTS["cuda" if device.type == "cuda" else "cpu"]
     preset = args.model or d["model"]
     batch, seq, lr = args.batch or d["batch"], args.seq or d["seq"], args.lr or d["lr"]
+    global_batch = batch
+    if dp is not None:  # --batch is the global batch; each rank takes its share
+        if batch % dp.dp:
+            raise SystemExit(f"--batch={batch} must be a multiple of the data-parallel degree {dp.dp}")
+        batch //= dp.dp
+        args.quiet = args.quiet or dp.rank != 0
+        args.no_report = args.no_report or dp.rank != 0
     dtype_name = d["dtype"] if args.dtype == "auto" else args.dtype
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     for name, value in (("--steps", args.steps), ("--batch", batch), ("--seq", seq)):
@@ -172,17 +183,21 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     config = engine_config(args, device)
     tokens = load_tokens()
     train_tokens, val_tokens = split_train_val(tokens)
-    batches = BatchSampler(train_tokens, batch_size=batch, seq_len=seq, seed=args.seed)
+    rank_seed = args.seed + (1000 * dp.dp_rank if dp is not None else 0)  # other data per rank
+    batches = BatchSampler(train_tokens, batch_size=batch, seq_len=seq, seed=rank_seed)
     val = BatchSampler(val_tokens, batch_size=batch, seq_len=seq, seed=args.seed + 1)
-    out = _out_dir(args.out)
+    out = _out_dir(args.out) if dp is None or dp.rank == 0 else Path()
+    if dp is not None:
+        out = _shared_out_dir(out)
     label = "HF GPT-2 (tiny)" if args.hf else f"GPT {preset}"
     info = {"model": label, "params": n_params, "device": str(device), "dtype": dtype_name,
-            "batch": batch, "seq": seq, "lr": lr, "steps": args.steps,
+            "batch": global_batch, "seq": seq, "lr": lr, "steps": args.steps,
             "preset": args.preset, "bucket_bytes": config.bucket_bytes, "ratio": config.ratio,
             "grad_cast": config.grad_cast, "param_cast": config.param_cast,
             "cpu_threads": config.cpu_threads,
             "speculation": config.speculation, "max_grad_norm": config.max_grad_norm,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "dp": dp.dp if dp is not None else 1,
+            "batch_per_rank": batch}
     if not args.json and not args.quiet:
         print(f"training {label}: {n_params / 1e6:.2f} M params on {device} ({dtype_name}), "
               f"batch {batch} x {seq} tokens, {args.steps} steps; output in {out}", flush=True)
@@ -206,7 +221,14 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     groups = param_groups(model, args.weight_decay)
     for g in groups:
         g.update(lr=lr, betas=(0.9, 0.95))
-    with so.initialize(model, optimizer=groups, config=config) as engine:
+    engine_ctx: Any
+    if dp is not None:
+        from superoffload.distributed.zero import ZeroOffloadEngine
+
+        engine_ctx = ZeroOffloadEngine(model, groups, config)
+    else:
+        engine_ctx = so.initialize(model, optimizer=groups, config=config)
+    with engine_ctx as engine:
         try:
             result = train(engine, model, batches, settings, val_batches=val, on_step=on_step)
         finally:
@@ -240,8 +262,37 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
         **result.to_dict(), **info, "engine_stats": stats,
         "report": str(report_path) if report_path else None, "out": str(out), "sample": sample,
     }
-    (out / "result.json").write_text(json.dumps({**payload, "iterations": records}, indent=1))
+    if dp is None or dp.rank == 0:
+        (out / "result.json").write_text(json.dumps({**payload, "iterations": records}, indent=1))
+    if dp is not None:
+        from superoffload.distributed import shutdown
+
+        payload["rank"] = dp.rank
+        shutdown()
     return payload
+
+
+# ---- data parallel under torchrun: a delimited extension (issue 7; docs/distributed.md)
+def _start_data_parallel(args: argparse.Namespace) -> Any:
+    """init_distributed() when launched by torchrun or asked for --dp/--sp > 1; else None."""
+    if "WORLD_SIZE" not in os.environ and (args.dp or 1) == 1 and args.sp == 1:
+        return None
+    from superoffload.distributed import init_from_args
+
+    info = init_from_args(args)
+    if info.sp != 1:
+        raise SystemExit("train --sp > 1: sequence parallel is not wired into the train command "
+                         "yet; use --sp 1 (ZeRO data parallel) or the library API")
+    return info
+
+
+def _shared_out_dir(out: Path) -> Path:
+    """Rank 0's output folder, told to every rank (the sharded checkpoint goes there)."""
+    import torch.distributed as dist
+
+    box: list[Any] = [str(out)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
 
 
 def _sample(model: torch.nn.Module, device: torch.device, prompt: str = "def ",
@@ -276,6 +327,8 @@ def _print_summary(r: dict[str, Any]) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     result = run_training(args)
+    if result.get("rank", 0) != 0:
+        return 0  # rank 0 speaks for the data-parallel job
     if not args.quiet or not args.json:
         _print_summary(result)
     if args.json:

@@ -4,8 +4,9 @@
     info = init_distributed(sp=2)                 # under torchrun; gloo on CPU, nccl on CUDA
     apply_ulysses(model, get_groups().sp_group)
 
-See docs/distributed.md. ZeRO-style data parallel of the offloaded optimizer state is not here
-yet (it lives with the engine).
+See docs/distributed.md. ZeRO-style data parallel of the offloaded optimizer state (each rank
+keeps and steps 1/N of every offloaded bucket): ``superoffload.distributed.zero.ZeroOffloadEngine``
+and ``superoffload.distributed.zero_checkpoint`` (imported on demand: they pull in the engine).
 """
 
 from superoffload.distributed.groups import (

@@ -1,0 +1,274 @@
+"""Sharded checkpoints of ZeroOffloadEngine: one file per rank plus a manifest.
+
+Layout of ``path/``::
+
+    rank00000-of-00002.pt   this rank's segments: (parameter, offset, master, exp_avg,
+    rank00001-of-00002.pt   exp_avg_sq) as fp32 CPU tensors, and its RNG states; rank 0's
+                            file also holds the replicated tail buckets' state, the model's
+                            other tensors (buffers, frozen parameters) and ``extra``
+    manifest.json           format, world size, file names, iteration, config, parameter
+                            signature, step counts, param groups, loss scaler, STV, counters
+
+Each file is written to a temporary name, fsynced and renamed; rank 0 writes the manifest
+only after every rank's file is in place (a barrier), so a manifest means a complete
+checkpoint. Segments are stored by *parameter* offset, not by rank range, so
+``consolidate()`` rebuilds each full fp32 tensor by concatenating its pieces in offset
+order (checking they tile it exactly) whatever the world size that wrote them, and
+``load()`` on any world size lets each rank cut its own new slice out of the full tensors
+(resharding). Files are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.zero_comm import all_gather_flat
+from superoffload.runtime import checkpoint as single
+from superoffload.runtime.state import ParamState
+
+if TYPE_CHECKING:
+    from superoffload.distributed.zero import ZeroOffloadEngine
+
+FORMAT = "superoffload-zero/1"
+MANIFEST = "manifest.json"
+
+
+def rank_file(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+def _all_gather_host(engine: ZeroOffloadEngine, shard: torch.Tensor, padded: int) -> torch.Tensor:
+    """All-gather equal host shards over the gradient group; returns the padded flat (CPU)."""
+    dev = engine.backend.device
+    src = shard.to(dev)
+    out = torch.empty(padded, dtype=shard.dtype, device=dev)
+    with collective_guard("all_gather (master weights)", engine.grad_group):
+        all_gather_flat(out, src, group=engine.grad_group)
+    return out.cpu()
+
+
+def gather_full_states(engine: ZeroOffloadEngine) -> dict[int, ParamState]:
+    """Full fp32 state of every trainable parameter on every rank. Collective."""
+    engine.synchronize()
+    out: dict[int, ParamState] = {}
+    for b in sorted(set(engine._shards) | set(engine._tails)):
+        if b in engine._tails:
+            buf = engine._tails[b]
+            for pos, i in enumerate(buf.bucket.param_indices):
+                out[i] = ParamState(buf.master[pos].detach().to("cpu", torch.float32, copy=True),
+                                    buf.exp_avg[pos].detach().cpu().clone(),
+                                    buf.exp_avg_sq[pos].detach().cpu().clone(), engine._steps[i])
+            continue
+        sb = engine._shards[b]
+        lay = sb.layout
+        fulls = [_all_gather_host(engine, t, lay.padded_numel) for t in sb.state.flat[:3]]
+        for pos, i in enumerate(sb.bucket.param_indices):
+            lo, hi = lay.param_offsets[pos], lay.param_offsets[pos] + lay.param_numels[pos]
+            shape = engine._params[i].shape
+            m, a, s = (f[lo:hi].clone().view(shape) for f in fulls)
+            out[i] = ParamState(m, a, s, engine._steps[i])
+    return out
+
+
+def _write_atomic(payload: Any, final: str) -> None:
+    tmp = f"{final}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _barrier(engine: ZeroOffloadEngine, what: str) -> None:
+    flag = torch.ones(1, device=engine.backend.device)
+    with collective_guard(f"all_reduce ({what})", engine.grad_group):
+        dist.all_reduce(flag, group=engine.grad_group)
+
+
+def _signature(engine: ZeroOffloadEngine) -> list[list[Any]]:
+    return [[n, list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+            for n, p in zip(engine._names, engine._params)]
+
+
+def save(engine: ZeroOffloadEngine, path: str, *, extra: Any = None,
+         lr_scheduler: Any = None) -> str:
+    """Write this rank's file; rank 0 then writes the manifest. Collective; returns path."""
+    from superoffload.distributed.zero_buffers import export_segments
+
+    engine.synchronize()
+    os.makedirs(path, exist_ok=True)
+    names = engine._names
+    segments = [(names[i], off, m, a, s) for sb in engine._shards.values()
+                for i, off, m, a, s in export_segments(sb)]
+    payload: dict[str, Any] = {"format": FORMAT, "rank": engine.rank,
+                               "world_size": engine.world_size, "segments": segments,
+                               "rng": single._rng_state()}
+    if engine.rank == 0:
+        tails = []
+        for buf in engine._tails.values():
+            for pos, i in enumerate(buf.bucket.param_indices):
+                tails.append((names[i], 0, buf.master[pos].detach().float().cpu().reshape(-1),
+                              buf.exp_avg[pos].detach().cpu().reshape(-1),
+                              buf.exp_avg_sq[pos].detach().cpu().reshape(-1)))
+        payload["segments"] += tails
+        trained = {names[i] for i in engine._trainable}
+        payload["model_rest"] = {k: v.detach().cpu().clone()
+                                 for k, v in engine.model.state_dict().items() if k not in trained}
+        payload["extra"] = extra
+        payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
+    _write_atomic(payload, os.path.join(path, rank_file(engine.rank, engine.world_size)))
+    _barrier(engine, "checkpoint files written")
+    if engine.rank == 0:
+        groups = []
+        for g in engine.optimizer.param_groups:
+            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
+                     if k != "params"}
+            hyper["params"] = [names[engine._index[id(p)]] for p in g["params"]]
+            groups.append(hyper)
+        manifest = {
+            "format": FORMAT, "world_size": engine.world_size,
+            "files": [rank_file(r, engine.world_size) for r in range(engine.world_size)],
+            "iteration": engine.iteration, "config": single._plain(engine.config.to_dict()),
+            "signature": _signature(engine),
+            "steps": {names[i]: engine._steps[i] for i in engine._trainable},
+            "param_groups": groups, "loss_scaler": engine.scaler.state_dict(),
+            "stv": engine.adaptive.state_dict(),
+            "stats": {k: getattr(engine.stats, k) for k in engine.stats.__slots__},  # type: ignore[attr-defined]
+        }
+        tmp = os.path.join(path, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(tmp, os.path.join(path, MANIFEST))
+    _barrier(engine, "checkpoint manifest written")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class ConsolidatedState:
+    """A sharded checkpoint put back together (any world size)."""
+
+    manifest: dict[str, Any]
+    states: dict[str, ParamState]
+    """Full fp32 master, moments and step per trainable parameter."""
+    model_rest: dict[str, torch.Tensor]
+    """The model's other state-dict entries (buffers, frozen or tied-alias parameters)."""
+    rng: list[Any]
+    """Each writing rank's RNG states, by rank."""
+    extra: Any
+    lr_scheduler: Any = None
+    """The LR scheduler's state_dict, when one was saved."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """One fp32 state dict: the master weights plus the model's other entries."""
+        out = dict(self.model_rest)
+        out.update({n: s.master for n, s in self.states.items()})
+        return out
+
+
+def consolidate(path: str) -> ConsolidatedState:
+    """Read every rank's file of the checkpoint at ``path`` and rebuild full fp32 tensors."""
+    man_path = os.path.join(path, MANIFEST)
+    if not os.path.exists(man_path):
+        raise FileNotFoundError(f"no sharded checkpoint at {path} ({MANIFEST} is missing: the "
+                                "save did not finish, or this is not a ZeRO checkpoint)")
+    with open(man_path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise single.CheckpointMismatch(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+    pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    rng: list[Any] = []
+    model_rest: dict[str, torch.Tensor] = {}
+    extra = scheduler = None
+    for r, name in enumerate(manifest["files"]):
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"sharded checkpoint {path}: {name} (rank {r} of "
+                                    f"{manifest['world_size']}) is missing; copy every rank's file")
+        payload = torch.load(file, map_location="cpu", weights_only=True)
+        if payload["rank"] != r or payload["world_size"] != manifest["world_size"]:
+            raise single.CheckpointMismatch(f"{name}: holds rank {payload['rank']} of "
+                                            f"{payload['world_size']}, the manifest expects {r}")
+        rng.append(payload["rng"])
+        for pname, off, m, a, s in payload["segments"]:
+            pieces.setdefault(pname, []).append((int(off), m, a, s))
+        if r == 0:
+            model_rest, extra = payload["model_rest"], payload.get("extra")
+            scheduler = payload.get("lr_scheduler")
+    states: dict[str, ParamState] = {}
+    for pname, shape, _dtype, _trainable in manifest["signature"]:
+        if pname not in manifest["steps"]:
+            continue
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        parts = sorted(pieces.get(pname, []), key=lambda t: t[0])
+        covered = 0
+        for off, m, _, _ in parts:
+            if off != covered:
+                raise single.CheckpointMismatch(
+                    f"parameter {pname!r}: elements [{covered}, {off}) are missing or overlap "
+                    "in the rank files (a file from another save?)")
+            covered += m.numel()
+        if covered != numel:
+            raise single.CheckpointMismatch(f"parameter {pname!r}: {covered} of {numel} "
+                                            "elements found in the rank files")
+        master = torch.cat([t[1] for t in parts]).view(shape)
+        exp_avg = torch.cat([t[2] for t in parts]).view(shape)
+        exp_avg_sq = torch.cat([t[3] for t in parts]).view(shape)
+        states[pname] = ParamState(master, exp_avg, exp_avg_sq, int(manifest["steps"][pname]))
+    return ConsolidatedState(manifest, states, model_rest, rng, extra, scheduler)
+
+
+def load(engine: ZeroOffloadEngine, path: str, *, lr_scheduler: Any = None) -> Any:
+    """Restore a checkpoint written by any world size into ``engine``. Collective (every rank
+    reads the files it needs; no communication but the final barrier). Returns ``extra``."""
+    from superoffload.distributed.zero import _Iteration
+
+    engine.synchronize()
+    cons = consolidate(path)
+    man = cons.manifest
+    theirs, ours = {s[0]: s for s in man["signature"]}, {s[0]: s for s in _signature(engine)}
+    if theirs != ours:
+        diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise single.CheckpointMismatch(f"the checkpoint's parameters differ from the model's "
+                                        f"(name/shape/dtype/trainable): {diff[:5]}")
+    mine = single._plain(engine.config.to_dict())
+    for key, value in man["config"].items():
+        if key not in single.PLACEMENT_FIELDS and mine.get(key) != value:
+            raise single.CheckpointMismatch(
+                f"config field {key!r}: checkpoint has {value!r}, this engine has {mine.get(key)!r}")
+    engine._it = _Iteration()
+    engine.build({i: cons.states[engine._names[i]] for i in engine._trainable})
+    current = engine.model.state_dict()
+    with torch.no_grad():
+        for k, v in cons.model_rest.items():
+            current[k].copy_(v)
+    for g_ck, g in zip(man["param_groups"], engine.optimizer.param_groups):
+        for key, value in g_ck.items():
+            if key != "params":
+                g[key] = tuple(value) if key == "betas" else value
+    engine.scaler.load_state_dict(man["loss_scaler"])
+    engine.adaptive.load_state_dict(man["stv"])
+    for key, value in man["stats"].items():
+        setattr(engine.stats, key, value)
+    engine.iteration = int(man["iteration"])
+    if man["world_size"] == engine.world_size:  # same layout: each rank resumes its RNG
+        single._set_rng_state(cons.rng[engine.rank])
+    if lr_scheduler is not None:
+        if cons.lr_scheduler is None:
+            raise single.CheckpointMismatch("lr_scheduler given but the checkpoint holds none")
+        lr_scheduler.load_state_dict(cons.lr_scheduler)
+    _barrier(engine, "checkpoint loaded")
+    return cons.extra
