@@ -117,6 +117,10 @@ CROSS_SIZE_ERROR = 0.6
 SELF_ERROR = 0.25
 
 
+# Timing on a shared 2-core machine: another process taking a core for a second skews one
+# model's median. One rerun separates that from a real regression of the model (which fails
+# both times); the errors of each attempt are printed.
+@pytest.mark.flaky(reruns=1)
 def test_calibrated_simulator_predicts_the_engine_on_another_size() -> None:
     engine_mod = pytest.importorskip("superoffload.runtime.engine")
     assert hasattr(engine_mod, "initialize")

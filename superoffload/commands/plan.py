@@ -3,6 +3,8 @@
     python -m superoffload simulate --profile gh200 --layers 40 --hidden 5120 --heads 40 \
         --seq 4096 --micro-batch 4 --schedule all --ablation
     python -m superoffload tune --profile gh200 --layers 40 --hidden 5120 --heads 40 --seq 4096
+    python -m superoffload simulate --profile gh200 --schedule superoffload --dp 8 \
+        --collective-gbps 450        # 8 GH200 in one NVLink domain; times/memory per rank
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
                    help="no activation checkpointing (more activation memory, no recompute)")
     p.add_argument("--rollback-rate", type=float,
                    help="share of iterations that clip/overflow (default: the paper's 0.0012)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel ranks (ZeRO sharding of the offloaded state); "
+                        "figures are per rank")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks sharing one host's cores and memory (default 1: one CPU per GPU)")
+    p.add_argument("--collective-gbps", type=float,
+                   help="override the profile's collective bandwidth per rank, GB/s")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -81,7 +90,14 @@ def _shape(args: argparse.Namespace) -> Any:
 
     return plan.ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads,
                            vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch,
-                           activation_checkpointing=not args.no_checkpointing)
+                           activation_checkpointing=not args.no_checkpointing,
+                           dp=args.dp, ranks_per_host=args.ranks_per_host)
+
+
+def _with_collective(prof: Any, args: argparse.Namespace) -> Any:
+    if args.collective_gbps is None:
+        return prof
+    return prof.replace(collective_gbps=args.collective_gbps)
 
 
 def _fail(msg: str) -> int:
@@ -93,7 +109,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from superoffload import plan
 
     try:
-        prof, shape = _profile(args.profile), _shape(args)
+        prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
         changes: dict[str, Any] = {}
         for name in ("ratio", "speculation", "grad_cast", "param_cast", "weights", "cpu_threads"):
             if getattr(args, name) is not None:
@@ -120,6 +136,8 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"model: {shape.params / 1e9:.2f}B params, {shape.layers} x {shape.hidden}, seq "
           f"{shape.seq} x batch {shape.micro_batch}, checkpointing "
           f"{'on' if shape.activation_checkpointing else 'off'}")
+    if shape.dp > 1:
+        print(_dp_line(shape, prof, results))
     print(_results_table(results))
     if abl is not None:
         print()
@@ -142,6 +160,13 @@ def _results_table(results: list[Any]) -> str:
     return "\n".join(lines)
 
 
+def _dp_line(shape: Any, prof: Any, results: list[Any]) -> str:
+    coll = ", ".join(f"{r.plan.schedule} {r.collective_s * 1e3:.1f} ms" for r in results)
+    return (f"data parallel: {shape.dp} ranks, {shape.ranks_per_host} per host, collectives at "
+            f"{prof.collective_gbps:g} GB/s per rank; figures below are per rank "
+            f"(collective time per iteration: {coll})")
+
+
 def _parse_fix(items: list[str]) -> dict[str, Any]:
     fixed: dict[str, Any] = {}
     for item in items:
@@ -160,7 +185,7 @@ def _tune(args: argparse.Namespace) -> int:
     from superoffload import plan
 
     try:
-        prof, shape = _profile(args.profile), _shape(args)
+        prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
         extra = {} if args.rollback_rate is None else {"rollback_rate": args.rollback_rate}
         cons = plan.Constraints(
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
@@ -177,6 +202,8 @@ def _tune(args: argparse.Namespace) -> int:
                           "prediction": pred.summary()}, indent=1, default=float))
         return 0
     print(why)
+    if shape.dp > 1:
+        print(_dp_line(shape, prof, [pred]))
     print()
     keys = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
             "cpu_cores_frac", "prefetch_depth", "max_grad_norm")

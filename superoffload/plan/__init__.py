@@ -12,7 +12,7 @@ Pure code: no threads, no devices, no torch state (torch only to describe a modu
 
 from __future__ import annotations
 
-from superoffload.plan import ablation, cost, profiles
+from superoffload.plan import ablation, cost, parallel, profiles
 from superoffload.plan.calibrate import Measurements, calibrate, measurements_from_spans
 from superoffload.plan.capacity import fit_problems, gpt_by_layers, max_model_size
 from superoffload.plan.measure import measure_local
@@ -47,6 +47,7 @@ __all__ = [
     "measure_local",
     "measurements_from_spans",
     "memory",
+    "parallel",
     "profiles",
     "simulate",
     "tune",

@@ -3,13 +3,15 @@
 Model family: GPT-3-like shapes, hidden = 128 x layers (shapes.gpt_by_layers), grown one layer
 at a time until memory.check_fits fails. "superoffload" may use any of its memory-saving
 settings (ratio 1, weight-flow); "zero-offload" keeps bf16 weights, gradients and activations
-on the device; "gpu" keeps all 18 B/param on the device.
+on the device; "gpu" keeps all 18 B/param on the device. Data parallel (dp > 1): the check is
+per rank (each holds 1/dp of the offloaded state, memory.py).
 """
 
 from __future__ import annotations
 
 from superoffload.config import OffloadConfig
 from superoffload.plan.memory import check_fits, memory
+from superoffload.plan.parallel import rank_profile
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.techniques import SCHEDULES, resolve
@@ -18,17 +20,20 @@ MAX_LAYERS = 1000
 
 
 def gpt_by_layers(layers: int, *, seq: int, micro_batch: int, vocab: int = 50257,
-                  activation_checkpointing: bool = True) -> ModelShape:
+                  activation_checkpointing: bool = True, dp: int = 1,
+                  ranks_per_host: int = 1) -> ModelShape:
     """GPT-3-like shape: hidden = 128 x layers, head size 128 (13B: 40 x 5120; 175B: 96 x 12288)."""
     hidden = 128 * layers
     return ModelShape(layers=layers, hidden=hidden, heads=layers, vocab=vocab, seq=seq,
-                      micro_batch=micro_batch, activation_checkpointing=activation_checkpointing)
+                      micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
+                      dp=dp, ranks_per_host=ranks_per_host)
 
 
 def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
          config: OffloadConfig | None = None) -> list[str]:
     """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
     config, the most memory-frugal settings are tried (ratio 1, then weight-flow)."""
+    prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
     if config is not None or schedule != "superoffload":
         plan = resolve(shape, prof, schedule, config, None)
         return check_fits(memory(shape, prof, plan), prof)
@@ -44,8 +49,10 @@ def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
 
 def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: int = 1024,
                    micro_batch: int = 1, config: OffloadConfig | None = None,
-                   activation_checkpointing: bool = True) -> int:
-    """Parameters of the largest GPT-like model that fits `prof` under `schedule` (0 if none)."""
+                   activation_checkpointing: bool = True, dp: int = 1,
+                   ranks_per_host: int = 1) -> int:
+    """Parameters of the largest GPT-like model that fits `prof` under `schedule` (0 if none);
+    with `dp` ranks (`ranks_per_host` per host) every rank must fit (plan/parallel.py)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
     best = 0
@@ -54,7 +61,8 @@ def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: i
     while lo <= hi:
         mid = (lo + hi) // 2
         shape = gpt_by_layers(mid, seq=seq, micro_batch=micro_batch,
-                              activation_checkpointing=activation_checkpointing)
+                              activation_checkpointing=activation_checkpointing, dp=dp,
+                              ranks_per_host=ranks_per_host)
         if fit_problems(shape, prof, schedule, config):
             hi = mid - 1
         else:

@@ -11,6 +11,12 @@ Bytes per parameter (DESIGN.md §1; mixed-precision Adam, Rajbhandari et al. 202
   staging             fp32 copies of two buckets per direction cast on the device (double
                       buffering); none for a direction cast on the host
   activations         ModelShape.activation_bytes()
+Data parallel (ModelShape.dp = N > 1; ZeRO §5, distributed/zero.py): bytes are per rank. The
+host's fp32 state, pinned bf16 copy and snapshot are divided by N (each rank holds its shard);
+weight-flow still needs the whole bf16 model on each host. The device keeps replicated bf16
+weights, gradients and the (replicated) tail state, plus the fp32 flat buffers of two buckets
+in flight for the reduce-scatter (the engine reduces in fp32). With ranks_per_host > 1 the
+fit check uses the rank's share of the host (plan/parallel.rank_profile).
 Headroom: 5% of device memory (allocator fragmentation, CUDA context) and 10% of host memory
 (the OS, the data pipeline) are kept free -- estimates, not measurements.
 """
@@ -50,7 +56,7 @@ def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
 
 
 def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
-    """Per-side bytes for `shape` under the resolved schedule `plan`."""
+    """Per-side bytes for `shape` under the resolved schedule `plan` (per rank when dp > 1)."""
     n = float(shape.params)
     off = offloaded_params(shape, plan)
     tail = n - off
@@ -70,12 +76,15 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
         per_param = (4.0 if plan.grad_cast == "device" else 0.0) + (
             4.0 if plan.param_cast == "device" else 0.0)
         dev["staging"] = 2.0 * per_param * bucket_params
+        if shape.dp > 1:
+            dev["collective_buffers"] = 2.0 * 4.0 * bucket_params
     dev["activations"] = shape.activation_bytes()
     if off > 0:
-        host["fp32_state"] = 16.0 * off
-        host["weights_bf16_pinned"] = 2.0 * (off if plan.weights != "flow" else n)
+        shard = off / shape.dp if shape.dp > 1 else off
+        host["fp32_state"] = 16.0 * shard
+        host["weights_bf16_pinned"] = 2.0 * (shard if plan.weights != "flow" else n)
         if plan.speculate and plan.snapshot_rollback:
-            host["rollback_snapshot"] = 12.0 * off
+            host["rollback_snapshot"] = 12.0 * shard
     return Memory(sum(dev.values()), sum(host.values()), dev, host)
 
 

@@ -72,6 +72,12 @@ class HardwareProfile:
     """fp32<->bf16 casts on the device, 1e9 elements/s."""
     host_cast_gelems: float
     """fp32<->bf16 casts on the host as a separate pass, 1e9 elements/s, all cores."""
+    collective_gbps: float = 50.0
+    """Bandwidth one rank reaches in a ring collective (NCCL "bus bandwidth"), per direction,
+    GB/s: the slowest hop between data-parallel ranks (NVLink inside an NVL domain, the NIC
+    across nodes). The planner's reduce-scatter / all-gather model (plan/parallel.py)."""
+    collective_latency_s: float = 10e-6
+    """Fixed cost of one ring step of a collective (a ring over N ranks takes N - 1 steps)."""
     device_launch_s: float = 10e-6
     """Fixed cost of one device-side operation (kernel launch, event record)."""
     cpu_call_s: float = 30e-6
@@ -99,7 +105,7 @@ class HardwareProfile:
             "device_mem_bw_gbps", "host_memory_bytes", "host_mem_bw_gbps", "cpu_cores",
             "cpu_adam_params_per_s_per_core", "cpu_adam_bw_efficiency", "deepspeed_adam_relative",
             "torch_adam_relative", "h2d_gbps", "d2h_gbps", "device_cast_gelems",
-            "host_cast_gelems",
+            "host_cast_gelems", "collective_gbps",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -166,6 +172,8 @@ _GH200 = HardwareProfile(
     h2d_gbps=450.0,
     d2h_gbps=450.0,
     link_latency_s=20e-6,
+    collective_gbps=50.0,
+    collective_latency_s=10e-6,
     device_cast_gelems=4000.0 * 0.7 / 6,
     host_cast_gelems=500.0 * 0.6 / 6,
     sources=(
@@ -183,6 +191,8 @@ _GH200 = HardwareProfile(
         ("link_latency_s", "estimate: 20 us, so a 64 MB transfer reaches ~87% of peak (FACTS.md: near saturation from ~64 MB)"),
         ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
         ("host_cast_gelems", "estimate: 60% of LPDDR5X bandwidth at 6 B/element"),
+        ("collective_gbps", "estimate: InfiniBand NDR 400 Gb/s = 50 GB/s per direction per GPU, one NIC per GH200 (multi-node clusters); inside a GH200 NVL32 NVLink domain use 450 (NVLink 4, 900 GB/s bidirectional per GPU, NVIDIA GH200 NVL32 material)"),
+        ("collective_latency_s", "estimate: ~10 us per ring step (NCCL over InfiniBand, small messages)"),
     ),
     notes="One GH200 Superchip as in the SuperOffload paper's single-chip experiments.",
 )
@@ -202,6 +212,8 @@ _GB200 = HardwareProfile(
     h2d_gbps=225.0,
     d2h_gbps=225.0,
     link_latency_s=20e-6,
+    collective_gbps=900.0,
+    collective_latency_s=5e-6,
     device_cast_gelems=8000.0 * 0.7 / 6,
     host_cast_gelems=250.0 * 0.6 / 6,
     sources=(
@@ -217,6 +229,8 @@ _GB200 = HardwareProfile(
         ("d2h_gbps", "estimate: half of NVLink-C2C's 450 GB/s per direction (FACTS.md)"),
         ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
         ("host_cast_gelems", "estimate: 60% of host bandwidth at 6 B/element"),
+        ("collective_gbps", "estimate from NVIDIA GB200 NVL72 datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU = 900 GB/s per direction; not in FACTS.md"),
+        ("collective_latency_s", "estimate: ~5 us per ring step inside an NVLink domain"),
     ),
     notes="Per-GPU view of a GB200 Superchip: the Grace CPU and C2C are shared by two B200s.",
 )
@@ -236,6 +250,8 @@ _MI300A = HardwareProfile(
     h2d_gbps=1000.0,
     d2h_gbps=1000.0,
     link_latency_s=10e-6,
+    collective_gbps=128.0,
+    collective_latency_s=10e-6,
     device_cast_gelems=5300.0 * 0.7 / 6,
     host_cast_gelems=400.0 * 0.6 / 6,
     shared_memory=True,
@@ -252,6 +268,8 @@ _MI300A = HardwareProfile(
         ("d2h_gbps", "estimate: an in-HBM copy (no physical link)"),
         ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
         ("host_cast_gelems", "estimate: 60% of CPU-side bandwidth at 6 B/element"),
+        ("collective_gbps", "estimate from AMD MI300A material: Infinity Fabric links between the 4 APUs of a node, ~128 GB/s per direction per peer; not in FACTS.md"),
+        ("collective_latency_s", "estimate: ~10 us per ring step"),
     ),
     notes="APU: one 128 GB pool; offloading saves no capacity, only device-side compute time.",
 )
@@ -276,6 +294,8 @@ def _pcie(name: str, device: str, peak: float, achieved: float, mem: float, bw: 
         h2d_gbps=55.0,
         d2h_gbps=55.0,
         link_latency_s=10e-6,
+        collective_gbps=25.0,
+        collective_latency_s=10e-6,
         device_cast_gelems=bw * 0.7 / 6,
         host_cast_gelems=250.0 * 0.6 / 6,
         sources=(
@@ -292,6 +312,8 @@ def _pcie(name: str, device: str, peak: float, achieved: float, mem: float, bw: 
             ("d2h_gbps", "FACTS.md: PCIe Gen5 x16 ~64 GB/s theoretical; 55 is an estimate of pinned copies"),
             ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
             ("host_cast_gelems", "estimate: 60% of host bandwidth at 6 B/element"),
+            ("collective_gbps", "estimate: GPU-to-GPU over PCIe Gen5 through the host (no NVLink), ~25 GB/s of the ~64 GB/s x16 theoretical (FACTS.md); set 50 for InfiniBand NDR 400 Gb/s across nodes"),
+            ("collective_latency_s", "estimate: ~10 us per ring step"),
         ),
         notes="A discrete GPU on PCIe Gen5 in an x86 server: the link is ~8x slower than C2C.",
     )
@@ -323,6 +345,8 @@ _LAPTOP = HardwareProfile(
     h2d_gbps=20.0,
     d2h_gbps=20.0,
     link_latency_s=5e-6,
+    collective_gbps=5.0,
+    collective_latency_s=50e-6,
     device_cast_gelems=60.0 * 0.6 / 6,
     host_cast_gelems=60.0 * 0.6 / 6,
     shared_memory=True,
@@ -339,6 +363,8 @@ _LAPTOP = HardwareProfile(
         ("d2h_gbps", "estimate: a memcpy on the CPU backend's transfer thread"),
         ("device_cast_gelems", "estimate"),
         ("host_cast_gelems", "estimate"),
+        ("collective_gbps", "estimate: gloo over loopback between processes on one CPU"),
+        ("collective_latency_s", "estimate: ~50 us per gloo ring step"),
     ),
     notes="CPU-only: the engine's CPU backend, where the 'device' and the optimizer share cores.",
 )

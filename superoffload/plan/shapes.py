@@ -42,9 +42,17 @@ class ModelShape:
     """Set by `from_module` with the measured count of one block's parameters."""
     other_params_override: int | None = None
     """Set by `from_module`: parameters outside the blocks (embeddings, final norm, head)."""
+    dp: int = 1
+    """Data-parallel ranks (ZeRO-style, issue 7): each holds 1/dp of the offloaded optimizer
+    state and steps 1/dp of every bucket. `micro_batch` is per rank; times, FLOP/s and memory
+    the planner reports are per rank (plan/parallel.py)."""
+    ranks_per_host: int = 1
+    """Ranks sharing one host's CPU cores, memory and memory bandwidth (1 on GH200: one Grace
+    per GPU; e.g. 8 on an 8-GPU PCIe server). At most `dp`."""
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch"):
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch", "dp",
+                     "ranks_per_host"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelShape.{name}={value!r}: use a whole number >= 1")
@@ -52,6 +60,11 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape.heads={self.heads} does not divide hidden={self.hidden}: "
                 "pick heads so hidden/heads is a whole head size"
+            )
+        if self.ranks_per_host > self.dp:
+            raise ValueError(
+                f"ModelShape.ranks_per_host={self.ranks_per_host} exceeds dp={self.dp}: "
+                "a host cannot hold more data-parallel ranks than there are"
             )
 
     # ------------------------------------------------------------------ parameters

@@ -15,6 +15,10 @@ ready, `end = max(lane_free, ready) + duration`. Per iteration:
   tail buckets: one fused device step after validation (§4.2).
 The bucket lanes are vectorised scans, so a 100-layer model with thousands of buckets simulates
 in milliseconds; spans are materialised only when `SimResult.timeline` is read.
+Data parallel (ModelShape.dp > 1, plan/parallel.py): every quantity is one rank's; a bucket's
+D2H span includes its reduce-scatter and its H2D span the all-gather (as the engine records
+them), the CPU steps the rank's 1/dp shard on the rank's share of the host, the tail step waits
+for the tail gradients' all-reduce and validation for a small all-reduce.
 Steady state: 4 iterations are simulated; the period is the distance between the last two
 backward ends. Clipping costs `rollback_rate x` the extra time of a clipped iteration.
 """
@@ -28,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from superoffload.config import OffloadConfig
-from superoffload.plan import cost
+from superoffload.plan import cost, parallel
 from superoffload.plan.memory import Memory, check_fits, memory, offloaded_params
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.shapes import ModelShape
@@ -75,6 +79,8 @@ class SimResult:
     profile: str
     window: tuple[float, float]
     """The steady-state iteration's [start, end) on the timeline."""
+    collective_s: float = 0.0
+    """Per-rank seconds of reduce-scatter + all-gather + all-reduce in one iteration (0 at dp=1)."""
     _chunks: list[tuple[str, str, Any, Any, int, Any, Any]] = field(default_factory=list, repr=False)
     _timeline: list[ev.Span] | None = field(default=None, repr=False)
 
@@ -122,6 +128,9 @@ class SimResult:
             "fits": self.fits,
             "problems": list(self.problems),
             "plan": {k: getattr(self.plan, k) for k in self.plan.__slots__},  # type: ignore[attr-defined]
+            "dp": self.shape.dp,
+            "ranks_per_host": self.shape.ranks_per_host,
+            "collective_s": self.collective_s,
         }
 
 
@@ -143,6 +152,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
         raise TypeError(f"simulate: shape must be a ModelShape, got {type(shape).__name__}")
     if not isinstance(prof, HardwareProfile):
         raise TypeError(f"simulate: prof must be a HardwareProfile, got {type(prof).__name__}")
+    prof = parallel.rank_profile(prof, shape.ranks_per_host)  # this rank's share of the host
     plan = resolve(shape, prof, schedule, config, techniques)
     ends, chunks = _run(shape, prof, plan, N_ITER, clipped_iter=None)
     period = float(ends[-1] - ends[-2])
@@ -169,8 +179,42 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
         shape=shape,
         profile=prof.name,
         window=window,
+        collective_s=_collective_s(shape, prof, plan),
         _chunks=chunks,
     )
+
+
+def _collective_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> float:
+    """Per-rank collective seconds of one iteration: the busy time the lanes carry for them."""
+    if shape.dp == 1:
+        return 0.0
+    c = _collectives(shape, prof, plan)
+    return float(np.sum(c[0]) + np.sum(c[1]) + c[2] + c[3])
+
+
+def _buckets(shape: ModelShape, plan: Resolved) -> tuple[float, float, np.ndarray]:
+    """(offloaded params, bucket params, params of each offloaded bucket)."""
+    off = offloaded_params(shape, plan)
+    bucket = off if plan.whole_model_bucket else plan.bucket_bytes / 4.0
+    nb = int(math.ceil(off / bucket)) if off > 0 else 0
+    b_lo = np.arange(nb) * bucket
+    return off, bucket, np.minimum(b_lo + bucket, off) - b_lo
+
+
+def _collectives(shape: ModelShape, prof: HardwareProfile, plan: Resolved
+                 ) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """(reduce-scatter s per bucket, all-gather s per bucket, tail all-reduce s, validation
+    all-reduce s) for one rank; zeros at dp=1. Gradients reduce in fp32 (distributed/zero.py);
+    weights gather in the dtype they cross the link in."""
+    off, _, numel = _buckets(shape, plan)
+    n = shape.dp
+    p_bytes = 4.0 if plan.param_cast == "device" else 2.0
+    rs = parallel.ring_time_s(numel * 4.0, n, prof)
+    ag = parallel.ring_time_s(numel * p_bytes, n, prof)
+    tail = float(shape.params) - off
+    tail_ar = parallel.all_reduce_time_s(4.0 * tail, n, prof)
+    val_ar = parallel.all_reduce_time_s(8.0, n, prof)  # [sum of squares, non-finite count]
+    return rs, ag, tail_ar, val_ar
 
 
 def _lane_stats(chunks: list, window: tuple[float, float]) -> dict[str, LaneStats]:
@@ -206,23 +250,33 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     b_lo = np.arange(nb) * bucket
     b_hi = np.minimum(b_lo + bucket, off)
     numel = b_hi - b_lo
+    dp = shape.dp
+    shard = numel / dp if dp > 1 else numel  # this rank's slice of each bucket (ZeRO §5)
     # per-bucket durations (cost.py); casts folded into the lane that runs them
     fuse_g, fuse_p = cost.kernel_fuses(plan.kernel)
     adam_bytes = 28.0 - (2.0 if plan.grad_cast == "host" and fuse_g else 0.0) + (
         2.0 if plan.param_cast == "host" and fuse_p else 0.0)
     g_bytes = 4.0 if plan.grad_cast == "device" else 2.0
     p_bytes = 4.0 if plan.param_cast == "device" else 2.0
-    d2h_dur = cost.link_time_s_array(numel * g_bytes, prof, "d2h")
-    h2d_dur = cost.link_time_s_array(numel * p_bytes, prof, "h2d")
+    d2h_dur = cost.link_time_s_array(shard * g_bytes, prof, "d2h")
+    h2d_dur = cost.link_time_s_array(shard * p_bytes, prof, "h2d")
     adam_rate = cost.cpu_adam_rate(prof, plan.threads, plan.kernel)
-    adam_dur = prof.cpu_call_s + numel / adam_rate * (adam_bytes / ADAM_BYTES_PER_PARAM)
+    adam_dur = prof.cpu_call_s + shard / adam_rate * (adam_bytes / ADAM_BYTES_PER_PARAM)
     cpu_dur = adam_dur.copy()
     if plan.grad_cast == "host" and not fuse_g:
-        cpu_dur += numel / (prof.host_cast_gelems * 1e9)
+        cpu_dur += shard / (prof.host_cast_gelems * 1e9)
     if plan.param_cast == "host" and not fuse_p:
-        cpu_dur += numel / (prof.host_cast_gelems * 1e9)
+        cpu_dur += shard / (prof.host_cast_gelems * 1e9)
     dcast = prof.device_launch_s + numel / (prof.device_cast_gelems * 1e9)
-    pre_d2h = dcast if plan.grad_cast == "device" else np.zeros(nb)
+    tail_ar = val_ar = 0.0
+    if dp > 1:
+        rs, ag, tail_ar, val_ar = _collectives(shape, prof, plan)
+        d2h_dur = d2h_dur + rs  # reduce-scatter, then the shard's copy: one d2h span
+        h2d_dur = h2d_dur + ag  # the shard's copy, then the all-gather: one h2d span
+        dcast_shard = prof.device_launch_s + shard / (prof.device_cast_gelems * 1e9)
+    else:
+        dcast_shard = dcast
+    pre_d2h = dcast_shard if plan.grad_cast == "device" else np.zeros(nb)
     post_h2d = dcast if plan.param_cast == "device" else np.zeros(nb)
     # which buckets each layer's forward needs, and whether it needs the tail step
     last_b = (np.minimum(np.ceil(np.minimum(hi, off) / bucket) - 1, nb - 1).astype(int)
@@ -230,8 +284,8 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     has_off = lo < off
     has_tail = hi > off
     fetched = has_off & flow & (p > 0)
-    dstep = cost.device_adam_time_s(tail, prof)
-    validate = 2 * prof.device_launch_s
+    dstep = cost.device_adam_time_s(tail, prof) + tail_ar  # replicated tail: all-reduce first
+    validate = 2 * prof.device_launch_s + val_ar
 
     chunks: list = []
     bwd_ends: list[float] = []
@@ -312,8 +366,8 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                                               rb_s + 2 * redo)
                         h2d_ready[m:] = ce[m:]
             cpu_free = max(float(ce[-1]), float(h2d_ready.max()))
-            nbytes_cpu = (numel * ADAM_BYTES_PER_PARAM).astype(np.int64)  # as the engine records
-            chunks.append((ev.LANE_D2H, ev.KIND_D2H, ds, de, it, buckets, (numel * g_bytes).astype(np.int64)))
+            nbytes_cpu = (shard * ADAM_BYTES_PER_PARAM).astype(np.int64)  # as the engine records
+            chunks.append((ev.LANE_D2H, ev.KIND_D2H, ds, de, it, buckets, (shard * g_bytes).astype(np.int64)))
             chunks.append((ev.LANE_CPU, ev.KIND_CPU_STEP, cs, ce, it, buckets, nbytes_cpu))
             if flow:
                 ready_next = h2d_ready  # the CPU wrote the host bf16 copy the next fetch reads
@@ -321,7 +375,7 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                 hs, he = fifo(h2d_ready, h2d_dur, h2d_free)
                 h2d_free = float(he[-1])
                 chunks.append((ev.LANE_H2D, ev.KIND_H2D, hs, he, it, buckets,
-                               (numel * p_bytes).astype(np.int64)))
+                               (shard * p_bytes).astype(np.int64)))
                 ready_next = he + post_h2d
         if tail > 0:
             s0 = max(v_end, dopt_free)

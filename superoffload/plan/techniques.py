@@ -116,6 +116,10 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
             reasons.append(choice.reason)
         else:
             weights = cfg.weights
+    if weights == "flow" and shape.dp > 1:
+        # the ZeRO engine keeps weights stationary (distributed/zero.py: no weight-flow yet)
+        weights = "stationary"
+        reasons.append("data parallel: weights stay on the device (ZeRO engine has no weight-flow)")
     if weights == "flow" and param_cast != "host":
         # weight-flow streams the host's bf16 copy, so the CPU kernel must write it (§4.5)
         param_cast = "host"

@@ -6,6 +6,11 @@ plotly is optional (the "notebooks" extra) and imported lazily. With plotly the 
 four interactive charts; plotly.js is written ONCE beside the report as `plotly.min.js`
 (4.8 MB, works offline, no CDN) or, with `inline_js=True`, embedded in the file. Without
 plotly the report is plain HTML tables and says how to get the charts.
+
+Several data-parallel ranks (spans with different `rank`, e.g. `ranks.merge_rank_spans`): the
+timeline has one group of lanes per rank ("r0 d2h", "r1 d2h", ...), the bandwidth chart one
+line per rank and direction, and a "Per-rank medians" table; the per-iteration charts and the
+header medians are the lowest rank's (metrics are never computed over mixed ranks).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from superoffload.telemetry.metrics import (
     iteration_metrics,
     summarize_metrics,
 )
+from superoffload.telemetry.ranks import by_rank, lane_label, lane_rows, summarize_by_rank
 from superoffload.telemetry.recorder import Recorder
 
 ScalarSeries = Sequence[tuple[int, float]]
@@ -83,9 +89,14 @@ def write_html_report(
     notes = [*recorded_notes, *(notes or [])]
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    per_iter = iteration_metrics(spans)
+    groups = by_rank(spans)
+    # metrics of one rank at a time; the header shows the lowest rank's, the table all ranks'
+    per_iter = iteration_metrics(next(iter(groups.values()))) if len(groups) > 1 else \
+        iteration_metrics(spans)
     summary = summarize_metrics(per_iter, skip=skip) if per_iter else None
     head = _header(title, summary, extra or {}, notes)
+    if len(groups) > 1:
+        head += _rank_table(summarize_by_rank(spans, skip=skip))
     try:
         import plotly  # noqa: F401  (optional: the "notebooks" extra)
     except ImportError:
@@ -158,6 +169,17 @@ def _header(title: str, summary: Summary | None, extra: Mapping[str, Any], notes
     return "".join(parts)
 
 
+def _rank_table(summaries: Mapping[int, Summary]) -> str:
+    names = ["wall_s", "compute_s", "device_idle_frac", "cpu_overlap_frac", "exposed_optimizer_s",
+             "d2h_gbps_busy", "h2d_gbps_busy", "rollbacks_total"]
+    head = "<th>rank</th>" + "".join(f"<th>{n}</th>" for n in names)
+    rows = "".join(
+        f"<tr><td>{r}</td>" + "".join(f"<td>{_fmt(getattr(sm, n))}</td>" for n in names) + "</tr>"
+        for r, sm in summaries.items())
+    return ("<h2>Per-rank medians</h2><p>Each rank's own iterations (data parallel: the "
+            f"header above is rank {min(summaries)}'s).</p><table><tr>{head}</tr>{rows}</table>")
+
+
 def _tables(per_iter: list[IterationMetrics], series: Mapping[str, list[tuple[int, float]]]) -> str:
     names = [f.name for f in fields(IterationMetrics)]
     head = "".join(f"<th>{n}</th>" for n in names)
@@ -188,11 +210,13 @@ def _charts(
     shown = sorted({s.iteration for s in spans})[-timeline_iterations:]
     shown_set = set(shown)
     recent = [s for s in spans if s.iteration in shown_set]
+    ranks = sorted({s.rank for s in spans})
+    multi = len(ranks) > 1
     timeline = go.Figure()
     for kind in sorted({s.kind for s in recent}):
         group = [s for s in recent if s.kind == kind]
         timeline.add_trace(go.Bar(
-            name=kind, orientation="h", y=[s.lane for s in group],
+            name=kind, orientation="h", y=[lane_label(s.lane, s.rank, multi) for s in group],
             base=[s.start_s * 1e3 for s in group], x=[s.duration_s * 1e3 for s in group],
             marker={"color": _COLOURS.get(kind, "#888"),
                     "line": {"width": 2 if kind in (KIND_ROLLBACK, KIND_REPLAY) else 0,
@@ -206,19 +230,22 @@ def _charts(
     if marks:
         timeline.add_trace(go.Scatter(
             name="rollback/replay", mode="markers", x=[s.start_s * 1e3 for s in marks],
-            y=[s.lane for s in marks], marker={"symbol": "x", "size": 12, "color": "#B00"}))
+            y=[lane_label(s.lane, s.rank, multi) for s in marks],
+            marker={"symbol": "x", "size": 12, "color": "#B00"}))
+    rows = [lane_label(lane, r, multi) for r, lane in lane_rows(ranks)] if multi else list(LANES)
     timeline.update_layout(
         title=f"Timeline of iterations {shown[0]}..{shown[-1]}" if shown else "Timeline (empty)",
-        barmode="overlay", xaxis_title="ms since start", height=380,
-        yaxis={"categoryorder": "array", "categoryarray": list(reversed(LANES))})
+        barmode="overlay", xaxis_title="ms since start", height=380 + 200 * (len(ranks) - 1),
+        yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))})
     divs.append(timeline)
 
     # 2. link bandwidth over the whole run
     bw = go.Figure()
-    for lane in ("d2h", "h2d"):
-        t, gbps = bandwidth_series(spans, lane)
-        bw.add_trace(go.Scatter(name=lane, x=[x for x in t], y=gbps, mode="lines",
-                                line={"shape": "hv"}))
+    for rank, rank_spans in (by_rank(spans).items() if multi else [(0, spans)]):
+        for lane in ("d2h", "h2d"):
+            t, gbps = bandwidth_series(rank_spans, lane)
+            bw.add_trace(go.Scatter(name=lane_label(lane, rank, multi), x=[x for x in t], y=gbps,
+                                    mode="lines", line={"shape": "hv"}))
     bw.update_layout(title="Link bandwidth over time (GB/s, bytes spread over each transfer)",
                      xaxis_title="s since start", yaxis_title="GB/s", height=320)
     divs.append(bw)

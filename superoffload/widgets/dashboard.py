@@ -28,7 +28,8 @@ from superoffload.widgets.series import DashboardState
 
 
 class LiveDashboard:
-    """Timeline, link GB/s each way, overlap and device idle, memory, loss."""
+    """Timeline, link GB/s each way, overlap and device idle, memory, loss. Spans of several
+    ranks (e.g. `from_spans(telemetry.ranks.merge_rank_spans([...]))`) get per-rank lanes."""
 
     def __init__(
         self,
@@ -200,6 +201,15 @@ class LiveDashboard:
                 f"H2D {series['h2d_gbps'][-1]:.2f} GB/s, overlap {series['overlap_frac'][-1]:.0%}, "
                 f"device idle {series['device_idle_frac'][-1]:.0%}"
             )
+        if len(self.state.points_by_rank) > 1:  # data parallel: one line per rank
+            for rank in sorted(self.state.points_by_rank):
+                rs = self.state.series(rank)
+                if len(rs["iteration"]):
+                    lines.append(
+                        f"rank {rank}: {rs['wall_s'][-1] * 1e3:.1f} ms, D2H "
+                        f"{rs['d2h_gbps'][-1]:.2f} GB/s, H2D {rs['h2d_gbps'][-1]:.2f} GB/s, "
+                        f"overlap {rs['overlap_frac'][-1]:.0%}, idle "
+                        f"{rs['device_idle_frac'][-1]:.0%}")
         lines.append(f"timeline: {len(self.state.timeline_spans())} spans drawn")
         return "\n".join(lines)
 

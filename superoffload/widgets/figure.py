@@ -6,6 +6,10 @@ Layout (paper Fig. 5-style timeline on top, the per-iteration health below):
     row 2  link GB/s each way            | overlap and device-idle fractions
     row 3  host / device memory (GB)     | loss
 
+With several data-parallel ranks the lane traces stay five (one colour per lane) and each span
+sits on its rank's row: the timeline's y axis then reads "r0 device compute", ..., "r1 D2H
+(grads out)", ... (DashboardState.lane_labels).
+
 Traces are created once, in a fixed order (`TRACE`), so an update is a `batch_update` that
 assigns numpy arrays to existing traces: one message to the browser per refresh.
 """
@@ -110,7 +114,8 @@ def build_figure(*, live: bool, title: str = "superoffload") -> Any:
 def write_state(fig: Any, state: DashboardState, title: str) -> None:
     """Copy the state's arrays into the figure's traces in one batch."""
     segments = state.lane_segments()
-    rb_x, rb_y, rb_text = rollback_markers(state.timeline_spans())
+    ranks = state.ranks()
+    rb_x, rb_y, rb_text = rollback_markers(state.timeline_spans(), ranks)
     series = state.series()
     loss_it, loss_v = state.loss_series()
     mem_t = np.asarray(state.memory_t_s, dtype=float)
@@ -136,6 +141,12 @@ def write_state(fig: Any, state: DashboardState, title: str) -> None:
                 setattr(trace, prop, value)
         if fig.layout.title.text != title:
             fig.layout.title.text = title
+        labels = state.lane_labels()
+        axis = fig.layout.yaxis  # row 1: the timeline
+        if list(axis.ticktext or ()) != labels:
+            axis.tickvals = list(range(len(labels)))
+            axis.ticktext = labels
+            axis.range = [len(labels) - 0.5, -0.5]
 
 
 def _same(trace: Any, props: dict[str, Any]) -> bool:

@@ -6,6 +6,11 @@ dashboard only copies these arrays into its figure, so everything drawn is testa
 
 Per-iteration numbers (link GB/s each way, overlap, device idle) come from
 `superoffload.telemetry.metrics`; the widgets never re-derive them (DESIGN.md §2: views only).
+
+Several data-parallel ranks (spans with different `rank`, e.g. from
+`telemetry.ranks.merge_rank_spans`): the timeline gets one group of lane rows per rank
+("r0 D2H (grads out)", "r1 D2H (grads out)", ...), and per-iteration metrics are computed per
+rank (`points_by_rank`); the plotted series is the lowest rank's. One rank draws as before.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from superoffload.telemetry import metrics
+from superoffload.telemetry import ranks as rank_util
 from superoffload.telemetry.events import KIND_REPLAY, KIND_ROLLBACK, LANES, Span
 
 LANE_LABELS: dict[str, str] = {
@@ -64,20 +70,24 @@ class IterationPoint:
     rollbacks: int
 
 
-def span_segments(spans: Sequence[Span], lane_index: int) -> Segments:
+def span_segments(spans: Sequence[Span], lane_index: int,
+                  rows: Sequence[int] | None = None) -> Segments:
     """Encode spans as one line trace with NaN breaks (one trace per lane keeps the figure
-    at a fixed number of traces, which is what makes `batch_update` cheap)."""
+    at a fixed number of traces, which is what makes `batch_update` cheap). `rows` gives each
+    span its own row (one row per rank and lane); default: all on `lane_index`."""
     n = len(spans)
     x = np.full(3 * n, np.nan)
     y = np.full(3 * n, np.nan)
     if n:
         x[0::3] = [s.start_s for s in spans]
         x[1::3] = [s.end_s for s in spans]
-        y[0::3] = lane_index
-        y[1::3] = lane_index
+        y[0::3] = lane_index if rows is None else rows
+        y[1::3] = lane_index if rows is None else rows
     text: list[str] = []
     for s in spans:
         label = f"{s.kind} it {s.iteration}"
+        if rows is not None:
+            label = f"r{s.rank} " + label
         if s.bucket >= 0:
             label += f" bucket {s.bucket}"
         label += f" · {s.duration_s * 1e3:.2f} ms"
@@ -87,11 +97,14 @@ def span_segments(spans: Sequence[Span], lane_index: int) -> Segments:
     return Segments(x, y, text)
 
 
-def rollback_markers(spans: Iterable[Span]) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Midpoints (x seconds, lane index) and labels of rollback/replay spans."""
+def rollback_markers(spans: Iterable[Span], ranks: Sequence[int] = ()
+                     ) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """Midpoints (x seconds, timeline row) and labels of rollback/replay spans; the row is the
+    lane index, or the (rank, lane) row when several `ranks` share the timeline."""
     marks = [s for s in spans if s.kind in ROLLBACK_KINDS]
     x = np.array([(s.start_s + s.end_s) / 2 for s in marks], dtype=float)
-    y = np.array([LANES.index(s.lane) for s in marks], dtype=float)
+    y = np.array([rank_util.row_index(s, list(ranks)) if len(ranks) > 1 else LANES.index(s.lane)
+                  for s in marks], dtype=float)
     return x, y, [f"{s.kind} it {s.iteration} bucket {s.bucket}" for s in marks]
 
 
@@ -134,6 +147,9 @@ class DashboardState:
     device_mem_gb: list[float] = field(default_factory=list)
     total_rollbacks: int = 0
     spans_seen: int = 0
+    points_by_rank: dict[int, dict[int, IterationPoint]] = field(default_factory=dict)
+    """Per-iteration points of every rank ({rank: {iteration: point}}); `points` is the
+    lowest rank's."""
 
     def __post_init__(self) -> None:
         if self.window_iterations < 1:
@@ -159,10 +175,16 @@ class DashboardState:
         kept = sorted(self.spans_by_iteration)
         newest = kept[-1]
         everything = [s for i in kept for s in self.spans_by_iteration[i]]
-        for p in iteration_points(everything):
-            has_prev = p.iteration > kept[0] or p.iteration not in self.points
-            if (p.iteration < newest or final) and has_prev:
-                self.points[p.iteration] = p
+        # metrics per rank: one device and one CPU per rank (telemetry.ranks)
+        for rank, rank_spans in rank_util.by_rank(everything).items():
+            if not self.points_by_rank and rank == min(s.rank for s in everything):
+                self.points_by_rank[rank] = self.points  # the lowest rank fills `points`
+            points = self.points_by_rank.setdefault(rank, {})
+            for p in iteration_points(rank_spans):
+                has_prev = p.iteration > kept[0] or p.iteration not in points
+                if (p.iteration < newest or final) and has_prev:
+                    points[p.iteration] = p
+        self.points = self.points_by_rank[min(self.points_by_rank)]
         self._trim(newest)
 
     def _trim(self, newest: int) -> None:
@@ -171,8 +193,9 @@ class DashboardState:
         keep_from = newest - self.window_iterations
         for i in [i for i in self.spans_by_iteration if i < keep_from]:
             del self.spans_by_iteration[i]
-        while len(self.points) > self.max_points:
-            del self.points[min(self.points)]
+        for points in self.points_by_rank.values() or [self.points]:
+            while len(points) > self.max_points:
+                del points[min(points)]
 
     def add_scalars(self, name: str, values: Iterable[tuple[int, float]]) -> None:
         """Per-iteration scalars the engine records: "loss" and "ratio" are drawn."""
@@ -203,13 +226,37 @@ class DashboardState:
             s for i in sorted(self.spans_by_iteration) if i >= first for s in self.spans_by_iteration[i]
         ]
 
-    def lane_segments(self) -> list[Segments]:
-        spans = self.timeline_spans()
-        return [span_segments([s for s in spans if s.lane == lane], k) for k, lane in enumerate(LANES)]
+    def ranks(self) -> list[int]:
+        """Ranks on the timeline, ascending ([0] for a single-rank run)."""
+        return rank_util.ranks_of(self.timeline_spans()) or [0]
 
-    def series(self) -> dict[str, np.ndarray]:
-        """Per-iteration arrays named like `IterationPoint`'s fields (plus "iteration")."""
-        pts = [self.points[i] for i in sorted(self.points)]
+    def lane_labels(self) -> list[str]:
+        """Timeline row labels, top to bottom: LANE_LABELS, prefixed "r{rank} " per rank when
+        several ranks are drawn."""
+        ranks = self.ranks()
+        multi = len(ranks) > 1
+        return [rank_util.lane_label(LANE_LABELS[lane], r, multi)
+                for r, lane in rank_util.lane_rows(ranks)]
+
+    def lane_segments(self) -> list[Segments]:
+        """One `Segments` per lane (LANES order); with several ranks each span sits on its
+        (rank, lane) row."""
+        spans = self.timeline_spans()
+        ranks = self.ranks()
+        out = []
+        for k, lane in enumerate(LANES):
+            mine = [s for s in spans if s.lane == lane]
+            rows = [rank_util.row_index(s, ranks) for s in mine] if len(ranks) > 1 else None
+            out.append(span_segments(mine, k, rows))
+        return out
+
+    def series(self, rank: int | None = None) -> dict[str, np.ndarray]:
+        """Per-iteration arrays named like `IterationPoint`'s fields (plus "iteration"), of
+        `rank` (default: the lowest rank, i.e. `points`)."""
+        if rank is not None and rank not in self.points_by_rank:
+            raise ValueError(f"series(rank={rank}): ranks seen are {sorted(self.points_by_rank)}")
+        source = self.points if rank is None else self.points_by_rank[rank]
+        pts = [source[i] for i in sorted(source)]
         return {
             "iteration": np.array([p.iteration for p in pts], dtype=float),
             "d2h_gbps": np.array([p.d2h_gbps for p in pts], dtype=float),

@@ -1,0 +1,90 @@
+"""Data parallel in the planner: ring collectives and one rank's share of a host (issue 7).
+
+ZeRO-style sharding of the offloaded state (Rajbhandari et al. 2020, "ZeRO" §5; the engine:
+distributed/zero.py). With N = ModelShape.dp ranks, per offloaded bucket of `numel` params:
+  d2h lane   reduce-scatter of the fp32 gradients (the engine reduces in fp32), then the D2H
+             copy of this rank's 1/N shard                    (one span, as the engine records)
+  CPU lane   Adam over the shard (numel / N) on this rank's threads
+  h2d lane   H2D of the updated shard, then the all-gather of the bucket's weights
+GPU tail buckets are replicated: their gradients are all-reduced before the device step; the
+validation adds one small all-reduce (norm partials and overflow count).
+Ring collective over N ranks (Patarasuk & Yuan 2009; NCCL's "bus bandwidth" convention):
+  reduce-scatter / all-gather  t = (N - 1) * latency + (N - 1) / N * bytes / bw
+  all-reduce                   t = 2 * (N - 1) * latency + 2 * (N - 1) / N * bytes / bw
+`bytes` is the whole buffer (bucket), bw = HardwareProfile.collective_gbps; N = 1 costs 0.
+Ranks on one host (ModelShape.ranks_per_host = R) split its cores, memory, memory bandwidth and
+host cast rate evenly (the engine's zero_budget.py rule: threads = cores * frac / R); the link
+to the device is per GPU and not split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from superoffload.plan.profiles import HardwareProfile
+
+
+def _check_ranks(ranks: int) -> None:
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r}: use a whole number >= 1 (the data-parallel size)")
+
+
+def ring_time_s(nbytes: float | np.ndarray, ranks: int, prof: HardwareProfile,
+                steps_factor: int = 1) -> np.ndarray:
+    """Seconds of a ring reduce-scatter or all-gather (steps_factor=2: all-reduce) of a buffer
+    of `nbytes` over `ranks` ranks, per rank; 0 for one rank or an empty buffer."""
+    _check_ranks(ranks)
+    nb = np.asarray(nbytes, dtype=float)
+    if ranks == 1:
+        return np.zeros_like(nb)
+    k = steps_factor * (ranks - 1)
+    t = k * prof.collective_latency_s + k / ranks * nb / (prof.collective_gbps * 1e9)
+    return np.where(nb > 0, t, 0.0)
+
+
+def reduce_scatter_time_s(nbytes: float, ranks: int, prof: HardwareProfile) -> float:
+    """Ring reduce-scatter of `nbytes` (the whole buffer) over `ranks` ranks."""
+    return float(ring_time_s(nbytes, ranks, prof))
+
+
+def all_gather_time_s(nbytes: float, ranks: int, prof: HardwareProfile) -> float:
+    """Ring all-gather producing `nbytes` (the whole buffer) on each of `ranks` ranks."""
+    return float(ring_time_s(nbytes, ranks, prof))
+
+
+def all_reduce_time_s(nbytes: float, ranks: int, prof: HardwareProfile) -> float:
+    """Ring all-reduce (reduce-scatter + all-gather) of `nbytes` over `ranks` ranks."""
+    return float(ring_time_s(nbytes, ranks, prof, steps_factor=2))
+
+
+def rank_profile(prof: HardwareProfile, ranks_per_host: int) -> HardwareProfile:
+    """What one of `ranks_per_host` ranks sharing a host sees: 1/R of the host's cores (at least
+    one), memory, memory bandwidth and host cast rate; measured CPU Adam rates are capped at 1/R
+    of the measured saturation. On a shared-memory machine the device pool is split too.
+    R = 1 returns `prof` itself (dp=1 predictions are unchanged)."""
+    _check_ranks(ranks_per_host)
+    r = ranks_per_host
+    if r == 1:
+        return prof
+    changes: dict = {
+        "name": prof.name,
+        "cpu_cores": max(1, prof.cpu_cores // r),
+        "host_memory_bytes": prof.host_memory_bytes / r,
+        "host_mem_bw_gbps": prof.host_mem_bw_gbps / r,
+        "host_cast_gelems": prof.host_cast_gelems / r,
+    }
+    if prof.cpu_adam_table:
+        cap = max(rate for _, rate in prof.cpu_adam_table) / r
+        changes["cpu_adam_table"] = tuple((t, min(rate, cap)) for t, rate in prof.cpu_adam_table)
+    if prof.shared_memory:
+        changes["device_memory_bytes"] = prof.device_memory_bytes / r
+    return prof.replace(**changes)
+
+
+def hosts(dp: int, ranks_per_host: int) -> int:
+    """Hosts a run of `dp` ranks, `ranks_per_host` per host, occupies."""
+    _check_ranks(dp)
+    _check_ranks(ranks_per_host)
+    return math.ceil(dp / ranks_per_host)

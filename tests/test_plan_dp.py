@@ -1,0 +1,199 @@
+"""Data parallel in the planner (issue 7): ring collectives by hand, per-rank memory and fits,
+ranks sharing a host, dp=1 identical to the single-rank planner, the --dp CLI."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from superoffload import plan
+from superoffload.cli import main
+from superoffload.config import MiB, OffloadConfig
+from superoffload.plan import parallel
+from superoffload.plan.memory import offloaded_params
+from superoffload.telemetry import events as ev
+
+GH200 = plan.profiles.get("gh200")
+B13: dict[str, Any] = dict(layers=40, hidden=5120, heads=40, vocab=50257, seq=4096, micro_batch=4)
+SMALL: dict[str, Any] = dict(layers=8, hidden=2048, heads=16, vocab=50257, seq=2048, micro_batch=1)
+HOST_CAST = OffloadConfig(grad_cast="host", param_cast="host", weights="stationary")
+
+
+# Numbers of the planner before data parallel existed (commit f3f26b3, same profiles):
+# (iteration_s, steady_iteration_s, device bytes, host bytes, spans).
+GOLDEN = [
+    ("gh200", B13, "superoffload", None,
+     (2.8823941346844184, 2.879950196468309, 88204759040.0, 208054987776.0, 8612)),
+    ("h100-pcie", SMALL, "superoffload", OffloadConfig(weights="flow"),
+     (0.08720376799390284, 0.08716456279222587, 2868129796.0, 8295064368.0, 456)),
+    ("gh200", SMALL, "zero-offload", None,
+     (0.08801220189271924, 0.08801220189271924, 3056312320.0, 9104338944.0, 99)),
+]
+
+
+@pytest.mark.parametrize("prof, shape, schedule, cfg, golden", GOLDEN)
+def test_dp1_reproduces_the_single_rank_planner_exactly(prof, shape, schedule, cfg, golden) -> None:
+    r = plan.simulate(plan.ModelShape(**shape, dp=1, ranks_per_host=1), plan.profiles.get(prof),
+                      schedule, cfg)
+    assert (r.iteration_s, r.steady_iteration_s, r.memory["device"], r.memory["host"],
+            r.n_spans) == golden
+    assert r.collective_s == 0.0
+    assert plan.max_model_size(GH200, dp=1) == 23449954304
+
+
+def test_ring_collectives_by_hand() -> None:
+    # 64 MiB of fp32 gradients over 4 ranks at 50 GB/s, 10 us per ring step:
+    # 3 * 10 us + 3/4 * 67108864 B / 50e9 B/s = 30 us + 1006.63296 us
+    nbytes = 64 * MiB
+    assert parallel.reduce_scatter_time_s(nbytes, 4, GH200) == pytest.approx(1.03663296e-3, rel=1e-12)
+    assert parallel.all_gather_time_s(nbytes, 4, GH200) == pytest.approx(1.03663296e-3, rel=1e-12)
+    # all-reduce = reduce-scatter + all-gather: twice the steps and the bytes
+    assert parallel.all_reduce_time_s(nbytes, 4, GH200) == pytest.approx(2 * 1.03663296e-3, rel=1e-12)
+    assert parallel.reduce_scatter_time_s(nbytes, 1, GH200) == 0.0
+    assert parallel.reduce_scatter_time_s(0.0, 8, GH200) == 0.0
+    # 2 ranks: 1 step, half the bytes cross
+    assert parallel.all_gather_time_s(1e9, 2, GH200) == pytest.approx(10e-6 + 0.5 * 1e9 / 50e9)
+    with pytest.raises(ValueError, match="ranks=0"):
+        parallel.ring_time_s(1.0, 0, GH200)
+
+
+def test_simulated_bucket_spans_carry_the_collectives_by_hand() -> None:
+    # ratio 1, 64 MiB buckets, bf16 both ways: a full bucket has 16 Mi params
+    cfg = HOST_CAST.replace(ratio=1.0, bucket_bytes=64 * MiB)
+    r = plan.simulate(plan.ModelShape(**B13, dp=4), GH200, "superoffload", cfg)
+    it = r.timeline[-1].iteration
+    d2h = [s for s in r.timeline if s.lane == ev.LANE_D2H and s.iteration == it and s.bucket == 0]
+    h2d = [s for s in r.timeline if s.lane == ev.LANE_H2D and s.iteration == it and s.bucket == 0]
+    cpu = [s for s in r.timeline if s.lane == ev.LANE_CPU and s.kind == ev.KIND_CPU_STEP
+           and s.iteration == it and s.bucket == 0]
+    shard = 16 * MiB / 4  # params of this rank's slice
+    link = 20e-6 + 2 * shard / 450e9  # the shard's bf16 over C2C
+    rs = 3 * 10e-6 + 0.75 * (4 * 16 * MiB) / 50e9  # reduce-scatter in fp32
+    ag = 3 * 10e-6 + 0.75 * (2 * 16 * MiB) / 50e9  # all-gather of bf16 weights
+    assert d2h[0].duration_s == pytest.approx(link + rs, rel=1e-9)
+    assert h2d[0].duration_s == pytest.approx(link + ag, rel=1e-9)
+    assert d2h[0].nbytes == 2 * shard and cpu[0].nbytes == 28 * shard
+    rate = plan.cost.cpu_adam_rate(GH200, r.plan.threads, "ours")
+    assert cpu[0].duration_s == pytest.approx(GH200.cpu_call_s + shard / rate, rel=1e-9)
+
+
+def test_more_ranks_never_increase_per_rank_host_memory() -> None:
+    last = float("inf")
+    for dp in (1, 2, 3, 4, 8, 16, 64):
+        r = plan.simulate(plan.ModelShape(**B13, dp=dp), GH200, "superoffload", HOST_CAST)
+        host = r.memory_detail.host_parts
+        off = offloaded_params(r.shape, r.plan)
+        assert host["fp32_state"] == pytest.approx(16 * off / dp, rel=1e-12)
+        assert r.memory["host"] <= last
+        last = r.memory["host"]
+        if dp > 1:  # the replicated device side grows by the fp32 reduce buffers only
+            assert r.memory_detail.device_parts["collective_buffers"] == 2 * 4 * 64 * MiB / 4
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+@pytest.mark.parametrize("schedule", ["superoffload", "zero-offload", "gpu"])
+def test_invariants_hold_with_ranks(dp: int, schedule: str) -> None:
+    r = plan.simulate(plan.ModelShape(**SMALL, dp=dp), GH200, schedule)
+    by_lane: dict[str, list[ev.Span]] = defaultdict(list)
+    for s in r.timeline:
+        assert s.end_s >= s.start_s >= 0 and s.lane in ev.LANES
+        if s.kind != ev.KIND_WAIT:
+            by_lane[s.lane].append(s)
+    for lane, spans in by_lane.items():
+        spans.sort(key=lambda s: s.start_s)
+        for a, b in zip(spans, spans[1:]):
+            assert b.start_s >= a.end_s - 1e-12, f"{lane} overlaps itself"
+    assert r.collective_s > 0
+    # a slower interconnect is never faster; a free one leaves only the CPU saving of sharding
+    slow = plan.simulate(r.shape, GH200.replace(collective_gbps=5.0), schedule)
+    free = plan.simulate(r.shape, GH200.replace(collective_gbps=1e9, collective_latency_s=0.0),
+                         schedule)
+    single = plan.simulate(plan.ModelShape(**SMALL), GH200, schedule)
+    assert slow.iteration_s >= r.iteration_s >= free.iteration_s - 1e-12
+    assert free.iteration_s <= single.iteration_s * (1 + 1e-6)
+    assert r.summary()["dp"] == dp
+
+
+def test_ranks_on_one_host_split_it() -> None:
+    pcie = plan.profiles.get("h100-pcie")
+    share = parallel.rank_profile(pcie, 8)
+    assert share.cpu_cores == 4 and share.host_memory_bytes == pcie.host_memory_bytes / 8
+    assert share.host_mem_bw_gbps == pcie.host_mem_bw_gbps / 8
+    assert share.h2d_gbps == pcie.h2d_gbps  # one PCIe link per GPU
+    assert parallel.rank_profile(pcie, 1) is pcie
+    shape: dict[str, Any] = dict(layers=24, hidden=4096, heads=32, vocab=50257, seq=2048, micro_batch=1)
+    alone = plan.simulate(plan.ModelShape(**shape, dp=8), pcie, "superoffload", HOST_CAST)
+    shared = plan.simulate(plan.ModelShape(**shape, dp=8, ranks_per_host=8), pcie, "superoffload",
+                           HOST_CAST)
+    assert shared.plan.threads < alone.plan.threads
+    assert shared.lanes["cpu_optimizer"].busy_s > alone.lanes["cpu_optimizer"].busy_s
+    assert shared.memory["host"] == alone.memory["host"]  # same shard, smaller share to fit in
+    # 8 ranks sharing the host give the same host-side limit as one rank alone on it
+    dp1 = plan.fit_problems(plan.ModelShape(**shape), pcie, "superoffload", HOST_CAST)
+    dp8 = plan.fit_problems(plan.ModelShape(**shape, dp=8, ranks_per_host=8), pcie,
+                            "superoffload", HOST_CAST)
+    assert not dp1 and not dp8
+    with pytest.raises(ValueError, match="ranks_per_host=4 exceeds dp=2"):
+        plan.ModelShape(**shape, dp=2, ranks_per_host=4)
+
+
+def test_host_fit_is_per_rank_share() -> None:
+    small_host = GH200.replace(host_memory_bytes=150e9)  # 135 GB usable; 12.8B x 18 B / 2 = 116
+    shape = plan.ModelShape(**B13, dp=2)
+    assert not plan.fit_problems(shape, small_host, "superoffload", HOST_CAST.replace(ratio=1.0))
+    crowded = shape.replace(ranks_per_host=2)  # two ranks in 150 GB: 67.5 usable each, not enough
+    problems = plan.fit_problems(crowded, small_host, "superoffload", HOST_CAST.replace(ratio=1.0))
+    assert problems and "host memory" in problems[0]
+
+
+def test_max_model_size_per_rank() -> None:
+    # weights stay replicated on each device (no weight-flow with ZeRO), so dp does not raise
+    # the device-bound limit; ranks sharing a host can only lower the host-bound one
+    best = plan.max_model_size(GH200, dp=4)
+    assert 0 < best <= plan.max_model_size(GH200, dp=1)
+    pcie = plan.profiles.get("h100-pcie")
+    assert plan.max_model_size(pcie, dp=8, ranks_per_host=8) <= plan.max_model_size(pcie, dp=8)
+    layers = round((best / 12 / 128**2) ** (1 / 3))  # ~12 h^2 L params, h = 128 L
+    fits = [plan.fit_problems(plan.gpt_by_layers(n, seq=1024, micro_batch=1, dp=4), GH200,
+                              "superoffload") == [] for n in range(layers - 3, layers + 4)]
+    assert True in fits and False in fits
+
+
+def test_profiles_cite_their_collective_figures() -> None:
+    for name in plan.profiles.names():
+        prof = plan.profiles.get(name)
+        assert prof.collective_gbps > 0 and prof.collective_latency_s >= 0
+        assert "collective_gbps" in dict(prof.sources), name
+        assert prof.is_estimate("collective_gbps")  # none of them is in FACTS.md
+    with pytest.raises(ValueError, match="collective_gbps"):
+        GH200.replace(collective_gbps=0.0)
+
+
+def test_tune_with_ranks() -> None:
+    cfg, why, pred = plan.tune(plan.ModelShape(**SMALL, dp=4), GH200)
+    assert pred.shape.dp == 4 and pred.fits and pred.collective_s > 0
+    assert cfg.weights == "stationary"
+
+
+SHAPE = ["--profile", "gh200", "--layers", "8", "--hidden", "2048", "--heads", "16",
+         "--seq", "2048", "--micro-batch", "1"]
+
+
+def test_cli_dp(capsys) -> None:
+    assert main(["simulate", *SHAPE, "--schedule", "superoffload", "--dp", "4", "--json"]) == 0
+    (res,) = json.loads(capsys.readouterr().out)["results"]
+    assert res["dp"] == 4 and res["collective_s"] > 0
+    assert main(["simulate", *SHAPE, "--schedule", "superoffload", "--dp", "4",
+                 "--collective-gbps", "450", "--json"]) == 0
+    (fast,) = json.loads(capsys.readouterr().out)["results"]
+    assert fast["collective_s"] < res["collective_s"]
+    assert main(["simulate", *SHAPE, "--dp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data parallel: 2 ranks" in out and "per rank" in out
+    assert main(["tune", *SHAPE, "--dp", "2", "--ranks-per-host", "2"]) == 0
+    assert "data parallel: 2 ranks, 2 per host" in capsys.readouterr().out
+    assert main(["simulate", *SHAPE, "--dp", "2", "--ranks-per-host", "4"]) == 2
+    assert "ranks_per_host=4 exceeds dp=2" in capsys.readouterr().err
