@@ -38,6 +38,10 @@ class EngineLike(Protocol):
     def synchronize(self) -> None: ...
 
 
+LossReduce = Callable[[torch.Tensor], torch.Tensor]
+"""A rank's loss -> the loss to record (train(loss_reduce=...))."""
+
+
 class Batches(Protocol):
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -155,7 +159,7 @@ def _recorder_of(engine: EngineLike) -> Recorder | None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Batches, n_batches: int,
-             device: torch.device) -> float:
+             device: torch.device, loss_reduce: LossReduce | None = None) -> float:
     """Mean loss over `n_batches` held-out batches (model in eval mode, no gradients)."""
     was_training = model.training
     model.eval()
@@ -163,7 +167,8 @@ def evaluate(model: torch.nn.Module, batches: Batches, n_batches: int,
         losses = []
         for _ in range(n_batches):
             x, y = batches.next_batch()
-            losses.append(float(model(x.to(device), y.to(device))))
+            loss = model(x.to(device), y.to(device))
+            losses.append(float(loss_reduce(loss) if loss_reduce is not None else loss))
         return statistics.fmean(losses)
     finally:
         model.train(was_training)
@@ -183,10 +188,13 @@ def train(
     *,
     val_batches: Batches | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
+    loss_reduce: LossReduce | None = None,
 ) -> TrainResult:
     """Train for `settings.steps` optimizer steps; return losses, throughput and a telemetry
     summary. The learning rate follows `lr_factor` via `torch.optim.lr_scheduler.LambdaLR`
-    on `engine.optimizer` (the engine keeps torch's optimizer contract)."""
+    on `engine.optimizer` (the engine keeps torch's optimizer contract). `loss_reduce` maps a
+    rank's (detached) loss to the one recorded, e.g. the mean over the ranks of a
+    distributed run (every rank must then call it: it is a collective)."""
     settings.validate()
     device = _device_of(model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -213,7 +221,8 @@ def train(
         engine.step()
         engine.zero_grad()
         scheduler.step()
-        losses.append(float(loss.detach()))
+        losses.append(float(loss_reduce(loss.detach()) if loss_reduce is not None
+                            else loss.detach()))
         tokens += x.numel()
         if step == 0:
             warm_start, warm_tokens = time.perf_counter(), tokens
@@ -241,7 +250,7 @@ def train(
             summary = summarize(spans, skip=1)
     val_loss = None
     if val_batches is not None and settings.eval_batches:
-        val_loss = evaluate(model, val_batches, settings.eval_batches, device)
+        val_loss = evaluate(model, val_batches, settings.eval_batches, device, loss_reduce)
     window = losses[-settings.final_window:]
     return TrainResult(
         steps=settings.steps,

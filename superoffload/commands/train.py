@@ -180,12 +180,16 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
 
     model = _build_model(args, preset, seq).to(device=device, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
+    if dp is not None and dp.sp > 1:
+        _make_sequence_parallel(model, dp.sp, seq)
     config = engine_config(args, device)
     tokens = load_tokens()
     train_tokens, val_tokens = split_train_val(tokens)
     rank_seed = args.seed + (1000 * dp.dp_rank if dp is not None else 0)  # other data per rank
-    batches = BatchSampler(train_tokens, batch_size=batch, seq_len=seq, seed=rank_seed)
-    val = BatchSampler(val_tokens, batch_size=batch, seq_len=seq, seed=args.seed + 1)
+    batches: Any = BatchSampler(train_tokens, batch_size=batch, seq_len=seq, seed=rank_seed)
+    val: Any = BatchSampler(val_tokens, batch_size=batch, seq_len=seq, seed=args.seed + 1)
+    if dp is not None and dp.sp > 1:  # every rank of an sp group: the same sequences, its slice
+        batches, val = SequenceShard(batches), SequenceShard(val)
     out = _out_dir(args.out) if dp is None or dp.rank == 0 else Path()
     if dp is not None:
         out = _shared_out_dir(out)
@@ -197,7 +201,8 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_threads": config.cpu_threads,
             "speculation": config.speculation, "max_grad_norm": config.max_grad_norm,
             "torch_threads": torch.get_num_threads(), "dp": dp.dp if dp is not None else 1,
-            "batch_per_rank": batch}
+            "sp": dp.sp if dp is not None else 1, "batch_per_rank": batch,
+            "seq_per_rank": seq // (dp.sp if dp is not None else 1)}
     if not args.json and not args.quiet:
         print(f"training {label}: {n_params / 1e6:.2f} M params on {device} ({dtype_name}), "
               f"batch {batch} x {seq} tokens, {args.steps} steps; output in {out}", flush=True)
@@ -225,12 +230,14 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     if dp is not None:
         from superoffload.distributed.zero import ZeroOffloadEngine
 
+        # over the dp group when sp == 1, over all dp*sp ranks with sequence parallel
         engine_ctx = ZeroOffloadEngine(model, groups, config)
     else:
         engine_ctx = so.initialize(model, optimizer=groups, config=config)
     with engine_ctx as engine:
         try:
-            result = train(engine, model, batches, settings, val_batches=val, on_step=on_step)
+            result = train(engine, model, batches, settings, val_batches=val, on_step=on_step,
+                           loss_reduce=_global_mean if dp is not None else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -257,6 +264,10 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
                                             notes=[f"iteration {n.iteration}: {n.text}"
                                                    for n in recorder.notes()])
         records = to_records(result.spans)
+        if dp is not None and dp.sp > 1:
+            from superoffload.distributed import remove_ulysses
+
+            remove_ulysses(model)  # type: ignore[arg-type]  # a GPT (checked); generate() runs the whole sequence on one rank
         sample = None if args.hf else _sample(model, device)
     payload: dict[str, Any] = {
         **result.to_dict(), **info, "engine_stats": stats,
@@ -279,11 +290,53 @@ def _start_data_parallel(args: argparse.Namespace) -> Any:
         return None
     from superoffload.distributed import init_from_args
 
-    info = init_from_args(args)
-    if info.sp != 1:
-        raise SystemExit("train --sp > 1: sequence parallel is not wired into the train command "
-                         "yet; use --sp 1 (ZeRO data parallel) or the library API")
-    return info
+    if args.sp > 1 and args.hf:
+        raise SystemExit("train --sp > 1 --hf: sequence parallel is wired for our GPT only; "
+                         "drop --hf (Hugging Face models: docs/distributed.md)")
+    try:
+        return init_from_args(args)
+    except ValueError as exc:  # --dp x --sp not matching the launched processes
+        raise SystemExit(f"train: {exc}") from None
+
+
+def _make_sequence_parallel(model: torch.nn.Module, sp: int, seq: int) -> None:
+    """Ulysses attention over this rank's sp group (docs/distributed.md, "dp x sp")."""
+    from superoffload.distributed import apply_ulysses, get_groups
+    from superoffload.models import GPT
+
+    if seq % sp:
+        raise SystemExit(f"--seq={seq} is not divisible by --sp={sp}: use a multiple of {sp}")
+    if not isinstance(model, GPT):
+        raise SystemExit("train --sp > 1: sequence parallel is wired for our GPT only")
+    try:
+        apply_ulysses(model, get_groups().sp_group)
+    except ValueError as exc:  # heads not divisible by sp
+        raise SystemExit(f"train --sp {sp}: {exc}") from None
+
+
+class SequenceShard:
+    """A batch sampler yielding this rank's contiguous 1/sp slice of every sequence (targets
+    are already shifted by the sampler, so no target lies on another rank)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from superoffload.distributed import get_groups, split_sequence
+
+        x, y = self.inner.next_batch()
+        sp_group = get_groups().sp_group
+        return split_sequence(x, sp_group), split_sequence(y, sp_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.inner.state_dict())
+
+
+def _global_mean(loss: Any) -> Any:
+    """The mean loss over every rank (equal token counts: the global-batch mean)."""
+    from superoffload.distributed import get_groups, mean_over_group
+
+    return mean_over_group(loss, get_groups().world_group)
 
 
 def _shared_out_dir(out: Path) -> Path:

@@ -160,6 +160,37 @@ def average_gradients(params: Iterable[nn.Parameter],
             offset += g.numel()
 
 
+def average_gradients_in_backward(params: Iterable[nn.Parameter],
+                                  group: dist.ProcessGroup | None = None) -> list[RemovableHandle]:
+    """Average every parameter's gradient over `group` *as backward produces it*, before it is
+    accumulated into .grad; returns the hook handles (``.remove()`` to stop).
+
+    For an engine that consumes gradients inside backward (the single-process OffloadEngine,
+    also under weight-flow, moves each bucket to the host as its last gradient accumulates),
+    `average_gradients` after backward is too late. With this hook every rank's engine sees
+    the group-averaged gradient and steps a *replicated* optimizer state identically (the
+    sum of an all-reduce is the same on every rank). Cost: one synchronous all-reduce per
+    parameter tensor and backward, not bucketed, not overlapped: a correctness path for
+    Ulysses + weight-flow (docs/distributed.md), not a fast one. Collective: call on every
+    rank of the world, in the same order (it creates a dedicated communicator, so these
+    all-reduces never interleave with another thread's collectives on `group`).
+    """
+    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None \
+        else list(range(group_size(group)))
+    if len(ranks) == 1:
+        return []
+    own = dist.new_group(ranks)
+    n = len(ranks)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        out = grad.contiguous().clone()
+        with collective_guard("all_reduce (average_gradients_in_backward)", own):
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=own)
+        return out.div_(n)
+
+    return [p.register_hook(hook) for p in params if p.requires_grad]
+
+
 def mean_over_group(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Average of a (detached) tensor over `group`: the global mean loss from local means."""
     out = value.detach().clone()

@@ -25,8 +25,11 @@ Gradients are summed, not averaged, on the wire; the 1/N goes into the kernel's
 ``grad_scale`` with the loss-scale and clip factors, and the norm is divided by N.
 The reduce runs in fp32 whatever the model dtype (bf16 sums of N ranks lose bits).
 
-Not here (yet): weight-flow, ``reconfigure()``, sequence parallel combined with ZeRO (sp>1
-raises). Checkpoints: zero_checkpoint.py.
+Sequence parallel (Ulysses, sp > 1): the default group is then every rank (dp*sp), each
+rank back-propagating the mean loss of its own sequence shard; the 1/N average over all
+ranks is the global-batch mean gradient (docs/distributed.md, "dp x sp").
+
+Not here (yet): weight-flow, ``reconfigure()``. Checkpoints: zero_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -118,10 +121,11 @@ class ZeroOffloadEngine:
             except RuntimeError:
                 group = dist.group.WORLD
             else:
-                if info.sp != 1:
-                    raise ValueError(f"ZeroOffloadEngine with sp={info.sp}: sequence parallel "
-                                     "combined with ZeRO is not implemented yet; use sp=1")
-                group = launch.get_groups().dp_group
+                # With Ulysses (sp > 1) every rank holds the full weights and computes
+                # gradients from its own tokens, so the reduction spans all dp*sp ranks: the
+                # state is sharded over the world group (docs/distributed.md, "dp x sp").
+                layout = launch.get_groups()
+                group = layout.dp_group if info.sp == 1 else layout.world_group
         ranks = dist.get_process_group_ranks(group)
         self.rank, self.world_size = ranks.index(dist.get_rank()), len(ranks)
         # Two groups of the same ranks: gradients + validation (training thread), weights

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from superoffload.kernels.validate import AdamCall, check_adam_call, check_grads, check_threads
+from superoffload.kernels.validate import (
+    AdamCall,
+    check_adam_call,
+    check_grads,
+    check_threads,
+    multi_entry_points,
+)
 
 try:
     from superoffload.kernels._cpu_adam_cffi import ffi, lib  # type: ignore[import-not-found]
@@ -130,26 +136,7 @@ def run(call: AdamCall, rollback: bool) -> None:
         _raise_for(lib.so_adam_step_multi(t, h, call.threads, simd), "adam_step")
 
 
-def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                    weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                    params_lp=None, threads=None, sr_seed=0) -> None:
-    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
-                           rollback=False, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, adamw_mode=adamw_mode,
-                           bias_correction=bias_correction, grad_scale=grad_scale,
-                           sr_seed=sr_seed)
-    run(call, rollback=False)
-
-
-def adam_rollback_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                        weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                        params_lp=None, threads=None, sr_seed=0) -> None:
-    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
-                           rollback=True, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, adamw_mode=adamw_mode,
-                           bias_correction=bias_correction, grad_scale=grad_scale,
-                           sr_seed=sr_seed)
-    run(call, rollback=True)
+adam_step_multi, adam_rollback_multi = multi_entry_points(run)
 
 
 def bandwidth_probe(params, grads, exp_avgs, exp_avg_sqs, *, threads=None) -> None:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from superoffload.kernels.validate import AdamCall, check_adam_call, check_grads
+from superoffload.kernels.validate import AdamCall, check_grads, multi_entry_points
 
 SIMD_PATH = "torch"
 STATS_BLOCK = 4096  # = SO_STATS_BLOCK in cext/so_cpu_adam.h
@@ -181,26 +181,7 @@ def run(call: AdamCall, rollback: bool) -> None:
             index0 += call.params[i].numel()
 
 
-def adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                    weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                    params_lp=None, threads=None, sr_seed=0) -> None:
-    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
-                           rollback=False, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, adamw_mode=adamw_mode,
-                           bias_correction=bias_correction, grad_scale=grad_scale,
-                           sr_seed=sr_seed)
-    run(call, rollback=False)
-
-
-def adam_rollback_multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                        weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                        params_lp=None, threads=None, sr_seed=0) -> None:
-    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
-                           rollback=True, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                           weight_decay=weight_decay, adamw_mode=adamw_mode,
-                           bias_correction=bias_correction, grad_scale=grad_scale,
-                           sr_seed=sr_seed)
-    run(call, rollback=True)
+adam_step_multi, adam_rollback_multi = multi_entry_points(run)
 
 
 def grad_stats_multi(grads, threads=None) -> tuple[float, int]:

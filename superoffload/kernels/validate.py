@@ -8,7 +8,7 @@ fix (STYLE.md §7). The result is a frozen `AdamCall` both backends consume.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -200,3 +200,31 @@ def check_grads(grads: object) -> list[torch.Tensor]:
         _check_tensor(f"grads[{i}]", g, GRAD_DTYPES)
     _same_dtype("grads", gs)
     return gs
+
+
+AdamMulti = Callable[..., None]
+
+
+def multi_entry_points(run: Callable[[AdamCall, bool], None]) -> tuple[AdamMulti, AdamMulti]:
+    """The public `adam_step_multi` and `adam_rollback_multi` of a backend whose `run(call,
+    rollback)` applies a validated call: both backends share one signature and one check."""
+
+    def entry(rollback: bool) -> AdamMulti:
+        def multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
+                  weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
+                  params_lp=None, threads=None, sr_seed=0) -> None:
+            call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
+                                   rollback=rollback, step=step, lr=lr, beta1=beta1,
+                                   beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                   adamw_mode=adamw_mode, bias_correction=bias_correction,
+                                   grad_scale=grad_scale, sr_seed=sr_seed)
+            run(call, rollback)
+
+        multi.__name__ = "adam_rollback_multi" if rollback else "adam_step_multi"
+        multi.__doc__ = ("Undo adam_step_multi with the same arguments, in place."
+                         if rollback else
+                         "One Adam(W) step over a list of tensors in one parallel region.")
+        return multi
+
+    return entry(False), entry(True)
+
