@@ -254,7 +254,7 @@ def test_train_command_under_torchrun(tmp_path: Path) -> None:
         env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", "2", "-m", "superoffload", "train", "--steps", "3", "--model",
-           "tiny", "--batch", "4", "--seq", "32", "--eval-batches", "1", "--no-report", "--json",
+           "tiny", "--batch", "4", "--seq", "32", "--eval-batches", "1", "--json",
            "--quiet", "--save-checkpoint", "--out", str(tmp_path / "run")]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -271,6 +271,12 @@ def test_train_command_under_torchrun(tmp_path: Path) -> None:
     assert result["final_loss"] < result["first_loss"]
     ckpt = consolidate(str(tmp_path / "run" / "checkpoint"))
     assert ckpt.manifest["world_size"] == 2 and ckpt.manifest["iteration"] == 3
+    # the job's token rate is both ranks' (each trains on its own half of the batch)
+    assert result["tokens_per_s"] == pytest.approx(2 * result["tokens_per_s_per_rank"])
+    assert result["tokens"] == 3 * 4 * 32
+    # rank 0's report draws both ranks' lanes, gathered over the process group
+    html = Path(result["report"]).read_text()
+    assert '"r0 d2h"' in html and '"r1 d2h"' in html and '"r1 cpu_optimizer"' in html
 
 
 # ---------------------------------------------------------------- one rank, in this process

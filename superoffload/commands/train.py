@@ -247,6 +247,9 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
         stats = {k: getattr(engine.stats, k) for k in
                  ("iterations", "skipped_steps", "clipped_steps", "rollbacks", "replays")}
         recorder = engine.telemetry
+        spans = result.spans
+        if dp is not None:  # rank 0's report shows every rank's lanes (issue 7)
+            spans = _gather_rank_spans(spans, recorder)
         report_path = None
         if not args.no_report:
             from superoffload.telemetry.report import write_html_report
@@ -258,7 +261,7 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
             for sc in recorder.scalars():
                 scalars.setdefault(sc.name, []).append((sc.iteration, sc.value))
             scalars["lr"] = list(enumerate(result.lrs))
-            report_path = write_html_report(result.spans, out / "report.html",
+            report_path = write_html_report(spans, out / "report.html",
                                             title=f"superoffload train: {label} on {device}",
                                             extra=extra, scalars=scalars,
                                             notes=[f"iteration {n.iteration}: {n.text}"
@@ -273,6 +276,11 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
         **result.to_dict(), **info, "engine_stats": stats,
         "report": str(report_path) if report_path else None, "out": str(out), "sample": sample,
     }
+    if dp is not None:  # every rank trains on its own tokens: the job's rate is their sum
+        world = dp.dp * dp.sp
+        payload["tokens_per_s_per_rank"] = payload["tokens_per_s"]
+        payload["tokens"] = payload["tokens"] * world
+        payload["tokens_per_s"] = payload["tokens_per_s"] * world
     if dp is None or dp.rank == 0:
         (out / "result.json").write_text(json.dumps({**payload, "iterations": records}, indent=1))
     if dp is not None:
@@ -284,6 +292,25 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- data parallel under torchrun: a delimited extension (issue 7; docs/distributed.md)
+def _gather_rank_spans(spans: list[Any], recorder: Any) -> list[Any]:
+    """Every rank's spans on rank 0, on rank 0's clock (other ranks get their own back).
+
+    A collective: every rank calls it. Clocks are aligned by the recorders' perf_counter
+    origins, which is exact for ranks on one host (perf_counter is system-wide there)."""
+    import torch.distributed as dist
+
+    from superoffload.telemetry.ranks import merge_rank_spans
+
+    mine = (dist.get_rank(), recorder.origin_perf_counter_s, spans)
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return spans
+    origin0 = recorder.origin_perf_counter_s
+    return merge_rank_spans([g[2] for g in gathered], ranks=[g[0] for g in gathered],
+                            offsets_s=[g[1] - origin0 for g in gathered])
+
+
 def _start_data_parallel(args: argparse.Namespace) -> Any:
     """init_distributed() when launched by torchrun or asked for --dp/--sp > 1; else None."""
     if "WORLD_SIZE" not in os.environ and (args.dp or 1) == 1 and args.sp == 1:

@@ -59,6 +59,12 @@ class Recorder:
         """Seconds since this recorder's origin (time.perf_counter based)."""
         return time.perf_counter() - self._t0
 
+    @property
+    def origin_perf_counter_s(self) -> float:
+        """The time.perf_counter() reading this recorder's times count from. On one host
+        perf_counter is system-wide, so differences of origins align ranks' timelines."""
+        return self._t0
+
     def to_relative(self, perf_counter_s: float) -> float:
         """Convert an absolute time.perf_counter() reading to this recorder's time base."""
         return perf_counter_s - self._t0
