@@ -101,11 +101,16 @@ def scenario_train(out: Path, rank: int, world: int, args: dict[str, Any]) -> No
               poison_step=run.get("poison_step"))
         weights = engine.full_master_weights()
         engine.synchronize()
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        results[name] = {"weights": weights, "params": params, "stats": stats_of(engine),
+        flow = engine.flow  # weight-flow: close() makes every block resident again
+        results[name] = {"weights": weights, "stats": stats_of(engine),
                          "mode": engine.reduce_mode, "threads": engine.threads,
-                         "local_world_size": engine.local_world_size}
+                         "local_world_size": engine.local_world_size,
+                         "fetches": None if flow is None else flow.stats.fetches,
+                         "n_blocks": None if flow is None else len(flow.blocks),
+                         "released": None if flow is None else
+                         [p.numel() for ps in flow.params for p in ps]}
         engine.close()
+        results[name]["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     if rank == 0:
         torch.save(results, out / "train.pt")
 

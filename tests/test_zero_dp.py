@@ -57,6 +57,12 @@ RUNS = {
     "skip": {"poison_step": 1, "rollback": "snapshot"},
     # no speculation: every shard is stepped after validation
     "nospec": {"speculation": "off", "max_grad_norm": 0.5},
+    # weight-flow (zero_flow.py): the all-gather fills the blocks' host homes, each block
+    # streams in per fetch; with clipping (rollback + replay + second gather), with
+    # accumulation (same plan as "gas": must match it bit for bit), and in bf16
+    "flow": {"weights": "flow", "max_grad_norm": 0.5},
+    "flow_gas": {"weights": "flow", "grad_accum_steps": 2},
+    "flow_bf16": {"weights": "flow", "dtype": "bfloat16", "max_grad_norm": 0.5},
 }
 
 
@@ -171,6 +177,30 @@ def test_dp_bf16_within_rounding_of_single_process(trained: dict) -> None:
     assert all(torch.equal(params[k], got[k].to(torch.bfloat16)) for k in got)
 
 
+def test_dp_with_weight_flow_matches_single_process_and_stationary(trained: dict) -> None:
+    flow = trained["flow"]
+    assert max_diff(_reference(RUNS["flow"]), flow["weights"]) < 1e-6  # measured 1.2e-7
+    # the same buckets (weight-flow plans ratio 1, as "gas" does) and the same kernel calls:
+    # streaming changes where the weights live, not one bit of the numbers
+    assert max_diff(trained["gas"]["weights"], trained["flow_gas"]["weights"]) == 0.0
+    # close() made every block resident again, holding the all-gathered masters
+    assert max_diff(flow["params"], flow["weights"]) == 0.0
+    assert flow["stats"]["clipped_steps"] == STEPS and flow["stats"]["replays"] > 0
+    for name in ("flow", "flow_gas", "flow_bf16"):
+        got = trained[name]
+        # the blocks really streamed: released between iterations, fetched every forward
+        assert got["n_blocks"] == 3 and got["fetches"] >= STEPS * got["n_blocks"]
+        assert got["released"] and not any(got["released"])
+    bf16 = trained["flow_bf16"]
+    ref = _reference(RUNS["bf16"])
+    assert max_diff(ref, bf16["weights"]) <= HYPER["lr"] * STEPS
+    # identical to the stationary bf16 run up to the plan (ratio 1 vs 0.8: GPU tail on the
+    # device vs the CPU kernel, the same maths in another order)
+    assert max_diff(trained["bf16"]["weights"], bf16["weights"]) <= HYPER["lr"] * STEPS
+    assert all(torch.equal(bf16["params"][k], bf16["weights"][k].to(torch.bfloat16))
+               for k in bf16["weights"])
+
+
 def test_host_budget_error_on_every_rank(trained: dict) -> None:
     msg = trained["budget_error"]
     assert msg is not None and "host memory budget exceeded on this host" in msg
@@ -192,6 +222,15 @@ def test_sharded_checkpoint_files_and_same_world_resume(checkpointed: tuple[Path
     # resume on the same world size is bit-identical to training straight through
     assert max_diff(res["w_a"], res["w_b"]) == 0.0
     assert max_diff(_reference(RUNS["fallback"], decay), res["w_a"]) < 1e-6
+
+
+def test_sharded_checkpoint_resume_under_weight_flow(tmp_path: Path) -> None:
+    """Save with the blocks released, load into a fresh weight-flow engine: bit-identical."""
+    _ranks("ckpt", 2, tmp_path, {"run": RUNS["flow"]})
+    got = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert got["iteration_loaded"] == 2
+    assert max_diff(got["w_a"], got["w_b"]) == 0.0
+    assert max_diff(got["w_a"], got["w_save"]) > 0.0  # the last two steps changed something
 
 
 def test_consolidation_rebuilds_full_fp32_state(checkpointed: tuple[Path, dict]) -> None:
@@ -282,10 +321,10 @@ def test_train_command_under_torchrun(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- one rank, in this process
 def test_one_rank_is_bit_identical_to_the_single_process_engine() -> None:
     """World size 1: the same buckets, kernel calls and verdicts as OffloadEngine, so the
-    masters match bit for bit (inline lanes and threads alike)."""
+    masters match bit for bit (inline lanes and threads alike), weight-flow included."""
     from _engine_ref import groups_for, train_engine
 
-    from superoffload.config import ConfigError, OffloadConfig
+    from superoffload.config import OffloadConfig
     from superoffload.distributed import init_distributed, shutdown
     from superoffload.distributed.zero import ZeroOffloadEngine
 
@@ -293,16 +332,17 @@ def test_one_rank_is_bit_identical_to_the_single_process_engine() -> None:
                         telemetry=False)
     data = global_data(STEPS)
     want, _ = train_engine(make_model(0), data, cfg, steps=STEPS)
+    flow_cfg = cfg.replace(weights="flow")
+    want_flow, _ = train_engine(make_model(0), data, flow_cfg, steps=STEPS)
     model = make_model(0)
     with pytest.raises(RuntimeError, match="init_distributed"):
         ZeroOffloadEngine(model, None, cfg)
     init_distributed(backend="gloo", env={}, timeout_s=30)
     try:
-        with pytest.raises(ConfigError, match="weights"):
-            ZeroOffloadEngine(model, None, cfg.replace(weights="flow"))
-        for inline in (True, False):
+        for inline, config, ref in ((True, cfg, want), (False, cfg, want),
+                                    (True, flow_cfg, want_flow), (False, flow_cfg, want_flow)):
             model = make_model(0)
-            with ZeroOffloadEngine(model, groups_for(model, False, HYPER), cfg,
+            with ZeroOffloadEngine(model, groups_for(model, False, HYPER), config,
                                    inline=inline) as engine:
                 for x, y in data:
                     engine.backward(model(x, y))
@@ -310,6 +350,7 @@ def test_one_rank_is_bit_identical_to_the_single_process_engine() -> None:
                     engine.zero_grad()
                 got = engine.full_master_weights()
                 assert engine.stats.rollbacks > 0  # clipping: the STV path ran
-            assert max_diff(want, got) == 0.0
+                assert (engine.flow is not None) == (config.weights == "flow")
+            assert max_diff(ref, got) == 0.0
     finally:
         shutdown()

@@ -52,6 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="bucket size in MiB of fp32 gradient (paper §4.2)")
     p.add_argument("--speculation", choices=("on", "off", "adaptive"), default=None,
                    help="speculation-then-validation mode (paper §4.3)")
+    p.add_argument("--weights", choices=("stationary", "flow", "auto"), default=None,
+                   help="weight policy (paper §4.5): keep the weights on the device, stream "
+                        "the blocks from the host (flow), or let the cost model choose; "
+                        "default: the preset's (works with --dp/--sp too)")
     p.add_argument("--device", default="auto", help='"auto", "cpu", "cuda" or "cuda:N"')
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="model weight dtype (default: fp32 on CPU, bf16 on CUDA)")
@@ -132,6 +136,8 @@ def engine_config(args: argparse.Namespace, device: torch.device) -> OffloadConf
         changes["ratio"] = args.ratio
     if args.speculation is not None:
         changes["speculation"] = args.speculation
+    if args.weights is not None:
+        changes["weights"] = args.weights
     if args.bucket_mb is not None:
         changes["bucket_bytes"] = max(4096, int(args.bucket_mb * MiB))
     if device.type == "cpu":
@@ -200,6 +206,7 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
             "grad_cast": config.grad_cast, "param_cast": config.param_cast,
             "cpu_threads": config.cpu_threads,
             "speculation": config.speculation, "max_grad_norm": config.max_grad_norm,
+            "weights": config.weights,
             "torch_threads": torch.get_num_threads(), "dp": dp.dp if dp is not None else 1,
             "sp": dp.sp if dp is not None else 1, "batch_per_rank": batch,
             "seq_per_rank": seq // (dp.sp if dp is not None else 1)}

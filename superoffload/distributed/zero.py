@@ -29,7 +29,10 @@ Sequence parallel (Ulysses, sp > 1): the default group is then every rank (dp*sp
 rank back-propagating the mean loss of its own sequence shard; the 1/N average over all
 ranks is the global-batch mean gradient (docs/distributed.md, "dp x sp").
 
-Not here (yet): weight-flow, ``reconfigure()``. Checkpoints: zero_checkpoint.py.
+Weight-flow (``OffloadConfig.weights="flow"``): every bucket is offloaded (ratio 1), the
+all-gather writes the blocks' weights into their host homes and each block streams in per
+fetch (zero_flow.py). Not here (yet): ``weights="auto"`` (runs stationary),
+``reconfigure()``. Checkpoints: zero_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from superoffload.config import ConfigError, OffloadConfig
+from superoffload.config import OffloadConfig
 from superoffload.distributed import launch, zero_hooks
 from superoffload.distributed.zero_budget import (
     DEFAULT_HEADROOM,
@@ -58,6 +61,13 @@ from superoffload.distributed.zero_comm import (
     ReduceTask,
     issue_reduce,
     resolve_reduce_mode,
+)
+from superoffload.distributed.zero_flow import (
+    ZeroWeightFlow,
+    alloc_homes,
+    fill_homes,
+    free_streamed_grads,
+    gather_targets,
 )
 from superoffload.distributed.zero_layout import shard_layout
 from superoffload.distributed.zero_setup import (
@@ -109,9 +119,8 @@ class ZeroOffloadEngine:
                  local_world_size: int | None = None, host_headroom: float = DEFAULT_HEADROOM,
                  host_available_bytes: int | None = None) -> None:
         self.config = config.validate()
-        if config.weights == "flow":
-            raise ConfigError("ZeroOffloadEngine runs weight-stationary only; use "
-                              "OffloadConfig.weights='stationary' or 'auto'")
+        self.flow: ZeroWeightFlow | None = None
+        flow = config.weights == "flow"  # "auto" runs weight-stationary here
         if not dist.is_initialized():
             raise RuntimeError("ZeroOffloadEngine: call superoffload.distributed."
                                "init_distributed() first (under torchrun)")
@@ -144,6 +153,7 @@ class ZeroOffloadEngine:
         named = list(model.named_parameters())
         self._names = [n for n, _ in named]
         self._params: list[torch.nn.Parameter] = [p for _, p in named]
+        self._shapes = [p.shape for p in self._params]  # streamed ones are released later
         self._index = {id(p): i for i, p in enumerate(self._params)}
         groups = param_groups_from(model, optimizer)
         self._group_of = {self._index[id(p)]: g for g, grp in enumerate(groups) for p in grp["params"]}
@@ -161,8 +171,9 @@ class ZeroOffloadEngine:
                                                               config.cpu_cores_frac)
         specs = [ParamSpec(i, self._params[i].numel(), True, self._names[i])
                  for i in self._trainable]
+        # weight-flow offloads every bucket (§4.5): the all-gather fills the blocks' homes
         self.bucket_plan: BucketPlan = plan_buckets(specs, bucket_bytes=config.bucket_bytes,
-                                                    ratio=config.ratio)
+                                                    ratio=1.0 if flow else config.ratio)
         # before anything is allocated or started (lanes are threads)
         self.host_budget = self._check_budget(host_headroom, host_available_bytes)
         self._steps = [0] * len(self._params)
@@ -181,12 +192,21 @@ class ZeroOffloadEngine:
         self._lanes: list[Lane] = [make_lane(n, inline=inline, on_error=self._on_lane_error)
                                    for n in ("reduce", "cpu_worker", "gather")]
         self.reduce_lane, self.worker, self.gather_lane = self._lanes
+        self._home_ready: dict[int, Future[Any]] = {}
+        """Weight-flow: per bucket, the last all-gather into its homes (zero_flow.py)."""
+        self._homes: dict[int, torch.Tensor] = {}
         self._gather_stream = (torch.cuda.Stream(self.backend.device)
                                if self.backend.device.type == "cuda" else None)
         self._pending: dict[int, Future[Any]] = {}
         self._it = _Iteration()
         self.build({i: initial_state(self._params[i]) for i in self._trainable})
         self._hooks = zero_hooks.register(self)
+        if flow:
+            self.fetch_lane = make_lane("fetch", inline=inline, on_error=self._on_lane_error)
+            self._lanes.append(self.fetch_lane)
+            self.flow = ZeroWeightFlow(self, config.prefetch_depth, self.fetch_lane)
+            self.flow.attach()
+            self._hooks.append(model.register_forward_pre_hook(self._begin_forward))
 
     # ------------------------------------------------------------------ setup
     def _check_budget(self, headroom: float, available: int | None) -> HostBudget:
@@ -196,6 +216,8 @@ class ZeroOffloadEngine:
             shard_host_bytes(-(-b.numel // self.world_size), grad_bytes=4, lp_bytes=lp_bytes,
                              snapshot=self.config.rollback == "snapshot")
             for b in self.bucket_plan.buckets if not b.on_device)
+        if self.config.weights == "flow":  # the gathered homes: every weight, model dtype
+            rank_bytes += sum(b.numel for b in self.bucket_plan.buckets) * self.model_dtype.itemsize
         budget = HostBudget(rank_bytes, self.local_world_size,
                             available_host_bytes() if available is None else available, headroom)
         agree_host_budget(budget, self.grad_group, self.backend.device, self.rank)
@@ -207,9 +229,11 @@ class ZeroOffloadEngine:
         self._shards: dict[int, ShardBucket] = {}
         self._tails: dict[int, BucketBuffers] = {}
         self._bucket_of: dict[int, int] = {}
+        self._home_ready.clear()
         with torch.no_grad():
             for i in self._trainable:
-                self._params[i].data.copy_(states[i].master)
+                if self.flow is None or not self.flow.is_streamed(self._params[i]):
+                    self._params[i].data.copy_(states[i].master)  # a released one: its home
                 self._steps[i] = states[i].step
         for bucket in self.bucket_plan.buckets:
             params = [self._params[i] for i in bucket.param_indices]
@@ -222,11 +246,13 @@ class ZeroOffloadEngine:
                     alloc_device=self.backend.alloc_device, grad_host_dtype=torch.float32,
                     lp_host=False)
                 continue
-            layout = shard_layout([p.numel() for p in params], rank=self.rank,
-                                  world_size=self.world_size)
-            self._shards[bucket.id] = build_shard_bucket(
+            numels = [self._shapes[i].numel() for i in bucket.param_indices]  # flow: released
+            layout = shard_layout(numels, rank=self.rank, world_size=self.world_size)
+            sb = self._shards[bucket.id] = build_shard_bucket(
                 bucket, params, sts, layout, backend=self.backend, model_dtype=self.model_dtype,
                 reduce_mode=self.reduce_mode)
+            if self.config.weights == "flow":
+                fill_homes(self, sb, alloc_homes(sb, self.backend), [st.master for st in sts])
         self._tail_grads: dict[int, torch.Tensor] = {
             b: self.backend.alloc_device(buf.bucket.numel, torch.float32)
             for b, buf in self._tails.items()}
@@ -270,6 +296,7 @@ class ZeroOffloadEngine:
             return
         sb = self._shards[b]
         fill_grad_flat(sb)
+        free_streamed_grads(self, sb)
         with launch.collective_guard(f"reduce of bucket {b}", self.grad_group):
             work = issue_reduce(sb.grad_flat, sb.grad_shard, self.grad_group, self.reduce_mode)
         reduce = self.reduce_lane.submit(ReduceTask(
@@ -295,10 +322,14 @@ class ZeroOffloadEngine:
 
     def gather(self, b: int, *, after: Future[Any] | None) -> None:
         sb = self._shards[b]
-        self._pending[b] = self.gather_lane.submit(GatherTask(
+        views, dst = gather_targets(self, sb)
+        fut = self.gather_lane.submit(GatherTask(
             b, self.iteration, after, sb.publish_host, sb.weight_shard_device, sb.weight_flat,
-            sb.weight_views, tuple(p.data for p in sb.params), self.weight_group,
-            self._gather_stream, self.telemetry, self.config.watchdog_s))
+            views, dst, self.weight_group, self._gather_stream, self.telemetry,
+            self.config.watchdog_s))
+        self._pending[b] = fut
+        if self.flow is not None:
+            self._home_ready[b] = fut  # the next fetch of its blocks waits for it
 
     # ------------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor) -> None:
@@ -322,11 +353,17 @@ class ZeroOffloadEngine:
     def step(self) -> None:
         self.optimizer.step()
 
+    def _begin_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self.flow is not None and torch._C._current_graph_task_id() == -1:
+            self.flow.begin_forward()
+
     def _step_impl(self) -> None:
         self._raise_if_failed()
         it = self._it
         if 0 < it.micro_step < self.config.grad_accum_steps:
             return
+        if self.flow is not None:
+            self.flow.end_backward()
         if it.micro_step == 0:  # a plain loss.backward(): no overlap, no speculation
             it.speculate, it.armed = False, True
             with self._lock:
@@ -412,6 +449,13 @@ class ZeroOffloadEngine:
         """Stop the lanes and remove the hooks. Idempotent; not collective."""
         if self._closed:
             return
+        if self.flow is not None and self._error is None:
+            # leave the model holding its latest weights, as weight-stationary does
+            try:
+                self.synchronize()
+                self.flow.detach()
+            finally:
+                self.flow = None
         self._closed = True
         for lane in self._lanes:
             lane.close()

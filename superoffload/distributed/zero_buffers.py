@@ -107,7 +107,7 @@ def build_shard_bucket(bucket: Bucket, params: Sequence[torch.nn.Parameter],
     else:
         grad_shard = backend.alloc_device(n, torch.float32)
     weight_flat = backend.alloc_device(layout.padded_numel, model_dtype)
-    shapes = [p.shape for p in params]
+    shapes = [st.master.shape for st in states]  # a weight-flow parameter may be released
     on_cpu = weight_flat.device.type == "cpu"
     shard_dev = (lp if lp is not None else master) if on_cpu else backend.alloc_device(n, model_dtype)
     return ShardBucket(bucket, layout, list(params), state, master, grad_host, lp, grad_flat, grad_shard,
@@ -118,13 +118,14 @@ def build_shard_bucket(bucket: Bucket, params: Sequence[torch.nn.Parameter],
 def fill_grad_flat(sb: ShardBucket) -> None:
     """Flatten the bucket's local gradients into the reduce buffer (fp32; a parameter with no
     gradient on this rank contributes zeros: the sum over ranks still needs its slot)."""
-    views = _flat_views(sb.grad_flat, sb.layout, [p.shape for p in sb.params])
+    lay = sb.layout
     with torch.no_grad():
-        for view, p in zip(views, sb.params):
+        for off, n, p in zip(lay.param_offsets, lay.param_numels, sb.params):
+            view = sb.grad_flat[off:off + n]  # flat: a weight-flow parameter may be released
             if p.grad is None:
                 view.zero_()
             else:
-                view.copy_(p.grad)
+                view.copy_(p.grad.reshape(-1))
 
 
 def export_segments(sb: ShardBucket) -> list[tuple[int, int, torch.Tensor, torch.Tensor,

@@ -71,7 +71,7 @@ def gather_full_states(engine: ZeroOffloadEngine) -> dict[int, ParamState]:
         fulls = [_all_gather_host(engine, t, lay.padded_numel) for t in sb.state.flat[:3]]
         for pos, i in enumerate(sb.bucket.param_indices):
             lo, hi = lay.param_offsets[pos], lay.param_offsets[pos] + lay.param_numels[pos]
-            shape = engine._params[i].shape
+            shape = engine._shapes[i]  # a weight-flow parameter may be released
             m, a, s = (f[lo:hi].clone().view(shape) for f in fulls)
             out[i] = ParamState(m, a, s, engine._steps[i])
     return out
@@ -98,8 +98,8 @@ def _barrier(engine: ZeroOffloadEngine, what: str) -> None:
 
 
 def _signature(engine: ZeroOffloadEngine) -> list[list[Any]]:
-    return [[n, list(p.shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
-            for n, p in zip(engine._names, engine._params)]
+    return [[n, list(shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+            for n, p, shape in zip(engine._names, engine._params, engine._shapes)]
 
 
 def save(engine: ZeroOffloadEngine, path: str, *, extra: Any = None,

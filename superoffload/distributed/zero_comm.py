@@ -120,7 +120,8 @@ class GatherTask:
     flat_views: tuple[torch.Tensor, ...]
     """Each parameter's slice of ``flat_device``, shaped like the parameter."""
     dst: tuple[torch.Tensor, ...]
-    """``param.data`` of each parameter of the bucket."""
+    """Where each of ``flat_views`` goes: ``param.data``, or under weight-flow the
+    parameter's host home (zero_flow.py)."""
     group: Any
     stream: Any
     """A CUDA stream for the copies and the collective, or None on the CPU."""
@@ -148,4 +149,8 @@ class GatherTask:
                     d.copy_(view, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.stream)
+            if any(d.device.type == "cpu" for d in self.dst):
+                # weight-flow homes on the host (zero_flow.py): a fetch reads them as soon as
+                # this task's future resolves, so the copy down must have landed by then
+                done.synchronize()
             return done

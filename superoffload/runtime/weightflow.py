@@ -148,6 +148,10 @@ class WeightFlow:
         buf = self.engine._buffers[b]
         return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
 
+    def _home_buckets(self, k: int) -> list[int]:
+        """The buckets holding block k's weights (ZeRO's subclass: distributed/zero_flow.py)."""
+        return sorted({self.engine._bucket_of[i][0] for i in self.indices[k]})
+
     def submit(self, k: int, kind: str) -> None:
         """Allocate block k's device buffer, point its parameters at it, queue the copy."""
         if not 0 <= k < len(self.blocks) or k in self.resident or not self.numel[k]:
@@ -159,8 +163,8 @@ class WeightFlow:
             n = shape.numel()
             views.append(flat[offset: offset + n].view(shape))
             offset += n
-        buckets = sorted({eng._bucket_of[i][0] for i in self.indices[k]})
-        after = tuple(f for f in (eng._home_ready.get(b) for b in buckets) if f is not None)
+        after = tuple(f for f in (eng._home_ready.get(b) for b in self._home_buckets(k))
+                      if f is not None)
         ready = eng.backend.ready_token() if eng.backend.device.type == "cuda" else None
         task = FetchTask(
             block=k, iteration=eng.iteration,
