@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from superoffload.distributed.launch import collective_guard
+from superoffload.runtime.iteration import close_iteration as shared_close_iteration
 from superoffload.runtime.steps import KernelCall, RollbackTask, run_calls
 from superoffload.runtime.stv import Action, Verdict, verdict
 from superoffload.telemetry.events import (
@@ -135,24 +136,8 @@ def settle(engine: ZeroOffloadEngine, flights: list[Flight], v: Verdict) -> None
 
 
 def close_iteration(engine: ZeroOffloadEngine, v: Verdict) -> None:
-    it, rec, n = engine._it, engine.telemetry, engine.iteration
-    loss_scale = engine.scaler.loss_scale
-    skipped = v.action is Action.SKIP
-    engine.scaler.update(skipped)
-    if skipped:
-        engine.stats.skipped_steps += 1
-        rec.note(n, f"overflow on some rank: step skipped on all {engine.world_size} ranks; "
-                    f"loss scale {loss_scale:g} -> {engine.scaler.loss_scale:g}")
-    if v.action is Action.CLIP:
-        engine.stats.clipped_steps += 1
-    note = engine.adaptive.observe(v.action is Action.CLIP)
-    if note:
-        rec.note(n, note)
-    engine.stats.speculation_enabled = engine.adaptive.enabled
-    engine.stats.iterations += 1
-    if it.losses:
-        rec.scalar("loss", n, sum(it.losses) / len(it.losses))
-    rec.scalar("grad_norm", n, v.grad_norm)
-    rec.scalar("loss_scale", n, loss_scale)
-    rec.scalar("speculating", n, 1.0 if it.speculate else 0.0)
-    engine.iteration += 1
+    """The single-process engine's end-of-iteration book-keeping; every rank holds the same
+    verdict, so an overflow skips the step everywhere."""
+    shared_close_iteration(engine, v, engine.scaler.loss_scale,
+                           overflow=f"overflow on some rank: step skipped on all "
+                                    f"{engine.world_size} ranks")

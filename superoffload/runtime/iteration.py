@@ -198,17 +198,20 @@ def finish_iteration(engine: OffloadEngine) -> None:
         for fl in flights:
             for pos in fl.members:
                 engine._steps[engine._buffers[fl.bucket].bucket.param_indices[pos]] += 1
-    _close_iteration(engine, v, loss_scale)
+    close_iteration(engine, v, loss_scale)
 
 
-def _close_iteration(engine: OffloadEngine, v: Any, loss_scale: float) -> None:
+def close_iteration(engine: Any, v: Any, loss_scale: float, *,
+                    overflow: str = "overflow: non-finite gradient, step skipped") -> None:
+    """Book-keeping at the end of an iteration, shared by OffloadEngine and the ZeRO engine
+    (superoffload.distributed.zero): loss scaler, counters, adaptive STV, telemetry scalars
+    and notes. `loss_scale` is the scale this iteration ran with (before the update)."""
     it, rec, n = engine._it, engine.telemetry, engine.iteration
     skipped = v.action is Action.SKIP
     engine.scaler.update(skipped)
     if skipped:
         engine.stats.skipped_steps += 1
-        rec.note(n, f"overflow: non-finite gradient, step skipped; loss scale {loss_scale:g} -> "
-                    f"{engine.scaler.loss_scale:g}")
+        rec.note(n, f"{overflow}; loss scale {loss_scale:g} -> {engine.scaler.loss_scale:g}")
     if v.action is Action.CLIP:
         engine.stats.clipped_steps += 1
     note = engine.adaptive.observe(v.action is Action.CLIP)
