@@ -159,14 +159,7 @@ class OffloadEngine:
             groups, step_fn=self._step_impl, zero_grad_fn=self._zero_grad_impl,
             state_fn=self.state_dict, load_fn=self.load_state_dict,
         )
-        dynamic = self.model_dtype == torch.float16 and config.loss_scale == "dynamic"
-        self.scaler = LossScaler(
-            dynamic=dynamic,
-            init_scale=(2.0**config.initial_scale_power if dynamic else
-                        config.static_loss_scale if self.model_dtype == torch.float16 else 1.0),
-            scale_window=config.loss_scale_window, hysteresis=config.hysteresis,
-            min_scale=config.min_loss_scale,
-        )
+        self.scaler = LossScaler.for_model(config, self.model_dtype)
         self.adaptive = AdaptiveSTV(mode=config.speculation, window=config.adaptive_window,
                                     threshold=config.adaptive_threshold)
         self._lanes: list[Lane] = [

@@ -6,7 +6,12 @@ overflow-free iterations. bf16 and fp32 use a static scale (1.0 unless configure
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from superoffload.config import OffloadConfig
 
 
 class LossScaler:
@@ -31,6 +36,17 @@ class LossScaler:
         self.scale_factor = scale_factor
         self.cur_iter = 0
         self.last_overflow_iter = -1
+
+    @classmethod
+    def for_model(cls, config: OffloadConfig, model_dtype: torch.dtype) -> LossScaler:
+        """The scaler an engine uses for a model of `model_dtype`: dynamic only for fp16 with
+        `loss_scale="dynamic"`; a static fp16 scale from `static_loss_scale`; 1.0 otherwise."""
+        fp16 = model_dtype == torch.float16
+        dynamic = fp16 and config.loss_scale == "dynamic"
+        init = (2.0**config.initial_scale_power if dynamic
+                else config.static_loss_scale if fp16 else 1.0)
+        return cls(dynamic=dynamic, init_scale=init, scale_window=config.loss_scale_window,
+                   hysteresis=config.hysteresis, min_scale=config.min_loss_scale)
 
     @property
     def loss_scale(self) -> float:
