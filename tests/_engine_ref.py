@@ -16,6 +16,13 @@ import superoffload as so
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 
 
+def cpu_config(**overrides: Any) -> so.OffloadConfig:
+    """The engine tests' base: CPU backend, 4 KiB buckets (many buckets even for a tiny
+    model), one optimizer thread; `overrides` win."""
+    return so.OffloadConfig(**{"device": "cpu", "bucket_bytes": 4096, "cpu_threads": 1,
+                               **overrides})
+
+
 def groups_for(model: torch.nn.Module, two_groups: bool, hyper: dict[str, Any]) -> list[dict[str, Any]]:
     """Two groups split like GPT recipes: no weight decay for 1-D params, other LR too."""
     params = [p for p in model.parameters() if p.requires_grad]

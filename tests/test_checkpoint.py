@@ -15,12 +15,7 @@ from superoffload.runtime.checkpoint import CheckpointMismatch
 STEPS, STOP = 10, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def config(**kw):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _engine_ref import HYPER, max_diff, train_engine, train_reference
+from _engine_ref import HYPER, cpu_config, max_diff, train_engine, train_reference
 from _tiny_models import batches, make_model
 
 import superoffload as so
@@ -22,13 +22,7 @@ STEPS = 20
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # 2 shared cores: torch's intra-op pool under contention is 30x slower on tiny tensors.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def run_pair(dtype, config, *, gas=1, clip=None, two_groups=True, frozen=True, inline=False,
@@ -43,8 +37,7 @@ def run_pair(dtype, config, *, gas=1, clip=None, two_groups=True, frozen=True, i
     return ref, got, stats, model
 
 
-def cfg(**kw):
-    return so.OffloadConfig(device="cpu", bucket_bytes=4096, cpu_threads=1, **kw)
+cfg = cpu_config
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])

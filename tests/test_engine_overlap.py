@@ -3,27 +3,20 @@ for the bucket of the module about to run (paper §4.2). Checked by ordering, no
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
-import torch
+from _engine_ref import cpu_config
 from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.runtime import steps
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def cfg(**kw):
-    return so.OffloadConfig(**{"device": "cpu", "bucket_bytes": 4096, "ratio": 0.5,
-                               "cpu_threads": 1, **kw})
+cfg = functools.partial(cpu_config, ratio=0.5)
 
 
 def test_buckets_offloaded_and_stepped_during_backward():

@@ -14,12 +14,7 @@ import superoffload as so
 STEPS, SWITCH = 12, 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

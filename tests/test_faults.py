@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
 import torch
+from _engine_ref import cpu_config
 from _tiny_models import batches, make_model
 
 import superoffload as so
@@ -14,18 +16,10 @@ from superoffload.runtime.backend import CPUBackend
 from superoffload.runtime.engine import EngineError
 from superoffload.runtime.transfers import WatchdogTimeout
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def cfg(**kw):
-    return so.OffloadConfig(**{"device": "cpu", "bucket_bytes": 4096, "ratio": 0.5,
-                               "cpu_threads": 1, **kw})
+cfg = functools.partial(cpu_config, ratio=0.5)
 
 
 def train(model, engine, n):

@@ -3,11 +3,12 @@ the engine's rollbacks checked by VALUES against the non-speculative schedule an
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
-from _engine_ref import HYPER, max_diff, train_engine, train_reference
+from _engine_ref import HYPER, cpu_config, max_diff, train_engine, train_reference
 from _tiny_models import batches, make_model
 
 import superoffload as so
@@ -18,12 +19,7 @@ STEPS = 12
 BAD_STEPS = (3, 7)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 # ----------------------------------------------------------------- pure parts
@@ -85,9 +81,7 @@ class NanInjector:
         self.step = step
 
 
-def cfg(**kw):
-    base = {"device": "cpu", "bucket_bytes": 4096, "ratio": 0.5, "cpu_threads": 1}
-    return so.OffloadConfig(**{**base, **kw})
+cfg = functools.partial(cpu_config, ratio=0.5)
 
 
 def run(config, *, dtype=torch.float32, bad=(), reference=False, during=None, hyper=HYPER):

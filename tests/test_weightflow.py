@@ -14,7 +14,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from _engine_ref import HYPER, max_diff, train_engine, train_reference
+from _engine_ref import HYPER, cpu_config, max_diff, train_engine, train_reference
 from _tiny_models import TinyGPT, batches, make_model
 from torch.utils.checkpoint import checkpoint
 
@@ -26,16 +26,10 @@ STEPS = 20
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def cfg(**kw):
-    return so.OffloadConfig(**{"device": "cpu", "bucket_bytes": 4096, "cpu_threads": 1, **kw})
+cfg = cpu_config
 
 
 class CkptTinyGPT(TinyGPT):

@@ -24,13 +24,7 @@ from superoffload.plan.techniques import resolve
 from superoffload.plan.weights import choose_weights
 from superoffload.runtime.device_meter import DeviceBudgetExceeded, DeviceMeter
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 # ----------------------------------------------------------------------------- pure planner side
