@@ -80,12 +80,12 @@ from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
 from superoffload.runtime.backend import make_backend
 from superoffload.runtime.engine import EngineStats
 from superoffload.runtime.iteration import Barrier
+from superoffload.runtime.lifetime import EngineLifetime
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.optim_view import EngineOptimizer, hyper_of, param_groups_from
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers, initial_state
 from superoffload.runtime.steps import KernelCall, StepTask
 from superoffload.runtime.stv import AdaptiveSTV
-from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.worker import Lane, make_lane
 from superoffload.telemetry.events import KIND_BACKWARD, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
@@ -103,7 +103,7 @@ class _Iteration:
     losses: list[float] = field(default_factory=list)
 
 
-class ZeroOffloadEngine:
+class ZeroOffloadEngine(EngineLifetime):
     """Data-parallel offload engine; build it on every rank after ``init_distributed()``.
 
     Same training API as ``OffloadEngine``: ``backward(loss)``, ``step()``, ``zero_grad()``,
@@ -369,20 +369,6 @@ class ZeroOffloadEngine:
         self._it = _Iteration()
         self._raise_if_failed()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
-
-    def _zero_grad_impl(self, set_to_none: bool = True) -> None:
-        if 0 < self._it.micro_step < self.config.grad_accum_steps:
-            return
-        for i in self._trainable:
-            p = self._params[i]
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
-
     def synchronize(self) -> None:
         """Wait for every lane; then the parameters hold the latest weights."""
         self._raise_if_failed()
@@ -418,13 +404,6 @@ class ZeroOffloadEngine:
                         "save_checkpoint()/load_checkpoint(), or zero_checkpoint.consolidate()")
 
     # ------------------------------------------------------------------ failures, lifetime
-    def _wait(self, future: Future[Any], what: str) -> Any:
-        try:
-            return wait_for(future, self.config.watchdog_s, what)
-        except Exception:
-            self._raise_if_failed()
-            raise
-
     def _on_lane_error(self, lane: str, exc: BaseException) -> None:
         with self._error_lock:  # not self._lock: inline lanes run under it
             if self._error is None:
@@ -456,9 +435,3 @@ class ZeroOffloadEngine:
         for h in self._hooks:
             h.remove()
         self._hooks, self._pending = [], {}
-
-    def __enter__(self) -> ZeroOffloadEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -32,6 +32,7 @@ from superoffload.runtime import hooks as _hooks
 from superoffload.runtime import iteration as _iter
 from superoffload.runtime.backend import Backend, make_backend
 from superoffload.runtime.casting import CastPolicy, resolve_casting
+from superoffload.runtime.lifetime import EngineLifetime
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.optim_view import EngineOptimizer, param_groups_from
 from superoffload.runtime.state import (
@@ -92,7 +93,7 @@ class _Mutable:
     losses: list[float] = field(default_factory=list)
 
 
-class OffloadEngine:
+class OffloadEngine(EngineLifetime):
     """See module docstring. Build with ``superoffload.initialize``."""
 
     def __init__(
@@ -274,21 +275,6 @@ class OffloadEngine:
         self._it = _Mutable()
         self._raise_if_failed()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
-
-    def _zero_grad_impl(self, set_to_none: bool = True) -> None:
-        if 0 < self._it.micro_step < self.config.grad_accum_steps:
-            return  # mid-accumulation: keep the partial sums
-        for i in self._trainable:
-            p = self._params[i]
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
-
     def synchronize(self) -> None:
         """Wait for all in-flight work; then the parameters hold the latest weights."""
         self._raise_if_failed()
@@ -395,14 +381,6 @@ class OffloadEngine:
         return checkpoint.load(self, path, lr_scheduler=lr_scheduler)
 
     # ------------------------------------------------------------------ failures, lifetime
-    def _wait(self, future: Future[Any], what: str) -> Any:
-        """Wait with the watchdog; a lane failure surfaces as EngineError naming the lane."""
-        try:
-            return wait_for(future, self.config.watchdog_s, what)
-        except Exception:
-            self._raise_if_failed()
-            raise
-
     def _on_lane_error(self, lane: str, exc: BaseException) -> None:
         with self._error_lock:
             if self._error is None:
@@ -439,12 +417,6 @@ class OffloadEngine:
         self._h2d_pending.clear()
         self._it = _Mutable()
         self._buffers = []
-
-    def __enter__(self) -> OffloadEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __del__(self) -> None:
         try:
