@@ -21,11 +21,34 @@ from typing import Any, Literal
 
 MiB = 1 << 20
 
+MIN_BUCKET_BYTES = 4096
+"""The one lower bound of ``bucket_bytes`` (config, planner, command line): 1024 fp32
+gradients. Smaller buckets only add per-bucket overhead (paper §4.2 uses 64 MiB)."""
+
 Speculation = Literal["on", "off", "adaptive"]
 RollbackMode = Literal["inverse", "snapshot"]
 CastSide = Literal["device", "host", "auto"]
 WeightPolicy = Literal["stationary", "flow", "auto"]
 LossScale = Literal["dynamic", "none"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Live = Literal["live", "replan", "forward"]
+"""How ``engine.reconfigure`` applies a field: "live" (next iteration boundary), "replan"
+(the buckets are rebuilt first) or "forward" (where the next forward starts: weight policy)."""
+
+
+def _field(default: Any = dataclasses.MISSING, *, numerics: bool = False, live: Live | None = None,
+           tuned: bool = False, factory: Any = dataclasses.MISSING) -> Any:
+    """A config field with its roles declared once (the lists below are derived from them).
+
+    numerics: a checkpoint written under another value is refused (it changes the maths);
+        every other field only places or schedules work and may differ on load.
+    live: whether and how ``engine.reconfigure`` may change it while training.
+    tuned: the tuner widget has a control for it.
+    """
+    meta = {"numerics": numerics, "live": live, "tuned": tuned}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 class ConfigError(ValueError):
@@ -37,92 +60,97 @@ class OffloadConfig:
     """Every setting of the offload engine. Construct, then call `validate()` (done by
     `superoffload.initialize`); `replace(**changes)` returns a validated copy."""
 
-    device: str = "auto"
+    device: str = _field("auto")
     """Where forward/backward run: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:N"."""
 
-    bucket_bytes: int = 64 * MiB
+    bucket_bytes: int = _field(64 * MiB, live="replan", tuned=True)
     """Gradient bucket size in bytes of fp32 gradient (4 B/param). Paper §4.2: ~64 MB saturates C2C."""
 
-    ratio: float = 0.9
+    ratio: float = _field(0.9, live="replan", tuned=True)
     """Fraction of the gradient work (by bytes) offloaded to the CPU. The remaining 1-ratio are the
     buckets produced last in backward (first layers), stepped on the device (paper §4.2)."""
 
-    max_grad_norm: float | None = None
+    max_grad_norm: float | None = _field(None, numerics=True, live="live")
     """Global gradient-norm clipping threshold; None or 0 disables clipping."""
 
-    speculation: Speculation = "on"
+    speculation: Speculation = _field("on", live="live", tuned=True)
     """STV mode (paper §4.3): "on" steps CPU buckets before validation and rolls back on clip or
     overflow; "off" steps after validation (ZeRO-Offload-like); "adaptive" stops speculating while
     clipping fires often and resumes when it calms down."""
 
-    rollback: RollbackMode = "inverse"
+    rollback: RollbackMode = _field("inverse", live="live")
     """How speculative steps are undone: "inverse" (algebraic inverse, a few ulps, no memory) or
     "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param of host memory)."""
 
-    adaptive_window: int = 20
+    adaptive_window: int = _field(20, live="live")
     """Adaptive STV: number of recent iterations over which the clipping rate is measured."""
 
-    adaptive_threshold: float = 0.25
+    adaptive_threshold: float = _field(0.25, live="live")
     """Adaptive STV: stop speculating when more than this fraction of the window clipped."""
 
-    grad_cast: CastSide = "auto"
+    grad_cast: CastSide = _field("auto", live="replan", tuned=True)
     """D2H direction for low-precision models: "device" casts bf16->fp32 on the device and moves
     fp32; "host" moves bf16 and casts inside the CPU kernel's pass; "auto" asks the cost model."""
 
-    param_cast: CastSide = "auto"
+    param_cast: CastSide = _field("auto", live="replan", tuned=True)
     """H2D direction: "host" writes the bf16 copy in the CPU kernel's pass and moves bf16;
     "device" moves fp32 and casts on the device; "auto" asks the cost model."""
 
-    loss_scale: LossScale = "dynamic"
+    loss_scale: LossScale = _field("dynamic", numerics=True)
     """fp16 only: "dynamic" loss scaling (DeepSpeed semantics) or "none". Ignored for bf16/fp32."""
 
-    initial_scale_power: int = 16
+    initial_scale_power: int = _field(16, numerics=True)
     """fp16 dynamic loss scaling: the first scale is 2**initial_scale_power."""
 
-    loss_scale_window: int = 1000
+    loss_scale_window: int = _field(1000, numerics=True)
     """fp16: grow the scale by 2 after this many overflow-free iterations."""
 
-    hysteresis: int = 2
+    hysteresis: int = _field(2, numerics=True)
     """fp16: overflows tolerated before the scale is shrunk."""
 
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = _field(1.0, numerics=True)
     """fp16: the scale never drops below this."""
 
-    static_loss_scale: float = 1.0
+    static_loss_scale: float = _field(1.0, numerics=True)
     """fp16 with loss_scale="none": the fixed loss scale (DeepSpeed `fp16.loss_scale` > 0)."""
 
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = _field(1, numerics=True)
     """Micro-steps per optimizer step; buckets are offloaded on the last micro-step only."""
 
-    cpu_threads: int | None = None
+    cpu_threads: int | None = _field(None, live="live", tuned=True)
     """Threads of the CPU optimizer; None derives them from `cpu_cores_frac`."""
 
-    cpu_cores_frac: float = 0.9
+    cpu_cores_frac: float = _field(0.9, live="live")
     """Share of the host's cores given to the CPU optimizer (DeepSpeed `cpuadam_cores_perc`)."""
 
-    pin_memory: bool = True
+    pin_memory: bool = _field(True)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
-    weights: WeightPolicy = "stationary"
+    weights: WeightPolicy = _field("stationary", live="forward", tuned=True)
     """Weight policy (paper §4.5): bf16 weights stay on the device ("stationary"), stream in per
     block from the host ("flow"), or the cost model chooses ("auto")."""
 
-    prefetch_depth: int = 2
+    prefetch_depth: int = _field(2, live="forward")
     """Weight-flow: blocks fetched ahead of the one running."""
 
-    watchdog_s: float = 300.0
+    watchdog_s: float = _field(300.0, live="live")
     """A bucket stuck in flight longer than this raises an error naming it instead of hanging."""
 
-    telemetry: bool = True
+    telemetry: bool = _field(True)
     """Record timeline spans (cheap; bounded memory)."""
 
-    telemetry_max_events: int = 200_000
+    telemetry_max_events: int = _field(200_000)
     """Ring-buffer capacity of the telemetry recorder."""
 
-    seed: int = 0
+    seed: int = _field(0, numerics=True)
     """Seed for stochastic rounding and anything else the engine randomises."""
 
-    extra: dict[str, Any] = field(default_factory=dict)
+    precision: Precision = _field("auto")
+    """The training precision the trainable parameters must have: "auto" takes the model's;
+    "fp32" / "bf16" / "fp16" are checked when the engine is built (a DeepSpeed dict's
+    ``bf16.enabled`` / ``fp16.enabled`` set it). Checkpoints carry the dtypes themselves."""
+
+    extra: dict[str, Any] = _field(factory=dict)
     """Free-form notes carried along (e.g. the tuner's explanation); never read by the engine."""
 
     def validate(self) -> OffloadConfig:
@@ -135,10 +163,10 @@ class OffloadConfig:
             'use "auto", "cpu", "cuda" or "cuda:N"',
         )
         _check(
-            _is_int(self.bucket_bytes) and self.bucket_bytes >= 4096,
+            _is_int(self.bucket_bytes) and self.bucket_bytes >= MIN_BUCKET_BYTES,
             "bucket_bytes",
             self.bucket_bytes,
-            "use a whole number of bytes >= 4096 (the paper uses 64 MiB)",
+            f"use a whole number of bytes >= {MIN_BUCKET_BYTES} (the paper uses 64 MiB)",
         )
         _check(
             _is_real(self.ratio) and 0.0 <= self.ratio <= 1.0,
@@ -158,6 +186,8 @@ class OffloadConfig:
         _check_choice("param_cast", self.param_cast, ("device", "host", "auto"))
         _check_choice("loss_scale", self.loss_scale, ("dynamic", "none"))
         _check_choice("weights", self.weights, ("stationary", "flow", "auto"))
+        _check_choice("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check(isinstance(self.extra, dict), "extra", self.extra, "use a dict")
         _check(
             _is_int(self.adaptive_window) and self.adaptive_window >= 1,
             "adaptive_window",
@@ -270,3 +300,22 @@ def _check(ok: bool, name: str, value: Any, fix: str) -> None:
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     _check(value in choices, name, value, "use one of " + ", ".join(repr(c) for c in choices))
+
+
+def _with(predicate: Any) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(OffloadConfig) if predicate(f.metadata))
+
+
+NUMERICS_FIELDS: frozenset[str] = _with(lambda m: m.get("numerics", False))
+"""Fields a checkpoint must agree on (derived from the field declarations)."""
+PLACEMENT_FIELDS: frozenset[str] = _with(lambda m: not m.get("numerics", False))
+"""Fields that only place or schedule work: a checkpoint may be loaded under other values."""
+RECONFIGURABLE: frozenset[str] = _with(lambda m: m.get("live") is not None)
+"""Fields ``engine.reconfigure`` accepts while training."""
+REPLAN_FIELDS: frozenset[str] = _with(lambda m: m.get("live") == "replan")
+"""Fields whose change rebuilds the buckets."""
+FORWARD_FIELDS: frozenset[str] = _with(lambda m: m.get("live") == "forward")
+"""Fields applied where the next forward starts (the weight policy)."""
+TUNED_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(OffloadConfig) if f.metadata.get("tuned", False))
+"""Fields the tuner widget has a control for, in declaration order."""

@@ -77,6 +77,9 @@ def adam_rollback(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 adam_step_multi = _impl.adam_step_multi
 adam_rollback_multi = _impl.adam_rollback_multi
 
+from superoffload.kernels.device_adam import device_adam_multi  # noqa: E402
+from superoffload.kernels.hyper import AdamHyper  # noqa: E402
+
 
 def grad_stats_multi(grads: list[torch.Tensor], threads: int | None = None) -> tuple[float, int]:
     """(sum of squares of the finite values in fp64, count of non-finite values)."""
@@ -97,5 +100,6 @@ def backend() -> str:
     return _BACKEND
 
 
-__all__ = ["adam_rollback", "adam_rollback_multi", "adam_step", "adam_step_multi", "backend",
+__all__ = ["AdamHyper", "adam_rollback", "adam_rollback_multi", "adam_step", "adam_step_multi",
+           "backend", "device_adam_multi",
            "grad_stats", "grad_stats_multi", "simd_path"]

@@ -1,0 +1,97 @@
+"""Adam(W) hyper-parameters of one param group: the one type every Adam path takes.
+
+The engine freezes one ``AdamHyper`` per param group when it launches a step (so an LR
+scheduler's change applies from the next step and never races with a worker thread); the
+CPU kernel, its torch fallback and the device step read the same fields. The per-call
+numbers (step count, grad_scale, stochastic-rounding seed) stay call arguments.
+
+Ranges follow ``torch.optim.AdamW`` (PyTorch docs: lr >= 0, 0 <= betas < 1, eps >= 0,
+weight_decay >= 0), plus AdamW's ``lr * weight_decay < 1`` (the decoupled decay factor
+``1 - lr * wd`` must stay positive, DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    # torch.optim.AdamW's defaults (PyTorch docs), plus the kernel's two switches.
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "adamw_mode": True,
+    "bias_correction": True,
+}
+GROUP_KEYS = frozenset(DEFAULTS)
+"""The hyper-parameter keys of a param group (besides ``params``)."""
+
+
+def _real(where: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where}[{key!r}]={value!r}: use a real number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{where}[{key!r}]={value!r}: use a finite number")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class AdamHyper:
+    """One param group's hyper-parameters, range-checked."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool = True
+    bias_correction: bool = True
+
+    def __post_init__(self) -> None:
+        self.check("AdamHyper")
+
+    def check(self, where: str) -> None:
+        """Raise TypeError/ValueError naming ``where[key]`` and the fix."""
+        for key in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            _real(where, key, getattr(self, key))
+        if self.lr < 0:
+            raise ValueError(f"{where}['lr']={self.lr!r}: use a number >= 0")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"{where}['betas']: {key}={getattr(self, key)!r}; use two "
+                                 "numbers in [0, 1)")
+        if self.eps < 0:
+            raise ValueError(f"{where}['eps']={self.eps!r}: use a number >= 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"{where}['weight_decay']={self.weight_decay!r}: use a number >= 0")
+        for key in ("adamw_mode", "bias_correction"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"{where}[{key!r}]={getattr(self, key)!r}: use True or False")
+        if self.adamw_mode and self.lr * self.weight_decay >= 1.0:
+            raise ValueError(f"{where}: lr * weight_decay = {self.lr * self.weight_decay:g} "
+                             "must be < 1 in AdamW mode (the decay factor 1 - lr*wd would not "
+                             "be positive); lower lr or weight_decay")
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, Any], where: str = "optimizer") -> AdamHyper:
+        """From a torch-style param group (``lr``, ``betas``, ``eps``, ``weight_decay``,
+        ``adamw_mode``, ``bias_correction``; missing keys take ``DEFAULTS``)."""
+        g = {**DEFAULTS, **{k: v for k, v in group.items() if k != "params"}}
+        betas = g["betas"]
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ValueError(f"{where}['betas']={betas!r}: use two numbers in [0, 1)")
+        hyper = cls.__new__(cls)
+        for key, value in (("lr", _real(where, "lr", g["lr"])),
+                           ("beta1", _real(where, "betas", betas[0])),
+                           ("beta2", _real(where, "betas", betas[1])),
+                           ("eps", _real(where, "eps", g["eps"])),
+                           ("weight_decay", _real(where, "weight_decay", g["weight_decay"])),
+                           ("adamw_mode", g["adamw_mode"]),
+                           ("bias_correction", g["bias_correction"])):
+            object.__setattr__(hyper, key, value)
+        hyper.check(where)
+        return hyper

@@ -1,0 +1,214 @@
+"""The schedule rule book: what an engine really runs for a config (DESIGN.md §6, "one rule book").
+
+One pure function, ``resolve_schedule(config, facts)``, decides every rule that turns the
+requested ``OffloadConfig`` into the schedule that runs; the engine (single-process and ZeRO)
+and the planner's simulator both call it, so a prediction always describes the schedule that
+runs and telemetry can record the effective values:
+
+* weight-flow offloads every bucket (ratio 1) and casts weights on the host: the host's
+  low-precision copy is what streams in (paper §4.5); with data parallel too (the ZeRO engine
+  all-gathers into the host homes);
+* buckets hold whole parameters, in gradient-ready order, as ``plan.buckets.plan_buckets``
+  cuts them (paper §4.2), and ``ratio`` rounds to whole buckets;
+* casting "auto" (paper §4.4): on a CPU-only machine the "link" is a memory copy, so moving
+  fewer bytes wins (host both ways); on a GPU the cost model picks per direction for the
+  given hardware profile, and without a profile the Superchip default (gradients cast on
+  the device, weights on the host: the kernel writes the bf16 copy in its pass);
+* an fp32 model casts nothing; fp16 gradients are widened on the device (the CPU kernel
+  reads fp32 or bf16);
+* CPU optimizer threads: ``optimizer_threads`` below, the one thread rule.
+
+No torch, no threads, no devices (STYLE.md §2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from superoffload.config import OffloadConfig
+from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
+from superoffload.plan.profiles import HardwareProfile
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: the affinity mask (a container's cpuset, taskset), not
+    the machine's core count (``os.cpu_count()`` oversubscribes a 16-CPU container on a
+    larger host)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS has no sched_getaffinity
+        return os.cpu_count() or 1
+
+
+def optimizer_threads(usable: int, cores_frac: float, *, local_ranks: int = 1,
+                      reserved: int = 0, explicit: int | None = None) -> int:
+    """CPU optimizer (OpenMP) threads of one rank: the one thread rule.
+
+    ``usable`` cores (the affinity mask, or a profile's cores) are split evenly among the
+    ``local_ranks`` sharing the host; of a rank's share, ``cores_frac`` (DeepSpeed's
+    ``cpuadam_cores_perc``) goes to the optimizer, and never the cores of the runtime's own
+    busy threads (``reserved``: the training thread and the transfer threads on a GPU host),
+    so the memory-bound OpenMP loop is not preempted (an oversubscribed static OpenMP split
+    stretches to its slowest thread). ``explicit`` (``OffloadConfig.cpu_threads``) wins, capped
+    at the share. At least 1.
+    """
+    if usable < 1 or local_ranks < 1 or reserved < 0:
+        raise ValueError(f"optimizer_threads(usable={usable}, local_ranks={local_ranks}, "
+                         f"reserved={reserved}): use usable, local_ranks >= 1 and reserved >= 0")
+    if not 0.0 < cores_frac <= 1.0:
+        raise ValueError(f"cores_frac={cores_frac}: use a fraction in (0, 1]")
+    share = max(1, usable // local_ranks)
+    if explicit is not None:
+        return max(1, min(int(explicit), share))
+    return max(1, min(math.floor(share * cores_frac), share - reserved))
+
+
+def runtime_threads(device_type: str) -> int:
+    """Busy threads of the runtime besides the optimizer's: on a GPU host the training thread
+    (launching kernels) and the transfer lanes' threads; on a CPU-only machine the "device"
+    compute shares the cores anyway and ``cores_frac`` alone sets the split."""
+    return 2 if device_type == "cuda" else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleFacts:
+    """What the rules need to know about the model and the machine."""
+
+    params: tuple[ParamSpec, ...]
+    """The model's parameters in registration order (as ``plan_buckets`` takes them)."""
+    model_dtype: str = "bfloat16"
+    """Dtype of the trainable parameters: "float32", "bfloat16" or "float16"."""
+    device_type: str = "cuda"
+    """Where forward/backward run: "cpu" or "cuda"."""
+    dp: int = 1
+    """Ranks sharing the offloaded state (ZeRO data parallel); 1 for one process."""
+    usable_cores: int = 1
+    """Cores the host gives this job (affinity mask, or a profile's cores)."""
+    local_ranks: int = 1
+    """Ranks sharing this host's cores."""
+    profile: HardwareProfile | None = None
+    """Hardware for casting="auto" on a GPU (the cost model); None: the Superchip default."""
+
+    def __post_init__(self) -> None:
+        if self.model_dtype not in DTYPES:
+            raise ValueError(f"ScheduleFacts.model_dtype={self.model_dtype!r}: use one of {DTYPES}")
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"ScheduleFacts.device_type={self.device_type!r}: use one of "
+                             f"{DEVICE_TYPES}")
+        for name in ("dp", "usable_cores", "local_ranks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ScheduleFacts.{name}={value!r}: use a whole number >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The schedule that runs (every rule applied, every "auto" decided)."""
+
+    weights: str
+    """"stationary" or "flow"."""
+    requested_ratio: float
+    """``OffloadConfig.ratio`` as asked."""
+    ratio: float
+    """The ratio the buckets were planned with (1.0 under weight-flow)."""
+    bucket_plan: BucketPlan
+    grad_cast: str
+    """"host" (gradients cross in the model dtype, the CPU kernel casts) or "device"."""
+    param_cast: str
+    """"host" (the kernel writes the low-precision copy that crosses) or "device"."""
+    threads: int
+    """CPU optimizer threads of this rank."""
+    dp: int
+    notes: tuple[str, ...] = ()
+    """Why a requested value changed, in plain language."""
+
+    @property
+    def offloaded_fraction(self) -> float:
+        """Share of the trainable elements whose state and step are on the host."""
+        return self.bucket_plan.offloaded_fraction
+
+    @property
+    def host_numel(self) -> int:
+        return sum(b.numel for b in self.bucket_plan.host_buckets)
+
+    @property
+    def device_numel(self) -> int:
+        return sum(b.numel for b in self.bucket_plan.device_buckets)
+
+    def bucket_table(self) -> list[tuple[int, tuple[int, ...], int, bool]]:
+        """(id, parameter indices, numel, on_device) per bucket: what tests compare."""
+        return [(b.id, b.param_indices, b.numel, b.on_device) for b in self.bucket_plan.buckets]
+
+
+def resolve_casting(grad_cast: str, param_cast: str, *, model_dtype: str, device_type: str,
+                    weights: str, profile: HardwareProfile | None = None,
+                    threads: int = 1, bucket_params: float = 16 * 2**20
+                    ) -> tuple[str, str, tuple[str, ...]]:
+    """(grad side, param side, notes) for one model dtype; see the module docstring."""
+    notes: list[str] = []
+    if model_dtype == "float32":
+        return "device", "device", ()  # nothing to cast: fp32 crosses both ways
+    g, p = grad_cast, param_cast
+    if "auto" in (g, p):
+        if device_type == "cpu":
+            g_auto, p_auto = "host", "host"
+        elif profile is not None:
+            from superoffload.plan import cost  # the cost model (pure)
+
+            g_auto, p_auto, why = cost.choose_casting(profile, "ours", threads, bucket_params)
+            notes.append(f"casting auto on {profile.name}: {why}")
+        else:
+            g_auto, p_auto = "device", "host"
+        g = g_auto if g == "auto" else g
+        p = p_auto if p == "auto" else p
+    if g == "host" and model_dtype == "float16":
+        g = "device"  # the CPU kernel reads fp32 or bf16 gradients: fp16 is widened first
+        notes.append("fp16 gradients are widened to fp32 on the device (the CPU kernel reads "
+                     "fp32 or bf16)")
+    if weights == "flow" and p != "host":
+        p = "host"
+        notes.append("weight-flow: weights are cast on the host (the host's low-precision copy "
+                     "streams in)")
+    return g, p, tuple(notes)
+
+
+def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
+                     weights: str | None = None) -> Schedule:
+    """The schedule ``config`` runs on ``facts``. ``weights``: the decided policy when
+    ``config.weights`` is "auto" (the engine decides it at the first batch, the planner by
+    ``plan.weights.choose_weights``); otherwise ``config.weights``."""
+    policy = config.weights if weights is None else weights
+    if policy not in ("stationary", "flow"):
+        raise ValueError(f"resolve_schedule: weights={policy!r}; decide 'auto' first "
+                         "(plan.weights.choose_weights) and pass 'stationary' or 'flow'")
+    notes: list[str] = []
+    ratio = float(config.ratio)
+    if policy == "flow" and ratio != 1.0:
+        notes.append(f"weight-flow: every bucket is offloaded (ratio {ratio:g} -> 1); the "
+                     "host copy each CPU step writes is what streams in (§4.5)")
+        ratio = 1.0
+    threads = optimizer_threads(facts.usable_cores, config.cpu_cores_frac,
+                                local_ranks=facts.local_ranks,
+                                reserved=runtime_threads(facts.device_type),
+                                explicit=config.cpu_threads)
+    plan = plan_buckets(facts.params, bucket_bytes=config.bucket_bytes, ratio=ratio)
+    g, p, cast_notes = resolve_casting(
+        config.grad_cast, config.param_cast, model_dtype=facts.model_dtype,
+        device_type=facts.device_type, weights=policy, profile=facts.profile, threads=threads,
+        bucket_params=config.bucket_bytes / 4)
+    notes += cast_notes
+    return Schedule(weights=policy, requested_ratio=float(config.ratio), ratio=ratio,
+                    bucket_plan=plan, grad_cast=g, param_cast=p, threads=threads, dp=facts.dp,
+                    notes=tuple(notes))
+
+
+def specs_of(numels: Sequence[int], names: Sequence[str] | None = None) -> tuple[ParamSpec, ...]:
+    """ParamSpecs of trainable parameters with ``numels`` in registration order."""
+    names = list(names) if names is not None else [""] * len(numels)
+    return tuple(ParamSpec(i, int(n), True, names[i]) for i, n in enumerate(numels))
