@@ -101,11 +101,11 @@ def scenario_zero_flow_sp(out: Path, rank: int, args: dict[str, Any]) -> None:
 
     model = apply_ulysses(make_gpt(seed=rank), get_groups().sp_group)  # rank 0's weights win
     with ZeroOffloadEngine(model, groups_for(model, False, HYPER), flow_config()) as engine:
-        assert engine.flow is not None
+        assert engine.weights.flow is not None
         losses = _train(model, engine, STEPS)
         weights = engine.full_master_weights()
         engine.synchronize()
-        flow = engine.flow
+        flow = engine.weights.flow
         record = {"weights": weights, "losses": losses, "fetches": flow.stats.fetches,
                   "blocks": len(flow.blocks), "peak_blocks": flow.stats.peak_resident_blocks,
                   "released": sum(p.numel() for ps in flow.params for p in ps),

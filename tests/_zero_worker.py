@@ -30,7 +30,7 @@ from _tiny_models import batches, make_model
 from superoffload.config import OffloadConfig
 from superoffload.distributed import DistributedError, init_distributed, shutdown
 from superoffload.distributed.zero import ZeroOffloadEngine
-from superoffload.distributed.zero_budget import HostMemoryError
+from superoffload.distributed.zero.budget import HostMemoryError
 
 GLOBAL_BATCH, SEQ = 4, 12
 LOCAL_KEYS = ("reduce_mode", "dtype", "two_groups", "host_available_bytes", "poison_step")
@@ -101,7 +101,7 @@ def scenario_train(out: Path, rank: int, world: int, args: dict[str, Any]) -> No
               poison_step=run.get("poison_step"))
         weights = engine.full_master_weights()
         engine.synchronize()
-        flow = engine.flow  # weight-flow: close() makes every block resident again
+        flow = engine.weights.flow  # weight-flow: close() makes every block resident again
         results[name] = {"weights": weights, "stats": stats_of(engine),
                          "mode": engine.reduce_mode, "threads": engine.threads,
                          "local_world_size": engine.local_world_size,

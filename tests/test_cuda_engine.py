@@ -46,9 +46,9 @@ def test_cuda_buffers_pinned_and_streams_separate():
     model = on_cuda(make_model(dtype=torch.bfloat16))
     config = so.OffloadConfig(device="cuda", bucket_bytes=4096, ratio=0.5)
     with so.initialize(model, {"lr": 1e-3}, config) as engine:
-        host = [b for b in engine._buffers if not b.on_device]
+        host = [b for b in engine.state.buffers if not b.on_device]
         assert host and all(t.is_pinned() for b in host for t in b.flat)
-        device = [b for b in engine._buffers if b.on_device]
+        device = [b for b in engine.state.buffers if b.on_device]
         assert all(t.is_cuda for b in device for t in b.flat)
         backend = engine.backend
         streams = {backend.d2h_stream, backend.h2d_stream, torch.cuda.current_stream()}

@@ -154,7 +154,7 @@ def test_train_command_with_sequence_parallel(tmp_path: Path) -> None:
     assert result["engine_stats"]["iterations"] == 3
     assert all(torch.isfinite(torch.tensor([result["first_loss"], result["val_loss"]])))
     assert result["final_loss"] < result["first_loss"]
-    from superoffload.distributed.zero_checkpoint import consolidate
+    from superoffload.distributed.zero.checkpoint import consolidate
 
     ckpt = consolidate(str(tmp_path / "run" / "checkpoint"))
     assert ckpt.manifest["world_size"] == 2  # the state is sharded over both sp ranks
@@ -170,7 +170,7 @@ def test_train_command_with_sequence_parallel_and_weight_flow(tmp_path: Path) ->
     assert (result["sp"], result["weights"]) == (2, "flow")
     assert result["engine_stats"]["iterations"] == 3
     assert result["final_loss"] < result["first_loss"]
-    from superoffload.distributed.zero_checkpoint import consolidate
+    from superoffload.distributed.zero.checkpoint import consolidate
 
     assert consolidate(str(tmp_path / "run" / "checkpoint")).manifest["world_size"] == 2
     assert _processes_naming(str(tmp_path / "run")) == []

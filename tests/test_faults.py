@@ -44,7 +44,7 @@ def test_worker_exception_reaches_caller(monkeypatch):
         engine.step()
     engine.close()
     engine.close()  # idempotent
-    assert all(not lane.alive for lane in engine._lanes)
+    assert all(not lane.alive for lane in engine.lanes)
 
 
 def test_transfer_exception_reaches_caller(monkeypatch):
@@ -57,7 +57,7 @@ def test_transfer_exception_reaches_caller(monkeypatch):
         EngineError, match="d2h.*link down"
     ):
         train(model, engine, 3)
-    assert all(not lane.alive for lane in engine._lanes)
+    assert all(not lane.alive for lane in engine.lanes)
 
 
 def test_watchdog_names_stuck_bucket(monkeypatch):

@@ -43,7 +43,7 @@ def test_cuda_flow_homes_pinned_and_weights_released():
     model = make_model(dtype=torch.bfloat16, n_blocks=6).cuda()
     config = so.OffloadConfig(device="cuda", bucket_bytes=4096, weights="flow", prefetch_depth=1)
     with so.initialize(model, {"lr": 1e-3}, config) as engine:
-        assert all(t.is_pinned() for b in engine._buffers for t in b.flat)
+        assert all(t.is_pinned() for b in engine.state.buffers for t in b.flat)
         for x, y in cuda_batches(3):
             engine.backward(model(x, y))
             engine.step()

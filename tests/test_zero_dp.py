@@ -31,16 +31,16 @@ from _zero_worker import decay, global_data
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from superoffload.distributed.zero_budget import (
+from superoffload.distributed.zero.budget import (
     HostBudget,
     HostMemoryError,
     available_host_bytes,
     check_host_budget,
     shard_host_bytes,
-    threads_per_rank,
 )
-from superoffload.distributed.zero_checkpoint import consolidate
-from superoffload.distributed.zero_layout import all_layouts, shard_layout
+from superoffload.distributed.zero.checkpoint import consolidate
+from superoffload.distributed.zero.layout import all_layouts, shard_layout
+from superoffload.threads import optimizer_threads, usable_cores
 
 WORKER = Path(__file__).with_name("_zero_worker.py")
 STEPS = 4
@@ -115,11 +115,15 @@ def test_layout_rejects_bad_input() -> None:
 
 
 def test_threads_split_the_cores_between_local_ranks() -> None:
-    assert threads_per_rank(1, 1.0, cores=16) == 16
-    assert threads_per_rank(4, 0.9, cores=16) == 3  # int(14.4) // 4
-    assert threads_per_rank(8, 0.5, cores=2) == 1  # never 0
-    with pytest.raises(ValueError, match="local_world_size"):
-        threads_per_rank(0, 0.9)
+    # the one thread rule (superoffload/threads.py), as the ZeRO engine applies it
+    assert optimizer_threads(16, 1.0, local_ranks=1) == 16
+    assert optimizer_threads(16, 0.9, local_ranks=4) == 3  # floor(4 cores x 0.9)
+    assert optimizer_threads(2, 0.5, local_ranks=8) == 1  # never 0
+    assert optimizer_threads(16, 0.9, local_ranks=1, reserved=2) == 14  # GPU host: 2 runtime
+    assert optimizer_threads(16, 1.0, local_ranks=1, reserved=2) == 14  # threads keep cores
+    assert optimizer_threads(16, 0.9, explicit=32) == 16  # capped at the share
+    with pytest.raises(ValueError, match="local_ranks"):
+        optimizer_threads(16, 0.9, local_ranks=0)
 
 
 def test_host_budget_raises_before_allocating() -> None:
@@ -165,7 +169,7 @@ def test_dp_exercises_speculation_rollback_and_the_fallback(trained: dict) -> No
     assert trained["fallback"]["mode"] == "all_reduce"
     assert trained["clip"]["mode"] == "reduce_scatter"  # gloo of torch >= 2.x has it
     assert trained["clip"]["local_world_size"] == 2
-    assert trained["clip"]["threads"] == threads_per_rank(2, 0.9)
+    assert trained["clip"]["threads"] == optimizer_threads(usable_cores(), 0.9, local_ranks=2)
 
 
 def test_dp_bf16_within_rounding_of_single_process(trained: dict) -> None:
@@ -350,7 +354,7 @@ def test_one_rank_is_bit_identical_to_the_single_process_engine() -> None:
                     engine.zero_grad()
                 got = engine.full_master_weights()
                 assert engine.stats.rollbacks > 0  # clipping: the STV path ran
-                assert (engine.flow is not None) == (config.weights == "flow")
+                assert (engine.weights.flow is not None) == (config.weights == "flow")
             assert max_diff(ref, got) == 0.0
     finally:
         shutdown()

@@ -5,9 +5,13 @@
     apply_ulysses(model, get_groups().sp_group)
 
 See docs/distributed.md. ZeRO-style data parallel of the offloaded optimizer state (each rank
-keeps and steps 1/N of every offloaded bucket): ``superoffload.distributed.zero.ZeroOffloadEngine``
-and ``superoffload.distributed.zero_checkpoint`` (imported on demand: they pull in the engine).
+keeps and steps 1/N of every offloaded bucket): ``superoffload.distributed.zero`` (imported on
+demand: it pulls in the engine). Our GPT's Ulysses adapter (``apply_ulysses``,
+``remove_ulysses``, ``UlyssesSelfAttention``) lives in ``ulysses_gpt.py`` and loads on first
+use, so importing this package does not import the model zoo.
 """
+
+from typing import Any
 
 from superoffload.distributed.groups import (
     ParallelGroups,
@@ -27,12 +31,9 @@ from superoffload.distributed.launch import (
     shutdown,
 )
 from superoffload.distributed.sequence_parallel import (
-    UlyssesSelfAttention,
-    apply_ulysses,
     average_gradients,
     average_gradients_in_backward,
     mean_over_group,
-    remove_ulysses,
     sequence_positions,
     split_sequence,
 )
@@ -44,6 +45,17 @@ from superoffload.distributed.ulysses import (
     seq_to_heads,
     ulysses_attention,
 )
+
+_GPT_ADAPTER = ("UlyssesSelfAttention", "apply_ulysses", "remove_ulysses")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GPT_ADAPTER:
+        from superoffload.distributed import ulysses_gpt
+
+        return getattr(ulysses_gpt, name)
+    raise AttributeError(f"module 'superoffload.distributed' has no attribute {name!r}")
+
 
 __all__ = [
     "DistInfo",

@@ -99,13 +99,18 @@ class ParallelGroups:
     """All ranks: average gradients over this one when training with dp x sp."""
 
 
-def create_groups(layout: ParallelLayout) -> ParallelGroups:
+def create_groups(layout: ParallelLayout, *, timeout_s: float | None = None) -> ParallelGroups:
     """Create the dp and sp process groups of `layout` and return this rank's.
 
     Collective: every rank must call it, in the same order relative to other group creations
-    (torch.distributed.new_group's contract).
+    (torch.distributed.new_group's contract). ``timeout_s``: the groups' collective timeout
+    (a subgroup does not inherit the world group's; without one it gets torch's 30 min).
     """
+    from datetime import timedelta
+
     import torch.distributed as dist
+
+    timeout = None if timeout_s is None else timedelta(seconds=float(timeout_s))
 
     if not dist.is_initialized():
         raise RuntimeError("create_groups: torch.distributed is not initialised: call "
@@ -121,13 +126,15 @@ def create_groups(layout: ParallelLayout) -> ParallelGroups:
     if layout.sp == layout.world_size:
         sp_group = world
     else:
-        sp_sub, _ = dist.new_subgroups_by_enumeration([list(g) for g in layout.sp_groups])
+        sp_sub, _ = dist.new_subgroups_by_enumeration([list(g) for g in layout.sp_groups],
+                                                      timeout=timeout)
         assert sp_sub is not None  # every rank is in exactly one sp group
         sp_group = sp_sub
     if layout.dp == layout.world_size:
         dp_group = world
     else:
-        dp_sub, _ = dist.new_subgroups_by_enumeration([list(g) for g in layout.dp_groups])
+        dp_sub, _ = dist.new_subgroups_by_enumeration([list(g) for g in layout.dp_groups],
+                                                      timeout=timeout)
         assert dp_sub is not None  # every rank is in exactly one dp group
         dp_group = dp_sub
     return ParallelGroups(layout=layout, dp_group=dp_group, sp_group=sp_group, world_group=world)

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from superoffload.distributed.groups import ParallelGroups, create_groups, plan_parallel_layout
+from superoffload.runtime.errors import EngineError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """Variables torchrun sets for every worker; init_distributed needs all or none of them."""
@@ -42,8 +43,9 @@ DEFAULT_TIMEOUT_S = 300.0
 one rank), short enough that a stuck job fails within minutes instead of torch's 30 min."""
 
 
-class DistributedError(RuntimeError):
-    """A collective failed: a peer rank died, stalled past the timeout, or the shapes differ."""
+class DistributedError(EngineError):
+    """A collective failed: a peer rank died, stalled past the timeout, or the shapes differ.
+    An ``EngineError`` (runtime/errors.py), so both engines raise one family."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +173,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     try:
-        groups = create_groups(layout)
+        groups = create_groups(layout, timeout_s=float(timeout_s))
         processes = _exchange_processes(world_size)
     except Exception:
         if owns_group:
@@ -223,6 +225,21 @@ def exited_peers(ranks: list[int]) -> list[int]:
     host = socket.gethostname()
     return [r for r in ranks if _STATE.processes[r].host == host
             and r != _STATE.info.rank and _process_gone(_STATE.processes[r].pid)]
+
+
+def collective_timeout_s() -> float:
+    """The collective timeout of this job (``init_distributed(timeout_s=...)``)."""
+    return _STATE.info.timeout_s if _STATE is not None else DEFAULT_TIMEOUT_S
+
+
+def new_group_like(ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the job's collective timeout: a group made without one
+    gets torch's default (30 min) instead of the world group's, so a stalled peer would
+    block its collectives for half an hour (measured: an async all_reduce on such a group
+    ignored a 5 s world timeout)."""
+    group = dist.new_group(ranks, timeout=timedelta(seconds=collective_timeout_s()))
+    assert group is not None
+    return group
 
 
 def _require_state(caller: str) -> _State:

@@ -9,10 +9,10 @@ chooses where the fp32<->bf16 cast happens:
 * weights (H2D): "host" writes the bf16 copy in the kernel's pass and moves bf16; "device"
   moves fp32 and casts on the device.
 
-"auto" resolves here: on a CPU-only machine the "link" is a memory copy, so moving fewer
-bytes wins ("host" both ways); on CUDA the Superchip default is to cast gradients on the
-device and weights on the host (the kernel writes the bf16 copy for free in its pass).
-An fp32 model casts nothing.
+"auto" is resolved by the rule book (``plan.schedule.resolve_casting``, shared with the
+planner): on a CPU-only machine the "link" is a memory copy, so moving fewer bytes wins
+("host" both ways); on a GPU the cost model picks for the engine's hardware profile. An
+fp32 model casts nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from superoffload.plan.schedule import Schedule
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,18 +41,8 @@ class CastPolicy:
         return self.model_dtype != torch.float32
 
 
-def resolve_casting(
-    grad_cast: str, param_cast: str, *, model_dtype: torch.dtype, device_type: str
-) -> CastPolicy:
-    if model_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(
-            f"trainable parameters have dtype {model_dtype}; use float32, bfloat16 or float16"
-        )
-    if model_dtype == torch.float32:
-        return CastPolicy(False, False, model_dtype)
-    on_cpu = device_type == "cpu"
-    grad_host = grad_cast == "host" or (grad_cast == "auto" and on_cpu)
-    # The CPU kernel reads fp32 or bf16 gradients: fp16 ones are widened on the device.
-    grad_host = grad_host and model_dtype == torch.bfloat16
-    param_host = param_cast == "host" or param_cast == "auto"
-    return CastPolicy(grad_host, param_host, model_dtype)
+def cast_policy(schedule: Schedule, model_dtype: torch.dtype) -> CastPolicy:
+    """The casting the schedule decided (``plan.schedule.resolve_casting``), for the buffers."""
+    low = model_dtype != torch.float32
+    return CastPolicy(low and schedule.grad_cast == "host", low and schedule.param_cast == "host",
+                      model_dtype)

@@ -17,80 +17,105 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 
-from superoffload.config import OffloadConfig
-from superoffload.runtime.state import ParamState
-
-if TYPE_CHECKING:
-    from superoffload.runtime.engine import OffloadEngine
+from superoffload.config import NUMERICS_FIELDS, OffloadConfig
+from superoffload.runtime.loss_scaler import LossScaler
+from superoffload.runtime.scheduler import EngineStats
+from superoffload.runtime.state import EngineState, ParamState
+from superoffload.runtime.stv import AdaptiveSTV
 
 FORMAT = "superoffload-engine/1"
 FILENAME = "engine.pt"
 META = "meta.json"
-
-# Settings that only place or schedule work; a checkpoint may be loaded under other values.
-PLACEMENT_FIELDS = frozenset({
-    "device", "bucket_bytes", "ratio", "speculation", "rollback", "adaptive_window",
-    "adaptive_threshold", "grad_cast", "param_cast", "cpu_threads", "cpu_cores_frac",
-    "pin_memory", "prefetch_depth", "weights", "watchdog_s", "telemetry", "telemetry_max_events", "extra",
-})
 
 
 class CheckpointMismatch(ValueError):
     """The checkpoint belongs to another model or configuration."""
 
 
-def _signature(engine: OffloadEngine) -> list[list[Any]]:
-    # shapes recorded at construction: weight-flow's released parameters hold 0 elements
-    return [[n, list(shape), str(p.dtype), bool(p.requires_grad)]
-            for n, p, shape in zip(engine._names, engine._params, engine._shapes)]
+class Checkpointable(Protocol):
+    """What checkpoints read and restore of an engine (runtime/engine.py implements it)."""
+
+    config: OffloadConfig
+    state: EngineState
+    scaler: LossScaler
+    adaptive: AdaptiveSTV
+    model: torch.nn.Module
+    iteration: int
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def stats(self) -> EngineStats: ...
+
+    def synchronize(self) -> None: ...
+
+    def export_states(self) -> dict[int, ParamState]: ...
+
+    def resident_weights(self) -> Any: ...
+
+    def restore(self, states: Mapping[int, ParamState]) -> None: ...
 
 
-def engine_state_dict(engine: OffloadEngine) -> dict[str, Any]:
-    engine.synchronize()
-    states = engine._export_states()
-    groups = []
+def param_groups_payload(engine: Checkpointable) -> list[dict[str, Any]]:
+    """Hyper-parameters of each param group (the LR a scheduler set), params by name."""
+    st, groups = engine.state, []
     for g in engine.optimizer.param_groups:
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-        hyper["params"] = [engine._names[engine._index[id(p)]] for p in g["params"]]
+        hyper["params"] = [st.names[st.index[id(p)]] for p in g["params"]]
         groups.append(hyper)
+    return groups
+
+
+def common_payload(engine: Checkpointable) -> dict[str, Any]:
+    """What both checkpoint formats record besides the tensors."""
     return {
-        "format": FORMAT,
         "iteration": engine.iteration,
-        "config": _plain(engine.config.to_dict()),
-        "signature": _signature(engine),
-        "param_groups": groups,
-        "state": {
-            engine._names[i]: {"master": s.master, "exp_avg": s.exp_avg,
-                               "exp_avg_sq": s.exp_avg_sq, "step": s.step}
-            for i, s in states.items()
-        },
-        "model": _model_state(engine),
+        "config": plain(engine.config.to_dict()),
+        "signature": engine.state.signature(),
+        "param_groups": param_groups_payload(engine),
         "loss_scaler": engine.scaler.state_dict(),
         "stv": engine.adaptive.state_dict(),
-        "stats": {k: getattr(engine.stats, k) for k in engine.stats.__slots__},  # type: ignore[attr-defined]
+        "stats": engine.stats.as_dict(),
     }
 
 
-def _model_state(engine: OffloadEngine) -> dict[str, torch.Tensor]:
+def engine_state_dict(engine: Checkpointable) -> dict[str, Any]:
+    engine.synchronize()
+    states = engine.export_states()
+    names = engine.state.names
+    return {
+        "format": FORMAT,
+        **common_payload(engine),
+        "state": {
+            names[i]: {"master": s.master, "exp_avg": s.exp_avg,
+                       "exp_avg_sq": s.exp_avg_sq, "step": s.step}
+            for i, s in states.items()
+        },
+        "model": _model_state(engine),
+    }
+
+
+def _model_state(engine: Checkpointable) -> dict[str, torch.Tensor]:
     with engine.resident_weights():  # weight-flow: streamed blocks are fetched first
         return {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """JSON-safe plain data (tuples become lists)."""
     return json.loads(json.dumps(value, default=str))
 
 
-def check_compatible(engine: OffloadEngine, sd: dict[str, Any]) -> None:
-    """Refuse a checkpoint of another model or numerics-relevant config, naming the mismatch."""
-    if sd.get("format") != FORMAT:
-        raise CheckpointMismatch(f"checkpoint format {sd.get('format')!r}, expected {FORMAT!r}")
-    theirs = {s[0]: s for s in sd["signature"]}
-    ours = {s[0]: s for s in _signature(engine)}
+def check_signature(engine: Checkpointable, signature: list[list[Any]]) -> None:
+    """Refuse a checkpoint of another model, naming the first differing parameter."""
+    # "torch.float32" (written before the two formats agreed) reads as "float32"
+    theirs = {s[0]: [s[0], s[1], str(s[2]).removeprefix("torch."), s[3]] for s in signature}
+    ours = {s[0]: s for s in engine.state.signature()}
     for name in sorted(set(theirs) | set(ours)):
         if name not in ours:
             raise CheckpointMismatch(f"checkpoint has parameter {name!r} that the model lacks")
@@ -101,43 +126,35 @@ def check_compatible(engine: OffloadEngine, sd: dict[str, Any]) -> None:
                 f"parameter {name!r}: checkpoint has shape/dtype/trainable {theirs[name][1:]}, "
                 f"model has {ours[name][1:]}"
             )
-    mine = _plain(engine.config.to_dict())
+
+
+def check_compatible(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint of another model or numerics-relevant config, naming the mismatch
+    (the fields' roles are declared on OffloadConfig: ``config.NUMERICS_FIELDS``)."""
+    check_signature(engine, sd["signature"])
+    mine = plain(engine.config.to_dict())
     for key, value in sd["config"].items():
-        if key not in PLACEMENT_FIELDS and mine.get(key) != value:
+        if key in NUMERICS_FIELDS and mine.get(key) != value:
             raise CheckpointMismatch(
                 f"config field {key!r}: checkpoint has {value!r}, this engine has {mine.get(key)!r}"
             )
-    if len(sd["param_groups"]) != len(engine.optimizer.param_groups):
+    groups = engine.optimizer.param_groups
+    if len(sd["param_groups"]) != len(groups):
         raise CheckpointMismatch(
-            f"param groups: checkpoint has {len(sd['param_groups'])}, engine has "
-            f"{len(engine.optimizer.param_groups)}"
-        )
-    for k, (g_ck, g) in enumerate(zip(sd["param_groups"], engine.optimizer.param_groups)):
-        names = [engine._names[engine._index[id(p)]] for p in g["params"]]
+            f"param groups: checkpoint has {len(sd['param_groups'])}, engine has {len(groups)}")
+    st = engine.state
+    for k, (g_ck, g) in enumerate(zip(sd["param_groups"], groups)):
+        names = [st.names[st.index[id(p)]] for p in g["params"]]
         if g_ck["params"] != names:
             raise CheckpointMismatch(f"param group {k}: its parameters differ from the checkpoint's")
 
 
-def load_engine_state_dict(engine: OffloadEngine, sd: dict[str, Any]) -> None:
-    check_compatible(engine, sd)
-    engine.synchronize()
-    engine._reset_iteration()
-    with engine.resident_weights():  # weight-flow: load into, and re-plan from, real weights
-        _load_model_and_state(engine, sd)
-
-
-def _load_model_and_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
-    engine.model.load_state_dict(sd["model"])
+def restore_common(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
+    """Param-group hyper-parameters, loss scaler, STV state, counters, iteration."""
     for g_ck, g in zip(sd["param_groups"], engine.optimizer.param_groups):
         for key, value in g_ck.items():
             if key != "params":
                 g[key] = tuple(value) if key == "betas" else value
-    states = []
-    for i in engine._trainable:
-        s = sd["state"][engine._names[i]]
-        states.append(ParamState(s["master"].float(), s["exp_avg"].float(),
-                                 s["exp_avg_sq"].float(), int(s["step"])))
-    engine._build(engine.config, states)
     engine.scaler.load_state_dict(sd["loss_scaler"])
     engine.adaptive.load_state_dict(sd["stv"])
     for key, value in sd["stats"].items():
@@ -145,8 +162,26 @@ def _load_model_and_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     engine.iteration = int(sd["iteration"])
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _plain_random(random.getstate())}
+def load_engine_state_dict(engine: Checkpointable, sd: dict[str, Any]) -> None:
+    if sd.get("format") != FORMAT:
+        raise CheckpointMismatch(f"checkpoint format {sd.get('format')!r}, expected {FORMAT!r}")
+    check_compatible(engine, sd)
+    engine.synchronize()
+    with engine.resident_weights():  # weight-flow: load into, and re-plan from, real weights
+        engine.model.load_state_dict(sd["model"])
+        names = engine.state.names
+        states = {}
+        for i in engine.state.trainable:
+            s = sd["state"][names[i]]
+            states[i] = ParamState(s["master"].float(), s["exp_avg"].float(),
+                                   s["exp_avg_sq"].float(), int(s["step"]))
+        engine.restore(states)
+    restore_common(engine, sd)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": _plain_random(random.getstate())}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
@@ -164,7 +199,7 @@ def _plain_random(state: Any) -> Any:
     return [state[0], list(state[1]), state[2]]
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -177,25 +212,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
 
-def save(engine: OffloadEngine, path: str, *, extra: Any = None, lr_scheduler: Any = None) -> str:
-    """Write ``path/engine.pt`` atomically; returns the file path."""
-    os.makedirs(path, exist_ok=True)
-    payload = engine_state_dict(engine)
-    payload["rng"] = _rng_state()
-    payload["extra"] = extra
-    payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
-    final = os.path.join(path, FILENAME)
+def write_atomic(payload: Any, final: str) -> None:
+    """torch.save to a temporary name, fsync, rename over ``final`` (atomic on POSIX)."""
     tmp = f"{final}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)  # atomic: readers see the old file or the new one
+        os.replace(tmp, final)  # readers see the old file or the new one
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: Any = None) -> str:
+    """Write ``path/engine.pt`` atomically; returns the file path."""
+    os.makedirs(path, exist_ok=True)
+    payload = engine_state_dict(engine)
+    payload["rng"] = rng_state()
+    payload["extra"] = extra
+    payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
+    final = os.path.join(path, FILENAME)
+    write_atomic(payload, final)
     meta = {"format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
             "parameters": len(payload["signature"])}
     meta_tmp = os.path.join(path, META + ".tmp")
@@ -205,22 +245,16 @@ def save(engine: OffloadEngine, path: str, *, extra: Any = None, lr_scheduler: A
     return final
 
 
-def load(engine: OffloadEngine, path: str, *, lr_scheduler: Any = None) -> Any:
+def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     """Restore everything saved by ``save``; returns its ``extra``."""
     file = os.path.join(path, FILENAME)
     if not os.path.exists(file):
         raise FileNotFoundError(f"no checkpoint at {file}")
     payload = torch.load(file, map_location="cpu", weights_only=True)
     load_engine_state_dict(engine, payload)
-    _set_rng_state(payload["rng"])
+    set_rng_state(payload["rng"])
     if lr_scheduler is not None:
         if payload.get("lr_scheduler") is None:
             raise CheckpointMismatch("lr_scheduler given but the checkpoint holds none")
         lr_scheduler.load_state_dict(payload["lr_scheduler"])
     return payload.get("extra")
-
-
-def config_of(path: str) -> OffloadConfig:
-    """The OffloadConfig a checkpoint was written with (from its JSON metadata)."""
-    with open(os.path.join(path, META)) as f:
-        return OffloadConfig.from_dict(json.load(f)["config"])

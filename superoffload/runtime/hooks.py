@@ -1,78 +1,94 @@
 """Module and parameter hooks that drive the schedule (paper §4.2; DESIGN.md §3 steps 1-2).
 
-* post-accumulate-grad hook per trainable parameter: counts the bucket's final gradients on
-  the last micro-step and launches the bucket when all have arrived (a tied parameter has
-  one AccumulateGrad node, so it fires once, after all its uses);
-* forward pre-hook per module owning parameters: waits for *that* bucket's H2D only, so
-  the first layers (GPU tail buckets) start while the CPU finishes the last buckets;
-* forward pre/post hooks on the root module: the forward span of the timeline.
+* post-accumulate-grad hook per trainable parameter: on the last micro-step, tells the
+  scheduler its gradient is final (a tied parameter has one AccumulateGrad node, so it
+  fires once, after all its uses); a bucket launches when all of its have;
+* forward pre-hook per module owning parameters: waits for *that* bucket's last publish
+  only, so the first layers (GPU tail buckets) start while the CPU finishes the last ones;
+* forward pre/post hooks on the root module: the forward span of the timeline, and a
+  failed lane surfacing before any work is done.
+
+The hooks hold only weak references to the scheduler, the module and the parameter they
+were registered for: a dropped engine is collected (runtime/lifetime.py removes them), and
+a deep copy of the model (whose hook tables are copied) does nothing on the copy.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from superoffload.runtime.iteration import Flight
-from superoffload.telemetry.events import KIND_FORWARD, KIND_WAIT, LANE_COMPUTE
-
-if TYPE_CHECKING:
-    from superoffload.runtime.engine import OffloadEngine
+from superoffload.runtime.scheduler import IterationScheduler
+from superoffload.telemetry.events import KIND_FORWARD, LANE_COMPUTE
 
 
-def register(engine: OffloadEngine) -> list[Any]:
+def in_backward() -> bool:
+    """True inside autograd's backward pass (activation-checkpoint recompute re-enters module
+    forwards there). One place for the private call: ``torch._C._current_graph_task_id()`` is
+    -1 outside a graph task (torch/csrc/autograd/python_engine.cpp)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def register(model: torch.nn.Module, sched: IterationScheduler,
+             raise_if_failed: Callable[[], None]) -> list[Any]:
     """Install every hook; returns the handles (``.remove()`` on close)."""
+    st = sched.state
+    ref = weakref.ref(sched)
     handles: list[Any] = []
-    for i in engine._trainable:
-        handles.append(engine._params[i].register_post_accumulate_grad_hook(_grad_hook(engine, i)))
-    for module in engine.model.modules():
-        own = [engine._index[id(p)] for p in module.parameters(recurse=False)
-               if id(p) in engine._index and p.requires_grad]
+    for i in st.trainable:
+        p = st.params[i]
+        handles.append(p.register_post_accumulate_grad_hook(_grad_hook(ref, weakref.ref(p), i)))
+    for module in model.modules():
+        own = tuple(st.index[id(p)] for p in module.parameters(recurse=False)
+                    if id(p) in st.index and st.index[id(p)] in st.bucket_of)
         if own:
-            handles.append(module.register_forward_pre_hook(_wait_hook(engine, tuple(own))))
-    start: list[float] = []
-
-    def forward_start(module: torch.nn.Module, args: Any) -> None:
-        engine._raise_if_failed()
-        start.append(engine.telemetry.now())
-
-    def forward_end(module: torch.nn.Module, args: Any, output: Any) -> None:
-        t0 = start.pop() if start else engine.telemetry.now()
-        engine.telemetry.add(LANE_COMPUTE, KIND_FORWARD, t0, engine.telemetry.now(),
-                             iteration=engine.iteration)
-
-    handles.append(engine.model.register_forward_pre_hook(forward_start))
-    handles.append(engine.model.register_forward_hook(forward_end))
+            handles.append(module.register_forward_pre_hook(
+                _wait_hook(ref, weakref.ref(module), own)))
+    handles += _timeline_hooks(model, ref, weakref.WeakMethod(raise_if_failed))  # type: ignore[arg-type]
     return handles
 
 
-def _wait_hook(engine: OffloadEngine, indices: tuple[int, ...]) -> Any:
+def _timeline_hooks(model: torch.nn.Module, ref: weakref.ref[IterationScheduler],
+                    check: weakref.WeakMethod[Any]) -> list[Any]:
+    owner = weakref.ref(model)
+    start: list[float] = []
+
+    def forward_start(module: torch.nn.Module, args: Any) -> None:
+        sched, raise_if_failed = ref(), check()
+        if sched is None or module is not owner():
+            return
+        if raise_if_failed is not None:
+            raise_if_failed()
+        start.append(sched.recorder.now())
+
+    def forward_end(module: torch.nn.Module, args: Any, output: Any) -> None:
+        sched = ref()
+        if sched is None or module is not owner():
+            return
+        t0 = start.pop() if start else sched.recorder.now()
+        sched.recorder.add(LANE_COMPUTE, KIND_FORWARD, t0, sched.recorder.now(),
+                           iteration=sched.iteration)
+
+    return [model.register_forward_pre_hook(forward_start),
+            model.register_forward_hook(forward_end)]
+
+
+def _wait_hook(ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.nn.Module],
+               indices: tuple[int, ...]) -> Any:
     def hook(module: torch.nn.Module, args: Any) -> None:
-        buckets = {engine._bucket_of[i][0] for i in indices if i in engine._bucket_of}
-        for b in sorted(buckets):
-            fut = engine._h2d_pending.pop(b, None)
-            if fut is None:
-                continue
-            t0 = engine.telemetry.now()
-            engine.backend.wait(engine._wait(fut, f"H2D of bucket {b}"))
-            engine.telemetry.add(LANE_COMPUTE, KIND_WAIT, t0, engine.telemetry.now(),
-                                 iteration=engine.iteration, bucket=b)
+        sched = ref()
+        if sched is not None and module is owner():
+            sched.wait_for_weights(indices)
     return hook
 
 
-def _grad_hook(engine: OffloadEngine, index: int) -> Any:
+def _grad_hook(ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.Tensor],
+               index: int) -> Any:
     def hook(param: torch.Tensor) -> None:
-        it = engine._it
-        if not it.armed:
-            return  # not the last micro-step: gradients keep accumulating in .grad
-        b, pos = engine._bucket_of[index]
-        with engine._hook_lock:  # CUDA runs hooks on autograd's device threads
-            fired = it.fired.setdefault(b, set())
-            fired.add(pos)
-            complete = len(fired) == len(engine._buffers[b].params) and b not in it.flights
-            if complete:
-                it.flights[b] = Flight.placeholder(b)
-        if complete:
-            engine._launch(b)
+        sched = ref()
+        if sched is not None and param is owner():
+            sched.on_grad_ready(index)
     return hook

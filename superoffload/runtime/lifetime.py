@@ -1,64 +1,32 @@
-"""What the single-process engine and the ZeRO engine (superoffload.distributed.zero) share
-about their lifetime: gradient zeroing across micro-steps, watchdog waits, context manager.
+"""Releasing an engine's threads and hooks, also when it is dropped without ``close()``.
 
-The engines differ in how they fail (`_raise_if_failed`) and close (`close`); those stay in
-each engine.
+An engine registers hooks on the model and starts lane threads. If it were only released by
+``close()``, a dropped (or failed and abandoned) engine would keep its threads and hooks
+alive for as long as the model lives, and every later forward would run them. So the hooks
+hold only weak references (runtime/hooks.py) and ``weakref.finalize(engine, release, ...)``
+stops the lanes and removes the hooks when the engine is closed or garbage-collected. The
+arguments below must never reference the engine itself (that would keep it alive).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from typing import Any, TypeVar
+import contextlib
+from collections.abc import Sequence
+from typing import Any
 
-import torch
+from superoffload.runtime.worker import Lane
 
-from superoffload.config import OffloadConfig
-from superoffload.runtime.transfers import wait_for
+CLOSE_TIMEOUT_S = 5.0
+"""How long release waits for each lane thread to finish its queued tasks; a lane stuck in a
+collective or a hung copy is a daemon thread and is abandoned after it (never blocks exit)."""
 
-_E = TypeVar("_E", bound="EngineLifetime")
 
-
-class EngineLifetime:
-    """Mixin; the engine sets these attributes in its constructor."""
-
-    config: OffloadConfig
-    optimizer: Any
-    _it: Any  # the iteration in progress (has `micro_step`)
-    _params: list[torch.nn.Parameter]
-    _trainable: list[int]
-
-    def _raise_if_failed(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # through the optimizer view, so optimizer.zero_grad() and engine.zero_grad() agree
-        self.optimizer.zero_grad(set_to_none)
-
-    def _zero_grad_impl(self, set_to_none: bool = True) -> None:
-        if 0 < self._it.micro_step < self.config.grad_accum_steps:
-            return  # mid-accumulation: keep the partial sums
-        for i in self._trainable:
-            p = self._params[i]
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
-
-    def _wait(self, future: Future[Any], what: str) -> Any:
-        """Wait with the watchdog; a lane failure surfaces as the engine's own error."""
-        try:
-            return wait_for(future, self.config.watchdog_s, what)
-        except Exception:
-            self._raise_if_failed()
-            raise
-
-    def __enter__(self: _E) -> _E:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def release(lanes: Sequence[Lane], hooks: list[Any]) -> None:
+    """Remove every hook, then stop every lane (idempotent; never raises)."""
+    for handle in hooks:
+        with contextlib.suppress(Exception):
+            handle.remove()
+    hooks.clear()
+    for lane in lanes:
+        with contextlib.suppress(Exception):
+            lane.close(timeout_s=CLOSE_TIMEOUT_S)

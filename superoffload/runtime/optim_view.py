@@ -13,17 +13,8 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.steps import AdamHyper
+from superoffload.kernels.hyper import DEFAULTS, AdamHyper
 
-DEFAULTS: dict[str, Any] = {
-    # torch.optim.AdamW's defaults (PyTorch docs), plus the kernel's two switches.
-    "lr": 1e-3,
-    "betas": (0.9, 0.999),
-    "eps": 1e-8,
-    "weight_decay": 1e-2,
-    "adamw_mode": True,
-    "bias_correction": True,
-}
 _KNOWN = set(DEFAULTS) | {"params"}
 
 
@@ -33,18 +24,7 @@ def _check_group(group: Mapping[str, Any], where: str) -> None:
         raise ValueError(
             f"optimizer{where}: unknown key(s) {unknown}; use {sorted(_KNOWN - {'params'})}"
         )
-    lr = group.get("lr", DEFAULTS["lr"])
-    if not isinstance(lr, (int, float)) or lr < 0:
-        raise ValueError(f"optimizer{where}['lr']={lr!r}: use a number >= 0")
-    betas = group.get("betas", DEFAULTS["betas"])
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"optimizer{where}['betas']={betas!r}: use two numbers in [0, 1)")
-    eps = group.get("eps", DEFAULTS["eps"])
-    if not isinstance(eps, (int, float)) or eps <= 0:
-        raise ValueError(f"optimizer{where}['eps']={eps!r}: use a positive number")
-    wd = group.get("weight_decay", DEFAULTS["weight_decay"])
-    if not isinstance(wd, (int, float)) or wd < 0:
-        raise ValueError(f"optimizer{where}['weight_decay']={wd!r}: use a number >= 0")
+    AdamHyper.from_group(group, where=f"optimizer{where}")  # one set of rules (kernels/hyper.py)
 
 
 def param_groups_from(
@@ -86,13 +66,10 @@ def _as_list(params: Any) -> list[torch.nn.Parameter]:
     return list(params)
 
 
-def hyper_of(group: Mapping[str, Any]) -> AdamHyper:
-    beta1, beta2 = group["betas"]
-    return AdamHyper(
-        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-        weight_decay=float(group["weight_decay"]), adamw_mode=bool(group["adamw_mode"]),
-        bias_correction=bool(group["bias_correction"]),
-    )
+def hypers_of(groups: Sequence[Mapping[str, Any]]) -> list[AdamHyper]:
+    """One frozen AdamHyper per param group, read now (a scheduler's LR for the next step)."""
+    return [AdamHyper.from_group(g, where=f"optimizer.param_groups[{k}]")
+            for k, g in enumerate(groups)]
 
 
 class EngineOptimizer(torch.optim.Optimizer):

@@ -10,18 +10,25 @@ keep them on the device. An fp32 model's tail buckets use the parameters themsel
 master (no copy: "an fp32 model trains with fp32 device weights").
 
 ``ParamState`` is the placement-free form (CPU tensors) used to re-plan, checkpoint and load.
+``EngineState`` is what every part of the engine shares about the model and its buckets
+(the iteration scheduler, the transports, hooks, weight-flow, checkpoints read it; only the
+engine and its transport write the bucket table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from superoffload.plan.buckets import Bucket
+from superoffload.plan.buckets import Bucket, ParamSpec
+from superoffload.plan.schedule import Schedule
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``OffloadConfig.precision`` -> the dtype the trainable parameters must have."""
 
 
 @dataclass(slots=True)
@@ -145,14 +152,92 @@ def export_state(buffers: BucketBuffers, steps: Sequence[int]) -> list[ParamStat
     return out
 
 
-def buffers_nbytes(buffers: Sequence[BucketBuffers]) -> tuple[int, int]:
-    """(host bytes, device bytes) held by the engine's buffers."""
-    host = device = 0
-    for b in buffers:
-        for t in b.flat:
-            n = t.numel() * t.element_size()
-            if t.device.type == "cpu":
-                host += n
-            else:
-                device += n
-    return host, device
+@dataclass(slots=True)
+class EngineState:
+    """The model's parameters and the engine's book of them (one per engine).
+
+    Indices are positions in ``model.named_parameters()`` order ("parameter index")."""
+
+    model: torch.nn.Module
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    shapes: list[torch.Size]
+    """Shapes at construction (a weight-flow parameter released later holds 0 elements)."""
+    index: dict[int, int]
+    """``id(param)`` -> parameter index."""
+    trainable: list[int]
+    """Indices of the parameters the optimizer owns (requires_grad and in a param group)."""
+    group_of: dict[int, int]
+    """Parameter index -> param group."""
+    model_dtype: torch.dtype
+    steps: list[int]
+    """Optimizer steps taken, per parameter index (0 for frozen ones)."""
+    schedule: Schedule | None = None
+    """The schedule in force (``plan.schedule.resolve_schedule``); set by every build."""
+    buffers: list[BucketBuffers] = field(default_factory=list)
+    """Per bucket id: the buffers the optimizer steps (a ZeRO rank: its shard's)."""
+    bucket_of: dict[int, int] = field(default_factory=dict)
+    """Trainable parameter index -> bucket id."""
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module,
+                   groups: Sequence[Mapping[str, Any]]) -> EngineState:
+        """Index ``model``'s parameters; ``groups`` are the normalised param groups."""
+        named = list(model.named_parameters())
+        params = [p for _, p in named]
+        index = {id(p): i for i, p in enumerate(params)}
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(groups):
+            for p in group["params"]:
+                if id(p) not in index:
+                    raise ValueError(f"optimizer[{g}]: a parameter does not belong to the model")
+                group_of[index[id(p)]] = g
+        trainable = [i for i, p in enumerate(params) if p.requires_grad and i in group_of]
+        if not trainable:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        dtypes = {params[i].dtype for i in trainable}
+        if len(dtypes) != 1:
+            raise TypeError(f"trainable parameters mix dtypes {sorted(map(str, dtypes))}; cast "
+                            "the model to one dtype first (model.to(torch.bfloat16))")
+        return cls(model=model, names=[n for n, _ in named], params=params,
+                   shapes=[p.shape for p in params], index=index, trainable=trainable,
+                   group_of=group_of, model_dtype=dtypes.pop(), steps=[0] * len(params))
+
+    def param_specs(self) -> tuple[ParamSpec, ...]:
+        """The trainable parameters as the rule book's ``plan_buckets`` takes them."""
+        return tuple(ParamSpec(i, self.shapes[i].numel(), True, self.names[i])
+                     for i in self.trainable)
+
+    @property
+    def dtype_name(self) -> str:
+        """"float32", "bfloat16" or "float16"."""
+        return str(self.model_dtype).removeprefix("torch.")
+
+    def signature(self) -> list[list[Any]]:
+        """[name, shape, dtype, trainable] per parameter: what a checkpoint must match."""
+        return [[n, list(shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
+                for n, p, shape in zip(self.names, self.params, self.shapes)]
+
+    def check_placement(self, device: torch.device, precision: str) -> None:
+        """Every parameter on the engine's device; the trainable dtype the one asked for."""
+        for i, p in enumerate(self.params):
+            if p.device.type != device.type or (device.type == "cuda"
+                                                 and p.device.index != device.index):
+                raise ValueError(f"model parameter {self.names[i]!r} is on {p.device} but "
+                                 f"OffloadConfig.device resolves to {device}; move the model "
+                                 "first (model.to(...))")
+        if self.model_dtype not in PRECISIONS.values():
+            raise TypeError(f"trainable parameters have dtype {self.model_dtype}; use float32, "
+                            "bfloat16 or float16")
+        want = PRECISIONS.get(precision)
+        if want is not None and self.model_dtype != want:
+            from superoffload.config import ConfigError
+
+            raise ConfigError(
+                f"OffloadConfig.precision={precision!r} (a DeepSpeed config's bf16.enabled / "
+                f"fp16.enabled) but the model's trainable parameters are {self.model_dtype}; "
+                f"cast the model first, e.g. model.to({want})")
+
+    def take_steps(self, indices: Sequence[int]) -> None:
+        for i in indices:
+            self.steps[i] += 1

@@ -12,8 +12,8 @@ copies of p, m, v taken just before the speculative step (bit-exact, 12 B/param)
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from superoffload import kernels
+from superoffload.kernels import AdamHyper
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.state import BucketBuffers
 from superoffload.runtime.transfers import wait_for
@@ -33,19 +34,6 @@ from superoffload.telemetry.events import (
     LANE_DEVICE_OPT,
 )
 from superoffload.telemetry.recorder import Recorder
-
-
-@dataclass(frozen=True, slots=True)
-class AdamHyper:
-    """One param group's hyperparameters at the time a step was launched."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool = True
-    bias_correction: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +61,7 @@ def run_calls(
             raise RuntimeError("device buckets are never speculated, so never rolled back")
         fn: Callable[..., None] = kernels.adam_rollback_multi
     else:
-        fn = kernels.adam_step_multi if on_cpu else device_adam_multi
+        fn = kernels.adam_step_multi if on_cpu else kernels.device_adam_multi
     for call in calls:
         idx = call.members
         lp: list[torch.Tensor] | None = None
@@ -94,36 +82,17 @@ def run_calls(
         )
 
 
-def device_adam_multi(params: list[torch.Tensor], grads: list[torch.Tensor],
-                      exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
-                      step: int, lr: float, beta1: float, beta2: float, eps: float,
-                      weight_decay: float, adamw_mode: bool, bias_correction: bool,
-                      grad_scale: float, params_lp: list[torch.Tensor] | None,
-                      threads: int | None = None) -> None:
-    """The kernel's maths (DESIGN.md §4) in torch ops, for GPU tail buckets on CUDA (the
-    compiled kernel is CPU-only). Same order of operations as kernels/torch_ref.py."""
-    bc1 = 1.0 - beta1**step if bias_correction else 1.0
-    bc2_sqrt = math.sqrt(1.0 - beta2**step) if bias_correction else 1.0
-    if not params:
-        return
-    # foreach ops: one launch per op over all tensors (torch.optim's foreach AdamW idea).
-    g32 = [x.float() for x in grads] if grads[0].dtype != torch.float32 else list(grads)
-    g = list(torch._foreach_mul(g32, grad_scale))
-    if not adamw_mode and weight_decay != 0.0:
-        torch._foreach_add_(g, params, alpha=weight_decay)  # Adam with L2: decay in the moments
-    torch._foreach_mul_(exp_avgs, beta1)
-    torch._foreach_add_(exp_avgs, g, alpha=1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1.0 - beta2)
-    if adamw_mode and weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bc1)
-    if params_lp is not None:
-        for lp, p in zip(params_lp, params):
-            lp.copy_(p)
+def make_calls(buffers: BucketBuffers, present: frozenset[int] | set[int],
+               group_of: Mapping[int, int], steps: Sequence[int],
+               hypers: Sequence[AdamHyper]) -> tuple[KernelCall, ...]:
+    """KernelCalls over the positions of ``buffers`` whose parameter is in ``present``,
+    grouped by (param group, next step count); ``hypers`` per param group, read now."""
+    keyed: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for pos, index in enumerate(buffers.bucket.param_indices):
+        if index in present:
+            keyed[(group_of[index], steps[index] + 1)].append(pos)
+    return tuple(KernelCall(tuple(pos), step, hypers[g])
+                 for (g, step), pos in sorted(keyed.items()))
 
 
 def members_of(calls: tuple[KernelCall, ...]) -> list[int]:
@@ -221,17 +190,19 @@ class RollbackTask:
 def device_step(
     buffers: BucketBuffers,
     calls: tuple[KernelCall, ...],
+    grads: Sequence[torch.Tensor],
     *,
     grad_scale: float,
+    threads: int | None,
     recorder: Recorder,
     iteration: int,
 ) -> None:
-    """Step a GPU tail bucket on the device with the final clip/unscale factor (§4.2)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in buffers.params]
+    """Step a GPU tail bucket on the device with the final clip/unscale factor (§4.2);
+    ``grads`` per position of ``buffers`` (the transport's: local, or all-reduced)."""
     # The kernels read fp32 or bf16 gradients; widen fp16 ones on the device.
     grads = [g.float() if g.dtype == torch.float16 else g for g in grads]
     with torch.no_grad(), recorder.span(
         LANE_DEVICE_OPT, KIND_DEVICE_STEP, iteration=iteration, bucket=buffers.bucket.id,
         nbytes=28 * sum(buffers.master[i].numel() for i in members_of(calls)),
     ):
-        run_calls(buffers, calls, grads, grad_scale=grad_scale, threads=None)
+        run_calls(buffers, calls, list(grads), grad_scale=grad_scale, threads=threads)

@@ -15,12 +15,9 @@ from typing import Any
 import torch
 
 from superoffload.runtime.backend import Backend, GradStats
+from superoffload.runtime.errors import WatchdogTimeout
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
-
-
-class WatchdogTimeout(RuntimeError):
-    """A bucket stayed in flight longer than OffloadConfig.watchdog_s."""
 
 
 def wait_for(future: Future[Any], timeout_s: float, what: str) -> Any:

@@ -21,7 +21,7 @@ whatever buffer is current):
   post-accumulate-grad hook; AccumulateGrad needs the full-shape parameter) and the
   backward has moved below it;
 * activation-checkpoint recompute re-enters the forward hooks inside backward
-  (``torch._C._current_graph_task_id() != -1``): the pre-hook acts as the backward entry of
+  (``hooks.in_backward()``): the pre-hook acts as the backward entry of
   ``k`` (with reentrant checkpointing the forward ran under no_grad, so there is no output
   node and this is the only one), the post-hook does nothing.
 
@@ -32,6 +32,8 @@ home buckets; it records a ``weight_fetch`` span on the h2d lane.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from superoffload.runtime.fetch import FetchTask, WeightFlowError, block_params, find_blocks
+from superoffload.runtime.hooks import in_backward
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 
 if TYPE_CHECKING:
-    from superoffload.runtime.engine import OffloadEngine
+    from superoffload.runtime.scheduler import IterationScheduler
 
 
 @dataclass(slots=True)
@@ -69,23 +72,30 @@ class FlowStats:
 
 
 class WeightFlow:
-    """Streams the blocks of ``engine.model`` (see the module docstring)."""
+    """Streams the blocks of ``model`` (see the module docstring).
 
-    def __init__(self, engine: OffloadEngine, depth: int, lane: Any) -> None:
-        self.engine = engine
+    ``sched``: the engine's iteration scheduler (state, backend, telemetry, the per-bucket
+    futures a fetch waits for); ``home``: where a parameter's host copy lives (the
+    transport's; runtime/transport.py)."""
+
+    def __init__(self, model: torch.nn.Module, sched: IterationScheduler,
+                 home: Callable[[int], torch.Tensor], depth: int, lane: Any) -> None:
+        self.sched = sched
+        self.home = home
         self.depth = depth
         self.lane = lane
-        blocks = find_blocks(engine.model)
-        streamable = {id(engine._params[i]) for i in engine._trainable if i in engine._bucket_of}
+        st = sched.state
+        blocks = find_blocks(model)
+        streamable = {id(st.params[i]) for i in st.trainable if i in st.bucket_of}
         self.blocks = blocks
-        self.params = block_params(engine.model, blocks, streamable)
-        self.indices = [[engine._index[id(p)] for p in ps] for ps in self.params]
+        self.params = block_params(model, blocks, streamable)
+        self.indices = [[st.index[id(p)] for p in ps] for ps in self.params]
         self._streamed = {id(p) for ps in self.params for p in ps}
         # full shapes, read while every block is resident (released parameters hold 0 elements)
         self.shapes = [[p.shape for p in ps] for ps in self.params]
         self.numel = [sum(p.numel() for p in ps) for ps in self.params]
-        self.dtype = engine.model_dtype
-        self.device = engine.backend.device
+        self.dtype = st.model_dtype
+        self.device = sched.backend.device
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.resident: dict[int, _Resident] = {}
         self._pool: list[torch.Tensor] = []
@@ -96,10 +106,15 @@ class WeightFlow:
         self._seen: list[set[int]] = [set() for _ in blocks]
         self._cursor = -1
         self._backward = False
-        self._handles: list[Any] = []
+        self.handles: list[Any] = []
 
     def is_streamed(self, param: torch.Tensor) -> bool:
         return id(param) in self._streamed
+
+    @property
+    def streamed_indices(self) -> frozenset[int]:
+        """Parameter indices of every streamed parameter."""
+        return frozenset(i for ids in self.indices for i in ids)
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -113,22 +128,25 @@ class WeightFlow:
 
     def attach(self) -> None:
         """Install the hooks and release every streamed block (weights already in their homes)."""
+        ref = weakref.ref(self)  # hooks must not keep a dropped engine alive (lifetime.py)
         for k, block in enumerate(self.blocks):
             if not self.numel[k]:
                 continue
-            self._handles.append(block.register_forward_pre_hook(self._pre_hook(k)))
-            self._handles.append(block.register_forward_hook(self._post_hook(k)))
+            owner = weakref.ref(block)
+            self.handles.append(block.register_forward_pre_hook(_pre_hook(ref, owner, k)))
+            self.handles.append(block.register_forward_hook(_post_hook(ref, owner, k)))
             for p in self.params[k]:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(k, id(p))))
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    _grad_hook(ref, weakref.ref(p), k)))
         for k in range(len(self.blocks)):
             self._release_now(k, force=True)
 
     def detach(self) -> None:
         """Make every block resident again (weight-stationary) and remove the hooks."""
         self.materialize()
-        for h in self._handles:
+        for h in self.handles:
             h.remove()
-        self._handles = []
+        self.handles = []
         self.resident.clear()
         self._pool.clear()
         self.resident_bytes = 0
@@ -143,34 +161,30 @@ class WeightFlow:
             self._release_now(k, force=True)
 
     # ------------------------------------------------------------------ fetch / release
-    def _home(self, index: int) -> torch.Tensor:
-        b, pos = self.engine._bucket_of[index]
-        buf = self.engine._buffers[b]
-        return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
-
     def _home_buckets(self, k: int) -> list[int]:
-        """The buckets holding block k's weights (ZeRO's subclass: distributed/zero_flow.py)."""
-        return sorted({self.engine._bucket_of[i][0] for i in self.indices[k]})
+        """The buckets holding block k's weights."""
+        return sorted({self.sched.state.bucket_of[i] for i in self.indices[k]})
 
     def submit(self, k: int, kind: str) -> None:
         """Allocate block k's device buffer, point its parameters at it, queue the copy."""
         if not 0 <= k < len(self.blocks) or k in self.resident or not self.numel[k]:
             return
-        eng = self.engine
+        sched = self.sched
         flat = self._alloc(self.numel[k])
         views, offset = [], 0
         for shape in self.shapes[k]:
             n = shape.numel()
             views.append(flat[offset: offset + n].view(shape))
             offset += n
-        after = tuple(f for f in (eng._home_ready.get(b) for b in self._home_buckets(k))
+        after = tuple(f for f in (sched.home_ready.get(b) for b in self._home_buckets(k))
                       if f is not None)
-        ready = eng.backend.ready_token() if eng.backend.device.type == "cuda" else None
+        be = sched.backend
+        ready = be.ready_token() if be.device.type == "cuda" else None
         task = FetchTask(
-            block=k, iteration=eng.iteration,
-            src_host=tuple(self._home(i) for i in self.indices[k]), dst_device=tuple(views),
-            after=after, ready=ready, backend=eng.backend, recorder=eng.telemetry,
-            watchdog_s=eng.config.watchdog_s,
+            block=k, iteration=sched.iteration,
+            src_host=tuple(self.home(i) for i in self.indices[k]), dst_device=tuple(views),
+            after=after, ready=ready, backend=be, recorder=sched.recorder,
+            watchdog_s=sched.config().watchdog_s,
         )
         with torch.no_grad():
             for p, v in zip(self.params[k], views):
@@ -204,7 +218,7 @@ class WeightFlow:
             return self._pool.pop(i)[:numel]
         if self._pool:  # none fits: give one back so at most depth + 1 buffers exist
             self._pool.pop(0)
-        return self.engine.backend.alloc_device(numel, self.dtype)
+        return self.sched.backend.alloc_device(numel, self.dtype)
 
     def ensure(self, k: int, kind: str = "f") -> None:
         """Block k is resident and its copy has landed (the compute stream waits on CUDA)."""
@@ -212,22 +226,22 @@ class WeightFlow:
             return
         self.submit(k, kind)
         res = self.resident[k]
-        eng = self.engine
+        sched = self.sched
         if not res.future.done():
-            t0 = eng.telemetry.now()
-            token = eng._wait(res.future, f"fetch of block {k}")
-            eng.telemetry.add(LANE_COMPUTE, KIND_WAIT, t0, eng.telemetry.now(),
-                              iteration=eng.iteration)
+            t0 = sched.recorder.now()
+            token = sched.wait(res.future, f"fetch of block {k}")
+            sched.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, sched.recorder.now(),
+                               iteration=sched.iteration)
         else:
             token = res.future.result()
-        eng.backend.wait(token)
+        sched.backend.wait(token)
 
     def _release_now(self, k: int, *, force: bool = False) -> None:
         res = self.resident.pop(k, None)
         if res is not None:
             # an unused prefetch may still be copying: the compute stream orders after it
             # before the memory is handed out again
-            self.engine.backend.wait(self.engine._wait(res.future, f"fetch of block {k}"))
+            self.sched.backend.wait(self.sched.wait(res.future, f"fetch of block {k}"))
             self.resident_bytes -= res.nbytes
             if len(self.resident) + len(self._pool) < self.depth + 1:
                 self._pool.append(_base(res.flat))  # at most depth + 1 buffers exist at any time
@@ -265,7 +279,7 @@ class WeightFlow:
         self._backward = False
         self._cursor = -1
 
-    def _enter_backward(self, k: int) -> None:
+    def enter_backward(self, k: int) -> None:
         self._backward = True
         self._cursor = k
         for j in [j for j in self.resident if j > k and self._done(j)]:
@@ -277,44 +291,67 @@ class WeightFlow:
         return len(self._seen[j]) == len(self.params[j])
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, k: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if torch._C._current_graph_task_id() != -1:
-                # activation-checkpoint recompute, inside block k's backward: non-reentrant
-                # checkpointing got here through the output node (a no-op then); reentrant
-                # ran the forward under no_grad, so this is where backward meets block k
-                self._enter_backward(k)
-                return
-            self._cursor = k
-            self.ensure(k, "f")
-            self._top_up()
-        return hook
+    def on_pre(self, k: int) -> None:
+        """Forward pre-hook of block k."""
+        if in_backward():
+            # activation-checkpoint recompute, inside block k's backward: non-reentrant
+            # checkpointing got here through the output node (a no-op then); reentrant
+            # ran the forward under no_grad, so this is where backward meets block k
+            self.enter_backward(k)
+            return
+        self._cursor = k
+        self.ensure(k, "f")
+        self._top_up()
 
-    def _post_hook(self, k: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-            if torch._C._current_graph_task_id() != -1:
-                return None
-            grad = torch.is_grad_enabled()
-            keep = grad and k >= self._keep_from()
-            if not keep:
-                self._release_now(k)
-            if grad:
-                return _wrap(output, self, k)
+    def on_post(self, k: int, output: Any) -> Any:
+        """Forward hook of block k: release it (unless backward needs it first) and wrap the
+        output so its backward fetches the block again."""
+        if in_backward():
             return None
-        return hook
+        grad = torch.is_grad_enabled()
+        keep = grad and k >= self._keep_from()
+        if not keep:
+            self._release_now(k)
+        if grad:
+            return _wrap(output, self, k)
+        return None
 
     def _keep_from(self) -> int:
         """Blocks from here on stay resident after forward: backward needs them first."""
         streamed = [k for k, n in enumerate(self.numel) if n]
         return streamed[max(0, len(streamed) - self.depth - 1)] if streamed else 0
 
-    def _grad_hook(self, k: int, pid: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._seen[k].add(pid)
-            if self._backward and k > self._cursor and self._done(k) and k in self.resident:
-                self._release_now(k)
-                self._top_up()
-        return hook
+    def on_grad(self, k: int, pid: int) -> None:
+        """A streamed parameter of block k accumulated its gradient."""
+        self._seen[k].add(pid)
+        if self._backward and k > self._cursor and self._done(k) and k in self.resident:
+            self._release_now(k)
+            self._top_up()
+
+
+def _pre_hook(ref: weakref.ref[WeightFlow], owner: weakref.ref[torch.nn.Module], k: int) -> Any:
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        flow = ref()
+        if flow is not None and module is owner():
+            flow.on_pre(k)
+    return hook
+
+
+def _post_hook(ref: weakref.ref[WeightFlow], owner: weakref.ref[torch.nn.Module], k: int) -> Any:
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        flow = ref()
+        if flow is not None and module is owner():
+            return flow.on_post(k, output)
+        return None
+    return hook
+
+
+def _grad_hook(ref: weakref.ref[WeightFlow], owner: weakref.ref[torch.Tensor], k: int) -> Any:
+    def hook(param: torch.Tensor) -> None:
+        flow = ref()
+        if flow is not None and param is owner():
+            flow.on_grad(k, id(param))
+    return hook
 
 
 def _base(t: torch.Tensor) -> torch.Tensor:
@@ -337,7 +374,7 @@ class _BackwardFetch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.flow._enter_backward(ctx.k)
+        ctx.flow.enter_backward(ctx.k)
         return grad, None, None
 
 

@@ -17,28 +17,57 @@ switch is refused with a note (the run stays on weight-flow).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 
+from superoffload.config import OffloadConfig
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.weights import WeightChoice, choose_weights
+from superoffload.runtime.backend import Backend
+from superoffload.runtime.hooks import in_backward
 from superoffload.runtime.policy import resolve_profile
+from superoffload.runtime.scheduler import IterationScheduler
 from superoffload.runtime.weightflow import WeightFlow
-
-if TYPE_CHECKING:
-    from superoffload.runtime.engine import OffloadEngine
+from superoffload.telemetry.recorder import Recorder
 
 log = logging.getLogger("superoffload.weights")
+
+
+class PolicyHost(Protocol):
+    """What the controller needs of its engine (runtime/engine.py implements it)."""
+
+    config: OffloadConfig
+    telemetry: Recorder
+    backend: Backend
+    scheduler: IterationScheduler
+    model: torch.nn.Module
+    iteration: int
+    hooks: list[Any]
+    """The engine's hook handles (removed when it closes or is collected)."""
+
+    def synchronize(self) -> None: ...
+
+    def rebuild(self) -> None:
+        """Re-plan and re-allocate the buckets, keeping every parameter's state, under the
+        policy now active (weight-flow plans ratio 1 and host-side weight casting)."""
+        ...
+
+    def new_flow(self, depth: int) -> WeightFlow:
+        """A WeightFlow over the engine's model, scheduler and transport homes."""
+        ...
 
 
 class WeightPolicyController:
     """Owns the active weight policy of one engine (see the module docstring)."""
 
-    def __init__(self, engine: OffloadEngine, *, profile: HardwareProfile | str | None,
+    def __init__(self, engine: PolicyHost, *, profile: HardwareProfile | str | None,
                  seq_len: int | None, micro_batch: int | None,
                  device_budget_bytes: int | None) -> None:
         for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
@@ -67,7 +96,15 @@ class WeightPolicyController:
         """After the engine's first build: stream if flow; returns hook handles."""
         if self.active == "flow":
             self._attach()
-        return [self.engine.model.register_forward_pre_hook(self._on_forward)]
+        ref = weakref.ref(self)  # the model must not keep the engine alive (runtime/lifetime.py)
+        owner = weakref.ref(self.engine.model)
+
+        def on_forward(module: torch.nn.Module, args: Any) -> None:
+            controller = ref()
+            if controller is not None and module is owner():
+                controller.on_forward(module, args)
+
+        return [self.engine.model.register_forward_pre_hook(on_forward)]
 
     def request(self, changes: dict[str, Any]) -> None:
         """reconfigure(weights=..., prefetch_depth=...): applied at the next iteration start."""
@@ -94,6 +131,23 @@ class WeightPolicyController:
         if flow is None:
             return fixed
         return fixed + (flow.iteration_peak_bytes if peak else flow.held_bytes)
+
+    def resident(self) -> contextlib.AbstractContextManager[None]:
+        """Every streamed block resident inside (a no-op under weight-stationary)."""
+        flow = self.flow
+        if flow is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def resident() -> Iterator[None]:
+            self.engine.synchronize()
+            flow.materialize()
+            try:
+                yield
+            finally:
+                flow.release_all()
+
+        return resident()
 
     def activations_on_host(self) -> Any:
         """Wrap a forward in it to keep what autograd saves for backward on the host (pinned
@@ -130,9 +184,9 @@ class WeightPolicyController:
         self.engine.telemetry.note(self.engine.iteration, text)
         return choice.policy
 
-    def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+    def on_forward(self, module: torch.nn.Module, args: Any) -> None:
         eng = self.engine
-        if eng._it.micro_step == 0 and torch._C._current_graph_task_id() == -1:
+        if eng.scheduler.current.micro_step == 0 and not in_backward():
             if self._batch is None and args and isinstance(args[0], torch.Tensor) \
                     and args[0].dim() >= 2:
                 self._batch = (int(args[0].shape[0]), int(args[0].shape[1]))
@@ -145,7 +199,7 @@ class WeightPolicyController:
                     "argument is not a (batch, seq) tensor; pass initialize(..., seq_len=N)")
             if self._pending:
                 self._apply()
-        if self.flow is not None and torch._C._current_graph_task_id() == -1:
+        if self.flow is not None and not in_backward():
             self.flow.begin_forward()
 
     def _apply(self) -> None:
@@ -170,9 +224,8 @@ class WeightPolicyController:
         if self.flow is not None:
             self.flow.detach()
             self.flow = None
-        states = eng._export_states()
         previous, self.active = self.active, target
-        eng._build(eng.config, [states[i] for i in eng._trainable])
+        eng.rebuild()
         if target == "flow":
             self._attach()
         eng.telemetry.note(eng.iteration, f"weights: {previous} -> {target} (prefetch_depth "
@@ -181,9 +234,11 @@ class WeightPolicyController:
     def _stationary_fits(self) -> bool:
         if self.device_budget_bytes is None:
             return True
-        need = 2 * sum(p.numel() for p in self.engine._params) * self.engine.model_dtype.itemsize
+        st = self.engine.scheduler.state
+        need = 2 * sum(s.numel() for s in st.shapes) * st.model_dtype.itemsize
         return need <= self.device_budget_bytes
 
     def _attach(self) -> None:
-        self.flow = WeightFlow(self.engine, self.depth, self.engine.fetch_lane)
+        self.flow = self.engine.new_flow(self.depth)
         self.flow.attach()
+        self.engine.hooks.extend(self.flow.handles)  # removed with the engine's (lifetime.py)

@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T", covariant=True)
@@ -24,6 +25,14 @@ class Task(Protocol[T]):
     def run(self) -> T: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    """A no-op task: once it ran, everything submitted before it on that lane has run."""
+
+    def run(self) -> None:
+        return None
+
+
 class LaneClosed(RuntimeError):
     """Raised by ``submit`` after ``close()``."""
 
@@ -33,7 +42,7 @@ class Lane(Protocol):
 
     def submit(self, task: Task[Any]) -> Future[Any]: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout_s: float | None = 30.0) -> None: ...
 
 
 ErrorSink = Callable[[str, BaseException], None]
@@ -68,7 +77,7 @@ class InlineLane:
         _run_into(task, future, self.name, self._on_error)
         return future
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = 30.0) -> None:
         self._closed = True
 
 

@@ -65,10 +65,6 @@ class Recorder:
         perf_counter is system-wide, so differences of origins align ranks' timelines."""
         return self._t0
 
-    def to_relative(self, perf_counter_s: float) -> float:
-        """Convert an absolute time.perf_counter() reading to this recorder's time base."""
-        return perf_counter_s - self._t0
-
     def record(self, span: Span) -> None:
         if not self.enabled:
             return

@@ -1,11 +1,10 @@
 """Per-rank host resources when several data-parallel ranks share one host (issue 7).
 
 On a Superchip node every GPU has its own Grace CPU, but a PCIe host (or this CPU CI) runs
-several ranks on one operating system: they split its cores and its memory. Two rules:
+several ranks on one operating system: they split its cores and its memory. The cores are
+split by the one thread rule (``superoffload.threads.optimizer_threads`` with the local rank
+count, applied by ``plan.schedule``). The memory:
 
-* CPU threads of a rank's optimizer = (usable cores * cores_frac) / local ranks, at least 1,
-  so N ranks' OpenMP regions do not oversubscribe the cores (oversubscribed OpenMP loops are
-  many times slower than the memory-bound floor, FACTS.md).
 * Before allocating, every rank checks that local ranks * its host bytes fit in the memory
   the OS reports as available (psutil when installed, else ``MemAvailable`` of
   /proc/meminfo) times a headroom; otherwise it raises ``HostMemoryError`` naming the
@@ -14,7 +13,6 @@ several ranks on one operating system: they split its cores and its memory. Two 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 DEFAULT_HEADROOM = 0.85
@@ -24,24 +22,6 @@ tensors, the Python heap and CUDA's pinned staging need the rest)."""
 
 class HostMemoryError(MemoryError):
     """The ranks on this host would need more host memory than is available."""
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (the affinity mask, e.g. a container's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # macOS has no sched_getaffinity
-        return os.cpu_count() or 1
-
-
-def threads_per_rank(local_world_size: int, cores_frac: float, cores: int | None = None) -> int:
-    """CPU optimizer threads for one of ``local_world_size`` ranks sharing this host."""
-    if local_world_size < 1:
-        raise ValueError(f"local_world_size={local_world_size}: use a whole number >= 1")
-    if not 0.0 < cores_frac <= 1.0:
-        raise ValueError(f"cores_frac={cores_frac}: use a number in (0, 1]")
-    total = usable_cores() if cores is None else cores
-    return max(1, int(total * cores_frac) // local_world_size)
 
 
 def available_host_bytes() -> int:

@@ -5,11 +5,12 @@ Under ZeRO a rank steps only its 1/N shard of each bucket, so no rank has the wh
 bucket on its host until the all-gather: here the home of every streamed parameter is its
 slice of a per-bucket *gathered* host buffer, and
 
-* the all-gather of a bucket (zero_comm.GatherTask) publishes the updated weights into the
+* the all-gather of a bucket (comm.GatherTask) publishes the updated weights into the
   homes instead of the (released) device parameters; parameters that stay resident
   (embeddings, head, norms outside the blocks) are still written in place;
 * a block's fetch waits for the last all-gather of every bucket holding its weights
-  (``engine._home_ready``), exactly as the single-process fetch waits for the CPU step;
+  (the scheduler's ``home_ready``), exactly as the single-process fetch waits for the CPU
+  step (runtime/weightflow.py reads the homes through ``ZeroTransport.home``);
 * gradients still reduce-scatter per bucket as they become final; a streamed parameter's
   device gradient is freed once it is flattened into the bucket's reduce buffer.
 
@@ -22,33 +23,12 @@ step that a host-side all-gather would save (a caveat, docs/distributed.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from superoffload.distributed.zero_buffers import ShardBucket
-from superoffload.runtime.weightflow import WeightFlow
-
-if TYPE_CHECKING:
-    from superoffload.distributed.zero import ZeroOffloadEngine
-    from superoffload.runtime.backend import Backend
-
-
-class ZeroWeightFlow(WeightFlow):
-    """WeightFlow whose homes are the all-gathered host buffers of ZeroOffloadEngine."""
-
-    def __init__(self, engine: ZeroOffloadEngine, depth: int, lane: Any) -> None:
-        # WeightFlow reads only attributes both engines share (model, _params, _trainable,
-        # _index, _bucket_of membership, model_dtype, backend, telemetry, iteration, config,
-        # _home_ready, _wait); the two lookups that differ are overridden below.
-        super().__init__(cast(Any, engine), depth, lane)
-        self.zero = engine
-
-    def _home(self, index: int) -> torch.Tensor:
-        return self.zero._homes[index]
-
-    def _home_buckets(self, k: int) -> list[int]:
-        return sorted({self.zero._bucket_of[i] for i in self.indices[k]})
+from superoffload.distributed.zero.buffers import ShardBucket
+from superoffload.runtime.backend import Backend
 
 
 def alloc_homes(sb: ShardBucket, backend: Backend) -> tuple[torch.Tensor, ...]:
@@ -62,37 +42,25 @@ def alloc_homes(sb: ShardBucket, backend: Backend) -> tuple[torch.Tensor, ...]:
                  for v in sb.weight_views)
 
 
-def fill_homes(engine: ZeroOffloadEngine, sb: ShardBucket, homes: tuple[torch.Tensor, ...],
-               masters: list[torch.Tensor]) -> None:
-    """Set the homes to the masters (in the model dtype) and remember them per parameter."""
+def fill_homes(sb: ShardBucket, homes: Sequence[torch.Tensor],
+               masters: Sequence[torch.Tensor]) -> None:
+    """Set the homes to the masters' values (in the model dtype)."""
     with torch.no_grad():
-        for i, home, master in zip(sb.bucket.param_indices, homes, masters):
+        for home, master in zip(homes, masters):
             home.copy_(master.reshape(home.shape))
-            engine._homes[i] = home
 
 
-def gather_targets(engine: ZeroOffloadEngine, sb: ShardBucket
+def gather_targets(sb: ShardBucket, homes: Mapping[int, torch.Tensor], streamed: frozenset[int]
                    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """(gathered views, destinations) of a bucket's all-gather: the home of a streamed
     parameter, ``param.data`` of a resident one; a home that is the gathered view itself
     (CPU backend) needs no copy and is left out."""
-    flow = engine.flow
     views: list[torch.Tensor] = []
     dst: list[torch.Tensor] = []
     for view, p, i in zip(sb.weight_views, sb.params, sb.bucket.param_indices):
-        target = engine._homes[i] if flow is not None and flow.is_streamed(p) else p.data
+        target = homes[i] if i in streamed else p.data
         if target.data_ptr() == view.data_ptr() and target.device == view.device:
             continue
         views.append(view)
         dst.append(target)
     return tuple(views), tuple(dst)
-
-
-def free_streamed_grads(engine: ZeroOffloadEngine, sb: ShardBucket) -> None:
-    """The gradients are in the reduce buffer: free the streamed ones' device copies (§4.5)."""
-    flow = engine.flow
-    if flow is None:
-        return
-    for p in sb.params:
-        if flow.is_streamed(p):
-            p.grad = None

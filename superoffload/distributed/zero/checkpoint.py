@@ -23,129 +23,75 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from superoffload.distributed.launch import collective_guard
-from superoffload.distributed.zero_comm import all_gather_flat
+from superoffload.distributed.zero.transport import ZeroTransport
 from superoffload.runtime import checkpoint as single
 from superoffload.runtime.state import ParamState
 
-if TYPE_CHECKING:
-    from superoffload.distributed.zero import ZeroOffloadEngine
-
 FORMAT = "superoffload-zero/1"
 MANIFEST = "manifest.json"
+
+
+class ShardedCheckpointable(single.Checkpointable, Protocol):
+    """What the sharded format needs of a ZeRO engine (zero/engine.py implements it)."""
+
+    zero: ZeroTransport
+    backend: Any
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
 
 def rank_file(rank: int, world_size: int) -> str:
     return f"rank{rank:05d}-of-{world_size:05d}.pt"
 
 
-def _all_gather_host(engine: ZeroOffloadEngine, shard: torch.Tensor, padded: int) -> torch.Tensor:
-    """All-gather equal host shards over the gradient group; returns the padded flat (CPU)."""
-    dev = engine.backend.device
-    src = shard.to(dev)
-    out = torch.empty(padded, dtype=shard.dtype, device=dev)
-    with collective_guard("all_gather (master weights)", engine.grad_group):
-        all_gather_flat(out, src, group=engine.grad_group)
-    return out.cpu()
-
-
-def gather_full_states(engine: ZeroOffloadEngine) -> dict[int, ParamState]:
-    """Full fp32 state of every trainable parameter on every rank. Collective."""
-    engine.synchronize()
-    out: dict[int, ParamState] = {}
-    for b in sorted(set(engine._shards) | set(engine._tails)):
-        if b in engine._tails:
-            buf = engine._tails[b]
-            for pos, i in enumerate(buf.bucket.param_indices):
-                out[i] = ParamState(buf.master[pos].detach().to("cpu", torch.float32, copy=True),
-                                    buf.exp_avg[pos].detach().cpu().clone(),
-                                    buf.exp_avg_sq[pos].detach().cpu().clone(), engine._steps[i])
-            continue
-        sb = engine._shards[b]
-        lay = sb.layout
-        fulls = [_all_gather_host(engine, t, lay.padded_numel) for t in sb.state.flat[:3]]
-        for pos, i in enumerate(sb.bucket.param_indices):
-            lo, hi = lay.param_offsets[pos], lay.param_offsets[pos] + lay.param_numels[pos]
-            shape = engine._shapes[i]  # a weight-flow parameter may be released
-            m, a, s = (f[lo:hi].clone().view(shape) for f in fulls)
-            out[i] = ParamState(m, a, s, engine._steps[i])
-    return out
-
-
-def _write_atomic(payload: Any, final: str) -> None:
-    tmp = f"{final}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def _barrier(engine: ZeroOffloadEngine, what: str) -> None:
+def _barrier(engine: ShardedCheckpointable, what: str) -> None:
     flag = torch.ones(1, device=engine.backend.device)
-    with collective_guard(f"all_reduce ({what})", engine.grad_group):
-        dist.all_reduce(flag, group=engine.grad_group)
+    with collective_guard(f"all_reduce ({what})", engine.zero.grad_group):
+        dist.all_reduce(flag, group=engine.zero.grad_group)
 
 
-def _signature(engine: ZeroOffloadEngine) -> list[list[Any]]:
-    return [[n, list(shape), str(p.dtype).removeprefix("torch."), bool(p.requires_grad)]
-            for n, p, shape in zip(engine._names, engine._params, engine._shapes)]
-
-
-def save(engine: ZeroOffloadEngine, path: str, *, extra: Any = None,
+def save(engine: ShardedCheckpointable, path: str, *, extra: Any = None,
          lr_scheduler: Any = None) -> str:
     """Write this rank's file; rank 0 then writes the manifest. Collective; returns path."""
-    from superoffload.distributed.zero_buffers import export_segments
-
     engine.synchronize()
     os.makedirs(path, exist_ok=True)
-    names = engine._names
-    segments = [(names[i], off, m, a, s) for sb in engine._shards.values()
-                for i, off, m, a, s in export_segments(sb)]
+    st = engine.state
+    names = st.names
+    segments = [(names[i], off, m, a, s) for i, off, m, a, s in engine.zero.export_segments()]
     payload: dict[str, Any] = {"format": FORMAT, "rank": engine.rank,
                                "world_size": engine.world_size, "segments": segments,
-                               "rng": single._rng_state()}
+                               "rng": single.rng_state()}
     if engine.rank == 0:
         tails = []
-        for buf in engine._tails.values():
+        for buf in engine.zero.tails.values():
             for pos, i in enumerate(buf.bucket.param_indices):
                 tails.append((names[i], 0, buf.master[pos].detach().float().cpu().reshape(-1),
                               buf.exp_avg[pos].detach().cpu().reshape(-1),
                               buf.exp_avg_sq[pos].detach().cpu().reshape(-1)))
         payload["segments"] += tails
-        trained = {names[i] for i in engine._trainable}
+        trained = {names[i] for i in st.trainable}
         payload["model_rest"] = {k: v.detach().cpu().clone()
                                  for k, v in engine.model.state_dict().items() if k not in trained}
         payload["extra"] = extra
         payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
-    _write_atomic(payload, os.path.join(path, rank_file(engine.rank, engine.world_size)))
+    single.write_atomic(payload, os.path.join(path, rank_file(engine.rank, engine.world_size)))
     _barrier(engine, "checkpoint files written")
     if engine.rank == 0:
-        groups = []
-        for g in engine.optimizer.param_groups:
-            hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()
-                     if k != "params"}
-            hyper["params"] = [names[engine._index[id(p)]] for p in g["params"]]
-            groups.append(hyper)
         manifest = {
             "format": FORMAT, "world_size": engine.world_size,
             "files": [rank_file(r, engine.world_size) for r in range(engine.world_size)],
-            "iteration": engine.iteration, "config": single._plain(engine.config.to_dict()),
-            "signature": _signature(engine),
-            "steps": {names[i]: engine._steps[i] for i in engine._trainable},
-            "param_groups": groups, "loss_scaler": engine.scaler.state_dict(),
-            "stv": engine.adaptive.state_dict(),
-            "stats": {k: getattr(engine.stats, k) for k in engine.stats.__slots__},  # type: ignore[attr-defined]
+            **single.common_payload(engine),
+            "steps": {names[i]: st.steps[i] for i in st.trainable},
         }
         tmp = os.path.join(path, MANIFEST + ".tmp")
         with open(tmp, "w") as f:
@@ -231,41 +177,22 @@ def consolidate(path: str) -> ConsolidatedState:
     return ConsolidatedState(manifest, states, model_rest, rng, extra, scheduler)
 
 
-def load(engine: ZeroOffloadEngine, path: str, *, lr_scheduler: Any = None) -> Any:
+def load(engine: ShardedCheckpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     """Restore a checkpoint written by any world size into ``engine``. Collective (every rank
     reads the files it needs; no communication but the final barrier). Returns ``extra``."""
-    from superoffload.distributed.zero import _Iteration
-
     engine.synchronize()
     cons = consolidate(path)
     man = cons.manifest
-    theirs, ours = {s[0]: s for s in man["signature"]}, {s[0]: s for s in _signature(engine)}
-    if theirs != ours:
-        diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-        raise single.CheckpointMismatch(f"the checkpoint's parameters differ from the model's "
-                                        f"(name/shape/dtype/trainable): {diff[:5]}")
-    mine = single._plain(engine.config.to_dict())
-    for key, value in man["config"].items():
-        if key not in single.PLACEMENT_FIELDS and mine.get(key) != value:
-            raise single.CheckpointMismatch(
-                f"config field {key!r}: checkpoint has {value!r}, this engine has {mine.get(key)!r}")
-    engine._it = _Iteration()
-    engine.build({i: cons.states[engine._names[i]] for i in engine._trainable})
+    single.check_compatible(engine, man)
+    st = engine.state
+    engine.restore({i: cons.states[st.names[i]] for i in st.trainable})
     current = engine.model.state_dict()
     with torch.no_grad():
         for k, v in cons.model_rest.items():
             current[k].copy_(v)
-    for g_ck, g in zip(man["param_groups"], engine.optimizer.param_groups):
-        for key, value in g_ck.items():
-            if key != "params":
-                g[key] = tuple(value) if key == "betas" else value
-    engine.scaler.load_state_dict(man["loss_scaler"])
-    engine.adaptive.load_state_dict(man["stv"])
-    for key, value in man["stats"].items():
-        setattr(engine.stats, key, value)
-    engine.iteration = int(man["iteration"])
+    single.restore_common(engine, man)
     if man["world_size"] == engine.world_size:  # same layout: each rank resumes its RNG
-        single._set_rng_state(cons.rng[engine.rank])
+        single.set_rng_state(cons.rng[engine.rank])
     if lr_scheduler is not None:
         if cons.lr_scheduler is None:
             raise single.CheckpointMismatch("lr_scheduler given but the checkpoint holds none")

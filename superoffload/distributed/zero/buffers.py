@@ -20,7 +20,7 @@ from typing import cast
 
 import torch
 
-from superoffload.distributed.zero_layout import ShardLayout
+from superoffload.distributed.zero.layout import ShardLayout
 from superoffload.plan.buckets import Bucket
 from superoffload.runtime.backend import Backend
 from superoffload.runtime.state import BucketBuffers, ParamState

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from superoffload.distributed.launch import collective_guard
-from superoffload.distributed.zero_budget import HostBudget, HostMemoryError, budget_message
+from superoffload.distributed.zero.budget import HostBudget, HostMemoryError, budget_message
 
 
 def broadcast_model(model: torch.nn.Module, group: Any, src: int) -> None:

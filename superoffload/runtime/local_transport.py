@@ -1,0 +1,136 @@
+"""The single-process transport: D2H of a bucket's gradients, H2D of its new weights (§4.2).
+
+A host bucket keeps its fp32 master, moments and a gradient buffer on the host (pinned on
+CUDA); its gradients are copied device -> host on the ``d2h`` lane (the backend computes the
+bucket's local validation statistics on the way) and, after the CPU step, its weights host ->
+device on the ``h2d`` lane: the bf16 copy the kernel wrote (host-side casting) or the fp32
+master cast on the device (paper §4.4). A GPU tail bucket keeps everything on the device and
+moves nothing. Under weight-flow the host copy each CPU step writes is the weights' home and
+streamed weights are not copied back here (runtime/weightflow.py fetches them per block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from superoffload.plan.buckets import BucketPlan
+from superoffload.runtime.backend import GradStats
+from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers, export_state
+from superoffload.runtime.transfers import D2HTask, H2DTask
+from superoffload.runtime.transport import GlobalStats, Published, TransportContext
+from superoffload.runtime.worker import Lane, make_lane
+
+
+class LocalTransport:
+    """Gradients and weights between one device and its host (see the module docstring)."""
+
+    name = "local"
+    ordered_launch = False
+    grad_divisor = 1
+    rank = 0
+    local_ranks = 1
+
+    def __init__(self) -> None:
+        self._ctx: TransportContext | None = None
+        self._lanes: tuple[Lane, ...] = ()
+        self.buffers: list[BucketBuffers] = []
+        self._pos: dict[int, int] = {}
+
+    def start(self, ctx: TransportContext) -> None:
+        self._ctx = ctx
+        self._lanes = tuple(make_lane(n, inline=ctx.inline, on_error=ctx.on_error)
+                            for n in ("d2h", "h2d"))
+
+    @property
+    def ctx(self) -> TransportContext:
+        if self._ctx is None:
+            raise RuntimeError("LocalTransport.start() was not called")
+        return self._ctx
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        return self._lanes
+
+    def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
+              flow: bool, snapshot: bool) -> list[BucketBuffers]:
+        st, be = self.ctx.state, self.ctx.backend
+        self.buffers, self._pos = [], {}
+        for bucket in plan.buckets:
+            params = [st.params[i] for i in bucket.param_indices]
+            self.buffers.append(build_buffers(
+                bucket, params, [states[i] for i in bucket.param_indices],
+                alloc_host=be.alloc_host, alloc_device=be.alloc_device,
+                grad_host_dtype=cast.grad_host_dtype,
+                lp_host=cast.low_precision and cast.param_on_host))
+            self._pos.update((i, pos) for pos, i in enumerate(bucket.param_indices))
+        return self.buffers
+
+    def launch(self, b: int, present: tuple[int, ...], iteration: int,
+               streamed: frozenset[int]) -> Future[GradStats] | None:
+        buf = self.buffers[b]
+        if buf.on_device or not present:
+            return None
+        pos = [self._pos[i] for i in present]
+        ctx = self.ctx
+        fut = self._lanes[0].submit(D2HTask(
+            bucket=b, iteration=iteration,
+            grads=tuple(buf.params[k].grad for k in pos),  # type: ignore[misc]
+            grad_host=tuple(buf.grad_host[k] for k in pos),
+            ready=ctx.backend.ready_token(), backend=ctx.backend, recorder=ctx.recorder))
+        for k in pos:  # weight-flow: the gradient has left, free its device copy (§4.5)
+            if buf.bucket.param_indices[k] in streamed:
+                buf.params[k].grad = None
+        return fut
+
+    def tail_stats(self, buckets: Sequence[int]) -> GradStats:
+        grads = [p.grad for b in buckets for p in self.buffers[b].params if p.grad is not None]
+        if not grads:
+            return GradStats(0.0, 0)
+        return self.ctx.backend.device_stats(grads)  # one reduction: one device sync on CUDA
+
+    def tail_grads(self, b: int) -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p)
+                for p in self.buffers[b].params]
+
+    def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
+        return GlobalStats(local.sum_sq, local.nonfinite, present)
+
+    def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
+                iteration: int, streamed: frozenset[int]) -> Published:
+        buf = self.buffers[b]
+        # weight-flow: streamed weights are not on the device; their next fetch waits for the
+        # step that wrote their home (runtime/weightflow.py); only resident ones are copied
+        keep = tuple(k for k in positions if buf.bucket.param_indices[k] not in streamed)
+        if not keep:
+            return Published(None, after)
+        src = buf.lp_host if buf.lp_host is not None else buf.master
+        ctx = self.ctx
+        fut = self._lanes[1].submit(H2DTask(
+            bucket=b, iteration=iteration, src_host=tuple(src[k] for k in keep),
+            dst_device=tuple(buf.params[k].data for k in keep), after=after,
+            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()))
+        return Published(fut, after)
+
+    def home(self, index: int) -> torch.Tensor:
+        st = self.ctx.state
+        buf = self.buffers[st.bucket_of[index]]
+        pos = self._pos[index]
+        return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
+
+    def export_states(self) -> dict[int, ParamState]:
+        steps = self.ctx.state.steps
+        out: dict[int, ParamState] = {}
+        for buf in self.buffers:
+            idx = buf.bucket.param_indices
+            out.update(zip(idx, export_state(buf, [steps[i] for i in idx])))
+        return out
+
+    def close(self) -> None:
+        for lane in self._lanes:
+            lane.close()
+        self.buffers = []

@@ -1,0 +1,87 @@
+"""Changing the engine's settings while it trains (``engine.reconfigure``, the tuner's Apply).
+
+Which fields may change, and how, is declared once on ``OffloadConfig``'s fields
+(config.py: ``live="live" | "replan" | "forward"``). A request is validated in the caller's
+thread (a widget's), stored, and applied by the training thread where the next iteration
+starts: "live" fields at once, "replan" fields after draining the lanes and rebuilding the
+buckets from the current state, "forward" fields (the weight policy) where the next
+forward starts (runtime/weights.py). Every applied change leaves a telemetry note.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Protocol
+
+from superoffload.config import FORWARD_FIELDS, REPLAN_FIELDS, ConfigError, OffloadConfig
+from superoffload.runtime.stv import AdaptiveSTV
+from superoffload.telemetry.recorder import Recorder
+
+
+class ReconfigureHost(Protocol):
+    config: OffloadConfig
+    telemetry: Recorder
+    adaptive: AdaptiveSTV
+    iteration: int
+
+    @property
+    def reconfigurable(self) -> frozenset[str]: ...
+
+    def synchronize(self) -> None: ...
+
+    def rebuild(self) -> None: ...
+
+    def refresh_schedule(self) -> None:
+        """Re-resolve the schedule for changed "live" fields (threads) without re-planning."""
+        ...
+
+    def request_weights(self, changes: dict[str, Any]) -> None: ...
+
+    def count_reconfiguration(self) -> None: ...
+
+
+class Reconfigurer:
+    """Pending changes of one engine (thread-safe)."""
+
+    def __init__(self, host: ReconfigureHost) -> None:
+        self.host = host
+        self._lock = threading.Lock()
+        self._pending: dict[str, Any] = {}
+
+    def request(self, changes: dict[str, Any]) -> None:
+        """Validate now (raise ConfigError naming the field); apply at the next iteration."""
+        allowed = self.host.reconfigurable
+        for key in changes:
+            if key not in allowed:
+                where = (f"changeable: {', '.join(sorted(allowed))}" if allowed else
+                         "this engine changes nothing while training (data parallel: every "
+                         "rank would have to apply it at the same iteration); rebuild it")
+                raise ConfigError(f"reconfigure({key}=...): not changeable while training; {where}")
+        with self._lock:
+            merged = {**self._pending, **changes}
+            self.host.config.replace(**merged)  # validate in the caller's thread
+            weights = {k: merged.pop(k) for k in FORWARD_FIELDS & merged.keys()}
+            self._pending = merged
+        if weights:
+            self.host.request_weights(weights)  # applied where the next forward starts
+
+    def apply_pending(self) -> None:
+        """At an iteration boundary, in the training thread."""
+        with self._lock:
+            changes, self._pending = self._pending, {}
+        if not changes:
+            return
+        host = self.host
+        old = host.config
+        new = old.replace(**changes)
+        host.config = new
+        if REPLAN_FIELDS & changes.keys():
+            host.synchronize()
+            host.rebuild()
+        else:
+            host.refresh_schedule()
+        host.adaptive.configure(mode=new.speculation, window=new.adaptive_window,
+                                threshold=new.adaptive_threshold)
+        host.count_reconfiguration()
+        diff = ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in sorted(changes))
+        host.telemetry.note(host.iteration, f"reconfigure applied: {diff}")

@@ -1,0 +1,278 @@
+"""The iteration core: one schedule for one process and for ZeRO (paper §4.2-4.3, DESIGN.md §3).
+
+Lifecycle of a bucket in one iteration:
+
+1. backward: its last gradient is final (post-accumulate-grad hook, ``on_grad_ready``) ->
+   ``launch``: the transport starts moving the gradients and returns the bucket's local
+   validation statistics as a future; if speculating, the CPU worker steps the bucket (or
+   this rank's shard) as soon as they land, and the transport publishes the new weights;
+2. ``step()`` -> ``runtime/settle.py``: the statistics of every bucket and rank give the
+   global norm and overflow verdict; speculative steps are kept, rolled back and replayed,
+   or rolled back and skipped; the GPU tail buckets are stepped on the device;
+3. the next forward waits, per module, only for its own bucket's last publish.
+
+The transport (``runtime/transport.py``) is the only difference between one process
+(D2H/H2D) and ZeRO data parallel (reduce-scatter/all-gather); everything here runs for
+both. The training thread owns all bookkeeping; lanes run frozen tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from superoffload.config import OffloadConfig
+from superoffload.kernels import AdamHyper
+from superoffload.runtime.backend import Backend, GradStats
+from superoffload.runtime.errors import FailureBox
+from superoffload.runtime.loss_scaler import LossScaler
+from superoffload.runtime.state import EngineState
+from superoffload.runtime.steps import KernelCall, RollbackTask, StepTask, make_calls, members_of
+from superoffload.runtime.stv import AdaptiveSTV
+from superoffload.runtime.transfers import wait_for
+from superoffload.runtime.transport import Transport
+from superoffload.runtime.worker import Barrier, Lane, describe
+from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
+from superoffload.telemetry.recorder import Recorder
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters of what happened (bucket counts are per bucket, not per iteration)."""
+
+    iterations: int = 0
+    skipped_steps: int = 0
+    clipped_steps: int = 0
+    rollbacks: int = 0
+    """Speculative bucket steps undone."""
+    replays: int = 0
+    """Bucket steps replayed with the clipped gradient."""
+    speculated_buckets: int = 0
+    """Speculative bucket steps that ran."""
+    nonfinite_buckets: int = 0
+    """Buckets whose own gradient was non-finite (never speculated)."""
+    speculation_enabled: bool = True
+    reconfigurations: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class Flight:
+    """A bucket in flight during one iteration."""
+
+    bucket: int
+    on_device: bool
+    present: frozenset[int]
+    """Its parameters with a local gradient at launch."""
+    calls: tuple[KernelCall, ...]
+    """Kernel calls over this rank's positions of those parameters."""
+    stats: Future[GradStats] | None = None
+    """Host buckets: the local validation statistics (D2H or reduce)."""
+    spec: Future[Any] | None = None
+    """The speculative step (resolves True when it ran)."""
+    spec_scale: float = 1.0
+
+
+@dataclass(slots=True)
+class Iteration:
+    """Bookkeeping of the iteration in progress (training thread)."""
+
+    micro_step: int = 0
+    armed: bool = False
+    """The last micro-step of the accumulation: buckets launch as they complete."""
+    speculate: bool = False
+    hypers: list[AdamHyper] = field(default_factory=list)
+    """Per param group, read when the iteration's last micro-step began."""
+    fired: dict[int, set[int]] = field(default_factory=dict)
+    ready: set[int] = field(default_factory=set)
+    next_launch: int = 0
+    flights: dict[int, Flight] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+
+
+class IterationScheduler:
+    """Owns the iteration in flight, the pending publishes and the CPU worker's tasks."""
+
+    def __init__(self, *, state: EngineState, transport: Transport, backend: Backend,
+                 recorder: Recorder, worker: Lane, config: Callable[[], OffloadConfig],
+                 scaler: LossScaler, adaptive: AdaptiveSTV, failures: FailureBox,
+                 streamed: Callable[[], frozenset[int]]) -> None:
+        self.state, self.transport, self.backend = state, transport, backend
+        self.recorder, self.worker, self.failures = recorder, worker, failures
+        self.config, self.scaler, self.adaptive = config, scaler, adaptive
+        self.streamed = streamed
+        self.stats = EngineStats()
+        self.iteration = 0
+        self.current = Iteration()
+        self.pending: dict[int, Future[Any]] = {}
+        """Per bucket, the last publish a module must wait for before it runs."""
+        self.home_ready: dict[int, Future[Any]] = {}
+        """Weight-flow: per bucket, the last step/gather that wrote its host homes."""
+        self._launch_lock = threading.Lock()  # hooks may fire on autograd's device threads
+        self._count_lock = threading.Lock()   # lane callbacks; never held while launching
+
+    # ------------------------------------------------------------------ iteration state
+    @property
+    def threads(self) -> int:
+        schedule = self.state.schedule
+        return schedule.threads if schedule is not None else 1
+
+    def reset(self) -> None:
+        """Forget a partial iteration (after a load or a rebuild)."""
+        self.current = Iteration()
+        self.home_ready.clear()
+
+    def begin_micro_step(self, hypers: Callable[[], list[AdamHyper]]) -> Iteration:
+        it = self.current
+        if it.micro_step == 0:
+            it.speculate = self.adaptive.enabled
+            self.stats.speculation_enabled = self.adaptive.enabled
+        it.micro_step += 1
+        it.armed = it.micro_step >= self.config().grad_accum_steps
+        if it.armed:
+            it.hypers = hypers()
+        return it
+
+    def arm_without_backward(self, hypers: Callable[[], list[AdamHyper]]) -> None:
+        """``step()`` after a plain ``loss.backward()``: every bucket launches now, no STV."""
+        it = self.current
+        it.speculate, it.armed, it.hypers = False, True, hypers()
+        self.launch_remaining()
+
+    # ------------------------------------------------------------------ launching
+    def on_grad_ready(self, index: int) -> None:
+        """Post-accumulate-grad hook of parameter ``index`` (tied: fires once, after all uses)."""
+        it = self.current
+        if not it.armed:
+            return  # not the last micro-step: gradients keep accumulating in .grad
+        b = self.state.bucket_of[index]
+        with self._launch_lock:
+            fired = it.fired.setdefault(b, set())
+            fired.add(index)
+            if len(fired) == len(self.bucket_params(b)):
+                self._ready(b)
+
+    def launch_remaining(self) -> None:
+        """After the last backward: buckets some of whose parameters got no gradient."""
+        with self._launch_lock:
+            for b in range(len(self.state.buffers)):
+                self._ready(b)
+
+    def bucket_params(self, b: int) -> tuple[int, ...]:
+        """Every parameter of bucket ``b`` (the plan's; a ZeRO shard steps a part of them)."""
+        schedule = self.state.schedule
+        assert schedule is not None, "the engine builds its buckets before training"
+        return schedule.bucket_plan.buckets[b].param_indices
+
+    def _ready(self, b: int) -> None:
+        """Launch ``b`` (in bucket order when the transport's collectives need it)."""
+        it = self.current
+        if b in it.flights or b in it.ready:
+            return
+        if not self.transport.ordered_launch:
+            self._launch(b)
+            return
+        it.ready.add(b)
+        while it.next_launch in it.ready:
+            self._launch(it.next_launch)
+            it.next_launch += 1
+
+    def _launch(self, b: int) -> None:
+        it, st = self.current, self.state
+        buf = st.buffers[b]
+        present = frozenset(i for i in self.bucket_params(b) if st.params[i].grad is not None)
+        streamed = self.streamed()
+        stats = self.transport.launch(b, tuple(sorted(present)), self.iteration, streamed)
+        calls = make_calls(buf, present, st.group_of, st.steps, it.hypers)
+        fl = Flight(b, buf.on_device, present, calls, stats)
+        it.flights[b] = fl
+        # a collective transport publishes every host bucket on every rank (all-gathers
+        # match by order), even when this rank's shard has nothing to step
+        if buf.on_device or not it.speculate or not (present or self.transport.ordered_launch):
+            return
+        cfg = self.config()
+        if cfg.rollback == "snapshot":
+            buf.ensure_snapshot(self.backend.alloc_host)
+        fl.spec_scale = 1.0 / (self.scaler.loss_scale * self.transport.grad_divisor)
+        fl.spec = self.worker.submit(self.step_task(fl, calls, scale=fl.spec_scale, after=stats,
+                                                    speculative=True, replay=False))
+        fl.spec.add_done_callback(self.counter("speculated_buckets"))
+        self.publish(b, calls, fl.spec)
+
+    # ------------------------------------------------------------------ tasks
+    def step_task(self, fl: Flight, calls: tuple[KernelCall, ...], *, scale: float,
+                  after: Future[Any] | None, speculative: bool, replay: bool) -> StepTask:
+        cfg = self.config()
+        return StepTask(
+            bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
+            calls=calls, grad_scale=scale, threads=self.threads, after=after,
+            skip_nonfinite=speculative, snapshot=speculative and cfg.rollback == "snapshot",
+            replay=replay, recorder=self.recorder, watchdog_s=cfg.watchdog_s)
+
+    def rollback(self, fl: Flight) -> Future[Any]:
+        """Undo ``fl``'s speculative step (if it ran) on the worker."""
+        assert fl.spec is not None
+        cfg = self.config()
+        fut = self.worker.submit(RollbackTask(
+            bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
+            calls=fl.calls, grad_scale=fl.spec_scale, threads=self.threads,
+            step_future=fl.spec, mode=cfg.rollback, recorder=self.recorder,
+            watchdog_s=cfg.watchdog_s))
+        fut.add_done_callback(self.counter("rollbacks"))
+        return fut
+
+    def publish(self, b: int, calls: tuple[KernelCall, ...], after: Future[Any]) -> None:
+        """Bring bucket ``b``'s weights back after ``after`` (a step or a rollback)."""
+        pub = self.transport.publish(b, tuple(members_of(calls)), after, self.iteration,
+                                     self.streamed())
+        if pub.device is not None:
+            self.pending[b] = pub.device
+        if pub.home is not None:
+            self.home_ready[b] = pub.home
+
+    def counter(self, name: str) -> Callable[[Future[Any]], None]:
+        """A done-callback adding 1 to ``stats.<name>`` when the task ran (returned True)."""
+        def done(fut: Future[Any]) -> None:
+            if fut.exception() is None and fut.result() is True:
+                with self._count_lock:
+                    setattr(self.stats, name, getattr(self.stats, name) + 1)
+        return done
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, future: Future[Any], what: str) -> Any:
+        """Wait with the watchdog; a lane failure surfaces as the engine's own error."""
+        try:
+            return wait_for(future, self.config().watchdog_s, what)
+        except Exception:
+            self.failures.raise_if_failed()
+            raise
+
+    def wait_for_weights(self, indices: Iterable[int]) -> None:
+        """Forward pre-hook of a module: its own buckets' last publish, nothing else (§4.2)."""
+        buckets = {self.state.bucket_of[i] for i in indices if i in self.state.bucket_of}
+        for b in sorted(buckets):
+            fut = self.pending.pop(b, None)
+            if fut is None:
+                continue
+            t0 = self.recorder.now()
+            self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
+            self.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, self.recorder.now(),
+                              iteration=self.iteration, bucket=b)
+
+    def drain_pending(self, lanes: Sequence[Lane]) -> None:
+        """Every lane has run what was submitted; every publish has landed."""
+        for lane in lanes:
+            try:
+                wait_for(lane.submit(Barrier()), self.config().watchdog_s, "synchronize")
+            except Exception as exc:
+                self.failures.raise_if_failed()
+                raise type(exc)(f"{describe(lane)}: {exc}") from exc
+        for b, fut in list(self.pending.items()):
+            self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
+        self.pending.clear()
+        self.backend.synchronize()

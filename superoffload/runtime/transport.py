@@ -1,0 +1,131 @@
+"""The transport seam: how a bucket's gradients leave and its new weights come back.
+
+The iteration core (``runtime/scheduler.py``) is one schedule (DESIGN.md §3, paper §4.2-4.3);
+what differs between one process and ZeRO data parallel is only how data moves:
+
+* single process (``LocalTransport``): a host bucket's gradients go device -> host (D2H),
+  the CPU steps the whole bucket, the new weights go host -> device (H2D);
+* ZeRO (``superoffload.distributed.zero.ZeroTransport``): gradients are reduce-scattered,
+  each rank steps its 1/N shard, the new weights are all-gathered (paper §4.6).
+
+A transport allocates the buckets (it knows where each piece lives), starts a bucket's
+gradient movement and returns the bucket's local validation statistics as a future,
+reduces the statistics of all ranks to global ones, publishes a stepped bucket's weights,
+and says where weight-flow's host copy of each parameter lives. It owns its two lanes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from superoffload.plan.buckets import BucketPlan
+from superoffload.runtime.backend import Backend, GradStats
+from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
+from superoffload.runtime.worker import ErrorSink, Lane
+from superoffload.telemetry.recorder import Recorder
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    """What publishing a bucket's weights started."""
+
+    device: Future[Any] | None
+    """Done when the device copy of the weights is current (a module waits on it), or None
+    when nothing is copied to the device (weight-flow streams those weights instead)."""
+    home: Future[Any] | None
+    """Done when the weight-flow host copy ("home") of the bucket is current."""
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalStats:
+    """Validation statistics summed over every rank (DESIGN.md §3 step 3)."""
+
+    sum_sq: float
+    """Sum of squares of the gradient as the kernel reads it (loss-scaled, summed over ranks)."""
+    nonfinite: int
+    present: frozenset[int]
+    """Trainable parameters with a gradient on some rank (they step; the others are left
+    untouched, as torch.optim does with ``grad is None``)."""
+    partial: frozenset[int] = frozenset()
+    """Of those, the ones some rank had no gradient for (every rank knows which)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportContext:
+    """What a transport is given when the engine starts."""
+
+    state: EngineState
+    backend: Backend
+    recorder: Recorder
+    inline: bool
+    on_error: ErrorSink
+    watchdog_s: Callable[[], float]
+    """The watchdog in force (``OffloadConfig.watchdog_s`` may be reconfigured)."""
+
+
+class Transport(Protocol):
+    name: str
+    """"local" or "zero"."""
+    ordered_launch: bool
+    """Buckets must be launched in bucket order on every rank (collectives match by order)."""
+    grad_divisor: int
+    """Gradients arrive summed over this many ranks: the kernel's scale carries 1/N."""
+    rank: int
+    local_ranks: int
+    """Ranks sharing this host's cores and memory (the thread rule splits the cores)."""
+
+    def start(self, ctx: TransportContext) -> None:
+        """Once, before the first build: lanes, groups, collective set-up."""
+        ...
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        ...
+
+    def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
+              flow: bool, snapshot: bool) -> list[BucketBuffers]:
+        """Allocate every bucket of ``plan`` from full per-parameter ``states`` (each rank
+        keeping its part); returns, per bucket id, the buffers the optimizer steps."""
+        ...
+
+    def launch(self, b: int, present: tuple[int, ...], iteration: int,
+               streamed: frozenset[int]) -> Future[GradStats] | None:
+        """A bucket's gradients are final: start moving them. Returns the local validation
+        statistics of what this rank will step (host buckets), None for tail buckets.
+        ``streamed``: parameter indices weight-flow streams (their device gradient may be
+        freed once moved)."""
+        ...
+
+    def tail_stats(self, buckets: Sequence[int]) -> GradStats:
+        """Local statistics of the tail buckets' gradients (counted once over the ranks)."""
+        ...
+
+    def tail_grads(self, b: int) -> list[torch.Tensor]:
+        """The gradient a tail bucket steps with, per position of its buffers."""
+        ...
+
+    def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
+        """Sum the statistics (and the parameters with gradients) over the ranks."""
+        ...
+
+    def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
+                iteration: int, streamed: frozenset[int]) -> Published:
+        """After ``after`` (a step or rollback of bucket ``b``), bring its weights back."""
+        ...
+
+    def home(self, index: int) -> torch.Tensor:
+        """Weight-flow: the host tensor parameter ``index`` streams from."""
+        ...
+
+    def export_states(self) -> dict[int, ParamState]:
+        """Placement-free copies of every trainable parameter's state (collective for ZeRO)."""
+        ...
+
+    def close(self) -> None:
+        ...

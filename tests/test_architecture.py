@@ -1,0 +1,138 @@
+"""The code's shape, read as data (issue "One engine"): import graph, private access, size.
+
+* no import cycles inside ``runtime/``, ``distributed/`` or ``plan/`` — every import counts,
+  at module level, under ``TYPE_CHECKING`` or inside a function (a lazy import hides a cycle,
+  it does not remove it);
+* no module reads another module's underscore attributes (``obj._name`` where ``obj`` is not
+  ``self``/``cls``, or ``from x import _name``), except the private CFFI module the kernels
+  package owns and the few torch internals named below;
+* no file over ~400 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "superoffload"
+MAX_LINES = 400
+
+# torch-owned private names we must call (each has one wrapper; see the comment at its use)
+TORCH_PRIVATE = {
+    "_C", "_current_graph_task_id", "_foreach_mul", "_foreach_mul_", "_foreach_add_",
+    "_foreach_addcmul_", "_foreach_sqrt", "_foreach_div_", "_foreach_addcdiv_", "_foreach_norm",
+    "_foreach_copy_", "_foreach_lerp_", "_foreach_sub_", "_foreach_maximum_",
+    "_fused_adamw_", "_fused_adam_", "_base", "_get_default_group", "_dynamo",
+    "_foreach_add", "_foreach_sub", "_foreach_div", "_foreach_zero_",
+}
+PRIVATE_MODULES = {"_cpu_adam_cffi"}  # kernels/cpu_adam.py's compiled module (STYLE.md §7)
+STDLIB_PRIVATE = {"_SubParsersAction"}  # argparse's subparsers type (no public name)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every superoffload module ``name`` imports, wherever the import statement is."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            subs = {f"{base}.{a.name}" for a in node.names} & MODULES.keys()
+            if len(subs) < len(node.names):  # names that are not submodules come from base
+                found.add(base)
+            found.update(subs)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _cycle(nodes: set[str]) -> list[str] | None:
+    graph = {n: {m for m in _imports(n, MODULES[n]) if m in nodes} for n in nodes}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(nodes):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("package", ["runtime", "distributed", "plan"])
+def test_no_import_cycles(package: str) -> None:
+    prefix = f"superoffload.{package}"
+    # a package's __init__ re-exports its modules by design; the cycle question is between
+    # the modules themselves
+    nodes = {m for m in MODULES if m.startswith(prefix + ".")}
+    cycle = _cycle(nodes)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _package_of(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).parent.parts)
+
+
+def _private_reads(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") \
+                and node.attr not in TORCH_PRIVATE | STDLIB_PRIVATE:
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            bad.append(f"{path.name}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                own_module = f"{node.module}.{alias.name}" in MODULES and \
+                    node.module == _package_of(path)  # a package's private module, inside it
+                if alias.name.startswith("_") and not alias.name.startswith("__") \
+                        and alias.name not in PRIVATE_MODULES and not own_module:
+                    bad.append(f"{path.name}:{node.lineno}: import {alias.name}")
+    return bad
+
+
+def test_no_module_reads_another_modules_private_names() -> None:
+    bad = [b for path in MODULES.values() for b in _private_reads(path)]
+    assert not bad, "private access across modules:\n" + "\n".join(bad)
+
+
+def test_no_file_is_over_400_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these files (over {MAX_LINES} lines): {long}"

@@ -1,0 +1,62 @@
+"""One engine at world size 2 (issue 10): ZeRO runs the rule book's schedule and steps a
+parameter iff some rank produced a gradient for it (as DDP + AdamW would)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _dist_support import run_ranks
+from _one_engine_worker import HYPER, Sparse, sparse_data
+from _tiny_models import make_model
+
+from superoffload.config import OffloadConfig
+from superoffload.plan.schedule import ScheduleFacts, resolve_schedule
+from superoffload.runtime.state import EngineState
+from superoffload.threads import usable_cores
+
+WORKER = Path(__file__).with_name("_one_engine_worker.py")
+BASE = {"device": "cpu", "bucket_bytes": 4096, "ratio": 0.5, "telemetry": False}
+
+
+def _ok(results: list) -> None:
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank}: exit {r.returncode}\n{r.log[-4000:]}"
+
+
+def test_zero_runs_the_rule_books_schedule_at_dp2(tmp_path: Path) -> None:
+    configs = {"stationary": BASE, "flow": {**BASE, "weights": "flow"}}
+    _ok(run_ranks("schedule", 2, tmp_path, timeout_s=120, args={"configs": configs},
+                  worker=WORKER))
+    got = json.loads((tmp_path / "schedule.json").read_text())
+    model = make_model(0)
+    specs = EngineState.from_model(model, [{"params": list(model.parameters())}]).param_specs()
+    for name, fields in configs.items():
+        facts = ScheduleFacts(params=specs, model_dtype="float32", device_type="cpu", dp=2,
+                              usable_cores=usable_cores(), local_ranks=2)
+        want = resolve_schedule(OffloadConfig(**fields), facts)
+        row = got[name]
+        assert row["dp"] == 2 and row["weights"] == want.weights
+        assert row["ratio"] == want.ratio == (1.0 if name == "flow" else 0.5)
+        assert row["table"] == [[b, list(p), n, d] for b, p, n, d in want.bucket_table()]
+        assert row["threads"] == want.threads and row["host_numel"] == want.host_numel
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_a_parameter_steps_iff_some_rank_has_its_gradient(tmp_path: Path, ratio: float) -> None:
+    _ok(run_ranks("sparse", 2, tmp_path, timeout_s=120, args={"ratio": ratio}, worker=WORKER))
+    got = torch.load(tmp_path / "sparse.pt", weights_only=True)
+    # reference: AdamW on the global-batch mean gradient; rank 1 contributes nothing to rare
+    ref = Sparse()
+    opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    for x in sparse_data(3):
+        loss = (ref(x[:2], use_rare=True) + ref(x[2:], use_rare=False)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    masters = got["masters"]
+    assert torch.equal(masters["idle.weight"], torch.ones(8, 8))  # nobody: untouched
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), rtol=0, atol=2e-6, msg=name)
