@@ -21,6 +21,10 @@ from typing import Any, Literal
 
 MiB = 1 << 20
 
+MIN_WATCHDOG_S = 0.1
+"""Below this every bucket would time out: a watchdog is a bound on a stuck lane, not a
+deadline for normal work."""
+
 MIN_BUCKET_BYTES = 4096
 """The one lower bound of ``bucket_bytes`` (config, planner, command line): 1024 fp32
 gradients. Smaller buckets only add per-bucket overhead (paper §4.2 uses 64 MiB)."""
@@ -242,10 +246,11 @@ class OffloadConfig:
             "use a whole number of blocks >= 1",
         )
         _check(
-            _is_real(self.watchdog_s) and self.watchdog_s > 0,
+            _is_real(self.watchdog_s) and self.watchdog_s >= MIN_WATCHDOG_S,
             "watchdog_s",
             self.watchdog_s,
-            "use a positive number of seconds",
+            f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take "
+            "longer than that; the default is 300)",
         )
         _check(_is_int(self.seed), "seed", self.seed, "use a whole number")
         return self

@@ -23,7 +23,7 @@ from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers, export_state
 from superoffload.runtime.transfers import D2HTask, H2DTask
 from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, make_lane
+from superoffload.runtime.worker import Lane, describe, make_lane
 
 
 class LocalTransport:
@@ -97,6 +97,9 @@ class LocalTransport:
         return [p.grad if p.grad is not None else torch.zeros_like(p)
                 for p in self.buffers[b].params]
 
+    def discard(self, buckets: Sequence[int]) -> None:
+        return None  # a tail bucket moves nothing
+
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
         return GlobalStats(local.sum_sq, local.nonfinite, present)
 
@@ -121,6 +124,12 @@ class LocalTransport:
         buf = self.buffers[st.bucket_of[index]]
         pos = self._pos[index]
         return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
+
+    def stall_hint(self) -> str:
+        lanes = ", ".join(describe(lane) for lane in self._lanes)
+        return (f"transfer lanes: {lanes}; a copy that never ends means a hung device (check "
+                "nvidia-smi) or an overloaded host (raise OffloadConfig.watchdog_s if the step "
+                "is just slow)")
 
     def export_states(self) -> dict[int, ParamState]:
         steps = self.ctx.state.steps

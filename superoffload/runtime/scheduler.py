@@ -27,7 +27,12 @@ from typing import Any
 from superoffload.config import OffloadConfig
 from superoffload.kernels import AdamHyper
 from superoffload.runtime.backend import Backend, GradStats
-from superoffload.runtime.errors import FailureBox
+from superoffload.runtime.errors import (
+    EngineError,
+    FailureBox,
+    IterationInterrupted,
+    WatchdogTimeout,
+)
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, RollbackTask, StepTask, make_calls, members_of
@@ -92,7 +97,11 @@ class Iteration:
     ready: set[int] = field(default_factory=set)
     next_launch: int = 0
     flights: dict[int, Flight] = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
+    """Loss tensors (detached); read as floats when the iteration closes (no host sync in
+    backward)."""
+    settling: bool = False
+    """``step()`` has begun acting on the verdict (rollbacks, replays, the tail step)."""
 
 
 class IterationScheduler:
@@ -204,6 +213,45 @@ class IterationScheduler:
         fl.spec.add_done_callback(self.counter("speculated_buckets"))
         self.publish(b, calls, fl.spec)
 
+    def abort(self) -> None:
+        """Undo the iteration in progress (an interrupted backward, ``zero_grad()`` before
+        ``step()``): every speculative step that ran is rolled back and its restored weights
+        published; nothing else of the iteration was applied (the tail steps, the step
+        counts and the loss scale change only in ``step()``). Drain the lanes afterwards."""
+        with self._launch_lock:  # no hook launches while the iteration is taken apart
+            it = self.current
+            it.armed = False
+            flights = [it.flights[b] for b in sorted(it.flights)]
+        for fl in flights:
+            if fl.spec is not None:
+                self.publish(fl.bucket, fl.calls, self.rollback(fl))
+        self.transport.discard([fl.bucket for fl in flights if fl.on_device])
+        self.current = Iteration()
+
+    def recover(self, exc: BaseException, where: str, synchronize: Callable[[], None]) -> None:
+        """An iteration will not finish (``exc`` in ``where``): undo it, or refuse to go on —
+        never a silent mix of two batches. One process, before ``step()`` acted on its
+        verdict: roll back (``abort``). Data parallel (the other ranks' collectives no longer
+        match this rank's) or half-settled: the engine fails, saying how to recover."""
+        if isinstance(exc, EngineError) or self.failures.failed:
+            return  # a lane failure: already the engine's error
+        it = self.current
+        if not it.settling and not self.transport.ordered_launch:
+            try:
+                self.abort()
+                synchronize()
+                self.recorder.note(self.iteration, f"{where} interrupted ({type(exc).__name__}):"
+                                   " the iteration was rolled back; train on from here")
+                return
+            except BaseException as cause:  # the engine fails below
+                exc = cause
+        state = "while settling the verdict" if it.settling else "under data parallel"
+        self.failures.record("training", IterationInterrupted(
+            f"{where} was interrupted ({exc!r}) {state}: the iteration cannot be undone, so "
+            "the engine stops rather than train on a mix of two batches. Recover: load the "
+            "last checkpoint into a new engine (engine.load_checkpoint), or build a new engine "
+            "from the model's current weights"))
+
     # ------------------------------------------------------------------ tasks
     def step_task(self, fl: Flight, calls: tuple[KernelCall, ...], *, scale: float,
                   after: Future[Any] | None, speculative: bool, replay: bool) -> StepTask:
@@ -248,6 +296,9 @@ class IterationScheduler:
         """Wait with the watchdog; a lane failure surfaces as the engine's own error."""
         try:
             return wait_for(future, self.config().watchdog_s, what)
+        except WatchdogTimeout as exc:
+            self.failures.raise_if_failed()
+            raise WatchdogTimeout(f"{exc}; {self.transport.stall_hint()}") from None
         except Exception:
             self.failures.raise_if_failed()
             raise

@@ -36,6 +36,7 @@ def finish_iteration(sched: IterationScheduler) -> Verdict:
     flights = [it.flights[b] for b in sorted(it.flights)]
     loss_scale = sched.scaler.loss_scale
     v, glob = validate(sched, flights, loss_scale)
+    it.settling = True  # from here an interruption leaves the iteration half-settled
     settle(sched, flights, v, glob)
     if v.action is not Action.SKIP:
         sched.state.take_steps(sorted(glob.present))
@@ -122,8 +123,8 @@ def close_iteration(sched: IterationScheduler, v: Verdict, loss_scale: float) ->
         rec.note(n, note)
     stats.speculation_enabled = sched.adaptive.enabled
     stats.iterations += 1
-    if it.losses:
-        rec.scalar("loss", n, sum(it.losses) / len(it.losses))
+    if it.losses:  # the only host sync for the loss: after the step, not inside backward
+        rec.scalar("loss", n, float(sum(float(x) for x in it.losses) / len(it.losses)))
     rec.scalar("grad_norm", n, v.grad_norm)
     rec.scalar("loss_scale", n, loss_scale)
     schedule = sched.state.schedule

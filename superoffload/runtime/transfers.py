@@ -26,8 +26,7 @@ def wait_for(future: Future[Any], timeout_s: float, what: str) -> Any:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise WatchdogTimeout(
-            f"{what} did not finish within watchdog_s={timeout_s}s; the lane serving it is "
-            "stuck or overloaded (raise OffloadConfig.watchdog_s if the step is just slow)"
+            f"{what} did not finish within OffloadConfig.watchdog_s={timeout_s:g} s"
         ) from None
 
 

@@ -110,6 +110,11 @@ class Transport(Protocol):
         """The gradient a tail bucket steps with, per position of its buffers."""
         ...
 
+    def discard(self, buckets: Sequence[int]) -> None:
+        """Forget the launched tail buckets of an iteration that will not finish (ZeRO: wait
+        for their all-reduce, which every rank issued)."""
+        ...
+
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
         """Sum the statistics (and the parameters with gradients) over the ranks."""
         ...
@@ -121,6 +126,10 @@ class Transport(Protocol):
 
     def home(self, index: int) -> torch.Tensor:
         """Weight-flow: the host tensor parameter ``index`` streams from."""
+        ...
+
+    def stall_hint(self) -> str:
+        """What a lane that does not finish may be waiting for (watchdog messages)."""
         ...
 
     def export_states(self) -> dict[int, ParamState]:

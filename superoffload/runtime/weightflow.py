@@ -151,6 +151,21 @@ class WeightFlow:
         self._pool.clear()
         self.resident_bytes = 0
 
+    def restore_in_place(self) -> None:
+        """Every streamed parameter holds its latest weights again (from its home), copied
+        synchronously without the lanes — for an engine that failed or is shutting down —
+        and the hooks are removed."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        with torch.no_grad():
+            for k, ps in enumerate(self.params):
+                for p, i, shape in zip(ps, self.indices[k], self.shapes[k]):
+                    p.data = self.home(i).to(self.device, self.dtype, copy=True).view(shape)
+        self.resident.clear()
+        self._pool.clear()
+        self.resident_bytes = 0
+
     def materialize(self) -> None:
         """Fetch every block and wait (checkpoints, switching policy); exceeds the bound."""
         for k in range(len(self.blocks)):

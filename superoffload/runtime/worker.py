@@ -44,6 +44,10 @@ class Lane(Protocol):
 
     def close(self, timeout_s: float | None = 30.0) -> None: ...
 
+    def stop(self) -> None: ...
+
+    def join(self, timeout_s: float | None) -> None: ...
+
 
 ErrorSink = Callable[[str, BaseException], None]
 """Called with (lane name, exception) when a task raises, from the lane's thread."""
@@ -80,6 +84,12 @@ class InlineLane:
     def close(self, timeout_s: float | None = 30.0) -> None:
         self._closed = True
 
+    def stop(self) -> None:
+        self._closed = True
+
+    def join(self, timeout_s: float | None) -> None:
+        return None
+
 
 _STOP = object()
 
@@ -114,15 +124,26 @@ class ThreadLane:
             task, future = item
             self.current = task
             _run_into(task, future, self.name, self._on_error)
-            self.current = None
+            # drop the references while blocked on the next get(): a finished task's future
+            # carries callbacks into the engine, which must stay collectable (lifetime.py)
+            self.current = item = task = future = None
 
     def close(self, timeout_s: float | None = 30.0) -> None:
-        """Stop after the queued tasks; idempotent. Pending tasks still run to completion."""
+        """Stop after the queued tasks; idempotent. Pending tasks still run to completion;
+        waits at most ``timeout_s`` for them (a daemon thread stuck in a hung copy or
+        collective is abandoned, never blocks the caller longer)."""
+        self.stop()
+        self.join(timeout_s)
+
+    def stop(self) -> None:
+        """Ask the thread to exit once the queued tasks ran (returns at once)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._queue.put(_STOP)
+
+    def join(self, timeout_s: float | None) -> None:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 

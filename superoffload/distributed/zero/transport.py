@@ -64,7 +64,7 @@ from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
 from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, make_lane
+from superoffload.runtime.worker import Lane, describe, make_lane
 
 
 def resolve_group(group: Any) -> Any:
@@ -242,6 +242,13 @@ class ZeroTransport:
             nonfinite += stats.nonfinite
         return GradStats(sum_sq, nonfinite)
 
+    def discard(self, buckets: Sequence[int]) -> None:
+        for b in buckets:
+            work = self._tail_work.pop(b, None)
+            if work is not None:
+                with collective_guard(f"all_reduce of tail bucket {b}", self.grad_group):
+                    work.wait()
+
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
         st = self.ctx.state
         trainable = st.trainable
@@ -273,6 +280,21 @@ class ZeroTransport:
 
     def home(self, index: int) -> torch.Tensor:
         return self.homes[index]
+
+    def stall_hint(self) -> str:
+        from superoffload.distributed.launch import (
+            collective_timeout_s,
+            exited_peers,
+            stopped_peers,
+        )
+
+        lanes = ", ".join(describe(lane) for lane in self._lanes)
+        stopped, gone = stopped_peers(self.ranks), exited_peers(self.ranks)
+        who = (f"rank(s) {stopped} on this host are stopped" if stopped else
+               f"rank(s) {gone} on this host have exited" if gone else
+               "no local peer is stopped or gone: look at the other hosts' ranks")
+        return (f"collective lanes: {lanes}, over ranks {self.ranks} with a "
+                f"{collective_timeout_s():g} s collective timeout; {who}")
 
     # ------------------------------------------------------------------ state
     def export_states(self) -> dict[int, ParamState]:
