@@ -35,6 +35,7 @@ CastSide = Literal["device", "host", "auto"]
 WeightPolicy = Literal["stationary", "flow", "auto"]
 LossScale = Literal["dynamic", "none"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+StepOrder = Literal["deadline", "fifo"]
 Live = Literal["live", "replan", "forward"]
 """How ``engine.reconfigure`` applies a field: "live" (next iteration boundary), "replan"
 (the buckets are rebuilt first) or "forward" (where the next forward starts: weight policy)."""
@@ -130,6 +131,11 @@ class OffloadConfig:
     pin_memory: bool = _field(True)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
+    step_order: StepOrder = _field("deadline", live="live")
+    """Order of the CPU steps and H2D copies of the buckets ready at once: "deadline" (the
+    bucket the next forward needs first goes first: earliest deadline first, DESIGN.md §6)
+    or "fifo" (gradient-ready order, the order backward produced them)."""
+
     weights: WeightPolicy = _field("stationary", live="forward", tuned=True)
     """Weight policy (paper §4.5): bf16 weights stay on the device ("stationary"), stream in per
     block from the host ("flow"), or the cost model chooses ("auto")."""
@@ -191,6 +197,7 @@ class OffloadConfig:
         _check_choice("loss_scale", self.loss_scale, ("dynamic", "none"))
         _check_choice("weights", self.weights, ("stationary", "flow", "auto"))
         _check_choice("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check_choice("step_order", self.step_order, ("deadline", "fifo"))
         _check(isinstance(self.extra, dict), "extra", self.extra, "use a dict")
         _check(
             _is_int(self.adaptive_window) and self.adaptive_window >= 1,

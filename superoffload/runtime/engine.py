@@ -29,6 +29,7 @@ from superoffload.runtime import checkpoint
 from superoffload.runtime import hooks as engine_hooks
 from superoffload.runtime.backend import Backend, make_backend
 from superoffload.runtime.casting import CastPolicy, cast_policy
+from superoffload.runtime.device_clock import CudaClock
 from superoffload.runtime.errors import EngineClosed, EngineError, FailureBox
 from superoffload.runtime.lifetime import release
 from superoffload.runtime.local_transport import LocalTransport
@@ -79,6 +80,8 @@ class OffloadEngine:
                                                max_events=config.telemetry_max_events,
                                                rank=self.transport.rank)
         self.backend = backend or make_backend(config.device, pin_memory=config.pin_memory)
+        if self.backend.device.type == "cuda":  # device spans on the GPU's clock (issue 11)
+            self.telemetry.clock = CudaClock(self.backend.device, self.telemetry.now)
         self.failures = FailureBox()
         self.closed = False
         groups = param_groups_from(model, optimizer)
@@ -218,14 +221,13 @@ class OffloadEngine:
         if it.micro_step == 0:
             self.reconfigurer.apply_pending()
         it = self.scheduler.begin_micro_step(self._hypers)
-        t0 = self.telemetry.now()
         scale = self.scaler.loss_scale / self.config.grad_accum_steps
         try:
             try:
-                (loss * scale if scale != 1.0 else loss).backward()
+                with self.telemetry.device_span(LANE_COMPUTE, KIND_BACKWARD,
+                                                iteration=self.iteration):
+                    (loss * scale if scale != 1.0 else loss).backward()
             finally:
-                self.telemetry.add(LANE_COMPUTE, KIND_BACKWARD, t0, self.telemetry.now(),
-                                   iteration=self.iteration)
                 self.weights.end_backward()
             it.losses.append(loss.detach())
             if it.armed:
@@ -289,6 +291,9 @@ class OffloadEngine:
         """Wait for all in-flight work; then the parameters hold the latest weights."""
         self.raise_if_failed()
         self.scheduler.drain_pending(self.lanes)
+        if isinstance(self.telemetry.clock, CudaClock):
+            self.telemetry.flush()
+            self.telemetry.clock.calibrate()  # the GPU and host clocks drift (ppm)
         self.raise_if_failed()
 
     def reconfigure(self, **changes: Any) -> None:

@@ -23,7 +23,7 @@ from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers, export_state
 from superoffload.runtime.transfers import D2HTask, H2DTask
 from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, describe, make_lane
+from superoffload.runtime.worker import Lane, Priority, describe, make_lane
 
 
 class LocalTransport:
@@ -71,7 +71,7 @@ class LocalTransport:
         return self.buffers
 
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[GradStats] | None:
+               streamed: frozenset[int]) -> Future[Any] | None:
         buf = self.buffers[b]
         if buf.on_device or not present:
             return None
@@ -104,7 +104,7 @@ class LocalTransport:
         return GlobalStats(local.sum_sq, local.nonfinite, present)
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
-                iteration: int, streamed: frozenset[int]) -> Published:
+                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
         buf = self.buffers[b]
         # weight-flow: streamed weights are not on the device; their next fetch waits for the
         # step that wrote their home (runtime/weightflow.py); only resident ones are copied
@@ -116,7 +116,8 @@ class LocalTransport:
         fut = self._lanes[1].submit(H2DTask(
             bucket=b, iteration=iteration, src_host=tuple(src[k] for k in keep),
             dst_device=tuple(buf.params[k].data for k in keep), after=after,
-            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()))
+            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()),
+            after=(after,), priority=priority)  # issued as soon as its step ends, by deadline
         return Published(fut, after)
 
     def home(self, index: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 
 from superoffload.config import OffloadConfig
 from superoffload.kernels import AdamHyper
-from superoffload.runtime.backend import Backend, GradStats
+from superoffload.runtime.backend import Backend
 from superoffload.runtime.errors import (
     EngineError,
     FailureBox,
@@ -39,7 +39,7 @@ from superoffload.runtime.steps import KernelCall, RollbackTask, StepTask, make_
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.transport import Transport
-from superoffload.runtime.worker import Barrier, Lane, describe
+from superoffload.runtime.worker import Barrier, Lane, Priority, describe
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 
@@ -76,7 +76,7 @@ class Flight:
     """Its parameters with a local gradient at launch."""
     calls: tuple[KernelCall, ...]
     """Kernel calls over this rank's positions of those parameters."""
-    stats: Future[GradStats] | None = None
+    stats: Future[Any] | None = None
     """Host buckets: the local validation statistics (D2H or reduce)."""
     spec: Future[Any] | None = None
     """The speculative step (resolves True when it ran)."""
@@ -122,6 +122,8 @@ class IterationScheduler:
         """Per bucket, the last publish a module must wait for before it runs."""
         self.home_ready: dict[int, Future[Any]] = {}
         """Weight-flow: per bucket, the last step/gather that wrote its host homes."""
+        self.outstanding: list[Future[Any]] = []
+        """Every worker task and publish since the last drain (chained ones included)."""
         self._launch_lock = threading.Lock()  # hooks may fire on autograd's device threads
         self._count_lock = threading.Lock()   # lane callbacks; never held while launching
 
@@ -208,8 +210,10 @@ class IterationScheduler:
         if cfg.rollback == "snapshot":
             buf.ensure_snapshot(self.backend.alloc_host)
         fl.spec_scale = 1.0 / (self.scaler.loss_scale * self.transport.grad_divisor)
-        fl.spec = self.worker.submit(self.step_task(fl, calls, scale=fl.spec_scale, after=stats,
-                                                    speculative=True, replay=False))
+        # queued once its gradients landed, then earliest deadline first (worker.py)
+        fl.spec = self.submit(self.step_task(fl, calls, scale=fl.spec_scale, after=stats,
+                                             speculative=True, replay=False),
+                              b, after=() if stats is None else (stats,))
         fl.spec.add_done_callback(self.counter("speculated_buckets"))
         self.publish(b, calls, fl.spec)
 
@@ -266,20 +270,34 @@ class IterationScheduler:
         """Undo ``fl``'s speculative step (if it ran) on the worker."""
         assert fl.spec is not None
         cfg = self.config()
-        fut = self.worker.submit(RollbackTask(
+        fut = self.submit(RollbackTask(
             bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
             calls=fl.calls, grad_scale=fl.spec_scale, threads=self.threads,
             step_future=fl.spec, mode=cfg.rollback, recorder=self.recorder,
-            watchdog_s=cfg.watchdog_s))
+            watchdog_s=cfg.watchdog_s), fl.bucket, after=(fl.spec,))
         fut.add_done_callback(self.counter("rollbacks"))
+        return fut
+
+    def deadline(self, b: int) -> Priority:
+        """Worker / H2D priority of bucket ``b``: earliest deadline first — the next forward
+        needs the highest offloaded bucket id (the first layers) first, while backward
+        produced it last (DESIGN.md §6); ``step_order="fifo"`` keeps gradient-ready order."""
+        order = -b if self.config().step_order == "deadline" else b
+        return (float(self.iteration), float(order))
+
+    def submit(self, task: Any, b: int, *, after: Sequence[Future[Any]] = ()) -> Future[Any]:
+        """A task of bucket ``b`` on the CPU worker, once ``after`` is done, by deadline."""
+        fut = self.worker.submit(task, after=after, priority=self.deadline(b))
+        self.outstanding.append(fut)
         return fut
 
     def publish(self, b: int, calls: tuple[KernelCall, ...], after: Future[Any]) -> None:
         """Bring bucket ``b``'s weights back after ``after`` (a step or a rollback)."""
         pub = self.transport.publish(b, tuple(members_of(calls)), after, self.iteration,
-                                     self.streamed())
+                                     self.streamed(), self.deadline(b))
         if pub.device is not None:
             self.pending[b] = pub.device
+            self.outstanding.append(pub.device)
         if pub.home is not None:
             self.home_ready[b] = pub.home
 
@@ -323,6 +341,8 @@ class IterationScheduler:
             except Exception as exc:
                 self.failures.raise_if_failed()
                 raise type(exc)(f"{describe(lane)}: {exc}") from exc
+        while self.outstanding:  # chained tasks are queued late: wait for each future itself
+            self.wait(self.outstanding.pop(0), "a task submitted before synchronize()")
         for b, fut in list(self.pending.items()):
             self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
         self.pending.clear()

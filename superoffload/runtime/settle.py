@@ -52,7 +52,7 @@ def validate(sched: IterationScheduler, flights: list[Flight],
     for fl in flights:
         if fl.on_device or fl.stats is None:
             continue
-        stats = sched.wait(fl.stats, f"gradients of bucket {fl.bucket}")
+        stats = sched.wait(fl.stats, f"gradients of bucket {fl.bucket}").resolve()
         if stats.nonfinite:
             sched.stats.nonfinite_buckets += 1
         sum_sq += stats.sum_sq
@@ -71,7 +71,8 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
     st, it = sched.state, sched.current
     scale = v.grad_scale / sched.transport.grad_divisor
     collective = sched.transport.ordered_launch
-    for fl in flights:
+    # forward-need order: the highest bucket ids (first layers) first, tail steps included
+    for fl in sorted(flights, key=lambda f: -f.bucket):
         buf = st.buffers[fl.bucket]
         union = glob.present & frozenset(sched.bucket_params(fl.bucket))
         if fl.on_device:
@@ -82,6 +83,7 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
                             iteration=sched.iteration)
             continue
         mismatch = union != fl.present
+        undone = None
         if fl.spec is not None and (v.action is not Action.COMMIT or mismatch):
             undone = sched.rollback(fl)
             if v.action is Action.SKIP:
@@ -96,8 +98,9 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
         if not calls and not collective:
             continue
         replay = fl.spec is not None
-        step = sched.worker.submit(sched.step_task(fl, calls, scale=scale, after=None,
-                                                   speculative=False, replay=replay))
+        step = sched.submit(sched.step_task(fl, calls, scale=scale, after=None,
+                                            speculative=False, replay=replay),
+                            fl.bucket, after=() if undone is None else (undone,))
         if replay:
             step.add_done_callback(sched.counter("replays"))
         sched.publish(fl.bucket, calls, step)

@@ -64,7 +64,7 @@ from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
 from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, describe, make_lane
+from superoffload.runtime.worker import Lane, Priority, describe, make_lane
 
 
 def resolve_group(group: Any) -> Any:
@@ -199,7 +199,7 @@ class ZeroTransport:
 
     # ------------------------------------------------------------------ per iteration
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[GradStats] | None:
+               streamed: frozenset[int]) -> Future[Any] | None:
         ctx = self.ctx
         if b in self.tails:
             flat, offset = self._tail_grads[b], 0
@@ -269,8 +269,10 @@ class ZeroTransport:
         return GlobalStats(float(host[0]), int(host[1]), got, partial)
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any], iteration: int,
-                streamed: frozenset[int]) -> Published:
-        # collective: every rank gathers the whole bucket, whatever it stepped itself
+                streamed: frozenset[int], priority: Priority) -> Published:
+        # collective: every rank gathers the whole bucket, whatever it stepped itself, and in
+        # the training thread's order (FIFO, the task waits for its step): all-gathers match
+        # by issue order, so they are never reordered by completion or deadline
         sb, ctx = self.shards[b], self.ctx
         views, dst = gather_targets(sb, self.homes, streamed)
         fut = self._lanes[1].submit(GatherTask(
