@@ -50,3 +50,29 @@ def test_tune_json_and_out_file(capsys, tmp_path) -> None:
 def test_errors_exit_2_with_the_reason(capsys, argv, message) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_facts_table_against_fact_md(capsys) -> None:
+    assert main(["simulate", "--facts", "h200"]) == 0
+    out = capsys.readouterr().out
+    for word in ("132.6", "304.6", "209.5", "156.5", "746.6", "fitted", "next engine"):
+        assert word in out, word
+    assert main(["simulate", "--facts", "h200", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 7 and all(abs(r["error"]) < 0.25 for r in rows)
+    assert sum(r["fitted"] for r in rows) == 1
+
+
+def test_engine_variant_flags(capsys) -> None:
+    base = ["simulate", *SHAPE, "--schedule", "superoffload", "--ratio", "0.9", "--json"]
+    assert main(base) == 0
+    today = json.loads(capsys.readouterr().out)["results"][0]
+    assert main([*base, "--step-order", "edf", "--tail-step", "fused"]) == 0
+    nxt = json.loads(capsys.readouterr().out)["results"][0]
+    assert today["plan"]["engine"] == {"step_order": "fifo", "tail_step": "unfused",
+                                       "d2h_stats_first": True}
+    assert nxt["plan"]["engine"]["step_order"] == "edf"
+    assert nxt["plan"]["engine"]["tail_step"] == "fused"
+    assert nxt["iteration_s"] < today["iteration_s"]
+    assert main(["tune", *SHAPE, "--step-order", "edf", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prediction"]["plan"]["engine"]["step_order"] == "edf"

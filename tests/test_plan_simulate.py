@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from superoffload import plan
 from superoffload.config import OffloadConfig
-from superoffload.plan.simulate import N_ITER, fifo
+from superoffload.plan.schedule import ENGINE_NEXT, ENGINE_TODAY, EngineVariant
+from superoffload.plan.simulate import N_ITER, edf, fifo
 from superoffload.telemetry import events as ev
 
 GH200 = plan.profiles.get("gh200")
@@ -32,6 +33,44 @@ CASES = [
     ("zero-offload", None, None),
     ("gpu", None, None),
 ]
+
+
+def test_edf_by_hand() -> None:
+    # jobs 0, 1, 2 ready at 0, 1, 1.5; each takes 2; lane free at 0. Job 0 runs first (alone);
+    # at 2 both 1 and 2 are ready: the higher index (needed first by the next forward) runs
+    start, end = edf(np.array([0.0, 1.0, 1.5]), np.array([2.0, 2.0, 2.0]), 0.0)
+    assert start.tolist() == [0.0, 4.0, 2.0] and end.tolist() == [2.0, 6.0, 4.0]
+    # all ready at once (no speculation: after validation): served highest first
+    start, _ = edf(np.array([5.0, 5.0, 5.0]), np.array([1.0, 1.0, 1.0]), 3.0)
+    assert start.tolist() == [7.0, 6.0, 5.0]
+    # an idle lane waits for the next arrival
+    start, _ = edf(np.array([0.0, 10.0]), np.array([1.0, 1.0]), 0.0)
+    assert start.tolist() == [0.0, 10.0]
+
+
+def _edf_reference(ready: list[float], dur: list[float], free: float) -> list[float]:
+    """Brute force: whenever the lane is free, the highest-index ready job runs."""
+    todo, t, start = set(range(len(ready))), free, [0.0] * len(ready)
+    while todo:
+        ok = [i for i in todo if ready[i] <= t]
+        if not ok:
+            t = min(ready[i] for i in todo)
+            continue
+        j = max(ok)
+        start[j], t = t, t + dur[j]
+        todo.remove(j)
+    return start
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs=st.lists(st.tuples(st.floats(0, 10), st.floats(0.01, 3)), min_size=1, max_size=25),
+       free=st.floats(0, 5), monotone=st.booleans())
+def test_edf_matches_brute_force(jobs, free, monotone) -> None:
+    ready = sorted(r for r, _ in jobs) if monotone else [r for r, _ in jobs]
+    dur = [d for _, d in jobs]
+    start, end = edf(np.array(ready), np.array(dur), free)
+    assert start.tolist() == pytest.approx(_edf_reference(ready, dur, free))
+    assert end.tolist() == pytest.approx((start + np.array(dur)).tolist())
 
 
 def test_fifo_by_hand() -> None:
@@ -62,15 +101,13 @@ def test_no_lane_overlaps_itself_and_spans_are_well_formed(prof, schedule, confi
         assert stats.busy_s <= res.steady_iteration_s * (1 + 1e-9) and stats.idle_s >= 0
 
 
-def _layer_buckets(shape: plan.ModelShape, off: float, bucket: float) -> list[list[int]]:
-    """Offloaded buckets holding each layer's parameters (gradient stream = reverse order)."""
-    p = np.array(shape.layer_params(), float)
-    total = p.sum()
-    cum = np.concatenate([[0.0], np.cumsum(p)])
-    out = []
-    for i in range(len(p)):
-        lo, hi = total - cum[i + 1], min(total - cum[i], off)
-        out.append(list(range(int(lo // bucket), int(np.ceil(hi / bucket)))) if lo < off else [])
+def _layer_buckets(res: plan.SimResult) -> list[set[int]]:
+    """Host buckets holding each layer's parameters: the engine's table (whole parameters)."""
+    layer, _ = res.shape.param_layout()
+    out: list[set[int]] = [set() for _ in range(res.shape.layers + 2)]
+    for b in res.plan.bucket_plan.host_buckets:
+        for i in b.param_indices:
+            out[int(layer[i])].add(b.id)
     return out
 
 
@@ -94,8 +131,8 @@ def test_dependencies_are_respected(speculation: str) -> None:
         speculation == "on")
     # forward of layer i in iteration k waits for the H2D of every bucket holding it (k-1)
     # and for the GPU tail step of iteration k-1
-    off = round(0.8 * SMALL.params)
-    needs = _layer_buckets(SMALL, off, cfg.bucket_bytes / 4)
+    needs = _layer_buckets(res)
+    assert sum(map(len, needs)) >= len(res.plan.bucket_plan.host_buckets) > 8
     for it in range(1, N_ITER):
         fwd = sorted((s for s in spans if s.iteration == it and s.kind == ev.KIND_FORWARD),
                      key=lambda s: s.start_s)
@@ -118,15 +155,25 @@ def test_more_bandwidth_is_never_slower(schedule, config, tech, faster) -> None:
 
 
 def test_ratio_limits_equal_the_simpler_schedules() -> None:
+    # ratio 0 is plain PyTorch when the tail step is fused like torch's AdamW(fused=True)
     gpu = plan.simulate(SMALL, GH200, "gpu")
-    so0 = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0))
+    fused = plan.Techniques(engine=EngineVariant(tail_step="fused"))
+    so0 = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0), fused)
     assert so0.iteration_s == pytest.approx(gpu.iteration_s, rel=1e-12)
     assert so0.memory == pytest.approx(gpu.memory)
-    zero = plan.simulate(SMALL, GH200, "zero-offload")
+    # today's unfused tail step moves 118 instead of 28 B/param, with 20 launches per bucket
+    so0_today = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0))
+    n, buckets = SMALL.params, len(so0_today.plan.bucket_plan.buckets)
+    extra = (n * (118 - 28) / 4000e9) + buckets * (20 - 1) * 10e-6
+    assert so0_today.iteration_s - gpu.iteration_s == pytest.approx(extra, rel=1e-9)
+    # the paper's ZeRO-Offload on our lanes: ratio 1, one bucket, no device step, CPU after
+    # validation, and the same with the tail switch back on at ratio 1
+    zero = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=1.0), plan.ZERO_OFFLOAD)
     so1 = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=1.0, speculation="off"),
                         plan.ZERO_OFFLOAD.replace(gpu_tail=True))
     assert so1.iteration_s == pytest.approx(zero.iteration_s, rel=1e-12)
     assert not [s for s in so1.timeline if s.kind == ev.KIND_DEVICE_STEP]
+    assert len({s.bucket for s in so1.timeline if s.kind == ev.KIND_CPU_STEP}) == 1
     # gpu: every parameter's 18 B on the device, nothing on the host (memory.py)
     assert gpu.memory["host"] == 0
     assert gpu.memory["device"] == pytest.approx(20 * SMALL.params + SMALL.activation_bytes())
@@ -164,7 +211,8 @@ def test_weight_flow_streams_layers_and_saves_device_memory() -> None:
 def test_event_count_stays_small_for_a_100_layer_model() -> None:
     shape = plan.ModelShape(layers=100, hidden=8192, heads=64, vocab=50257, seq=2048)
     res = plan.simulate(shape, GH200)
-    n_buckets = int(np.ceil(round(0.9 * shape.params) / (64 * MiB / 4)))
+    n_buckets = len(res.plan.bucket_plan.host_buckets)
+    assert n_buckets <= 12 * shape.layers  # at most one per parameter tensor
     per_iter = 2 * (shape.layers + 2) + 3 * n_buckets + 8  # layers + three lanes per bucket
     assert res.n_spans <= N_ITER * per_iter
 
@@ -201,9 +249,11 @@ def _overlap(res: plan.SimResult, lane: str, other: str) -> float:
 def test_ablation_each_technique_contributes() -> None:
     abl = plan.ablation.ablation(HEADLINE, GH200)
     worth = {r.technique.split(" (")[0]: r.worth for r in abl.rows}
-    for name in ("GraceAdam-class kernel", "bucketization", "STV", "GPU tail buckets",
-                 "Superchip-aware casting"):
+    for name in ("GraceAdam-class kernel", "bucketization", "STV", "GPU tail buckets"):
         assert worth[name] > 0.02, (name, worth)
+    # with a kernel that fuses both casts the casting side only moves bytes, which the
+    # Grace bus (no write-allocate) carries almost alike: a small but real gain
+    assert 0.0 < worth["Superchip-aware casting"] < 0.02, worth
     cumulative = [abl.zero_offload_s] + [r.cumulative_s for r in abl.rows]
     assert all(b <= a * (1 + 1e-9) for a, b in zip(cumulative, cumulative[1:]))
     assert abl.rows[-1].cumulative_s == pytest.approx(abl.superoffload_s)
@@ -228,11 +278,13 @@ def test_bad_arguments() -> None:
         plan.Techniques(rollback_rate=2.0)
 
 
-def test_clipped_iteration_timeline_is_consistent() -> None:
+@pytest.mark.parametrize("engine", [ENGINE_TODAY, ENGINE_NEXT], ids=["fifo", "edf"])
+def test_clipped_iteration_timeline_is_consistent(engine) -> None:
     from superoffload.plan.simulate import _run
     from superoffload.plan.techniques import resolve
 
-    resolved = resolve(SMALL, GH200, "superoffload", SMALL_BUCKETS, plan.Techniques(rollback_rate=1.0))
+    resolved = resolve(SMALL, GH200, "superoffload", SMALL_BUCKETS,
+                       plan.Techniques(rollback_rate=1.0, engine=engine))
     _, chunks = _run(SMALL, GH200, resolved, N_ITER, clipped_iter=2)
     kinds = {(c[1], c[4]) for c in chunks if len(c[2])}
     assert (ev.KIND_ROLLBACK, 2) in kinds and (ev.KIND_REPLAY, 2) in kinds

@@ -5,6 +5,8 @@
     python -m superoffload tune --profile gh200 --layers 40 --hidden 5120 --heads 40 --seq 4096
     python -m superoffload simulate --profile gh200 --schedule superoffload --dp 8 \
         --collective-gbps 450        # 8 GH200 in one NVLink domain; times/memory per rank
+    python -m superoffload simulate --facts h200     # predicted vs measured (FACTS.md, H200)
+    python -m superoffload simulate ... --step-order edf --tail-step fused   # the next engine
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      choices=["buckets", "gpu_tail", "stv", "casting", "adaptive_weights"],
                      help="switch a SuperOffload technique off (repeatable)")
     sim.add_argument("--ablation", action="store_true", help="also print the ablation table")
+    _engine_args(sim)
+    sim.add_argument("--facts", choices=["h200"],
+                     help="print the planner's prediction next to the measured table of "
+                          "FACTS.md for that machine (plan/facts.py) and exit")
     sim.set_defaults(func=_simulate)
 
     tune = sub.add_parser("tune", help="search the best OffloadConfig for a hardware profile")
@@ -47,13 +53,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUE",
                       help="keep an OffloadConfig field fixed, e.g. --fix ratio=0.9 (repeatable)")
     tune.add_argument("--out", type=Path, help="write the chosen OffloadConfig as JSON here")
+    _engine_args(tune)
     tune.set_defaults(func=_tune)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step-order", choices=["fifo", "edf"],
+                   help="engine variant: order the CPU steps offloaded buckets (default: what "
+                        "the engine implements, plan.schedule.ENGINE)")
+    p.add_argument("--tail-step", choices=["unfused", "fused"],
+                   help="engine variant: the GPU tail step (default: the engine's)")
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    """The EngineVariant the flags ask for; None when neither is given (the engine's)."""
+    from superoffload.plan.schedule import ENGINE, EngineVariant
+
+    if args.step_order is None and args.tail_step is None:
+        return None
+    return EngineVariant(step_order=args.step_order or ENGINE.step_order,
+                         tail_step=args.tail_step or ENGINE.tail_step,
+                         d2h_stats_first=ENGINE.d2h_stats_first)
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="gh200",
-                   help="preset name (gh200, gb200, mi300a, h100-pcie, h200-pcie, cpu-laptop), "
-                        "'local' (measure this machine), or a profile JSON file")
+                   help="preset name (gh200, gb200, mi300a, h100-pcie, h200-pcie, cpu-laptop, "
+                        "h200-pcie-measured), 'local' (measure this machine), or a profile "
+                        "JSON file")
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--hidden", type=int, default=5120)
     p.add_argument("--heads", type=int, default=40)
@@ -108,6 +135,8 @@ def _fail(msg: str) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from superoffload import plan
 
+    if args.facts:
+        return _facts(args)
     try:
         prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
         changes: dict[str, Any] = {}
@@ -117,8 +146,9 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.bucket_mb is not None:
             changes["bucket_bytes"] = args.bucket_mb * MiB
         cfg = OffloadConfig().replace(**changes)
-        tech = plan.Techniques(kernel=args.kernel, **({"rollback_rate": args.rollback_rate}
-                                                     if args.rollback_rate is not None else {}))
+        tech = plan.Techniques(kernel=args.kernel, engine=_engine(args),
+                               **({"rollback_rate": args.rollback_rate}
+                                  if args.rollback_rate is not None else {}))
         for name in args.disable:
             tech = tech.replace(**({name: "host"} if name == "casting" else {name: False}))
         schedules = plan.SCHEDULES if args.schedule == "all" else (args.schedule,)
@@ -133,6 +163,8 @@ def _simulate(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=1, default=float))
         return 0
     print(f"{prof.name}: {prof.device_name} + {prof.cpu_name}")
+    for flag in prof.flags:
+        print(f"note: {flag}")
     print(f"model: {shape.params / 1e9:.2f}B params, {shape.layers} x {shape.hidden}, seq "
           f"{shape.seq} x batch {shape.micro_batch}, checkpointing "
           f"{'on' if shape.activation_checkpointing else 'off'}")
@@ -191,7 +223,7 @@ def _tune(args: argparse.Namespace) -> int:
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
             cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm,
-            fixed=_parse_fix(args.fix), **extra)
+            fixed=_parse_fix(args.fix), engine=_engine(args), **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
     except ValueError as exc:
         return _fail(str(exc))
@@ -210,4 +242,28 @@ def _tune(args: argparse.Namespace) -> int:
     print("OffloadConfig(" + ", ".join(f"{k}={getattr(cfg, k)!r}" for k in keys) + ")")
     print()
     print(_results_table([pred]))
+    return 0
+
+
+def _facts(args: argparse.Namespace) -> int:
+    """Predicted next to measured for FACTS.md's H200 table, today's engine and the next."""
+    from superoffload.plan import facts
+    from superoffload.plan.schedule import ENGINE_NEXT
+
+    today = facts.calibration_table()
+    nxt = facts.calibration_table(engine=ENGINE_NEXT)
+    if args.json:
+        print(json.dumps([{"schedule": r.row.label, "measured_ms": r.row.measured_ms,
+                           "predicted_ms": r.predicted_ms, "error": r.error,
+                           "fitted": r.row.fitted, "target": r.row.target,
+                           "predicted_next_engine_ms": n.predicted_ms}
+                          for r, n in zip(today, nxt)], indent=1))
+        return 0
+    shape = facts.H200_SHAPE
+    print(f"FACTS.md, H200 machine: GPT {shape.layers} x {shape.hidden} ({shape.params / 1e9:.2f} "
+          f"B params, vocab {shape.vocab}), bf16, batch {shape.micro_batch} x {shape.seq}; "
+          "profile h200-pcie-measured")
+    print("predicted with the engine it was measured with (FIFO stepping, unfused tail step); "
+          "last column: the engine issue 11 asks for (EDF, fused tail, copy first)")
+    print(facts.format_table(today, nxt))
     return 0

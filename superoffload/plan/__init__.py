@@ -8,16 +8,28 @@ Pure code: no threads, no devices, no torch state (torch only to describe a modu
     shape = plan.ModelShape(layers=40, hidden=5120, heads=40, vocab=50257, seq=4096, micro_batch=4)
     res = plan.simulate(shape, prof, schedule="superoffload")
     cfg, why, prediction = plan.tune(shape, prof)
+
+The schedule simulated is the one the engine runs: ``plan.schedule.resolve_schedule`` (the one
+rule book) over the model's parameter list (``ModelShape.param_layout``), with the engine's
+implementation variant (``plan.schedule.ENGINE``; ``Techniques(engine=...)`` for another).
+``plan.facts`` holds FACTS.md's measured H200 table and the calibration that reproduces it.
 """
 
 from __future__ import annotations
 
-from superoffload.plan import ablation, cost, parallel, profiles
-from superoffload.plan.calibrate import Measurements, calibrate, measurements_from_spans
+from superoffload.plan import ablation, cost, facts, parallel, profiles, schedule
+from superoffload.plan.calibrate import (
+    Measurements,
+    calibrate,
+    fit_compute,
+    measurements_from_spans,
+)
 from superoffload.plan.capacity import fit_problems, gpt_by_layers, max_model_size
+from superoffload.plan.guard import SimulationTooLarge
 from superoffload.plan.measure import measure_local
 from superoffload.plan.memory import Memory, memory
 from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.schedule import ENGINE, ENGINE_NEXT, EngineVariant
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import LaneStats, SimResult, simulate
 from superoffload.plan.techniques import SCHEDULES, ZERO_OFFLOAD, Techniques
@@ -25,6 +37,13 @@ from superoffload.plan.tune import Constraints, InfeasibleError, tune
 from superoffload.plan.weights import WeightChoice, choose_weights
 
 __all__ = [
+    "ENGINE",
+    "ENGINE_NEXT",
+    "EngineVariant",
+    "SimulationTooLarge",
+    "facts",
+    "fit_compute",
+    "schedule",
     "SCHEDULES",
     "ZERO_OFFLOAD",
     "ablation",

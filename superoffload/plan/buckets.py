@@ -111,16 +111,18 @@ def plan_buckets(
         raise ValueError(f"ratio={ratio!r} must be in [0, 1]")
     seen: set[int] = set()
     ready: list[ParamSpec] = []
-    for spec in reversed(list(params)):
+    params = list(params)
+    for spec in reversed(params):
         if spec.numel < 0:
             raise ValueError(f"param {spec.name or spec.index}: numel={spec.numel} must be >= 0")
         if spec.trainable and spec.index not in seen:
             seen.add(spec.index)
             ready.append(spec)
-    # Shared parameters passed twice: keep the copy nearest the start of forward (the last
-    # one in gradient-ready order), since its gradient is final only after that use.
-    last_pos = {s.index: i for i, s in enumerate(reversed(list(params)))}
-    ready.sort(key=lambda s: last_pos[s.index])
+    if len({s.index for s in params}) < len(params):
+        # Shared parameters passed twice: keep the copy nearest the start of forward (the
+        # last one in gradient-ready order), since its gradient is final only after that use.
+        last_pos = {s.index: i for i, s in enumerate(reversed(params))}
+        ready.sort(key=lambda s: last_pos[s.index])
 
     groups: list[list[ParamSpec]] = []
     current: list[ParamSpec] = []

@@ -3,13 +3,20 @@ predicts this machine (DESIGN.md §5: "reproduces the engine's measured timeline
 
 Fits, each a robust one-parameter (or latency + rate) fit on medians:
   compute      achieved FLOP/s = median over iterations of executed FLOPs / (forward + backward
-               busy time); needs the ModelShape the spans came from
+               busy time); busy time is the union of the iteration's forward and backward spans,
+               so spans measured on the GPU clock (CUDA events, aligned to the host clock: per
+               module, nested or overlapping the host's enqueue spans) count each instant once;
+               needs the ModelShape the spans came from
   CPU Adam     t = call + params / rate   (cpu_step spans; params = nbytes / 28, as the engine
-               records 28 B per parameter stepped)
-  device Adam  rate from device_step spans (params = nbytes / 28)
+               records 28 B per parameter stepped). The fitted rate is the CPU lane's, host-bus
+               contention with the DMA included, so it goes in as the kernel's rate at the
+               spans' bytes: the simulator's max(compute, bus) then reproduces it
+  device Adam  launch + params / rate from device_step spans (params = nbytes / 28); the device
+               bandwidth is rate x the tail step's bytes per parameter (118 unfused, 28 fused)
   links        t = latency + bytes / bandwidth per direction (d2h, h2d spans)
 The first iteration (warm-up: allocation, page faults, thread start) is dropped when there are
-several. Spans of kind replay/rollback are ignored.
+several. Spans of kind replay/rollback are ignored. `fit_compute` fits the achieved FLOP/s to a
+measured plain (no offload) iteration instead, as bench_engine.py and the H200 profile do.
 """
 
 from __future__ import annotations
@@ -19,7 +26,13 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from superoffload.plan.cost import (
+    FUSED_TAIL_LAUNCHES,
+    UNFUSED_TAIL_LAUNCHES,
+    tail_bytes_per_param,
+)
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.schedule import ENGINE
 from superoffload.plan.shapes import ModelShape
 from superoffload.telemetry import events as ev
 
@@ -51,13 +64,13 @@ def measurements_from_spans(spans: Iterable[ev.Span], shape: ModelShape | None =
     if drop_first and len(iters) > 2:
         spans = [s for s in spans if s.iteration != iters[0]]
     out = Measurements(cpu_threads=cpu_threads)
-    busy: dict[int, float] = defaultdict(float)
+    compute: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for s in spans:
         d = s.duration_s
         if d <= 0:
             continue
         if s.kind in (ev.KIND_FORWARD, ev.KIND_BACKWARD):
-            busy[s.iteration] += d
+            compute[s.iteration].append((s.start_s, s.end_s))
         elif s.kind == ev.KIND_CPU_STEP and s.nbytes > 0:
             out.cpu_step.append((s.nbytes / ADAM_BYTES_PER_PARAM, d))
         elif s.kind == ev.KIND_DEVICE_STEP and s.nbytes > 0:
@@ -67,8 +80,20 @@ def measurements_from_spans(spans: Iterable[ev.Span], shape: ModelShape | None =
         elif s.kind == ev.KIND_H2D and s.nbytes > 0:
             out.h2d.append((float(s.nbytes), d))
     if shape is not None:
-        out.compute = [(shape.executed_flops, t) for t in busy.values() if t > 0]
+        busy = (union_s(v) for v in compute.values())
+        out.compute = [(shape.executed_flops, t) for t in busy if t > 0]
     return out
+
+
+def union_s(intervals: Iterable[tuple[float, float]]) -> float:
+    """Seconds covered by the union of [start, end) intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
 
 
 def fit_latency_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -94,12 +119,14 @@ def fit_latency_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, flo
 
 def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
               shape: ModelShape | None = None, *, cpu_threads: int | None = None,
-              adam_bytes_per_param: float = ADAM_BYTES_PER_PARAM) -> HardwareProfile:
+              adam_bytes_per_param: float = ADAM_BYTES_PER_PARAM,
+              tail_step: str = ENGINE.tail_step) -> HardwareProfile:
     """A copy of `profile` whose rates match the measurements (figures with no samples keep the
     profile's value). `data`: Measurements, or spans (then pass `shape` to fit compute).
     `adam_bytes_per_param`: what the measured CPU pass touched per parameter (28 for fp32
     gradients and no fused cast, as an fp32 model runs); the profile's Adam rate is stated at
-    28 B, so the fitted rate is scaled by adam_bytes_per_param / 28."""
+    28 B, so the fitted rate is scaled by adam_bytes_per_param / 28. `tail_step`: the device
+    step the spans came from ("unfused" today, plan.schedule.ENGINE), for its bytes/param."""
     m = data if isinstance(data, Measurements) else measurements_from_spans(
         data, shape, cpu_threads=cpu_threads)
     threads = m.cpu_threads or cpu_threads or profile.cpu_cores
@@ -119,8 +146,9 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
         sources["cpu_adam_params_per_s_per_core"] = "calibrated from engine spans"
     if m.device_step:
         launch, rate = fit_latency_rate(m.device_step)
-        changes["device_mem_bw_gbps"] = rate * ADAM_BYTES_PER_PARAM / 1e9
-        changes["device_launch_s"] = launch
+        changes["device_mem_bw_gbps"] = rate * tail_bytes_per_param(tail_step) / 1e9
+        launches = FUSED_TAIL_LAUNCHES if tail_step == "fused" else UNFUSED_TAIL_LAUNCHES
+        changes["device_launch_s"] = launch / launches
         sources["device_mem_bw_gbps"] = "calibrated from engine spans (device Adam rate)"
     lats = []
     for direction, samples in (("d2h", m.d2h), ("h2d", m.h2d)):
@@ -135,3 +163,30 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
     changes["sources"] = tuple(sources.items())
     changes["name"] = profile.name if profile.name.endswith("-calibrated") else profile.name + "-calibrated"
     return profile.replace(**changes)
+
+
+def fit_compute(profile: HardwareProfile, shape: ModelShape, plain_iteration_s: float
+                ) -> HardwareProfile:
+    """A copy of `profile` whose achieved FLOP/s makes the planner's "gpu" schedule (plain
+    PyTorch, fused AdamW on the device) take `plain_iteration_s` for `shape`. That schedule is
+    serial (compute, validation, the device step), so its time is FLOPs / rate + a rest that
+    does not depend on the rate: one simulation gives the rest, the fit is exact."""
+    from superoffload.plan.simulate import simulate
+
+    if not plain_iteration_s > 0:
+        raise ValueError(f"fit_compute: plain_iteration_s={plain_iteration_s!r}: use the "
+                         "measured seconds of one plain iteration (> 0)")
+    flops = shape.executed_flops
+    base = simulate(shape, profile, "gpu").iteration_s
+    rest = base - flops / (profile.device_achieved_tflops * 1e12)
+    if plain_iteration_s <= rest:
+        raise ValueError(f"fit_compute: {plain_iteration_s * 1e3:.1f} ms is less than the "
+                         f"non-compute part the profile predicts ({rest * 1e3:.1f} ms): check "
+                         "the shape (seq, micro_batch, checkpointing) and the profile")
+    tflops = flops / (plain_iteration_s - rest) / 1e12
+    sources = dict(profile.sources)
+    sources["device_achieved_tflops"] = (f"fitted to a measured plain iteration of "
+                                         f"{plain_iteration_s * 1e3:.1f} ms (calibrate.fit_compute)")
+    return profile.replace(device_achieved_tflops=tflops,
+                           device_peak_tflops=max(profile.device_peak_tflops, tflops),
+                           sources=tuple(sources.items()))

@@ -2,8 +2,10 @@
 
 Model family: GPT-3-like shapes, hidden = 128 x layers (shapes.gpt_by_layers), grown one layer
 at a time until memory.check_fits fails. "superoffload" may use any of its memory-saving
-settings (ratio 1, weight-flow); "zero-offload" keeps bf16 weights, gradients and activations
-on the device; "gpu" keeps all 18 B/param on the device. Data parallel (dp > 1): the check is
+settings (ratio 1, weight-flow, also with data parallel); "zero-offload" is DeepSpeed ZeRO-2 +
+offload_optimizer with the device buffers its code allocates (plan/deepspeed.py: bf16 weights,
+the 5e8-element reduce bucket, per-parameter gradient temporaries, activations); "gpu" keeps
+all 18 B/param on the device. Data parallel (dp > 1): the check is
 per rank (each holds 1/dp of the offloaded state, memory.py).
 """
 

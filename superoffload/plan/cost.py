@@ -5,9 +5,17 @@ Formulas (paper section in brackets; SuperOffload, Lian et al., arXiv 2509.21271
                                                     table, t = bytes / bw(bytes) (log-interpolated)
                                                     [§4.2: ~64 MB buckets saturate NVLink-C2C]
   CPU Adam    t = call + params / rate(threads) * bytes_per_param / 28
-              rate(threads) = min(threads * per_core, eff * host_bw / 28 B) x kernel factor
-                                                    [§4.6 GraceAdam: memory-bandwidth bound]
-  device Adam t = launch + params * 28 B / device_bw
+              rate(threads) = min(compute(threads), eff * host_bw / 28 B) x kernel factor, the
+              cap applied with or without a measured table [§4.6 GraceAdam: bandwidth bound]
+  host lane   the CPU step of a bucket inside the engine shares the host memory bus with both
+              DMA directions (DESIGN.md §6 "host memory is a lane"; FACTS.md H200: 3.1 G
+              params/s in the engine against 8.4 measured on a warm buffer):
+                t = call + max(n * kernel_bytes/28 / compute, n * bus_bytes / (eff * host_bw))
+                    / kernel factor + separate cast passes
+              bus_bytes = kernel bytes (28 - 2 bf16 grad in + 2 bf16 copy out) + the write-
+              allocate read of the write-only bf16 copy (x86) + the bucket's D2H and H2D bytes
+  device Adam fused: t = launch per bucket + params * 28 B / device_bw; today's unfused
+              foreach step: ~20 launches per bucket and ~118 B/param (issue 11, item 6)
   compute     t = FLOPs / achieved FLOP/s           (FLOPs from ModelShape: 6 N tokens + attention,
                                                     + 2 N tokens recompute with checkpointing)
   casting     device: launch + elems / device_cast_rate; host: elems / host_cast_rate, a separate
@@ -20,12 +28,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.shapes import ModelShape
+from superoffload.threads import optimizer_threads, runtime_threads
 
 Kernel = Literal["ours", "deepspeed", "torch"]
 KERNELS: tuple[str, ...] = ("ours", "deepspeed", "torch")
@@ -76,16 +86,38 @@ def link_gbps(nbytes: float, prof: HardwareProfile, direction: Direction) -> flo
 
 
 def cpu_threads(prof: HardwareProfile, cpu_threads_cfg: int | None, cores_frac: float) -> int:
-    """Threads of the CPU optimizer: the config's `cpu_threads`, else floor(frac * cores), >= 1."""
-    if cpu_threads_cfg is not None:
-        return max(1, min(cpu_threads_cfg, prof.cpu_cores))
-    return max(1, math.floor(cores_frac * prof.cpu_cores))
+    """Threads of the CPU optimizer on `prof`'s cores: the one thread rule (superoffload.threads:
+    the config's `cpu_threads` capped at the cores, else floor(frac * cores), never the cores
+    of the runtime's busy threads on a GPU host), >= 1."""
+    return optimizer_threads(prof.cpu_cores, cores_frac, explicit=cpu_threads_cfg,
+                             reserved=runtime_threads(prof.device_type))
+
+
+def host_bus_bps(prof: HardwareProfile) -> float:
+    """Bytes per second the host's memory bus carries for the offload pipeline (the lane's
+    capacity): eff x host_mem_bw_gbps."""
+    return prof.cpu_adam_bw_efficiency * prof.host_mem_bw_gbps * 1e9
 
 
 def cpu_adam_rate(prof: HardwareProfile, threads: int, kernel: Kernel = "ours") -> float:
-    """fp32 Adam parameters per second with `threads` threads."""
+    """fp32 Adam parameters per second with `threads` threads: the kernel's compute rate,
+    capped by the host bus at 28 B/param (also when a measured table exists: a table measured
+    on a warm buffer is cache speed, FACTS.md H200), times the kernel factor."""
+    rate = cpu_compute_rate(prof, threads)
+    return min(rate, host_bus_bps(prof) / ADAM_BYTES_PER_PARAM) * kernel_factor(prof, kernel)
+
+
+def kernel_factor(prof: HardwareProfile, kernel: Kernel) -> float:
+    """Throughput of `kernel` relative to ours (FACTS.md Grace figures)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}")
+    return {"ours": 1.0, "deepspeed": prof.deepspeed_adam_relative,
+            "torch": prof.torch_adam_relative}[kernel]
+
+
+def cpu_compute_rate(prof: HardwareProfile, threads: int) -> float:
+    """Our kernel's params/s with `threads` threads before any bandwidth cap: the measured
+    table (interpolated, saturating past its last point) or threads x per-core rate."""
     if prof.cpu_adam_table:
         pts = sorted(prof.cpu_adam_table)
         if threads <= pts[0][0]:
@@ -99,11 +131,8 @@ def cpu_adam_rate(prof: HardwareProfile, threads: int, kernel: Kernel = "ours") 
                     rate = r0 + (threads - t0) / (t1 - t0) * (r1 - r0)
                     break
     else:
-        cap = prof.cpu_adam_bw_efficiency * prof.host_mem_bw_gbps * 1e9 / ADAM_BYTES_PER_PARAM
-        rate = min(threads * prof.cpu_adam_params_per_s_per_core, cap)
-    factor = {"ours": 1.0, "deepspeed": prof.deepspeed_adam_relative,
-              "torch": prof.torch_adam_relative}[kernel]
-    return rate * factor
+        rate = threads * prof.cpu_adam_params_per_s_per_core
+    return rate
 
 
 def cpu_adam_time_s(params: float, prof: HardwareProfile, threads: int, kernel: Kernel = "ours",
@@ -116,11 +145,35 @@ def cpu_adam_time_s(params: float, prof: HardwareProfile, threads: int, kernel: 
     )
 
 
-def device_adam_time_s(params: float, prof: HardwareProfile) -> float:
-    """A fused device Adam over `params` parameters: bandwidth bound at 28 B/param."""
+UNFUSED_TAIL_BYTES = 118.0
+"""Device bytes per parameter of today's tail step (kernels.device_adam_multi: ~13 foreach
+passes, per-tensor casts and temporaries; issue 11, item 6)."""
+UNFUSED_TAIL_LAUNCHES = 20
+"""Kernel launches per tail bucket of today's tail step (issue 11, item 6)."""
+FUSED_TAIL_LAUNCHES = 1
+"""A fused multi-tensor step (``torch._fused_adamw_`` or one Triton kernel): one per bucket."""
+
+
+def device_adam_time_s(params: float, prof: HardwareProfile, *, tail_step: str = "fused",
+                       buckets: int = 1) -> float:
+    """Device Adam over `params` parameters in `buckets` buckets: "fused" is bandwidth bound at
+    28 B/param (read bf16 grad + fp32 p, m, v; write p, m, v + the bf16 copy) with one launch
+    per bucket; "unfused" is today's foreach step, 118 B/param and 20 launches per bucket."""
     if params <= 0:
         return 0.0
-    return prof.device_launch_s + params * ADAM_BYTES_PER_PARAM / (prof.device_mem_bw_gbps * 1e9)
+    if tail_step == "fused":
+        per_param, launches = float(ADAM_BYTES_PER_PARAM), FUSED_TAIL_LAUNCHES
+    elif tail_step == "unfused":
+        per_param, launches = UNFUSED_TAIL_BYTES, UNFUSED_TAIL_LAUNCHES
+    else:
+        raise ValueError(f"tail_step={tail_step!r}: use 'fused' or 'unfused'")
+    return (max(1, buckets) * launches * prof.device_launch_s
+            + params * per_param / (prof.device_mem_bw_gbps * 1e9))
+
+
+def tail_bytes_per_param(tail_step: str) -> float:
+    """Device bytes per parameter the tail step moves (for calibrate's bandwidth fit)."""
+    return float(ADAM_BYTES_PER_PARAM) if tail_step == "fused" else UNFUSED_TAIL_BYTES
 
 
 def compute_time_s(flops: float, prof: HardwareProfile) -> float:
@@ -144,39 +197,90 @@ def kernel_fuses(kernel: Kernel) -> tuple[bool, bool]:
     return {"ours": (True, True), "deepspeed": (False, True), "torch": (False, False)}[kernel]
 
 
-def per_param_lane_s(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Kernel,
-                     threads: int, bucket_params: float) -> dict[str, float]:
-    """Seconds per parameter on each lane of the offload pipeline for one casting choice.
-    grad "device": cast to fp32 on the device, send 4 B; "host": send 2 B, cast on the CPU.
-    param "host": the CPU writes bf16, send 2 B; "device": send 4 B fp32, cast on the device."""
+@dataclass(frozen=True, slots=True)
+class HostStep:
+    """Per-parameter costs of one offloaded parameter on the host side (the host lane)."""
+
+    kernel_bytes: float
+    """Bytes the CPU kernel pass touches: 28, - 2 reading a bf16 gradient, + 2 writing the
+    bf16 copy (DESIGN.md §4)."""
+    bus_bytes: float
+    """Bytes crossing the host memory bus for it: kernel bytes, the write-allocate read of
+    the write-only bf16 copy (x86), the D2H and H2D (or weight-flow fetch) bytes."""
+    cast_bytes: float
+    """Bus bytes of separate cast passes (kernels that do not fuse the cast)."""
+    cast_s: float
+    """Seconds of separate cast passes at the host cast rate."""
+    g_bytes: float
+    """Link bytes of the gradient (4 fp32, 2 bf16)."""
+    p_bytes: float
+    """Link bytes of the updated weight."""
+
+
+def host_step(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Kernel, *,
+              flow: bool = False) -> HostStep:
+    """The host lane's bytes for one casting choice (module docstring, "host lane").
+    grad "device": the device casts to fp32 and 4 B cross; "host": 2 B cross and the kernel
+    reads bf16 (or a separate pass widens them). param "host": the kernel writes the bf16
+    copy and 2 B cross; "device": 4 B fp32 cross. With weight-flow no bucket H2D happens;
+    each weight streams in twice per iteration (forward and backward, §4.5)."""
     fuse_g, fuse_p = kernel_fuses(kernel)
-    adam_bytes = float(ADAM_BYTES_PER_PARAM)
-    cpu_extra = 0.0
+    wa = 1.0 if prof.host_write_allocate else 0.0
+    kernel_bytes, extra, cast_bytes, cast_s = float(ADAM_BYTES_PER_PARAM), 0.0, 0.0, 0.0
     if grad_cast == "host":
         if fuse_g:
-            adam_bytes -= 2.0  # reads a bf16 instead of an fp32 gradient
-        else:
-            cpu_extra += host_cast_time_s(1.0, prof)
+            kernel_bytes -= 2.0
+        else:  # a pass reading 2 B and writing 4 B (allocated first on x86)
+            cast_bytes += 6.0 + 4.0 * wa
+            cast_s += 1.0 / (prof.host_cast_gelems * 1e9)
     if param_cast == "host":
         if fuse_p:
-            adam_bytes += 2.0  # writes the bf16 copy in the same pass
-        else:
-            cpu_extra += host_cast_time_s(1.0, prof)
+            kernel_bytes += 2.0
+            extra += 2.0 * wa  # the bf16 copy is write-only: its lines are read first
+        else:  # a pass reading 4 B and writing 2 B
+            cast_bytes += 6.0 + 2.0 * wa
+            cast_s += 1.0 / (prof.host_cast_gelems * 1e9)
     g_bytes = 4.0 if grad_cast == "device" else 2.0
     p_bytes = 4.0 if param_cast == "device" else 2.0
+    dma = g_bytes + (2.0 * 2.0 if flow else p_bytes)
+    return HostStep(kernel_bytes, kernel_bytes + extra + dma, cast_bytes, cast_s, g_bytes,
+                    p_bytes)
+
+
+def host_step_s(params: np.ndarray | float, prof: HardwareProfile, threads: int, kernel: Kernel,
+                step: HostStep) -> np.ndarray:
+    """Seconds of the CPU lane over `params` parameters (no per-call cost): the kernel pass at
+    the slower of its compute rate (times the kernel factor) and the shared bus, plus
+    separate cast passes at the slower of the cast rate and the bus."""
+    n = np.asarray(params, dtype=float)
+    bus = host_bus_bps(prof)
+    compute = cpu_compute_rate(prof, threads) * kernel_factor(prof, kernel)
+    per_kernel = max(step.kernel_bytes / ADAM_BYTES_PER_PARAM / compute, step.bus_bytes / bus)
+    per_cast = max(step.cast_s, step.cast_bytes / bus)
+    return n * (per_kernel + per_cast)
+
+
+def per_param_lane_s(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Kernel,
+                     threads: int, bucket_params: float) -> dict[str, float]:
+    """Seconds per parameter on each lane of the offload pipeline for one casting choice; the
+    CPU lane shares the host bus with both DMA directions (`host_step`)."""
+    step = host_step(prof, grad_cast, param_cast, kernel)
     n = max(bucket_params, 1.0)
     return {
-        "d2h": link_time_s(g_bytes * n, prof, "d2h") / n,
-        "cpu": cpu_extra + adam_bytes / ADAM_BYTES_PER_PARAM / cpu_adam_rate(prof, threads, kernel),
-        "h2d": link_time_s(p_bytes * n, prof, "h2d") / n,
-        "adam_bytes": adam_bytes,
+        "d2h": link_time_s(step.g_bytes * n, prof, "d2h") / n,
+        "cpu": float(host_step_s(1.0, prof, threads, kernel, step)),
+        "h2d": link_time_s(step.p_bytes * n, prof, "h2d") / n,
+        "adam_bytes": step.kernel_bytes,
+        "bus_bytes": step.bus_bytes + step.cast_bytes,
     }
 
 
 def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
                    bucket_params: float) -> tuple[str, str, str]:
     """Pick (grad_cast, param_cast) minimising the offload pipeline's bottleneck lane (its
-    steady-state throughput), ties broken by the sum (its latency). Returns a reason too."""
+    steady-state throughput), ties broken by the sum (its latency). The CPU lane includes
+    the host bus it shares with both DMA directions, so moving fp32 costs host bandwidth
+    too (FACTS.md H200: the bus, not the link, bounds the pipeline). Returns a reason too."""
     candidates = []
     for g in ("device", "host"):
         for p in ("host", "device"):

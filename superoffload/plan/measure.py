@@ -1,18 +1,31 @@
 """Microbenchmarks that build a HardwareProfile for the machine at hand (DESIGN.md §5).
 
 Measured: link transfers over message sizes (pinned host <-> CUDA device; without CUDA, the CPU
-backend's transfer is a memcpy, so that is what is timed), host memory bandwidth (a copy,
-read + write), our CPU Adam kernel's throughput per thread count (kernels.adam_step_multi),
-fp32 -> bf16 cast rates, and the device's matmul rate. Each figure is the best of a few
-repetitions (on a shared machine noise only adds time). The result is cached as JSON (one file per host and variant) so later calls are
-instant; `force=True` measures again.
+backend's transfer is a memcpy, so that is what is timed), host memory bandwidth (a copy),
+our CPU Adam kernel's throughput per thread count, fp32 -> bf16 cast rates, and the device's
+matmul rate. Bandwidth, casts, links and the matmul take the best of a few repetitions (on a
+shared machine noise only adds time).
+
+The CPU Adam rate is measured the way the engine runs it (DESIGN.md §6; FACTS.md H200: a warm
+134 MB buffer gave 8.4 G params/s, cache speed, 3x what the engine got): the engine's variant
+(bf16 gradients in, fp32 master and moments, the bf16 copy out, ``kernels.adam_step_multi``
+with ``params_lp``), one call per bucket-sized chunk, over >= 2 GiB of buffers cycled so no
+chunk is cache-resident (``quick``: 64 MiB, for tests), the median of the calls after a warm-up
+pass.
+The host bus bandwidth counts a copy's write-allocate read on x86 (3 B per byte copied; the
+STREAM FAQ). When the Adam rate implies more bus traffic than that bandwidth the profile says
+so in ``flags`` (never silently clamped); the cost model caps it by the bus anyway
+(plan/cost.py). The result is cached as JSON (one file per host and variant) so later calls
+are instant; `force=True` measures again.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +34,20 @@ from typing import Any
 from superoffload.plan.profiles import HardwareProfile
 
 CACHE_ENV = "SUPEROFFLOAD_CACHE_DIR"
+FORMAT = 2
+"""Version of what measure_local measures; a cached profile of another version is re-measured
+(version 1 timed Adam on one warm buffer and counted a copy as 2 B per byte)."""
+ADAM_BUFFER_BYTES = 2 << 30
+"""Engine-variant Adam buffers cycled per thread count (16 B/param: p, m, v fp32, g and the
+copy bf16): well past any last-level cache."""
+ADAM_BUFFER_BYTES_QUICK = 64 << 20
+"""quick=True (tests): 64 MiB, cheap with the torch fallback too; not DRAM-resident."""
+ADAM_CHUNK_PARAMS = 16 << 20
+"""Parameters per kernel call: a 64 MiB bucket (OffloadConfig's default bucket_bytes)."""
+ADAM_CHUNK_PARAMS_QUICK = 1 << 20
+ENGINE_KERNEL_BUS_BYTES = 28
+"""Bytes one engine-variant step moves per parameter: read g (2) + p, m, v (12), write p, m, v
+(12) + the bf16 copy (2); +2 for the copy's write-allocate read on x86."""
 
 
 def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
@@ -29,6 +56,24 @@ def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
         return Path(override)
     env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "superoffload"
+
+
+def _cache_path(cache: str | os.PathLike[str] | None, quick: bool) -> Path:
+    return cache_dir(cache) / f"profile-{socket.gethostname()}{'-quick' if quick else ''}.json"
+
+
+def cached_profile(*, quick: bool = False, cache: str | os.PathLike[str] | None = None
+                   ) -> HardwareProfile | None:
+    """This host's cached profile when one of the current FORMAT exists, else None; never
+    measures (for callers that must stay fast, e.g. the engine's weights="auto" default)."""
+    path = _cache_path(cache, quick)
+    if not path.exists():
+        return None
+    try:
+        hit = HardwareProfile.from_dict(json.loads(path.read_text()))
+    except (ValueError, TypeError, json.JSONDecodeError):
+        return None  # a stale or foreign file: measure_local measures again and overwrites it
+    return hit if hit.extra.get("format") == FORMAT else None
 
 
 def _best_time(fn: Callable[[], Any], reps: int, sync: Callable[[], None] = lambda: None) -> float:
@@ -50,36 +95,39 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
     well under a minute. Cached in `cache_dir()/profile-<host>[-quick].json`."""
     import torch  # measuring needs tensors; the rest of plan/ stays torch-free
 
-    path = cache_dir(cache) / f"profile-{socket.gethostname()}{'-quick' if quick else ''}.json"
-    if use_cache and not force and path.exists():
-        try:
-            return HardwareProfile.from_dict(json.loads(path.read_text()))
-        except (ValueError, TypeError, json.JSONDecodeError):
-            pass  # a stale or foreign file: measure again and overwrite it
+    path = _cache_path(cache, quick)
+    if use_cache and not force:
+        hit = cached_profile(quick=quick, cache=cache)
+        if hit is not None:
+            return hit
     from tqdm.auto import tqdm
 
     from superoffload import kernels
+    from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
 
     cuda = torch.cuda.is_available()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cores()
+    write_allocate = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
     reps = 3 if quick else 5
     big = (1 << 22) if quick else (1 << 25)  # elements for bandwidth tests (16 / 128 MB fp32)
-    adam_n = (1 << 18) if quick else (1 << 23)
     sizes = [1 << s for s in (range(16, 24, 3) if quick else range(16, 29, 2))]
-    thread_counts = sorted({1, cores} | ({cores // 2} if cores >= 4 else set()))
+    engine_threads = optimizer_threads(cores, 0.9, reserved=runtime_threads("cuda" if cuda else "cpu"))
+    thread_counts = sorted({1, cores, engine_threads} | ({cores // 2} if cores >= 4 else set()))
     steps = ["host bandwidth", "casts", "matmul"] + [f"adam x{t}" for t in thread_counts] + [
         f"link {s >> 10} KiB" for s in sizes]
     bar = tqdm(total=len(steps), desc="measure_local", disable=not progress, leave=False)
-    raw: dict[str, Any] = {"quick": quick, "cuda": cuda, "torch": torch.__version__,
-                           "kernel_backend": kernels.backend()}
+    raw: dict[str, Any] = {"format": FORMAT, "quick": quick, "cuda": cuda,
+                           "torch": torch.__version__, "kernel_backend": kernels.backend()}
     saved_threads = torch.get_num_threads()
     try:
-        # host memory bandwidth: a copy reads and writes every byte
+        # host memory bandwidth: a copy reads the source and writes the destination, and on
+        # x86 reads each destination line first (write-allocate): 3 B on the bus per byte
         a = torch.empty(big, dtype=torch.float32).fill_(1.0)
         b = torch.empty_like(a)
         t = _best_time(lambda: b.copy_(a), reps)
-        host_bw = 2 * a.numel() * 4 / t / 1e9
-        raw["host_copy_s"] = t
+        copy_gbps = 2 * a.numel() * 4 / t / 1e9
+        host_bw = copy_gbps * (1.5 if write_allocate else 1.0)
+        raw["host_copy_s"], raw["host_copy_gbps"] = t, copy_gbps
         bar.update()
         # host cast fp32 -> bf16 (6 B per element)
         lp = torch.empty(big, dtype=torch.bfloat16)
@@ -106,24 +154,11 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         tflops = 2 * n**3 / t / 1e12
         raw["matmul_n"], raw["matmul_s"] = n, t
         bar.update()
-        # our CPU Adam kernel per thread count
-        table = []
-        g = torch.randn(adam_n) * 1e-3
-        p, m, v = torch.randn(adam_n), torch.zeros(adam_n), torch.zeros(adam_n)
-        for threads in thread_counts:
-            torch.set_num_threads(threads)  # the torch fallback follows torch's pool
-            step = [0]
-
-            def one(threads: int = threads, step: list[int] = step) -> None:
-                step[0] += 1
-                kernels.adam_step_multi([p], [g], [m], [v], step=step[0], lr=1e-3, beta1=0.9,
-                                        beta2=0.999, eps=1e-8, weight_decay=0.01,
-                                        threads=threads)
-
-            t = _best_time(one, reps)
-            table.append((threads, adam_n / t))
+        # our CPU Adam kernel per thread count, DRAM-resident, in the engine's variant
+        table, adam_raw = _adam_table(thread_counts, quick)
+        raw["adam_samples_s"] = adam_raw
+        for _ in thread_counts:
             bar.update()
-        torch.set_num_threads(saved_threads)
         # link: pinned host <-> device per message size; without CUDA, the CPU backend's memcpy
         h2d, d2h = [], []
         for size in sizes:
@@ -156,6 +191,7 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
     dev_mem = float(torch.cuda.mem_get_info()[1]) if cuda else host_mem
     per_core = table[0][1] / table[0][0]
     adam_peak = max(r for _, r in table)
+    flags = _adam_flags(adam_peak, host_bw, write_allocate)
     prof = HardwareProfile(
         name=f"local-{socket.gethostname()}",
         device_name=torch.cuda.get_device_name() if cuda else "this machine's CPU (CPU backend)",
@@ -168,7 +204,7 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         host_mem_bw_gbps=host_bw,
         cpu_cores=cores,
         cpu_adam_params_per_s_per_core=per_core,
-        cpu_adam_bw_efficiency=min(1.0, adam_peak * 28 / (host_bw * 1e9)),
+        cpu_adam_bw_efficiency=1.0,  # the bus figure is measured: the cap is all of it
         cpu_adam_table=tuple(table),
         h2d_gbps=max(r for _, r in h2d),
         d2h_gbps=max(r for _, r in d2h),
@@ -178,18 +214,71 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         device_cast_gelems=device_cast,
         host_cast_gelems=host_cast,
         shared_memory=not cuda,
+        device_type="cuda" if cuda else "cpu",
+        host_write_allocate=write_allocate,
+        flags=flags,
         sources=tuple((k, "measured by plan.measure_local" + (" (quick)" if quick else ""))
                       for k in ("device_achieved_tflops", "device_mem_bw_gbps", "host_mem_bw_gbps",
-                                "cpu_adam_params_per_s_per_core", "h2d_gbps", "d2h_gbps",
-                                "device_cast_gelems", "host_cast_gelems")),
+                                "cpu_adam_params_per_s_per_core", "cpu_adam_table", "h2d_gbps",
+                                "d2h_gbps", "device_cast_gelems", "host_cast_gelems")),
         notes="Measured on this machine; device_peak_tflops is the measured matmul rate, not a "
-              "vendor peak. Without CUDA the 'device' is the CPU and transfers are memcpys.",
+              "vendor peak (calibrate.fit_compute fits the achieved rate to a measured plain "
+              "iteration). CPU Adam: DRAM-resident, the engine's variant. Without CUDA the "
+              "'device' is the CPU and transfers are memcpys.",
         extra=raw,
     ).validate()
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(prof.to_dict(), indent=1))
     return prof
+
+
+def _adam_table(thread_counts: list[int], quick: bool
+                ) -> tuple[list[tuple[int, float]], dict[str, list[float]]]:
+    """[(threads, params/s)] of the engine-variant step, DRAM-resident (module docstring)."""
+    import torch
+
+    from superoffload import kernels
+
+    chunk = ADAM_CHUNK_PARAMS_QUICK if quick else ADAM_CHUNK_PARAMS
+    total = ADAM_BUFFER_BYTES_QUICK if quick else ADAM_BUFFER_BYTES
+    n_chunks = max(2, total // (16 * chunk))
+    bufs = [(torch.full((chunk,), 0.5), torch.full((chunk,), 1e-3, dtype=torch.bfloat16),
+             torch.zeros(chunk), torch.zeros(chunk), torch.empty(chunk, dtype=torch.bfloat16))
+            for _ in range(n_chunks)]
+    saved = torch.get_num_threads()
+    table, raw = [], {}
+    step = 0
+    try:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)  # the torch fallback follows torch's pool
+            times = []
+            for sweep in range(2):  # the first sweep warms up (page faults, thread start)
+                for p, g, m, v, lp in bufs:
+                    step += 1
+                    t0 = time.perf_counter()
+                    kernels.adam_step_multi([p], [g], [m], [v], step=step, lr=1e-4, beta1=0.9,
+                                            beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                            params_lp=[lp], threads=threads)
+                    if sweep:
+                        times.append(time.perf_counter() - t0)
+            table.append((threads, chunk / statistics.median(times)))
+            raw[str(threads)] = times
+    finally:
+        torch.set_num_threads(saved)
+    return table, raw
+
+
+def _adam_flags(adam_peak: float, host_bw_gbps: float, write_allocate: bool) -> tuple[str, ...]:
+    """A flag when the Adam rate implies more bus traffic than the measured bandwidth (+10%)."""
+    per_param = ENGINE_KERNEL_BUS_BYTES + (2 if write_allocate else 0)
+    implied = adam_peak * per_param / 1e9
+    if implied <= 1.1 * host_bw_gbps:
+        return ()
+    return (f"CPU Adam measured at {adam_peak / 1e9:.2f} G params/s, i.e. {implied:.0f} GB/s of "
+            f"host traffic at {per_param} B/param, above the measured host bus "
+            f"{host_bw_gbps:.0f} GB/s: the buffers were cache-resident or the bandwidth probe "
+            "is low; the cost model caps the rate by the bus (plan/cost.py)",)
 
 
 def _cpu_name() -> str:

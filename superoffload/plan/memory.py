@@ -9,7 +9,8 @@ Bytes per parameter (DESIGN.md §1; mixed-precision Adam, Rajbhandari et al. 202
   weight-flow         device keeps only (prefetch_depth + 1) layers of bf16 weights (paper §4.5);
                       the bf16 copy of offloaded weights lives on the host (the 2 B above)
   staging             fp32 copies of two buckets per direction cast on the device (double
-                      buffering); none for a direction cast on the host
+                      buffering; the largest bucket of the engine's table); none for a
+                      direction cast on the host, none for an fp32 model (nothing to cast)
   activations         ModelShape.activation_bytes()
 Data parallel (ModelShape.dp = N > 1; ZeRO §5, distributed/zero.py): bytes are per rank. The
 host's fp32 state, pinned bf16 copy and snapshot are divided by N (each rank holds its shard);
@@ -47,16 +48,28 @@ class Memory:
 
 
 def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
-    """Parameters whose fp32 state lives on the host: the first `ratio` of the gradient stream
-    (in backward order), as the simulator splits it."""
+    """Parameters whose fp32 state lives on the host: the whole host buckets of the engine's
+    bucket table (plan.schedule rule book), as the engine and the simulator offload them."""
     if plan.schedule == "gpu":
         return 0.0
-    n = float(shape.params)
-    return float(round(plan.ratio * n))
+    return float(plan.host_numel)
+
+
+def largest_host_bucket(plan: Resolved) -> float:
+    """Elements of the largest offloaded bucket (a parameter larger than bucket_bytes is a
+    bucket of its own, so it can exceed bucket_bytes / 4); all of them without buckets."""
+    if plan.whole_model_bucket:
+        return float(plan.host_numel)
+    return float(max((b.numel for b in plan.bucket_plan.host_buckets), default=0))
 
 
 def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
-    """Per-side bytes for `shape` under the resolved schedule `plan` (per rank when dp > 1)."""
+    """Per-side bytes for `shape` under the resolved schedule `plan` (per rank when dp > 1).
+    The "zero-offload" schedule is DeepSpeed's, with its own buffers (plan/deepspeed.py)."""
+    if plan.schedule == "zero-offload":
+        from superoffload.plan.deepspeed import zero2_memory
+
+        return zero2_memory(shape, plan)
     n = float(shape.params)
     off = offloaded_params(shape, plan)
     tail = n - off
@@ -72,9 +85,10 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     dev["tail_fp32_state"] = 16.0 * tail
     if off > 0:
         # fp32 copies made on the device for device-side casting, two buckets in flight
-        bucket_params = off if plan.whole_model_bucket else min(off, plan.bucket_bytes / 4)
-        per_param = (4.0 if plan.grad_cast == "device" else 0.0) + (
-            4.0 if plan.param_cast == "device" else 0.0)
+        bucket_params = largest_host_bucket(plan)
+        low = plan.model_dtype != "float32"  # an fp32 model casts nothing: no fp32 copies
+        per_param = (4.0 if plan.grad_cast == "device" and low else 0.0) + (
+            4.0 if plan.param_cast == "device" and low else 0.0)
         dev["staging"] = 2.0 * per_param * bucket_params
         if shape.dp > 1:
             dev["collective_buffers"] = 2.0 * 4.0 * bucket_params

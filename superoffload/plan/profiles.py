@@ -1,8 +1,9 @@
-"""Hardware profiles: what the cost model and the simulator need to know about one machine.
+"""Hardware profile presets: what the cost model and the simulator know about known machines.
 
-A profile is plain data (DESIGN.md §5): device compute, device and host memory, the link in
-each direction as a function of message size, cast rates on each side, CPU Adam throughput as
-a function of cores, host memory bandwidth. Presets cite where each figure comes from
+A profile is plain data (DESIGN.md §5; the type is plan/hardware.py): device compute, device
+and host memory, the link in each direction as a function of message size, cast rates on each
+side, CPU Adam throughput as a function of cores, host memory bandwidth. `h200-pcie-measured`
+(plan/profiles_measured.py) is built from a real machine's measurements (FACTS.md). Presets cite where each figure comes from
 (`sources`); a figure marked "estimate" is ours, not a vendor's or the paper's, and is the first
 thing to replace with `measure_local()` / `calibrate()` figures from the real machine.
 
@@ -11,147 +12,11 @@ Units: bytes, seconds, GB/s = 1e9 B/s, TFLOPS = 1e12 FLOP/s, params/s.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from dataclasses import dataclass, field
-from typing import Any
+from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, GB, GiB, HardwareProfile
+from superoffload.plan.profiles_measured import h200_pcie_measured
 
-GB = 1e9
-GiB = float(1 << 30)
-
-# Bytes one fp32 Adam step touches per parameter: read p, g, m, v (16 B), write p, m, v (12 B).
-# DESIGN.md §4; the step is memory-bandwidth bound, so time ~ bytes / bandwidth.
-ADAM_BYTES_PER_PARAM = 28
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class HardwareProfile:
-    """One machine: a device (GPU, or the CPU itself) attached to a host CPU."""
-
-    name: str
-    """Short key, e.g. "gh200"."""
-    device_name: str
-    """Human name of the device, e.g. "H100 (GH200 Hopper)"."""
-    cpu_name: str
-    """Human name of the host CPU."""
-    device_peak_tflops: float
-    """Dense bf16 peak of the device (vendor figure)."""
-    device_achieved_tflops: float
-    """What transformer training matmuls reach in practice (the compute rate the model uses)."""
-    device_memory_bytes: float
-    """Device memory (HBM); for a shared-memory machine, the same pool as host memory."""
-    device_mem_bw_gbps: float
-    """Device memory bandwidth; bounds the device optimizer step (28 B/param)."""
-    host_memory_bytes: float
-    """Host memory usable for optimizer state and staging buffers."""
-    host_mem_bw_gbps: float
-    """Host memory bandwidth (STREAM-like)."""
-    cpu_cores: int
-    """Physical cores of the host."""
-    cpu_adam_params_per_s_per_core: float
-    """Our CPU Adam kernel, fp32, one core (before the bandwidth cap)."""
-    cpu_adam_bw_efficiency: float = 0.7
-    """Fraction of host_mem_bw_gbps the Adam step reaches with all cores (the cap)."""
-    cpu_adam_table: tuple[tuple[int, float], ...] = ()
-    """Measured (threads, params/s) points; when present they replace the per-core model."""
-    deepspeed_adam_relative: float = 0.082 / 0.098
-    """DeepSpeed CPUAdam throughput relative to ours (FACTS.md: Grace, 1B params, 0.098 vs 0.082 s)."""
-    torch_adam_relative: float = 0.082 / 0.289
-    """PyTorch CPU Adam throughput relative to ours (FACTS.md: Grace, 0.289 vs 0.082 s)."""
-    h2d_gbps: float
-    """Link peak, host to device, per direction."""
-    d2h_gbps: float
-    """Link peak, device to host, per direction."""
-    link_latency_s: float = 10e-6
-    """Fixed cost of one transfer; with peak it gives bandwidth(size) = size / (lat + size/peak)."""
-    h2d_table: tuple[tuple[float, float], ...] = ()
-    """Measured (message bytes, GB/s) points, H2D; interpolated in log(size) when present."""
-    d2h_table: tuple[tuple[float, float], ...] = ()
-    """Measured (message bytes, GB/s) points, D2H."""
-    device_cast_gelems: float
-    """fp32<->bf16 casts on the device, 1e9 elements/s."""
-    host_cast_gelems: float
-    """fp32<->bf16 casts on the host as a separate pass, 1e9 elements/s, all cores."""
-    collective_gbps: float = 50.0
-    """Bandwidth one rank reaches in a ring collective (NCCL "bus bandwidth"), per direction,
-    GB/s: the slowest hop between data-parallel ranks (NVLink inside an NVL domain, the NIC
-    across nodes). The planner's reduce-scatter / all-gather model (plan/parallel.py)."""
-    collective_latency_s: float = 10e-6
-    """Fixed cost of one ring step of a collective (a ring over N ranks takes N - 1 steps)."""
-    device_launch_s: float = 10e-6
-    """Fixed cost of one device-side operation (kernel launch, event record)."""
-    cpu_call_s: float = 30e-6
-    """Fixed cost of one CPU optimizer call on one bucket (hand-off, thread wake-up)."""
-    shared_memory: bool = False
-    """True when device and host draw on one memory pool (APU, or a CPU-only machine)."""
-    sources: tuple[tuple[str, str], ...] = ()
-    """(field, source) pairs; a source starting with "estimate" is not a published figure."""
-    notes: str = ""
-    """Free text: what the profile stands for, caveats."""
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-    """Measurement details (e.g. raw timings of measure_local); never read by the model."""
-
-    def validate(self) -> HardwareProfile:
-        """Raise ValueError naming the field when a figure is missing, negative or inconsistent."""
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if numeric and (not math.isfinite(float(value)) or value < 0):
-                raise ValueError(
-                    f"HardwareProfile({self.name}).{f.name}={value!r}: use a finite number >= 0"
-                )
-        positive = (
-            "device_peak_tflops", "device_achieved_tflops", "device_memory_bytes",
-            "device_mem_bw_gbps", "host_memory_bytes", "host_mem_bw_gbps", "cpu_cores",
-            "cpu_adam_params_per_s_per_core", "cpu_adam_bw_efficiency", "deepspeed_adam_relative",
-            "torch_adam_relative", "h2d_gbps", "d2h_gbps", "device_cast_gelems",
-            "host_cast_gelems", "collective_gbps",
-        )
-        for name in positive:
-            if not getattr(self, name) > 0:
-                raise ValueError(f"HardwareProfile({self.name}).{name} must be > 0 (figure missing?)")
-        if self.device_achieved_tflops > self.device_peak_tflops:
-            raise ValueError(
-                f"HardwareProfile({self.name}).device_achieved_tflops="
-                f"{self.device_achieved_tflops} exceeds device_peak_tflops={self.device_peak_tflops}"
-            )
-        if self.cpu_adam_bw_efficiency > 1:
-            raise ValueError(f"HardwareProfile({self.name}).cpu_adam_bw_efficiency must be <= 1")
-        for tname in ("h2d_table", "d2h_table", "cpu_adam_table"):
-            for point in getattr(self, tname):
-                if len(point) != 2 or not all(p > 0 for p in point):
-                    raise ValueError(
-                        f"HardwareProfile({self.name}).{tname} holds {point!r}: use (x, y) pairs > 0"
-                    )
-        if not self.name:
-            raise ValueError("HardwareProfile.name is empty: give the profile a key")
-        return self
-
-    def replace(self, **changes: Any) -> HardwareProfile:
-        """A validated copy with `changes` applied (e.g. h2d_gbps=900 for a what-if)."""
-        return dataclasses.replace(self, **changes).validate()
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe form (tables become lists)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
-        """Inverse of `to_dict`; unknown keys raise ValueError naming them."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown HardwareProfile key(s) {unknown}; known: {sorted(names)}")
-        fixed = dict(data)
-        for key in ("h2d_table", "d2h_table", "cpu_adam_table", "sources"):
-            if key in fixed:
-                fixed[key] = tuple(tuple(p) for p in fixed[key])
-        return cls(**fixed).validate()
-
-    def is_estimate(self, field_name: str) -> bool:
-        """True when the figure's source is marked as our estimate (or is not cited)."""
-        src = dict(self.sources).get(field_name)
-        return src is None or src.lower().startswith("estimate")
+__all__ = ["ADAM_BYTES_PER_PARAM", "GB", "GiB", "HardwareProfile", "NAMES", "PROFILES", "get",
+           "names"]
 
 
 _GRACE_ADAM = 1e9 / 0.082  # FACTS.md: GraceAdam, 1B params in 0.082 s on 72 Grace cores
@@ -176,6 +41,7 @@ _GH200 = HardwareProfile(
     collective_latency_s=10e-6,
     device_cast_gelems=4000.0 * 0.7 / 6,
     host_cast_gelems=500.0 * 0.6 / 6,
+    host_write_allocate=False,
     sources=(
         ("device_peak_tflops", "FACTS.md: Hopper dense bf16 ~989 TFLOP/s (NVIDIA)"),
         ("device_achieved_tflops", "estimate: 2/3 of peak; the paper reports up to ~600 TFLOPS fine-tuning on one GH200"),
@@ -193,6 +59,7 @@ _GH200 = HardwareProfile(
         ("host_cast_gelems", "estimate: 60% of LPDDR5X bandwidth at 6 B/element"),
         ("collective_gbps", "estimate: InfiniBand NDR 400 Gb/s = 50 GB/s per direction per GPU, one NIC per GH200 (multi-node clusters); inside a GH200 NVL32 NVLink domain use 450 (NVLink 4, 900 GB/s bidirectional per GPU, NVIDIA GH200 NVL32 material)"),
         ("collective_latency_s", "estimate: ~10 us per ring step (NCCL over InfiniBand, small messages)"),
+        ("host_write_allocate", "estimate: Neoverse V2 detects streaming writes and skips the allocate read (Arm write streaming mode)"),
     ),
     notes="One GH200 Superchip as in the SuperOffload paper's single-chip experiments.",
 )
@@ -216,6 +83,7 @@ _GB200 = HardwareProfile(
     collective_latency_s=5e-6,
     device_cast_gelems=8000.0 * 0.7 / 6,
     host_cast_gelems=250.0 * 0.6 / 6,
+    host_write_allocate=False,
     sources=(
         ("device_peak_tflops", "estimate from NVIDIA GB200 NVL72 datasheet (~5 PFLOPS dense bf16 per 2 GPUs); not in FACTS.md"),
         ("device_achieved_tflops", "estimate: 60% of peak"),
@@ -231,6 +99,7 @@ _GB200 = HardwareProfile(
         ("host_cast_gelems", "estimate: 60% of host bandwidth at 6 B/element"),
         ("collective_gbps", "estimate from NVIDIA GB200 NVL72 datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU = 900 GB/s per direction; not in FACTS.md"),
         ("collective_latency_s", "estimate: ~5 us per ring step inside an NVLink domain"),
+        ("host_write_allocate", "estimate: Neoverse V2 detects streaming writes and skips the allocate read (Arm write streaming mode)"),
     ),
     notes="Per-GPU view of a GB200 Superchip: the Grace CPU and C2C are shared by two B200s.",
 )
@@ -350,6 +219,7 @@ _LAPTOP = HardwareProfile(
     device_cast_gelems=60.0 * 0.6 / 6,
     host_cast_gelems=60.0 * 0.6 / 6,
     shared_memory=True,
+    device_type="cpu",
     sources=(
         ("device_peak_tflops", "estimate: 8 cores x 3 GHz x 32 fp32 FLOP/cycle"),
         ("device_achieved_tflops", "estimate: ~40% of peak in torch matmuls"),
@@ -370,7 +240,8 @@ _LAPTOP = HardwareProfile(
 )
 
 PROFILES: dict[str, HardwareProfile] = {
-    p.name: p.validate() for p in (_GH200, _GB200, _MI300A, _H100_PCIE, _H200_PCIE, _LAPTOP)
+    p.name: p.validate() for p in (_GH200, _GB200, _MI300A, _H100_PCIE, _H200_PCIE, _LAPTOP,
+                                   h200_pcie_measured())
 }
 NAMES: tuple[str, ...] = tuple(PROFILES)
 

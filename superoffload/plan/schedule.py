@@ -16,7 +16,12 @@ runs and telemetry can record the effective values:
   the device, weights on the host: the kernel writes the bf16 copy in its pass);
 * an fp32 model casts nothing; fp16 gradients are widened on the device (the CPU kernel
   reads fp32 or bf16);
-* CPU optimizer threads: ``optimizer_threads`` below, the one thread rule.
+* CPU optimizer threads: ``optimizer_threads`` below, the one thread rule;
+* the engine's implementation choices that change the timeline (``EngineVariant``: the step
+  order of offloaded buckets, the GPU tail step, the D2H stats launch): ``ENGINE`` is what the
+  engine implements today, read by the planner so a prediction describes the engine that
+  runs. When the engine gains earliest-deadline-first stepping and a fused tail step, it
+  changes ``ENGINE`` here (one line) and the planner follows.
 
 No torch, no threads, no devices (STYLE.md §2).
 """
@@ -31,11 +36,49 @@ from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
 
-__all__ = ["Schedule", "ScheduleFacts", "optimizer_threads", "resolve_casting", "resolve_schedule",
-           "runtime_threads", "specs_of", "usable_cores"]
+__all__ = ["ENGINE", "ENGINE_NEXT", "ENGINE_TODAY", "EngineVariant", "Schedule", "ScheduleFacts",
+           "optimizer_threads", "resolve_casting", "resolve_schedule", "runtime_threads",
+           "specs_of", "usable_cores"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")
+STEP_ORDERS = ("fifo", "edf")
+TAIL_STEPS = ("unfused", "fused")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineVariant:
+    """How the engine implements the schedule, where that changes the timeline (issue 11)."""
+
+    step_order: str = "fifo"
+    """Order the CPU steps (and H2D sends) offloaded buckets: "fifo" in gradient-ready order
+    (the bucket the next forward needs first is stepped last), or "edf", earliest deadline
+    first (of the buckets ready, the one the next forward needs first is stepped and sent
+    first; DESIGN.md §6)."""
+    tail_step: str = "unfused"
+    """GPU tail step: "unfused" (``kernels.device_adam_multi``: ~13 foreach passes, per-tensor
+    casts, ~118 B/param and ~20 launches per bucket, issue 11 item 6) or "fused" (one pass
+    reading bf16 gradients and writing the bf16 copy: 28 B/param, one launch per bucket)."""
+    d2h_stats_first: bool = True
+    """The D2H lane launches the bucket's ~9 norm/non-finite kernels before its copy and keeps
+    one bucket in flight with a host round trip each (issue 11 item 8); False: copy first,
+    stats after, several buckets in flight."""
+
+    def __post_init__(self) -> None:
+        if self.step_order not in STEP_ORDERS:
+            raise ValueError(f"EngineVariant.step_order={self.step_order!r}: use one of "
+                             f"{STEP_ORDERS}")
+        if self.tail_step not in TAIL_STEPS:
+            raise ValueError(f"EngineVariant.tail_step={self.tail_step!r}: use one of "
+                             f"{TAIL_STEPS}")
+
+
+ENGINE_TODAY = EngineVariant()
+"""The engine at 167091f: FIFO stepping, unfused tail step, stats launched before each copy."""
+ENGINE_NEXT = EngineVariant(step_order="edf", tail_step="fused", d2h_stats_first=False)
+"""The engine issue 11 asks for: earliest deadline first, fused tail step, copy first."""
+ENGINE = ENGINE_TODAY
+"""What the engine implements now (the planner's default; change it when the engine does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +99,8 @@ class ScheduleFacts:
     """Ranks sharing this host's cores."""
     profile: HardwareProfile | None = None
     """Hardware for casting="auto" on a GPU (the cost model); None: the Superchip default."""
+    engine: EngineVariant = ENGINE
+    """The engine's implementation variant (the planner may ask for another: Techniques)."""
 
     def __post_init__(self) -> None:
         if self.model_dtype not in DTYPES:
@@ -89,6 +134,8 @@ class Schedule:
     dp: int
     notes: tuple[str, ...] = ()
     """Why a requested value changed, in plain language."""
+    engine: EngineVariant = ENGINE
+    """Step order, tail step and D2H launch order the schedule runs with."""
 
     @property
     def offloaded_fraction(self) -> float:
@@ -167,7 +214,7 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
     notes += cast_notes
     return Schedule(weights=policy, requested_ratio=float(config.ratio), ratio=ratio,
                     bucket_plan=plan, grad_cast=g, param_cast=p, threads=threads, dp=facts.dp,
-                    notes=tuple(notes))
+                    notes=tuple(notes), engine=facts.engine)
 
 
 def specs_of(numels: Sequence[int], names: Sequence[str] | None = None) -> tuple[ParamSpec, ...]:

@@ -12,17 +12,34 @@
   adaptive_weights  §4.5 honour config.weights ("auto" lets the cost model pick flow vs stationary);
                off = weight-stationary
   kernel       §4.6 "ours" (GraceAdam-class), "deepspeed" (CPUAdam), "torch" (PyTorch CPU Adam)
+  engine       not a technique: how the engine implements the schedule (plan.schedule.
+               EngineVariant: FIFO or earliest-deadline-first stepping, unfused or fused GPU
+               tail step); None = what the engine runs today (plan.schedule.ENGINE)
+
+`resolve` asks the one rule book (plan.schedule.resolve_schedule) what the engine runs for a
+config on the model's real parameter list -- effective ratio (1 under weight-flow, also with
+data parallel), buckets of whole parameters, casting, threads -- and applies the ablation
+switches on top. The "zero-offload" schedule is the peer users run, DeepSpeed ZeRO-2 with
+``offload_optimizer`` (plan/deepspeed.py); "gpu" is plain PyTorch with a fused AdamW.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from superoffload.config import OffloadConfig
 from superoffload.plan import cost
+from superoffload.plan.buckets import BucketPlan
 from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.schedule import (
+    ENGINE,
+    ENGINE_NEXT,
+    EngineVariant,
+    ScheduleFacts,
+    resolve_schedule,
+)
 from superoffload.plan.shapes import ModelShape
 
 Schedule = Literal["superoffload", "zero-offload", "gpu"]
@@ -43,6 +60,8 @@ class Techniques:
     casting: Literal["superchip", "host"] = "superchip"
     adaptive_weights: bool = True
     kernel: cost.Kernel = "ours"
+    engine: EngineVariant | None = None
+    """The engine variant to simulate; None: the one the engine implements (schedule.ENGINE)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rollback_rate <= 1.0:
@@ -51,6 +70,9 @@ class Techniques:
             raise ValueError(f"Techniques.casting={self.casting!r}: use 'superchip' or 'host'")
         if self.kernel not in cost.KERNELS:
             raise ValueError(f"Techniques.kernel={self.kernel!r}: use one of {cost.KERNELS}")
+        if self.engine is not None and not isinstance(self.engine, EngineVariant):
+            raise ValueError(f"Techniques.engine={self.engine!r}: use a plan.schedule."
+                             "EngineVariant (ENGINE_TODAY, ENGINE_NEXT) or None")
 
     def replace(self, **changes: Any) -> Techniques:
         return dataclasses.replace(self, **changes)
@@ -58,19 +80,29 @@ class Techniques:
 
 ZERO_OFFLOAD = Techniques(buckets=False, gpu_tail=False, stv=False, casting="host",
                           adaptive_weights=False, kernel="deepspeed")
-"""ZeRO-Offload (Ren et al. 2021) as the paper describes it: step after backward, whole-model
-transfers of bf16, casts on the CPU, DeepSpeed's CPUAdam, weights stay on the device."""
+"""ZeRO-Offload (Ren et al. 2021) as the paper describes it, on our schedule: step after
+backward, whole-model transfers of bf16, casts on the CPU, DeepSpeed's CPUAdam, weights stay
+on the device. The ablation's starting point; the "zero-offload" *schedule* is the real peer
+(DeepSpeed ZeRO-2 with offload_optimizer, plan/deepspeed.py)."""
+
+ENGINE_FUSED = EngineVariant(step_order=ENGINE.step_order, tail_step="fused",
+                             d2h_stats_first=ENGINE.d2h_stats_first)
+"""The engine with a fused GPU tail step only (plain PyTorch's fused AdamW is one)."""
+__all__ = ["ENGINE_NEXT", "PAPER_CLIP_RATE", "SCHEDULES", "ZERO_OFFLOAD", "Resolved",
+           "Techniques", "resolve"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Resolved:
-    """The concrete schedule one simulation runs (every 'auto' decided)."""
+    """The concrete schedule one simulation runs (every 'auto' decided, every rule applied)."""
 
     schedule: str
     bucket_bytes: int
     """Bytes of fp32 gradient per bucket (4 B/param), as OffloadConfig.bucket_bytes."""
     whole_model_bucket: bool
+    """Ablation (buckets off): the offloaded parameters move and step as one bucket."""
     ratio: float
+    """The effective ratio the buckets were planned with (1 under weight-flow)."""
     speculate: bool
     rollback_rate: float
     grad_cast: str
@@ -80,30 +112,56 @@ class Resolved:
     threads: int
     prefetch_depth: int
     snapshot_rollback: bool
+    bucket_plan: BucketPlan
+    """The engine's bucket table (plan.buckets.plan_buckets over whole parameters)."""
+    engine: EngineVariant = ENGINE
+    requested_ratio: float = 0.9
+    """OffloadConfig.ratio as asked."""
+    model_dtype: str = "bfloat16"
     reasons: tuple[str, ...] = ()
+    host_numel: int = field(init=False, default=0)
+    """Parameters whose fp32 state and step are on the host (whole buckets; derived)."""
+    device_numel: int = field(init=False, default=0)
+    """Parameters stepped on the device (derived)."""
+
+    def __post_init__(self) -> None:
+        host = sum(b.numel for b in self.bucket_plan.buckets if not b.on_device)
+        object.__setattr__(self, "host_numel", host)
+        object.__setattr__(self, "device_numel", self.bucket_plan.total_numel - host)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe fields (the bucket table as counts)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__  # type: ignore[attr-defined]
+                               if k not in ("bucket_plan", "engine")}
+        out["reasons"] = list(self.reasons)
+        out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
+                         "d2h_stats_first": self.engine.d2h_stats_first}
+        plan = self.bucket_plan
+        n_host = sum(1 for b in plan.buckets if not b.on_device)
+        out["buckets"] = {"host": n_host, "device": len(plan.buckets) - n_host,
+                          "largest_numel": max((b.numel for b in plan.buckets), default=0)}
+        return out
 
 
 def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
             config: OffloadConfig | None, techniques: Techniques | None) -> Resolved:
-    """Turn (schedule, config, techniques) into a Resolved schedule; 'auto' fields ask the cost
-    model. `schedule="zero-offload"` ignores `techniques`; "gpu" keeps everything on the device."""
+    """Turn (schedule, config, techniques) into a Resolved schedule: the rule book decides what
+    the engine runs (plan.schedule), then the ablation switches apply. 'auto' fields ask the
+    cost model. "zero-offload" is DeepSpeed ZeRO-2 + offload_optimizer and ignores
+    `techniques` (but its rollback_rate); "gpu" keeps everything on the device."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    from superoffload.plan.guard import check_size  # before any per-parameter work (issue 12)
+
+    check_size(shape, config)
     cfg = (config or OffloadConfig()).validate()
     tech = techniques or Techniques()
     if schedule == "zero-offload":
-        tech = ZERO_OFFLOAD.replace(rollback_rate=tech.rollback_rate)
-    threads = cost.cpu_threads(prof, cfg.cpu_threads, cfg.cpu_cores_frac)
+        from superoffload.plan import deepspeed
+
+        return deepspeed.resolve_zero2(shape, prof, cfg, tech.rollback_rate)
     reasons: list[str] = []
-    bucket_params = cfg.bucket_bytes / 4
-    if tech.casting == "host":
-        grad_cast, param_cast = "host", "host"
-    else:
-        g_auto, p_auto, why = cost.choose_casting(prof, tech.kernel, threads, bucket_params)
-        grad_cast = g_auto if cfg.grad_cast == "auto" else cfg.grad_cast
-        param_cast = p_auto if cfg.param_cast == "auto" else cfg.param_cast
-        if "auto" in (cfg.grad_cast, cfg.param_cast):
-            reasons.append(why)
+    changes: dict[str, Any] = {}
     weights = "stationary"
     if tech.adaptive_weights and schedule == "superoffload":
         if cfg.weights == "auto":
@@ -116,34 +174,54 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
             reasons.append(choice.reason)
         else:
             weights = cfg.weights
-    if weights == "flow" and shape.dp > 1:
-        # the ZeRO engine keeps weights stationary (distributed/zero.py: no weight-flow yet)
-        weights = "stationary"
-        reasons.append("data parallel: weights stay on the device (ZeRO engine has no weight-flow)")
-    if weights == "flow" and param_cast != "host":
-        # weight-flow streams the host's bf16 copy, so the CPU kernel must write it (§4.5)
-        param_cast = "host"
-        reasons.append("weight-flow: weights are cast on the host (the bf16 copy streams in)")
+    if not tech.gpu_tail:
+        changes["ratio"] = 1.0
+    if schedule == "gpu":
+        changes["ratio"] = 0.0
+    if tech.casting == "host":
+        changes.update(grad_cast="host", param_cast="host")
+    elif tech.kernel != "ours" and "auto" in (cfg.grad_cast, cfg.param_cast) \
+            and prof.device_type == "cuda":
+        # the rule book's "auto" asks the cost model for our kernel; an ablation with another
+        # kernel asks it for that kernel (which fuses fewer casts)
+        threads = cost.cpu_threads(prof, cfg.cpu_threads, cfg.cpu_cores_frac)
+        g, p, why = cost.choose_casting(prof, tech.kernel, threads, cfg.bucket_bytes / 4)
+        changes.update(grad_cast=g if cfg.grad_cast == "auto" else cfg.grad_cast,
+                       param_cast=p if cfg.param_cast == "auto" else cfg.param_cast)
+        reasons.append(why)
+    engine = tech.engine or ENGINE
+    if schedule == "gpu":
+        engine = ENGINE_FUSED  # plain PyTorch: torch.optim.AdamW(fused=True)
+    facts = ScheduleFacts(params=shape.param_specs(), model_dtype=shape.dtype,
+                          device_type=prof.device_type, dp=shape.dp,
+                          usable_cores=prof.cpu_cores, local_ranks=1, profile=prof,
+                          engine=engine)
+    # prof is already this rank's share of the host (parallel.rank_profile), hence local_ranks=1
+    rules = resolve_schedule(cfg.replace(**changes) if changes else cfg, facts, weights=weights)
+    reasons.extend(rules.notes)
     if cfg.speculation == "adaptive":
         speculate = tech.stv and tech.rollback_rate < cfg.adaptive_threshold
     else:
         speculate = tech.stv and cfg.speculation == "on"
-    ratio = cfg.ratio if tech.gpu_tail else 1.0
     if schedule == "gpu":
-        ratio, speculate = 0.0, False
+        speculate = False
     return Resolved(
         schedule=schedule,
         bucket_bytes=int(cfg.bucket_bytes),
         whole_model_bucket=not tech.buckets,
-        ratio=float(ratio),
+        ratio=float(rules.ratio),
         speculate=bool(speculate),
         rollback_rate=tech.rollback_rate,
-        grad_cast=grad_cast,
-        param_cast=param_cast,
-        weights=weights,
+        grad_cast=rules.grad_cast,
+        param_cast=rules.param_cast,
+        weights=rules.weights,
         kernel=tech.kernel,
-        threads=threads,
+        threads=rules.threads,
         prefetch_depth=cfg.prefetch_depth,
         snapshot_rollback=cfg.rollback == "snapshot",
+        bucket_plan=rules.bucket_plan,
+        engine=rules.engine,
+        requested_ratio=float(cfg.ratio),
+        model_dtype=shape.dtype,
         reasons=tuple(reasons),
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 from superoffload.config import MiB, OffloadConfig
 from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.schedule import EngineVariant
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import SimResult, simulate
 from superoffload.plan.techniques import PAPER_CLIP_RATE, Techniques
@@ -43,6 +44,8 @@ class Constraints:
     """OffloadConfig fields to keep as given, e.g. {"ratio": 0.9, "weights": "stationary"}."""
     bucket_choices: tuple[int, ...] = BUCKET_CHOICES
     ratio_choices: tuple[float, ...] = RATIO_CHOICES
+    engine: EngineVariant | None = None
+    """The engine variant to tune for; None: the one the engine implements (schedule.ENGINE)."""
 
     def apply(self, prof: HardwareProfile) -> HardwareProfile:
         changes: dict[str, Any] = {}
@@ -74,7 +77,7 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
     shape = _as_shape(model_or_shape, seq, micro_batch)
     cons = constraints or Constraints()
     eff = cons.apply(prof)
-    tech = Techniques(rollback_rate=cons.rollback_rate)
+    tech = Techniques(rollback_rate=cons.rollback_rate, engine=cons.engine)
     base = OffloadConfig(max_grad_norm=cons.max_grad_norm).replace(**cons.fixed)
     cache: dict[tuple, SimResult] = {}
 

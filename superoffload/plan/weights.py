@@ -14,8 +14,10 @@ so long sequences hide the fetch and their activations crowd device memory. The 
    resident bf16 weights + gradients of stationary); stationary otherwise (same speed, no
    per-block traffic, nothing to go wrong).
 
-The engine's ``weights="auto"`` calls this (runtime/weights.py). ``techniques.resolve`` keeps
-its own simpler rule for simulations (efficiency only).
+The engine's ``weights="auto"`` calls this (runtime/weights.py), and so does the planner's
+``techniques.resolve`` for a simulated "auto"; what weight-flow implies (every bucket
+offloaded, weights cast on the host, also under data parallel) is the rule book's
+(plan/schedule.py).
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import SimResult, simulate
 
 FLOW_MIN_EFFICIENCY = 0.98
-"""Weight-flow counts as free when at most 2% of its compute is exposed transfer (the
-threshold plan/techniques.py uses for weights="auto")."""
+"""Weight-flow counts as free when at most 2% of its compute is exposed transfer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +72,8 @@ def choose_weights(shape: ModelShape, prof: HardwareProfile, config: OffloadConf
         prof = prof.replace(device_memory_bytes=float(device_memory_bytes))
     base = (config or OffloadConfig()).replace(weights="stationary", extra={})
     stat: SimResult = simulate(shape, prof, "superoffload", base)
-    # the engine runs weight-flow with every bucket on the host (ratio 1, host-side casting)
-    flow: SimResult = simulate(shape, prof, "superoffload",
-                               base.replace(weights="flow", ratio=1.0, param_cast="host"))
+    # the rule book runs weight-flow with every bucket on the host, weights cast on the host
+    flow: SimResult = simulate(shape, prof, "superoffload", base.replace(weights="flow"))
     eff = cost.weight_flow_efficiency(shape, prof)
     act = shape.activation_bytes()
     parts = stat.memory_detail.device_parts

@@ -1,0 +1,178 @@
+"""The hardware profile type: what the cost model and the simulator know about one machine.
+
+Plain data (DESIGN.md §5): device compute, device and host memory, the link per direction as
+a function of message size, cast rates on each side, CPU Adam throughput per core count, the
+host memory bus. Presets live in plan/profiles.py; ``measure_local`` (plan/measure.py) and
+``calibrate`` (plan/calibrate.py) build profiles of a real machine.
+
+Units: bytes, seconds, GB/s = 1e9 B/s, TFLOPS = 1e12 FLOP/s, params/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+GB = 1e9
+GiB = float(1 << 30)
+
+# Bytes one fp32 Adam step touches per parameter: read p, g, m, v (16 B), write p, m, v (12 B).
+# DESIGN.md §4; the step is memory-bandwidth bound, so time ~ bytes / bandwidth.
+ADAM_BYTES_PER_PARAM = 28
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    """One machine: a device (GPU, or the CPU itself) attached to a host CPU."""
+
+    name: str
+    """Short key, e.g. "gh200"."""
+    device_name: str
+    """Human name of the device, e.g. "H100 (GH200 Hopper)"."""
+    cpu_name: str
+    """Human name of the host CPU."""
+    device_peak_tflops: float
+    """Dense bf16 peak of the device (vendor figure)."""
+    device_achieved_tflops: float
+    """What transformer training matmuls reach in practice (the compute rate the model uses)."""
+    device_memory_bytes: float
+    """Device memory (HBM); for a shared-memory machine, the same pool as host memory."""
+    device_mem_bw_gbps: float
+    """Device memory bandwidth; bounds the device optimizer step (28 B/param)."""
+    host_memory_bytes: float
+    """Host memory usable for optimizer state and staging buffers."""
+    host_mem_bw_gbps: float
+    """Host memory bus bandwidth: bytes that really cross the bus per second, write-allocate
+    reads included (``measure_local`` counts a copy as 3 B per byte copied where stores
+    allocate; STREAM's own counts leave that read out, McCalpin's STREAM FAQ). Shared by the
+    CPU Adam step and both DMA directions (the host-memory lane, plan/cost.py)."""
+    cpu_cores: int
+    """Physical cores of the host."""
+    cpu_adam_params_per_s_per_core: float
+    """Our CPU Adam kernel, fp32, one core (before the bandwidth cap)."""
+    cpu_adam_bw_efficiency: float = 0.7
+    """Fraction of host_mem_bw_gbps the host traffic (Adam step + DMA) reaches with all
+    cores: the cap of the host-memory lane, applied with or without a measured table."""
+    cpu_adam_table: tuple[tuple[int, float], ...] = ()
+    """Measured (threads, params/s) points of our kernel, DRAM-resident in the engine's
+    variant (``measure_local``); they replace the per-core model, and the host-memory cap
+    still applies on top (plan/cost.py)."""
+    deepspeed_adam_relative: float = 0.082 / 0.098
+    """DeepSpeed CPUAdam throughput relative to ours (FACTS.md: Grace, 1B params, 0.098 vs 0.082 s)."""
+    torch_adam_relative: float = 0.082 / 0.289
+    """PyTorch CPU Adam throughput relative to ours (FACTS.md: Grace, 0.289 vs 0.082 s)."""
+    h2d_gbps: float
+    """Link peak, host to device, per direction."""
+    d2h_gbps: float
+    """Link peak, device to host, per direction."""
+    link_latency_s: float = 10e-6
+    """Fixed cost of one transfer; with peak it gives bandwidth(size) = size / (lat + size/peak)."""
+    h2d_table: tuple[tuple[float, float], ...] = ()
+    """Measured (message bytes, GB/s) points, H2D; interpolated in log(size) when present."""
+    d2h_table: tuple[tuple[float, float], ...] = ()
+    """Measured (message bytes, GB/s) points, D2H."""
+    device_cast_gelems: float
+    """fp32<->bf16 casts on the device, 1e9 elements/s."""
+    host_cast_gelems: float
+    """fp32<->bf16 casts on the host as a separate pass, 1e9 elements/s, all cores."""
+    collective_gbps: float = 50.0
+    """Bandwidth one rank reaches in a ring collective (NCCL "bus bandwidth"), per direction,
+    GB/s: the slowest hop between data-parallel ranks (NVLink inside an NVL domain, the NIC
+    across nodes). The planner's reduce-scatter / all-gather model (plan/parallel.py)."""
+    collective_latency_s: float = 10e-6
+    """Fixed cost of one ring step of a collective (a ring over N ranks takes N - 1 steps)."""
+    device_launch_s: float = 10e-6
+    """Fixed cost of one device-side operation (kernel launch, event record)."""
+    cpu_call_s: float = 30e-6
+    """Fixed cost of one CPU optimizer call on one bucket (hand-off, thread wake-up)."""
+    shared_memory: bool = False
+    """True when device and host draw on one memory pool (APU, or a CPU-only machine)."""
+    device_type: str = "cuda"
+    """"cpu" when the device is the CPU itself (the engine's CPU backend: ``cpu-laptop`` and
+    CPU-only ``measure_local`` profiles), else "cuda". The rule book (plan/schedule.py)
+    takes it as ``ScheduleFacts.device_type``, as the engine passes its backend's."""
+    host_write_allocate: bool = True
+    """A store to a cache line not in cache first reads it (x86 write-allocate), so a
+    write-only output (the kernel's bf16 weight copy, a cast's destination) costs its bytes
+    twice on the host memory bus. False for cores that detect streaming writes (Arm
+    Neoverse "write streaming mode"). Used by the host-memory lane (plan/cost.py)."""
+    flags: tuple[str, ...] = ()
+    """Inconsistencies found while building the profile (e.g. by ``measure_local``: a CPU
+    Adam rate the measured host bandwidth cannot carry). Reported, never silently fixed."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """(field, source) pairs; a source starting with "estimate" is not a published figure."""
+    notes: str = ""
+    """Free text: what the profile stands for, caveats."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Measurement details (e.g. raw timings of measure_local); never read by the model."""
+
+    def validate(self) -> HardwareProfile:
+        """Raise ValueError naming the field when a figure is missing, negative or inconsistent."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and (not math.isfinite(float(value)) or value < 0):
+                raise ValueError(
+                    f"HardwareProfile({self.name}).{f.name}={value!r}: use a finite number >= 0"
+                )
+        positive = (
+            "device_peak_tflops", "device_achieved_tflops", "device_memory_bytes",
+            "device_mem_bw_gbps", "host_memory_bytes", "host_mem_bw_gbps", "cpu_cores",
+            "cpu_adam_params_per_s_per_core", "cpu_adam_bw_efficiency", "deepspeed_adam_relative",
+            "torch_adam_relative", "h2d_gbps", "d2h_gbps", "device_cast_gelems",
+            "host_cast_gelems", "collective_gbps",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"HardwareProfile({self.name}).{name} must be > 0 (figure missing?)")
+        if self.device_achieved_tflops > self.device_peak_tflops:
+            raise ValueError(
+                f"HardwareProfile({self.name}).device_achieved_tflops="
+                f"{self.device_achieved_tflops} exceeds device_peak_tflops={self.device_peak_tflops}"
+            )
+        if self.cpu_adam_bw_efficiency > 1:
+            raise ValueError(f"HardwareProfile({self.name}).cpu_adam_bw_efficiency must be <= 1")
+        for tname in ("h2d_table", "d2h_table", "cpu_adam_table"):
+            for point in getattr(self, tname):
+                if len(point) != 2 or not all(p > 0 for p in point):
+                    raise ValueError(
+                        f"HardwareProfile({self.name}).{tname} holds {point!r}: use (x, y) pairs > 0"
+                    )
+        if not self.name:
+            raise ValueError("HardwareProfile.name is empty: give the profile a key")
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"HardwareProfile({self.name}).device_type={self.device_type!r}: "
+                             f"use one of {DEVICE_TYPES}")
+        return self
+
+    def replace(self, **changes: Any) -> HardwareProfile:
+        """A validated copy with `changes` applied (e.g. h2d_gbps=900 for a what-if)."""
+        return dataclasses.replace(self, **changes).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (tables become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        """Inverse of `to_dict`; unknown keys raise ValueError naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown HardwareProfile key(s) {unknown}; known: {sorted(names)}")
+        fixed = dict(data)
+        if "flags" in fixed:
+            fixed["flags"] = tuple(fixed["flags"])
+        for key in ("h2d_table", "d2h_table", "cpu_adam_table", "sources"):
+            if key in fixed:
+                fixed[key] = tuple(tuple(p) for p in fixed[key])
+        return cls(**fixed).validate()
+
+    def is_estimate(self, field_name: str) -> bool:
+        """True when the figure's source is marked as our estimate (or is not cited)."""
+        src = dict(self.sources).get(field_name)
+        return src is None or src.lower().startswith("estimate")
