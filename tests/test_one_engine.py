@@ -21,7 +21,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.config import OffloadConfig
-from superoffload.plan.schedule import ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import ENGINE_NEXT, ScheduleFacts, resolve_schedule
 from superoffload.runtime import steps
 from superoffload.runtime.errors import EngineError
 from superoffload.runtime.transfers import H2DTask
@@ -192,7 +192,8 @@ def test_the_engine_runs_the_rule_books_schedule(weights: str) -> None:
     cfg = CFG.replace(ratio=0.5, weights=weights)
     with so.initialize(model, HYPER, cfg) as engine:
         facts = ScheduleFacts(params=engine.state.param_specs(), model_dtype="float32",
-                              device_type="cpu", usable_cores=usable_cores())
+                              device_type="cpu", usable_cores=usable_cores(),
+                              engine=ENGINE_NEXT)  # what the engine runs (plan/schedule.py)
         want = resolve_schedule(cfg, facts)
         got = engine.schedule
         assert got.bucket_table() == want.bucket_table()

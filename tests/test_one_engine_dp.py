@@ -13,7 +13,7 @@ from _one_engine_worker import HYPER, Sparse, sparse_data
 from _tiny_models import make_model
 
 from superoffload.config import OffloadConfig
-from superoffload.plan.schedule import ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import ENGINE_NEXT, ScheduleFacts, resolve_schedule
 from superoffload.runtime.state import EngineState
 from superoffload.threads import usable_cores
 
@@ -35,7 +35,7 @@ def test_zero_runs_the_rule_books_schedule_at_dp2(tmp_path: Path) -> None:
     specs = EngineState.from_model(model, [{"params": list(model.parameters())}]).param_specs()
     for name, fields in configs.items():
         facts = ScheduleFacts(params=specs, model_dtype="float32", device_type="cpu", dp=2,
-                              usable_cores=usable_cores(), local_ranks=2)
+                              usable_cores=usable_cores(), local_ranks=2, engine=ENGINE_NEXT)
         want = resolve_schedule(OffloadConfig(**fields), facts)
         row = got[name]
         assert row["dp"] == 2 and row["weights"] == want.weights

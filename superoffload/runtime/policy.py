@@ -19,13 +19,10 @@ def default_profile(device_type: str) -> HardwareProfile:
     from superoffload.plan import profiles
 
     if device_type == "cpu":
-        import socket
+        from superoffload.plan.measure import cached_profile
 
-        from superoffload.plan.measure import cache_dir, measure_local
-
-        if (cache_dir() / f"profile-{socket.gethostname()}.json").exists():
-            return measure_local(progress=False)  # cached: instant
-        return profiles.get("cpu-laptop")
+        hit = cached_profile()  # never measures inside initialize()
+        return hit if hit is not None else profiles.get("cpu-laptop")
     return profiles.get("h200-pcie")
 
 
