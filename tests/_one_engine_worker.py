@@ -93,7 +93,8 @@ def main() -> None:
     (out / f"pid_rank{rank}.txt").write_text(str(os.getpid()))
     torch.set_num_threads(1)
     info = init_distributed(backend="gloo", timeout_s=float(args.get("timeout_s", 60)))
-    {"schedule": scenario_schedule, "sparse": scenario_sparse, "stall": scenario_stall}[scenario](
+    {"schedule": scenario_schedule, "sparse": scenario_sparse, "stall": scenario_stall,
+     "ckptfail": scenario_ckptfail}[scenario](
         out, info.rank, info.world_size, args)
     shutdown()
 
@@ -135,6 +136,35 @@ def scenario_stall(out: Path, rank: int, world: int, args: dict[str, Any]) -> No
     record["close_seconds"] = time.monotonic() - t1
     (out / "stall_rank0.json").write_text(json.dumps(record))
     os._exit(0)  # skip the process-group teardown with a stopped peer
+
+
+
+def scenario_ckptfail(out: Path, rank: int, world: int, args: dict[str, Any]) -> None:
+    """Rank 1 cannot write its checkpoint file: every rank must raise at once (none waits)."""
+    import time
+
+    from superoffload.distributed.zero import checkpoint
+
+    model = make_model(0)
+    cfg = OffloadConfig(device="cpu", bucket_bytes=4096, ratio=0.8, cpu_threads=1,
+                        telemetry=False)
+    with ZeroOffloadEngine(model, HYPER, cfg) as engine:
+        x, y = batches(1, seed=1, batch=2, seq=12)[0]
+        engine.backward(model(x, y))
+        engine.step()
+        if rank == 1:
+            def full_disk(payload: Any, final: str) -> Any:
+                raise OSError(28, "No space left on device")
+            checkpoint.write_atomic = full_disk  # type: ignore[assignment]
+        t0 = time.monotonic()
+        try:
+            engine.save_checkpoint(str(out / "ckpt"))
+            record: dict[str, Any] = {"error": None}
+        except OSError as exc:
+            record = {"error": str(exc)}
+        record["seconds"] = time.monotonic() - t0
+        record["manifest"] = (out / "ckpt" / "manifest.json").exists()
+    (out / f"ckptfail_rank{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -25,3 +25,15 @@ def test_a_stalled_rank_fails_the_survivor_within_the_timeout(tmp_path: Path) ->
     # the collective's own timeout ended it (before the fix: still blocked after 500 s)
     assert record["seconds"] < TIMEOUT_S + 10, record
     assert record["close_seconds"] < 8, record
+
+
+def test_a_checkpoint_write_failing_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+    results = run_ranks("ckptfail", 2, tmp_path, timeout_s=90, worker=WORKER,
+                        args={"timeout_s": 60})
+    for r in results:
+        assert r.returncode == 0, r.log[-4000:]
+    rank0 = json.loads((tmp_path / "ckptfail_rank0.json").read_text())
+    rank1 = json.loads((tmp_path / "ckptfail_rank1.json").read_text())
+    assert "No space left" in rank1["error"]
+    assert "rank(s) [1] could not write" in rank0["error"]
+    assert rank0["seconds"] < 30 and not rank0["manifest"]  # no wait for the 60 s timeout

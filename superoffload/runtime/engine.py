@@ -149,7 +149,7 @@ class OffloadEngine:
         return self.state.schedule
 
     @property
-    def bucket_plan(self) -> Any:
+    def bucket_plan(self) -> Any:  # the schedule's buckets
         return self.schedule.bucket_plan
 
     @property
@@ -206,11 +206,11 @@ class OffloadEngine:
     def _hypers(self) -> list[AdamHyper]:
         return hypers_of(self.optimizer.param_groups)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-step; offloads buckets as their gradients become final.
-
-        Interrupted (an exception, Ctrl-C), the iteration is undone: speculative steps are
-        rolled back (docs/failure_semantics.md)."""
+        ``scale_wrt_gas`` (DeepSpeed's name): False when the caller already divided the loss
+        by ``grad_accum_steps``. Interrupted, the iteration is rolled back (docs/failure_
+        semantics.md)."""
         self.raise_if_failed()
         it = self.scheduler.current
         if it.micro_step >= self.config.grad_accum_steps:
@@ -223,7 +223,7 @@ class OffloadEngine:
         if it.micro_step == 0:
             self.reconfigurer.apply_pending()
         it = self.scheduler.begin_micro_step(self._hypers)
-        scale = self.scaler.loss_scale / self.config.grad_accum_steps
+        scale = self.scaler.loss_scale / (self.config.grad_accum_steps if scale_wrt_gas else 1)
         try:
             try:
                 with self.telemetry.device_span(LANE_COMPUTE, KIND_BACKWARD,
@@ -313,8 +313,7 @@ class OffloadEngine:
         return {self.state.names[i]: s.master for i, s in self.export_states().items()}
 
     def resident_weights(self) -> contextlib.AbstractContextManager[None]:
-        """Within it every streamed block is resident (weight-flow; a no-op otherwise):
-        model.state_dict() / load_state_dict() see the real weights (checkpoints)."""
+        """Every streamed block resident inside (weight-flow; else a no-op): checkpoints."""
         return self.weights.resident()
 
     def restore(self, states: Mapping[int, ParamState]) -> None:

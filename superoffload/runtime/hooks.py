@@ -62,11 +62,12 @@ def _timeline_hooks(model: torch.nn.Module, ref: weakref.ref[IterationScheduler]
             return
         if raise_if_failed is not None:
             raise_if_failed()
-        start.append(sched.recorder.mark())  # the device's clock (recorder.py)
+        if torch.is_grad_enabled():  # evaluation forwards stay out of the training timeline
+            start.append(sched.recorder.mark())  # the device's clock (recorder.py)
 
     def forward_end(module: torch.nn.Module, args: Any, output: Any) -> None:
         sched = ref()
-        if sched is None or module is not owner():
+        if sched is None or module is not owner() or not torch.is_grad_enabled():
             return
         end = sched.recorder.mark()
         sched.recorder.add_marks(LANE_COMPUTE, KIND_FORWARD, start.pop() if start else end,

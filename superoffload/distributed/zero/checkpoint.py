@@ -87,10 +87,22 @@ def save(engine: ShardedCheckpointable, path: str, *, extra: Any = None,
                                  for k, v in engine.model.state_dict().items() if k not in trained}
         payload["extra"] = extra
         payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
-    digest = write_atomic(payload, os.path.join(path, rank_file(engine.rank, engine.world_size)))
+    error: Exception | None = None
+    try:
+        sha: str | None = write_atomic(
+            payload, os.path.join(path, rank_file(engine.rank, engine.world_size))).sha256
+    except Exception as exc:  # every rank learns of it below: none waits for a failed one
+        error, sha = exc, None
     digests: list[Any] = [None] * engine.world_size  # also the barrier: every file is in place
     with collective_guard("all_gather_object (checkpoint checksums)", engine.zero.grad_group):
-        dist.all_gather_object(digests, digest.sha256, group=engine.zero.grad_group)
+        dist.all_gather_object(digests, sha, group=engine.zero.grad_group)
+    if error is not None:
+        raise error
+    failed = [r for r, d in enumerate(digests) if d is None]
+    if failed:
+        raise OSError(f"sharded checkpoint {path}: rank(s) {failed} could not write their file "
+                      "(see their logs); the previous manifest, if any, still names a complete "
+                      "checkpoint")
     if engine.rank == 0:
         files = [rank_file(r, engine.world_size) for r in range(engine.world_size)]
         manifest = {
