@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # command module names, in the order `--help` lists them
-COMMANDS = ("train", "bench", "plan")
+COMMANDS = ("train", "bench", "plan", "fit")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,11 +9,31 @@ Accepted (DeepSpeed's names and meanings, docs: deepspeed.ai/docs/config-json):
 with ``device``, ``pin_memory``, ``ratio``, ``super_offload``, ``cpuadam_cores_perc``), a few
 logging keys that do not affect training, and a ``superoffload`` section holding any
 OffloadConfig field. Anything else, or a contradiction, is a ``ConfigError`` naming the key.
+
+Types are strict, as JSON gives them: booleans must be ``true``/``false`` (the string
+``"false"`` is truthy in Python and would silently keep speculation on), counts whole
+numbers, rates finite numbers.
+
+``zero_optimization.stage`` takes DeepSpeed's values 0-3 and means, for this engine:
+
+- 0: no ZeRO partitioning; only valid without optimizer offload (``offload_optimizer``
+  absent or ``device: "none"``: every bucket is stepped on the device, ratio 0), as in
+  DeepSpeed, whose optimizer offload needs stage >= 1;
+- 1, 2, 3: the offload schedule. One process keeps the whole fp32 optimizer state on the
+  host; under data parallel (``distributed.zero.ZeroOffloadEngine``) gradients are
+  reduce-scattered and each rank keeps and steps its shard of the optimizer state, i.e.
+  ZeRO stage 2 for 1 and 2. Stage 3 (the SuperOffload tutorial's setting) is accepted with
+  the same meaning: the engine does not partition the bf16 weights across ranks; to keep
+  weights off the device, use weight-flow (``superoffload: {"weights": "flow"}``).
+
+The precision (``bf16.enabled`` / ``fp16.enabled``, else fp32) becomes
+``OffloadConfig.precision``, which the engine checks against the model's parameters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +50,8 @@ _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "h
          "min_loss_scale", "auto_cast"}
 _BF16 = {"enabled"}
 _OPT_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
+STAGES = (0, 1, 2, 3)
+"""``zero_optimization.stage`` values accepted (their meaning: the module docstring)."""
 
 
 def _section(d: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:
@@ -37,6 +59,48 @@ def _section(d: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{path}{key}: expected a dict, got {type(value).__name__}")
     return dict(value)
+
+
+def _bool(d: Mapping[str, Any], key: str, path: str, default: bool = False) -> bool:
+    """A JSON boolean; a string such as "false" (truthy in Python) is refused."""
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}{key}={value!r} is a {type(value).__name__}: use true or "
+                          "false (a JSON boolean, not a string or a number)")
+    return value
+
+
+def _int(d: Mapping[str, Any], key: str, path: str, *, low: int) -> int:
+    """A whole number >= low (an integral float such as 5e8 is accepted, as JSON writes it)."""
+    value = d[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{path}{key}={d[key]!r}: use a whole number >= {low}")
+    return value
+
+
+def _real(d: Mapping[str, Any], key: str, path: str, default: float = 0.0) -> float:
+    """A finite number >= 0."""
+    value = d.get(key, default)
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        raise ConfigError(f"{path}{key}={value!r}: use a finite number >= 0")
+    return float(value)
+
+
+def _stage(zero: Mapping[str, Any], offloads: bool) -> int | None:
+    if "stage" not in zero:
+        return None
+    stage = zero["stage"]
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in STAGES:
+        raise ConfigError(f"zero_optimization.stage={stage!r}: use 0, 1, 2 or 3 (a number; "
+                          "the engine's meaning of each: superoffload/ds_config.py)")
+    if stage == 0 and offloads:
+        raise ConfigError("zero_optimization.stage=0 with offload_optimizer.device='cpu': "
+                          "optimizer offload needs ZeRO stage 1, 2 or 3 (as in DeepSpeed); "
+                          "set stage 2, or offload_optimizer.device 'none'")
+    return stage
 
 
 def _unknown(d: Mapping[str, Any], known: set[str], path: str) -> None:
@@ -54,25 +118,35 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]
     _unknown(ds, _TOP, "")
     fields: dict[str, Any] = {}
 
-    gas = ds.get("gradient_accumulation_steps", 1)
+    for key in ("wall_clock_breakdown", "zero_allow_untested_optimizer"):
+        if key in ds:
+            _bool(ds, key, "")
+    counts = {key: _int(ds, key, "", low=1) for key in (
+        "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
+        if key in ds}
+    gas = counts.get("gradient_accumulation_steps", 1)
     fields["grad_accum_steps"] = gas
-    micro, total = ds.get("train_micro_batch_size_per_gpu"), ds.get("train_batch_size")
+    micro, total = counts.get("train_micro_batch_size_per_gpu"), counts.get("train_batch_size")
     if micro is not None and total is not None and total != micro * gas:
         raise ConfigError(
             f"train_batch_size={total} contradicts train_micro_batch_size_per_gpu={micro} x "
             f"gradient_accumulation_steps={gas} (one process); drop one of them"
         )
-    clip = ds.get("gradient_clipping", 0.0)
+    clip = _real(ds, "gradient_clipping", "")
     fields["max_grad_norm"] = clip if clip else None
 
     fp16, bf16 = _section(ds, "fp16", ""), _section(ds, "bf16", "")
     _unknown(fp16, _FP16, "fp16.")
     _unknown(bf16, _BF16, "bf16.")
-    if fp16.get("enabled") and bf16.get("enabled"):
+    fp16_on, bf16_on = _bool(fp16, "enabled", "fp16."), _bool(bf16, "enabled", "bf16.")
+    if "auto_cast" in fp16:
+        _bool(fp16, "auto_cast", "fp16.")
+    if fp16_on and bf16_on:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable one precision")
-    precision = "fp16" if fp16.get("enabled") else "bf16" if bf16.get("enabled") else "fp32"
-    if fp16.get("enabled"):
-        scale = fp16.get("loss_scale", 0)
+    precision = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
+    fields["precision"] = precision
+    if fp16_on:
+        scale = _real(fp16, "loss_scale", "fp16.")
         if scale:
             fields.update(loss_scale="none", static_loss_scale=float(scale))
         else:
@@ -85,11 +159,15 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]
 
     zero = _section(ds, "zero_optimization", "")
     _unknown(zero, _ZERO, "zero_optimization.")
-    if "reduce_bucket_size" in zero:
-        fields["bucket_bytes"] = int(zero["reduce_bucket_size"]) * 4  # elements -> fp32 bytes
+    for key in ("overlap_comm", "contiguous_gradients"):
+        if key in zero:
+            _bool(zero, key, "zero_optimization.")
+    if "reduce_bucket_size" in zero:  # elements -> bytes of fp32 gradient
+        fields["bucket_bytes"] = _int(zero, "reduce_bucket_size", "zero_optimization.", low=1) * 4
     off = _section(zero, "offload_optimizer", "zero_optimization.")
     _unknown(off, _OFFLOAD, "zero_optimization.offload_optimizer.")
     device = off.get("device", "cpu" if off else "none")
+    _stage(zero, offloads=device == "cpu")
     if device not in ("cpu", "none"):
         raise ConfigError(
             f"zero_optimization.offload_optimizer.device={device!r}: use 'cpu' (or 'none'); "
@@ -103,11 +181,12 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]
         fields["ratio"] = 0.0
     elif "ratio" in off:
         fields["ratio"] = off["ratio"]
+    path = "zero_optimization.offload_optimizer."
     if "pin_memory" in off:
-        fields["pin_memory"] = off["pin_memory"]
+        fields["pin_memory"] = _bool(off, "pin_memory", path)
     if "cpuadam_cores_perc" in off:
         fields["cpu_cores_frac"] = off["cpuadam_cores_perc"]
-    if off.get("super_offload") is False:
+    if not _bool(off, "super_offload", path, default=True):
         fields["speculation"] = "off"  # ZeRO-Offload schedule: step after validation
 
     overrides = _section(ds, "superoffload", "")
@@ -119,9 +198,8 @@ def from_deepspeed(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]
                 f"superoffload.{key}={value!r} contradicts the DeepSpeed setting that gives {fields[key]!r}"
             )
     fields.update(overrides)
-    fields["extra"] = {**fields.get("extra", {}), "deepspeed_precision": precision}
     if micro is not None:
-        fields["extra"]["train_micro_batch_size_per_gpu"] = micro
+        fields["extra"] = {**fields.get("extra", {}), "train_micro_batch_size_per_gpu": micro}
     try:
         config = OffloadConfig(**fields).validate()
     except TypeError as exc:  # a wrong type that the dataclass constructor rejects
@@ -138,13 +216,16 @@ def _optimizer(ds: Mapping[str, Any]) -> dict[str, Any]:
     params = _section(opt, "params", "optimizer.")
     _unknown(params, _OPT_PARAMS, "optimizer.params.")
     out: dict[str, Any] = {}
+    for key in ("bias_correction", "adam_w_mode", "torch_adam"):
+        if key in params:
+            _bool(params, key, "optimizer.params.")
     for key in ("lr", "eps", "weight_decay", "bias_correction"):
         if key in params:
             out[key] = params[key]
     if "betas" in params:
         out["betas"] = tuple(params["betas"])
     # DeepSpeed: "AdamW" is decoupled decay; "Adam" follows adam_w_mode, default True.
-    adamw = True if kind.lower() == "adamw" else bool(params.get("adam_w_mode", True))
+    adamw = True if kind.lower() == "adamw" else params.get("adam_w_mode", True)
     if kind.lower() == "adamw" and params.get("adam_w_mode") is False:
         raise ConfigError("optimizer.params.adam_w_mode=false contradicts optimizer.type='AdamW'")
     out["adamw_mode"] = adamw

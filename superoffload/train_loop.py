@@ -103,6 +103,31 @@ class StepInfo:
     """Recent share of CPU optimizer time hidden behind device compute (nan when unknown)."""
 
 
+@dataclass(kw_only=True, slots=True)
+class Progress:
+    """Where a run stands after `step` optimizer steps: what a checkpoint carries besides the
+    engine, so a resumed run continues the same history (first_loss, final_loss, the lr
+    curve) and `train()` returns what an uninterrupted run returns."""
+
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "losses": list(self.losses), "lrs": list(self.lrs),
+                "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Progress:
+        step = int(data["step"])
+        losses, lrs = [float(v) for v in data["losses"]], [float(v) for v in data["lrs"]]
+        if step < 0 or len(losses) != step or len(lrs) != step:
+            raise ValueError(f"Progress: {len(losses)} losses and {len(lrs)} lrs for step "
+                             f"{step}; the record is damaged")
+        return cls(step=step, losses=losses, lrs=lrs, tokens=int(data["tokens"]))
+
+
 @dataclass
 class TrainResult:
     """What a run did. `to_dict()` is the JSON the CLI prints."""
@@ -122,6 +147,15 @@ class TrainResult:
     summary: Summary | None = None
     spans: list[Span] = field(default_factory=list, repr=False)
     """The training iterations' telemetry spans (evaluation forwards excluded)."""
+    start_step: int = 0
+    """Steps already done when this call began (a resumed run); `steps` counts them too."""
+    stopped: bool = False
+    """`should_stop` ended the run before `TrainSettings.steps`; no evaluation was run."""
+
+    def progress(self) -> Progress:
+        """The history as a `Progress` (what a checkpoint of this point saves)."""
+        return Progress(step=self.steps, losses=list(self.losses), lrs=list(self.lrs),
+                        tokens=self.tokens)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("steps", "first_loss", "final_loss", "val_loss",
@@ -180,6 +214,17 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer,
+                   settings: TrainSettings) -> torch.optim.lr_scheduler.LambdaLR:
+    """The loop's learning-rate schedule (`lr_factor`) as a torch LR scheduler, so a
+    checkpoint can save and restore it (`engine.save_checkpoint(lr_scheduler=...)`)."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, steps=settings.steps, warmup_steps=settings.warmup_steps,
+                            min_lr_frac=settings.min_lr_frac),
+    )
+
+
 def train(
     engine: EngineLike,
     model: torch.nn.Module,
@@ -189,30 +234,46 @@ def train(
     val_batches: Batches | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
     loss_reduce: LossReduce | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    progress: Progress | None = None,
+    checkpoint_every: int = 0,
+    on_checkpoint: Callable[[Progress], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> TrainResult:
-    """Train for `settings.steps` optimizer steps; return losses, throughput and a telemetry
-    summary. The learning rate follows `lr_factor` via `torch.optim.lr_scheduler.LambdaLR`
-    on `engine.optimizer` (the engine keeps torch's optimizer contract). `loss_reduce` maps a
-    rank's (detached) loss to the one recorded, e.g. the mean over the ranks of a
-    distributed run (every rank must then call it: it is a collective)."""
+    """Train until `settings.steps` optimizer steps are done; return losses, throughput and a
+    telemetry summary. The learning rate follows `lr_factor` via `make_scheduler` on
+    `engine.optimizer` (the engine keeps torch's optimizer contract) unless `scheduler` is
+    given. `loss_reduce` maps a rank's (detached) loss to the one recorded, e.g. the mean over
+    the ranks of a distributed run (every rank must then call it: it is a collective).
+
+    Resuming: pass the `progress` saved with a checkpoint (and the scheduler and batches
+    restored from it); the loop continues at `progress.step` and the result covers the whole
+    run. `on_checkpoint(progress)` runs after every `checkpoint_every`-th step, then
+    `should_stop()` after every step but the last: when it answers True the loop ends there
+    with `stopped=True` and no evaluation. Under data parallel every rank calls both at the
+    same steps (they may be collectives)."""
     settings.validate()
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every={checkpoint_every!r}: use a whole number >= 0")
     device = _device_of(model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        engine.optimizer,
-        lambda s: lr_factor(s, steps=settings.steps, warmup_steps=settings.warmup_steps,
-                            min_lr_frac=settings.min_lr_frac),
-    )
+    if scheduler is None:
+        scheduler = make_scheduler(engine.optimizer, settings)
+    done = progress or Progress()
+    if done.step > settings.steps:
+        raise ValueError(f"progress.step={done.step} is past TrainSettings.steps="
+                         f"{settings.steps}: nothing left to train")
     recorder = _recorder_of(engine)
     live = _LiveMetrics(recorder)
     first_seq = recorder.last_seq if recorder is not None else -1
     model.train()
-    losses: list[float] = []
-    lrs: list[float] = []
-    tokens = 0
+    losses: list[float] = list(done.losses)
+    lrs: list[float] = list(done.lrs)
+    tokens = done.tokens
     link_gbps, overlap = 0.0, math.nan
     start = time.perf_counter()
-    warm_start, warm_tokens = start, 0
-    for step in range(settings.steps):
+    warm_start, warm_tokens = start, tokens
+    stopped = False
+    for step in range(done.step, settings.steps):
         x, y = batches.next_batch()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = model(x, y)
@@ -224,7 +285,7 @@ def train(
         losses.append(float(loss_reduce(loss.detach()) if loss_reduce is not None
                             else loss.detach()))
         tokens += x.numel()
-        if step == 0:
+        if step == done.step:
             warm_start, warm_tokens = time.perf_counter(), tokens
         if (step + 1) % settings.metrics_every == 0 or step + 1 == settings.steps:
             recent = live.refresh()
@@ -235,13 +296,21 @@ def train(
                 overlap = statistics.fmean(m.cpu_overlap_frac for m in recent)
         if on_step is not None:
             now = time.perf_counter()
-            rate = (tokens - warm_tokens) / (now - warm_start) if step > 0 else 0.0
+            rate = (tokens - warm_tokens) / (now - warm_start) if step > done.step else 0.0
             on_step(StepInfo(step=step + 1, loss=losses[-1], lr=float(scheduler.get_last_lr()[0]),
                              tokens_per_s=rate, link_gbps=link_gbps, overlap=overlap))
+        if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            on_checkpoint(Progress(step=step + 1, losses=list(losses), lrs=list(lrs),
+                                   tokens=tokens))
+        if should_stop is not None and step + 1 < settings.steps and should_stop():
+            stopped = True
+            break
     engine.synchronize()
     end = time.perf_counter()
     timed_tokens = tokens - warm_tokens
-    tokens_per_s = timed_tokens / (end - warm_start) if timed_tokens else tokens / (end - start)
+    run_tokens = tokens - done.tokens
+    tokens_per_s = (timed_tokens / (end - warm_start) if timed_tokens
+                    else run_tokens / max(end - start, 1e-9))
     summary: Summary | None = None
     spans: list[Span] = []
     if recorder is not None:  # before evaluation, whose forwards the engine also records
@@ -249,13 +318,13 @@ def train(
         if spans and iteration_metrics(spans):
             summary = summarize(spans, skip=1)
     val_loss = None
-    if val_batches is not None and settings.eval_batches:
+    if val_batches is not None and settings.eval_batches and not stopped:
         val_loss = evaluate(model, val_batches, settings.eval_batches, device, loss_reduce)
     window = losses[-settings.final_window:]
     return TrainResult(
-        steps=settings.steps,
-        first_loss=losses[0],
-        final_loss=statistics.fmean(window),
+        steps=len(losses),
+        first_loss=losses[0] if losses else math.nan,
+        final_loss=statistics.fmean(window) if window else math.nan,
         val_loss=val_loss,
         tokens=tokens,
         elapsed_s=end - start,
@@ -264,4 +333,6 @@ def train(
         lrs=lrs,
         summary=summary,
         spans=spans,
+        start_step=done.step,
+        stopped=stopped,
     )

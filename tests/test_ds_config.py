@@ -86,3 +86,81 @@ def test_presets_are_valid():
     for preset in (so.presets.tiny_cpu(), so.presets.gh200(), so.presets.pcie_host()):
         assert preset.validate() is preset
     assert so.presets.gh200().bucket_bytes == 64 << 20
+
+
+# ---------------------------------------------------------------- strict types (issue 12)
+_OFF = "zero_optimization.offload_optimizer."
+
+
+@pytest.mark.parametrize(("ds", "key", "fix"), [
+    ({"zero_optimization": {"stage": 99}}, "zero_optimization.stage=99", "use 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": "three"}}, "zero_optimization.stage='three'", "use 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage='3'", "a number"),
+    ({"zero_optimization": {"stage": True}}, "zero_optimization.stage=True", "use 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 2.0}}, "zero_optimization.stage=2.0", "use 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.stage=0", "set stage 2"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": "false"}}},
+     _OFF + "super_offload='false'", "use true or false"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": 0}}},
+     _OFF + "super_offload=0", "use true or false"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": "true"}}},
+     _OFF + "pin_memory='true'", "use true or false"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm='yes'",
+     "use true or false"),
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes'", "use true or false"),
+    ({"fp16": {"enabled": 1}}, "fp16.enabled=1", "use true or false"),
+    ({"fp16": {"enabled": True, "loss_scale": "128"}}, "fp16.loss_scale='128'", "finite number"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": "False"}}},
+     "optimizer.params.adam_w_mode='False'", "use true or false"),
+    ({"wall_clock_breakdown": "no"}, "wall_clock_breakdown='no'", "use true or false"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0", "whole number >= 1"),
+    ({"gradient_accumulation_steps": "2"}, "gradient_accumulation_steps='2'", "whole number"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, "train_micro_batch_size_per_gpu=2.5", "whole number"),
+    ({"gradient_clipping": float("nan")}, "gradient_clipping=nan", "finite number >= 0"),
+    ({"gradient_clipping": "1.0"}, "gradient_clipping='1.0'", "finite number >= 0"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping=-1.0", "finite number >= 0"),
+    ({"zero_optimization": {"reduce_bucket_size": 1.5}}, "zero_optimization.reduce_bucket_size=1.5",
+     "whole number"),
+    ({"superoffload": {"precision": "bf16"}}, "superoffload.precision='bf16'", "contradicts"),
+])
+def test_wrong_types_are_refused_naming_key_and_fix(ds, key, fix):
+    with pytest.raises(ConfigError) as info:
+        so.from_deepspeed(ds)
+    assert key in str(info.value) and fix in str(info.value), str(info.value)
+
+
+def test_string_false_no_longer_keeps_speculation_on():
+    """Before: `super_offload: "false"` is truthy, so speculation silently stayed on."""
+    off, _ = so.from_deepspeed({"zero_optimization": {"offload_optimizer": {
+        "device": "cpu", "super_offload": False}}})
+    on, _ = so.from_deepspeed({"zero_optimization": {"offload_optimizer": {
+        "device": "cpu", "super_offload": True}}})
+    assert (off.speculation, on.speculation) == ("off", "on")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stages_one_to_three_are_the_offload_schedule(stage):
+    zero = {**PAPER["zero_optimization"], "stage": stage}
+    config, _ = so.from_deepspeed({**PAPER, "zero_optimization": zero})
+    reference, _ = so.from_deepspeed(PAPER)  # the paper's stage 3
+    assert config == reference
+
+
+def test_stage_zero_means_no_offload_and_big_counts_may_be_floats():
+    config, _ = so.from_deepspeed({"zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8}})
+    assert config.ratio == 0.0 and config.bucket_bytes == 2_000_000_000  # 5e8 fp32 elements
+
+
+@pytest.mark.parametrize(("ds", "precision"), [
+    (PAPER, "bf16"),
+    ({"fp16": {"enabled": True}}, "fp16"),
+    ({"bf16": {"enabled": False}}, "fp32"),
+    ({}, "fp32"),
+])
+def test_precision_is_the_typed_field(ds, precision):
+    config, _ = so.from_deepspeed(ds)
+    assert config.precision == precision
+    assert "deepspeed_precision" not in config.extra  # the typed field replaced it
+    same, _ = so.from_deepspeed({**ds, "superoffload": {"precision": precision}})
+    assert same.precision == precision  # an agreeing override is no contradiction

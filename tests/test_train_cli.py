@@ -17,7 +17,14 @@ import superoffload as so
 from superoffload.data import BatchSampler, load_tokens
 from superoffload.models import GPT, gpt_tiny
 from superoffload.telemetry import Recorder
-from superoffload.train_loop import StepInfo, TrainSettings, lr_factor, train
+from superoffload.train_loop import (
+    Progress,
+    StepInfo,
+    TrainSettings,
+    lr_factor,
+    make_scheduler,
+    train,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +122,52 @@ def test_settings_are_validated() -> None:
         TrainSettings(min_lr_frac=2.0).validate()
 
 
+def test_loop_stops_checkpoints_and_resumes_bit_identically() -> None:
+    """should_stop ends the loop at a step boundary; a fresh model, optimizer, scheduler and
+    sampler restored from that point and `progress` continue exactly as an uninterrupted
+    run: same weights bit for bit, same loss and lr history, same first/final loss."""
+    settings = TrainSettings(steps=8, warmup_steps=2, eval_batches=0, final_window=3)
+
+    def fresh() -> tuple[GPT, PlainEngine]:
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny())
+        return model, PlainEngine(model, lr=1e-3)
+
+    model, engine = fresh()
+    full = train(engine, model, _sampler(), settings)
+
+    model, engine = fresh()
+    batches, sched = _sampler(), make_scheduler(engine.optimizer, settings)
+    seen: list[Progress] = []
+    part = train(engine, model, batches, settings, scheduler=sched, checkpoint_every=2,
+                 on_checkpoint=seen.append, should_stop=lambda: len(seen) == 2)
+    assert part.stopped and part.steps == 4 and part.val_loss is None
+    assert [p.step for p in seen] == [2, 4] and seen[-1].losses == full.losses[:4]
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "opt": engine.optimizer.state_dict(), "sched": sched.state_dict(),
+             "data": batches.state_dict(), "progress": Progress.from_dict(seen[-1].to_dict())}
+    model, engine = fresh()  # a new "process": nothing carried over but `saved`
+    model.load_state_dict(saved["model"])
+    # the order engine.load_checkpoint(lr_scheduler=...) keeps: build the scheduler first
+    # (its constructor sets the step-0 lr), then restore the optimizer's lr and its own state
+    sched = make_scheduler(engine.optimizer, settings)
+    engine.optimizer.load_state_dict(saved["opt"])
+    sched.load_state_dict(saved["sched"])
+    batches = _sampler()
+    batches.load_state_dict(saved["data"])
+    rest = train(engine, model, batches, settings, scheduler=sched, progress=saved["progress"])
+    assert not rest.stopped and rest.start_step == 4 and rest.steps == 8
+    assert rest.losses == full.losses and rest.lrs == full.lrs
+    assert (rest.first_loss, rest.final_loss, rest.tokens) == (full.first_loss, full.final_loss,
+                                                               full.tokens)
+    ref, _ = fresh()
+    train(PlainEngine(ref, lr=1e-3), ref, _sampler(), settings)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="damaged"):
+        Progress.from_dict({"step": 3, "losses": [1.0], "lrs": [], "tokens": 0})
+
+
 def test_train_command_prints_json_last_and_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -173,9 +226,10 @@ def test_engine_benchmark_runs_all_three_schedules(capsys: pytest.CaptureFixture
     out = bench_engine.main(["--device", "cpu", "--model", "tiny", "--batch", "2", "--seq", "16",
                              "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"])
     rows = {r["schedule"]: r for r in out["rows"]}
-    assert set(rows) == {"plain", "zero", "super"}
+    supers = [name for name in rows if name.startswith("super")]  # "super" or "super <ratio>"
+    assert {"plain", "zero"} <= set(rows) and supers
     assert rows["plain"]["vs_plain"] == 1.0 and rows["zero"]["vs_zero"] == 1.0
-    assert out["meta"]["super_config"]["ratio"] < 1.0  # the tuned schedule keeps a GPU tail
+    assert all(rows[name]["ratio"] < 1.0 for name in supers)  # the tuned schedule keeps a GPU tail
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
 
 

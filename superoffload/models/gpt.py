@@ -207,13 +207,22 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample `max_new_tokens` tokens after `idx` (B, T); greedy when temperature == 0."""
+        """Sample `max_new_tokens` tokens after `idx` (B, T); greedy when temperature == 0.
+        `top_k` keeps only the k likeliest tokens before sampling (nanoGPT's `generate`; Fan
+        et al. 2018, "Hierarchical Neural Story Generation")."""
+        if temperature < 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"generate: temperature={temperature!r} must be >= 0 and "
+                             f"top_k={top_k!r} None or >= 1")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size :])[:, -1, :].float()
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
+                if top_k is not None and top_k < logits.size(-1):
+                    kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
                 probs = F.softmax(logits / temperature, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)

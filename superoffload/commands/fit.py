@@ -1,0 +1,190 @@
+"""`python -m superoffload plan --hf-config ...`: will this Hugging Face model fit, and how fast?
+
+    python -m superoffload plan --hf-config path/to/config.json --profile h200-pcie --seq 4096
+    python -m superoffload plan --hf-config llama-2-7b --profile gh200      # a shipped config
+
+For each schedule -- plain (everything on the GPU), ZeRO-Offload, SuperOffload with stationary
+weights and with weight-flow -- it prints whether the model fits, device and host memory and
+the predicted iteration time (plan.simulate, plan.memory); the two SuperOffload rows are tuned
+(plan.tune with the weight policy fixed), and the fastest fitting row's OffloadConfig and the
+tuner's explanation close the report. Shipped configs: plan/hf_configs/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROWS = (
+    ("plain (GPU only)", "gpu", None),
+    ("ZeRO-Offload", "zero-offload", None),
+    ("superoffload stationary", "superoffload", "stationary"),
+    ("superoffload flow", "superoffload", "flow"),
+)
+"""(label, plan schedule, fixed weight policy) per table row."""
+CONFIG_KEYS = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
+               "cpu_cores_frac", "prefetch_depth", "max_grad_norm")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="will a Hugging Face model fit a machine? (memory, time, settings)")
+    p.add_argument("--hf-config", required=True, metavar="CONFIG",
+                   help="config.json (or its directory) of a Llama/Mistral/Qwen2/GPT-2/GPT-NeoX "
+                        "model, or a shipped name: " + ", ".join(_shipped()))
+    p.add_argument("--profile", default="gh200",
+                   help="hardware preset (gh200, gb200, mi300a, h100-pcie, h200-pcie, ...), "
+                        "'local' (measure this machine) or a profile JSON file")
+    p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context, "
+                                           "at most 4096)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--no-checkpointing", action="store_true",
+                   help="no activation checkpointing (more activation memory, no recompute)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (figures per rank)")
+    p.add_argument("--ranks-per-host", type=int, default=1)
+    p.add_argument("--max-grad-norm", type=float, help="clipping threshold the run will use")
+    p.add_argument("--device-gb", type=float, help="cap on device memory, GB")
+    p.add_argument("--host-gb", type=float, help="cap on host memory, GB")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _shipped() -> list[str]:
+    from superoffload.plan import hf_config
+
+    return hf_config.shipped()
+
+
+def _profile(name: str) -> Any:
+    from superoffload import plan
+
+    if name == "local":
+        return plan.measure_local()
+    path = Path(name)
+    if path.suffix == ".json" and path.exists():
+        return plan.HardwareProfile.from_dict(json.loads(path.read_text()))
+    return plan.profiles.get(name)
+
+
+def schedule_rows(shape: Any, prof: Any, constraints: Any = None) -> list[dict[str, Any]]:
+    """One dict per schedule of ROWS: `schedule`, `fits`, `problems`, `device_bytes`,
+    `host_bytes`, `iteration_s`, `tflops`, `config` (tuned OffloadConfig fields, SuperOffload
+    rows) and `explanation` (the tuner's). Pure planner calls; notebooks use it too."""
+    from superoffload import plan
+
+    cons = constraints if constraints is not None else plan.Constraints()
+    return [_row(label, sched, weights, shape, prof, cons) for label, sched, weights in ROWS]
+
+
+def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest row that fits, or None."""
+    fitting = [r for r in rows if r["fits"]]
+    return min(fitting, key=lambda r: r["iteration_s"]) if fitting else None
+
+
+def _row(label: str, schedule: str, weights: str | None, shape: Any, prof: Any,
+         cons: Any) -> dict[str, Any]:
+    """One schedule: a simulation (plain, ZeRO-Offload) or a tune with `weights` fixed."""
+    from superoffload import plan
+
+    out: dict[str, Any] = {"schedule": label, "config": None}
+    if weights is None:
+        res = plan.simulate(shape, cons.apply(prof), schedule)
+        why = ""
+    else:
+        try:
+            fixed = dataclasses.replace(cons, fixed={**cons.fixed, "weights": weights})
+            cfg, why, res = plan.tune(shape, prof, fixed)
+        except plan.InfeasibleError as exc:
+            return {**out, "fits": False, "problems": [str(exc)], "device_bytes": None,
+                    "host_bytes": None, "iteration_s": None, "tflops": None, "explanation": ""}
+        out["config"] = {k: getattr(cfg, k) for k in CONFIG_KEYS}
+    return {**out, "fits": res.fits, "problems": list(res.problems),
+            "device_bytes": res.memory["device"], "host_bytes": res.memory["host"],
+            "iteration_s": res.iteration_s, "tflops": res.tflops, "explanation": why}
+
+
+def run(args: argparse.Namespace) -> int:
+    from superoffload import plan
+    from superoffload.plan import hf_config
+
+    try:
+        raw = hf_config.load(args.hf_config)
+        arch = hf_config.describe(raw)
+        shape = plan.ModelShape.from_hf_config(
+            raw, seq=args.seq, micro_batch=args.micro_batch,
+            activation_checkpointing=not args.no_checkpointing, dp=args.dp,
+            ranks_per_host=args.ranks_per_host)
+        prof = _profile(args.profile)
+        cons = plan.Constraints(
+            device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
+            host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
+            max_grad_norm=args.max_grad_norm)
+        rows = schedule_rows(shape, prof, cons)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    best = best_row(rows)
+    model = {"name": arch.name, "family": arch.family, "params": shape.params,
+             "layers": arch.layers, "hidden": arch.hidden, "heads": arch.heads,
+             "kv_heads": arch.kv_heads, "ffn": arch.ffn, "vocab": arch.vocab,
+             "tied_embeddings": arch.tied, "seq": shape.seq, "micro_batch": shape.micro_batch}
+    if args.json:
+        print(json.dumps({"model": model, "profile": prof.name, "rows": rows,
+                          "best": None if best is None else best["schedule"]},
+                         indent=1, default=float))
+        return 0
+    print(_report(model, prof, shape, rows, best))
+    return 0
+
+
+def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, Any]],
+            best: dict[str, Any] | None) -> str:
+    gqa = f"{model['heads']} heads" + (f" ({model['kv_heads']} KV)" if model["kv_heads"] != model["heads"] else "")
+    lines = [
+        f"{model['name']} ({model['family']}): {model['params'] / 1e9:.2f}B parameters "
+        f"({model['params']:,}); {model['layers']} layers x {model['hidden']}, {gqa}, FFN "
+        f"{model['ffn']}, vocab {model['vocab']}, {'tied' if model['tied_embeddings'] else 'untied'} head",
+        f"{prof.name}: {prof.device_name} ({prof.device_memory_bytes / 1e9:.0f} GB) + {prof.cpu_name} "
+        f"({prof.host_memory_bytes / 1e9:.0f} GB); seq {shape.seq} x micro-batch "
+        f"{shape.micro_batch}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}"
+        + (f", {shape.dp} data-parallel ranks (figures per rank)" if shape.dp > 1 else ""),
+        "",
+        f"{'schedule':24} {'fits':>4} {'device GB':>10} {'host GB':>8} {'iter ms':>9} {'TFLOPS':>7}  notes",
+    ]
+    lines.append("-" * len(lines[-1]))
+    for r in rows:
+        def num(key: str, scale: float, fmt: str, row: dict[str, Any] = r) -> str:
+            width = fmt.split(".")[0]
+            return format("-", ">" + width) if row[key] is None else format(row[key] * scale, fmt)
+
+        note = "; ".join(r["problems"]) if not r["fits"] else (
+            "tuned: " + _settings(r["config"]) if r["config"] else "")
+        lines.append(f"{r['schedule']:24} {'yes' if r['fits'] else 'NO':>4} "
+                     f"{num('device_bytes', 1e-9, '10.1f')} {num('host_bytes', 1e-9, '8.1f')} "
+                     f"{num('iteration_s', 1e3, '9.1f')} {num('tflops', 1.0, '7.0f')}  {note}".rstrip())
+    lines.append("")
+    if best is None:
+        lines.append("Nothing fits this profile: see the notes above (more host memory, "
+                     "data-parallel ranks --dp, a shorter --seq or checkpointing help).")
+        return "\n".join(lines)
+    zero = next(r for r in rows if r["schedule"] == "ZeRO-Offload")
+    speed = (f" ({zero['iteration_s'] / best['iteration_s']:.2f}x faster than ZeRO-Offload)"
+             if zero["fits"] and best is not zero else "")
+    lines.append(f"Best: {best['schedule']}, {best['iteration_s'] * 1e3:.1f} ms per iteration{speed}.")
+    if best["config"]:
+        lines.append("OffloadConfig(" + ", ".join(f"{k}={v!r}" for k, v in best["config"].items()) + ")")
+        lines.append("")
+        lines.append(best["explanation"])
+    return "\n".join(lines)
+
+
+def _settings(cfg: dict[str, Any]) -> str:
+    parts = [f"ratio {cfg['ratio']:g}", f"buckets {cfg['bucket_bytes'] >> 20} MiB",
+             f"cast {cfg['grad_cast']}/{cfg['param_cast']}", f"STV {cfg['speculation']}"]
+    if cfg["weights"] == "flow":
+        parts.append(f"prefetch {cfg['prefetch_depth']}")
+    return ", ".join(parts)

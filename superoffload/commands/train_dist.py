@@ -1,0 +1,138 @@
+"""`train` under torchrun: ZeRO data parallel and Ulysses sequence parallel (issue 7;
+docs/distributed.md). Each helper here is a collective unless it says otherwise: every rank
+calls it at the same point of the run, in the same order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from superoffload.commands.train_args import UsageError
+
+
+def start(args: argparse.Namespace) -> Any:
+    """init_distributed() when launched by torchrun or asked for --dp/--sp > 1; else None."""
+    if "WORLD_SIZE" not in os.environ and (args.dp or 1) == 1 and args.sp == 1:
+        return None
+    from superoffload.distributed import init_from_args
+
+    try:
+        return init_from_args(args)
+    except ValueError as exc:  # --dp x --sp not matching the launched processes
+        raise UsageError(str(exc)) from None
+
+
+def make_sequence_parallel(model: torch.nn.Module, sp: int, seq: int) -> None:
+    """Ulysses attention over this rank's sp group (docs/distributed.md, "dp x sp")."""
+    from superoffload.distributed import apply_ulysses, get_groups
+    from superoffload.models import GPT
+
+    if seq % sp:
+        raise UsageError(f"--seq={seq} is not divisible by --sp={sp}: use a multiple of {sp}")
+    if not isinstance(model, GPT):
+        raise UsageError("--sp > 1: sequence parallel is wired for our GPT only")
+    try:
+        apply_ulysses(model, get_groups().sp_group)
+    except ValueError as exc:  # heads not divisible by sp
+        raise UsageError(f"--sp {sp}: {exc}") from None
+
+
+class SequenceShard:
+    """A batch sampler yielding this rank's contiguous 1/sp slice of every sequence (targets
+    are already shifted by the sampler, so no target lies on another rank). Not collective."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from superoffload.distributed import get_groups, split_sequence
+
+        x, y = self.inner.next_batch()
+        sp_group = get_groups().sp_group
+        return split_sequence(x, sp_group), split_sequence(y, sp_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.inner.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def global_mean(loss: Any) -> Any:
+    """The mean loss over every rank (equal token counts: the global-batch mean)."""
+    from superoffload.distributed import get_groups, mean_over_group
+
+    return mean_over_group(loss, get_groups().world_group)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on any (a stop request seen by one rank)."""
+    import torch.distributed as dist
+
+    from superoffload.distributed import get_groups
+
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    group = get_groups().world_group
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's `value` (which signal stopped the job)."""
+    import torch.distributed as dist
+
+    from superoffload.distributed import get_groups
+
+    t = torch.tensor([value], dtype=torch.int64)
+    group = get_groups().world_group
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, by global rank, on every rank (sampler states for a checkpoint)."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shared_out_dir(out: Path | None, error: str | None) -> Path:
+    """Rank 0's output folder (or the reason it could not make one), told to every rank, so
+    a bad --out ends every rank with the same one-line error instead of a hang."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None if out is None else str(out), error]
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise UsageError(box[1])
+    return Path(box[0])
+
+
+def gather_rank_spans(spans: list[Any], recorder: Any) -> list[Any]:
+    """Every rank's spans on rank 0, on rank 0's clock (other ranks get their own back).
+
+    Clocks are aligned by the recorders' perf_counter origins, which is exact for ranks on
+    one host (perf_counter is system-wide there)."""
+    import torch.distributed as dist
+
+    from superoffload.telemetry.ranks import merge_rank_spans
+
+    mine = (dist.get_rank(), recorder.origin_perf_counter_s, spans)
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return spans
+    origin0 = recorder.origin_perf_counter_s
+    return merge_rank_spans([g[2] for g in gathered], ranks=[g[0] for g in gathered],
+                            offsets_s=[g[1] - origin0 for g in gathered])

@@ -1,0 +1,74 @@
+"""What `train` shows and writes besides checkpoints: the HTML report, the sampled text and
+the human summary (the JSON line and result.json are assembled in `train.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and its message with newlines folded."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+def write_report(out: Path, spans: list[Any], recorder: Any, result: Any, info: dict[str, Any],
+                 stats: dict[str, Any], label: str, device: torch.device) -> Path:
+    """<out>/report.html: the run's settings, per-iteration medians, timeline and scalars."""
+    from superoffload.telemetry.report import write_html_report
+
+    extra = {**info, "first_loss": result.first_loss, "final_loss": result.final_loss,
+             "val_loss": result.val_loss, "tokens_per_s": round(result.tokens_per_s), **stats}
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for sc in recorder.scalars():
+        scalars.setdefault(sc.name, []).append((sc.iteration, sc.value))
+    scalars["lr"] = list(enumerate(result.lrs))
+    return Path(write_html_report(spans, out / "report.html",
+                                  title=f"superoffload train: {label} on {device}", extra=extra,
+                                  scalars=scalars, notes=[f"iteration {n.iteration}: {n.text}"
+                                                          for n in recorder.notes()]))
+
+
+def sample_text(model: torch.nn.Module, device: torch.device, *, temperature: float,
+                top_k: int, seed: int, prompt: str = "def ", new_bytes: int = 120) -> str:
+    """A look at what the model learned: `new_bytes` sampled after `prompt` at `temperature`
+    among the `top_k` likeliest bytes (0: all), from a generator seeded with `seed`, so the
+    same run prints the same text. Greedy decoding of a small model loops ("the the the"):
+    temperature 0 still selects it."""
+    from superoffload.data import decode, encode
+
+    idx = encode(prompt).long().to(device)[None, :]
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(idx, new_bytes, temperature=temperature,  # type: ignore[operator]
+                         top_k=top_k or None, generator=gen)
+    return decode(out[0].cpu())
+
+
+def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
+    s = r.get("summary") or {}
+    print(f"loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (mean of the last steps)"
+          + (f", held-out {r['val_loss']:.3f}" if r.get("val_loss") is not None else ""))
+    resumed = f", resumed at step {r['start_step']}" if r.get("start_step") else ""
+    print(f"{r['tokens_per_s']:,.0f} tokens/s over {r['steps'] - r['start_step']} steps "
+          f"({r['elapsed_s']:.1f} s{resumed})")
+    if s:
+        print(f"per iteration (median): {s['wall_s'] * 1e3:.1f} ms, device idle "
+              f"{s['device_idle_frac']:.0%}, CPU optimizer overlapped {s['cpu_overlap_frac']:.0%}, "
+              f"exposed optimizer {s['exposed_optimizer_s'] * 1e3:.1f} ms, link "
+              f"{(s['d2h_gbps_wall'] + s['h2d_gbps_wall']):.2f} GB/s")
+    st = r["engine_stats"]
+    print(f"engine: {st['clipped_steps']} clipped steps, {st['rollbacks']} bucket rollbacks, "
+          f"{st['replays']} replays, {st['skipped_steps']} skipped")
+    if r.get("sample"):
+        how = (f"temperature {args.sample_temperature:g}, top-k {args.sample_top_k or 'all'}"
+               if args.sample_temperature else "greedy")
+        print(f"sample ({how}): " + repr(r["sample"]))
+    for key in ("report", "trace"):
+        if r.get(key):
+            print(f"{key}: {os.path.abspath(r[key])}")

@@ -1,0 +1,154 @@
+"""What every framework integration needs from the engine (docs/integrations.md).
+
+* `engine_config`: the framework's clipping threshold and accumulation steps become the
+  engine's. The engine clips inside its step (global norm, speculation-then-validation, paper
+  §4.3), so the framework must not clip `p.grad` itself; an OffloadConfig that contradicts the
+  framework is refused, naming both settings -- as DeepSpeed's Trainer integration refuses a
+  DeepSpeed config that mismatches TrainingArguments (transformers/integrations/deepspeed.py,
+  `HfTrainerDeepSpeedConfig.trainer_config_finalize`).
+* `backward`: framework losses arrive already divided by the accumulation steps
+  (`Trainer.training_step`, Lightning's `_ClosureResult`), and `engine.backward` divides
+  again (DeepSpeed semantics; `Trainer` passes `scale_wrt_gas=False` to DeepSpeed for the same
+  reason). Multiplying back by a power of two is exact; in general the gradient seed
+  `fp32(1/k) * k` rounds to 1.0, so gradients equal a plain `loss.backward()`.
+* `EngineMetrics`: the engine's telemetry since the previous call as a flat dict of floats
+  (tokens/s, link GB/s, overlap, exposed optimizer time, rollbacks...), for a logger.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from superoffload.config import ConfigError, OffloadConfig
+from superoffload.telemetry.events import Span
+from superoffload.telemetry.metrics import iteration_metrics
+
+PREFIX = "superoffload/"
+"""Key prefix of every logged engine metric (TensorBoard groups them under one heading)."""
+
+
+def engine_config(
+    config: OffloadConfig | Mapping[str, Any] | None,
+    *,
+    max_grad_norm: float | None,
+    grad_accum_steps: int,
+    names: tuple[str, str],
+) -> OffloadConfig:
+    """`config` with the framework's clipping (`max_grad_norm`, None or <= 0: off) and
+    accumulation. `names` are the framework's names of the two settings, for error messages.
+    A DeepSpeed-style dict is converted with `superoffload.from_deepspeed`; its `optimizer`
+    section is refused (the framework's arguments set the hyperparameters)."""
+    if config is None:
+        base = OffloadConfig()
+    elif isinstance(config, OffloadConfig):
+        base = config
+    elif isinstance(config, Mapping):
+        from superoffload.ds_config import from_deepspeed
+
+        if "optimizer" in config:
+            raise ConfigError(
+                "DeepSpeed config key 'optimizer': the training framework's own arguments set "
+                "the learning rate, betas, eps and weight decay here; remove the section"
+            )
+        base, _ = from_deepspeed(dict(config))
+    else:
+        raise TypeError(
+            f"offload config: pass an OffloadConfig or a DeepSpeed-style dict, not {type(config).__name__}"
+        )
+    clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
+    ours = base.max_grad_norm if base.max_grad_norm else None
+    if ours is not None and ours != clip:
+        raise ConfigError(
+            f"OffloadConfig.max_grad_norm={ours} contradicts {names[0]}={max_grad_norm}: the "
+            f"engine clips with the framework's value; set {names[0]}={ours} and leave "
+            "OffloadConfig.max_grad_norm unset"
+        )
+    if base.grad_accum_steps not in (1, grad_accum_steps):
+        raise ConfigError(
+            f"OffloadConfig.grad_accum_steps={base.grad_accum_steps} contradicts "
+            f"{names[1]}={grad_accum_steps}: set {names[1]} and leave grad_accum_steps at 1"
+        )
+    return base.replace(max_grad_norm=clip, grad_accum_steps=int(grad_accum_steps))
+
+
+def backward(engine: Any, loss: torch.Tensor) -> None:
+    """`engine.backward` of a loss the framework already divided by the accumulation steps."""
+    steps = engine.config.grad_accum_steps
+    engine.backward(loss * steps if steps != 1 else loss)
+
+
+def adam_hyper(group: Mapping[str, Any], *, adamw: bool) -> dict[str, Any]:
+    """The engine's keys of one torch-style param group (lr, betas, eps, weight_decay)."""
+    out = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay") if k in group}
+    if "betas" in out:
+        out["betas"] = tuple(float(b) for b in out["betas"])
+    out["adamw_mode"] = adamw
+    return out
+
+
+class EngineMetrics:
+    """The engine's metrics over the iterations completed since the previous `collect()`.
+
+    Reads only public telemetry (`Recorder.spans_since`, `iteration_metrics`; the same
+    definitions as `superoffload.train_loop` and the HTML report) and `engine.stats`. An
+    iteration is reported once the next one has started (its window ends there), so a
+    value lags one optimizer step."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._seq = engine.telemetry.last_seq
+        self._spans: list[Span] = []
+        self._reported = -1
+        self._tokens = 0
+        self._t0 = time.perf_counter()
+
+    def add_tokens(self, n: int) -> None:
+        """Count the tokens of one micro-batch (for tokens/s)."""
+        self._tokens += int(n)
+
+    def collect(self) -> dict[str, float]:
+        """Flat dict of floats, keys prefixed with `PREFIX`."""
+        now = time.perf_counter()
+        out: dict[str, float] = {}
+        if self._tokens:
+            out["tokens_per_s"] = self._tokens / max(now - self._t0, 1e-9)
+        self._tokens, self._t0 = 0, now
+        new, self._seq = self.engine.telemetry.spans_since(self._seq)
+        self._spans.extend(new)
+        if self._spans:
+            newest = max(s.iteration for s in self._spans)
+            done = [m for m in iteration_metrics(self._spans)
+                    if self._reported < m.iteration < newest]
+            # keep the newest iteration and the one before (its CPU work may end late)
+            self._spans = [s for s in self._spans if s.iteration >= newest - 1]
+            if done:
+                self._reported = done[-1].iteration
+                wall = sum(m.wall_s for m in done)
+                moved = sum(m.d2h_bytes + m.h2d_bytes for m in done)
+                out["iteration_s"] = wall / len(done)
+                out["link_gbps"] = moved / wall / 1e9 if wall > 0 else 0.0
+                out["d2h_gbps"] = sum(m.d2h_bytes for m in done) / wall / 1e9 if wall > 0 else 0.0
+                out["h2d_gbps"] = sum(m.h2d_bytes for m in done) / wall / 1e9 if wall > 0 else 0.0
+                out["overlap"] = statistics.fmean(m.cpu_overlap_frac for m in done)
+                out["exposed_optimizer_ms"] = 1e3 * statistics.fmean(
+                    m.exposed_optimizer_s for m in done)
+                out["device_idle"] = statistics.fmean(m.device_idle_frac for m in done)
+        stats = self.engine.stats
+        for name in ("rollbacks", "replays", "clipped_steps", "skipped_steps"):
+            out[name] = float(getattr(stats, name))
+        for name in ("grad_norm", "loss_scale"):
+            last = self.last_scalar(name)
+            if last is not None and math.isfinite(last):
+                out[name] = last
+        return {PREFIX + k: v for k, v in out.items()}
+
+    def last_scalar(self, name: str) -> float | None:
+        """The newest value of an engine scalar (`grad_norm`, `loss_scale`...), or None."""
+        values = self.engine.telemetry.scalars(name)
+        return float(values[-1].value) if values else None

@@ -1,0 +1,236 @@
+"""A Hugging Face causal LM's `config.json` -> the planner's ModelShape (no transformers needed).
+
+Families and what differs from our GPT block (plan/shapes.py), as `transformers` 5.x registers
+their parameters (modeling_llama.py, modeling_mistral.py, modeling_qwen2.py, modeling_gpt2.py,
+modeling_gpt_neox.py):
+  llama, mistral  GQA: q (heads*hd x h), k and v (kv_heads*hd x h), o (h x heads*hd); biases only
+                  with `attention_bias` (q, k, v, o) / `mlp_bias`; SwiGLU MLP gate, up (f x h),
+                  down (h x f); two RMSNorm weights; final norm; untied head by default
+  qwen2           as llama, with q, k, v biases always and o without
+  gpt2            fused c_attn (Conv1D h x 3h) with bias, c_proj, GELU MLP c_fc (h x f, f =
+                  n_inner or 4h), two LayerNorms (w, b); learned positions; tied head
+  gpt_neox        fused query_key_value (3h x h), dense, dense_h_to_4h / dense_4h_to_h, all
+                  biased; two LayerNorms; rotary positions; untied head by default
+hd = head_dim (default hidden / heads). A tied head is the embedding, counted once.
+
+`parameter_shapes` lists every parameter (HF name, shape) in registration order -- the order
+the engine buckets them -- and `model_shape` turns a config into a ModelShape with exact block
+and non-block counts (`block_params_override`, `other_params_override`) and, where ModelShape
+has it, the per-parameter `param_table`. The formulas' FLOPs and activation memory stay the GPT
+block's (plan/shapes.py): for SwiGLU / GQA they are estimates; the parameter counts are exact.
+
+Shipped configs (`hf_configs/*.json`, config.json only, no weights) load by name offline:
+    model_shape("llama-2-7b", seq=4096)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from superoffload.plan.shapes import ModelShape
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
+DEFAULT_MAX_SEQ = 4096
+"""`seq` when none is given: the config's context length, capped here."""
+_SHIPPED_DIR = "hf_configs"
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HFArch:
+    """What the parameter count needs from one config (family defaults filled in)."""
+
+    family: str
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    positions: int
+    """Context length (`max_position_embeddings` / `n_positions`)."""
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+
+def shipped() -> list[str]:
+    """Names of the configs that ship with the package (usable offline)."""
+    root = resources.files("superoffload.plan").joinpath(_SHIPPED_DIR)
+    if not root.is_dir():  # an install without the package data
+        return []
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def load(config_or_path: Any) -> dict[str, Any]:
+    """A plain dict from a `transformers.PretrainedConfig`, a dict, a `config.json` path, a
+    directory holding one, or the name of a shipped config."""
+    if isinstance(config_or_path, Mapping):
+        return dict(config_or_path)
+    to_dict = getattr(config_or_path, "to_dict", None)
+    if callable(to_dict) and hasattr(config_or_path, "model_type"):
+        return dict(to_dict())
+    if not isinstance(config_or_path, (str, Path)):
+        raise TypeError(
+            f"from_hf_config: pass a transformers config, a dict, a config.json path or a shipped "
+            f"name ({', '.join(shipped())}), not {type(config_or_path).__name__}")
+    path = Path(config_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return dict(json.loads(path.read_text()))
+    name = str(config_or_path)
+    if name in shipped():
+        text = resources.files("superoffload.plan").joinpath(_SHIPPED_DIR, name + ".json").read_text()
+        return dict(json.loads(text))
+    raise FileNotFoundError(
+        f"from_hf_config({name!r}): no such file or directory, and not a shipped config; "
+        f"shipped: {', '.join(shipped())}")
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if value is None:
+        raise ValueError(f"HF config ({cfg.get('model_type')}): missing {key!r}")
+    return value
+
+
+def describe(cfg: Mapping[str, Any]) -> HFArch:
+    """Read one config's shape numbers with its family's defaults (as the transformers config
+    classes fill them in). Errors name the missing key or the unsupported model_type."""
+    family = str(cfg.get("model_type", ""))
+    if family not in FAMILIES:
+        raise ValueError(
+            f"HF config model_type={family!r} is not supported; supported: {', '.join(FAMILIES)} "
+            "(for other models build the module and use ModelShape.from_module)")
+    name = str(cfg.get("_name_or_path") or (cfg.get("architectures") or [family])[0])
+    if family == "gpt2":
+        h, heads = int(_get(cfg, "n_embd")), int(_get(cfg, "n_head"))
+        return HFArch(family, name, int(_get(cfg, "n_layer")), h, heads, heads, h // heads,
+                      int(_get(cfg, "n_inner", 4 * h)), int(_get(cfg, "vocab_size")),
+                      int(_get(cfg, "n_positions", 1024)), bool(_get(cfg, "tie_word_embeddings", True)),
+                      True, True, True)
+    h, heads = int(_get(cfg, "hidden_size")), int(_get(cfg, "num_attention_heads"))
+    layers, vocab = int(_get(cfg, "num_hidden_layers")), int(_get(cfg, "vocab_size"))
+    positions = int(_get(cfg, "max_position_embeddings", 2048))
+    tied = bool(_get(cfg, "tie_word_embeddings", False))
+    if family == "gpt_neox":
+        bias = bool(_get(cfg, "attention_bias", True))
+        return HFArch(family, name, layers, h, heads, heads, h // heads,
+                      int(_get(cfg, "intermediate_size", 4 * h)), vocab, positions, tied,
+                      bias, bias, True)
+    kv = int(_get(cfg, "num_key_value_heads", heads))
+    head_dim = int(_get(cfg, "head_dim", h // heads))
+    attn_bias = bool(_get(cfg, "attention_bias", False))
+    qkv_bias = True if family == "qwen2" else attn_bias
+    o_bias = False if family == "qwen2" else attn_bias
+    return HFArch(family, name, layers, h, heads, kv, head_dim, int(_get(cfg, "intermediate_size")),
+                  vocab, positions, tied, qkv_bias, o_bias, bool(_get(cfg, "mlp_bias", False)))
+
+
+def _linear(prefix: str, out_f: int, in_f: int, bias: bool) -> list[tuple[str, Shape]]:
+    """nn.Linear registers weight (out x in) then bias (out)."""
+    return [(f"{prefix}.weight", (out_f, in_f))] + ([(f"{prefix}.bias", (out_f,))] if bias else [])
+
+
+def _norm(prefix: str, h: int, bias: bool) -> list[tuple[str, Shape]]:
+    out: list[tuple[str, Shape]] = [(f"{prefix}.weight", (h,))]
+    return out + ([(f"{prefix}.bias", (h,))] if bias else [])
+
+
+def _block(a: HFArch, p: str) -> list[tuple[str, Shape]]:
+    """One decoder block's parameters in registration order; `p` is its name prefix."""
+    h, f = a.hidden, a.ffn
+    if a.family == "gpt2":  # Conv1D stores weight as (in, out)
+        return [*_norm(f"{p}.ln_1", h, True),
+                (f"{p}.attn.c_attn.weight", (h, 3 * h)), (f"{p}.attn.c_attn.bias", (3 * h,)),
+                (f"{p}.attn.c_proj.weight", (h, h)), (f"{p}.attn.c_proj.bias", (h,)),
+                *_norm(f"{p}.ln_2", h, True),
+                (f"{p}.mlp.c_fc.weight", (h, f)), (f"{p}.mlp.c_fc.bias", (f,)),
+                (f"{p}.mlp.c_proj.weight", (f, h)), (f"{p}.mlp.c_proj.bias", (h,))]
+    if a.family == "gpt_neox":
+        return [*_norm(f"{p}.input_layernorm", h, True), *_norm(f"{p}.post_attention_layernorm", h, True),
+                *_linear(f"{p}.attention.query_key_value", 3 * h, h, a.qkv_bias),
+                *_linear(f"{p}.attention.dense", h, h, a.o_bias),
+                *_linear(f"{p}.mlp.dense_h_to_4h", f, h, True),
+                *_linear(f"{p}.mlp.dense_4h_to_h", h, f, True)]
+    q, kv = a.heads * a.head_dim, a.kv_heads * a.head_dim
+    return [*_linear(f"{p}.self_attn.q_proj", q, h, a.qkv_bias),
+            *_linear(f"{p}.self_attn.k_proj", kv, h, a.qkv_bias),
+            *_linear(f"{p}.self_attn.v_proj", kv, h, a.qkv_bias),
+            *_linear(f"{p}.self_attn.o_proj", h, q, a.o_bias),
+            *_linear(f"{p}.mlp.gate_proj", f, h, a.mlp_bias),
+            *_linear(f"{p}.mlp.up_proj", f, h, a.mlp_bias),
+            *_linear(f"{p}.mlp.down_proj", h, f, a.mlp_bias),
+            *_norm(f"{p}.input_layernorm", h, False), *_norm(f"{p}.post_attention_layernorm", h, False)]
+
+
+def parameter_shapes(arch: HFArch) -> list[tuple[int, str, Shape]]:
+    """(layer, name, shape) of every parameter in `named_parameters()` order: layer 0 the
+    embeddings, 1..layers the blocks, layers + 1 the final norm and an untied head."""
+    a, top = arch, arch.layers + 1
+    h, v = a.hidden, a.vocab
+    pre: list[tuple[str, Shape]]
+    if a.family == "gpt2":
+        pre = [("transformer.wte.weight", (v, h)), ("transformer.wpe.weight", (a.positions, h))]
+        blocks = "transformer.h"
+        post = _norm("transformer.ln_f", h, True)
+    elif a.family == "gpt_neox":
+        pre, blocks = [("gpt_neox.embed_in.weight", (v, h))], "gpt_neox.layers"
+        post = _norm("gpt_neox.final_layer_norm", h, True)
+    else:
+        pre, blocks = [("model.embed_tokens.weight", (v, h))], "model.layers"
+        post = _norm("model.norm", h, False)
+    if not a.tied:
+        post = [*post, ("lm_head.weight", (v, h))]
+    out = [(0, n, s) for n, s in pre]
+    for i in range(a.layers):
+        out += [(i + 1, n, s) for n, s in _block(a, f"{blocks}.{i}")]
+    return out + [(top, n, s) for n, s in post]
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def parameter_count(arch: HFArch) -> int:
+    """Total parameters (a tied head once), without listing every layer."""
+    one = sum(_numel(s) for _, s in _block(arch, "b"))
+    edge = sum(_numel(s) for _, _, s in parameter_shapes(dataclasses.replace(arch, layers=0)))
+    return arch.layers * one + edge
+
+
+def model_shape(config_or_path: Any, *, seq: int | None = None, micro_batch: int = 1,
+                **kw: Any) -> ModelShape:
+    """ModelShape of an HF causal LM config (see `load` for what `config_or_path` may be).
+    `seq` defaults to the config's context length capped at DEFAULT_MAX_SEQ; other keywords
+    (activation_checkpointing, dp, ...) go to ModelShape."""
+    arch = describe(load(config_or_path))
+    table = parameter_shapes(arch)
+    block = sum(_numel(s) for layer, _, s in table if layer == 1)
+    total = sum(_numel(s) for _, _, s in table)
+    fields: dict[str, Any] = dict(
+        layers=arch.layers, hidden=arch.hidden, heads=arch.heads, vocab=arch.vocab,
+        seq=seq if seq is not None else min(arch.positions, DEFAULT_MAX_SEQ),
+        micro_batch=micro_batch, ffn_hidden=arch.ffn, tied_embeddings=arch.tied,
+        learned_positions=arch.family == "gpt2", block_params_override=block,
+        other_params_override=total - arch.layers * block)
+    if "param_table" in ModelShape.__dataclass_fields__:  # the planner's per-parameter list
+        fields["param_table"] = tuple((layer, _numel(s)) for layer, _, s in table)
+    fields.update(kw)
+    return ModelShape(**fields)

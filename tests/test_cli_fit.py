@@ -1,0 +1,73 @@
+"""`python -m superoffload plan --hf-config ...` (commands/fit.py): the fit table per schedule,
+memory, predicted time and tuned settings, from a shipped name or a config.json path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from superoffload import cli, plan
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert cli.main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_llama_7b_on_h200_pcie_needs_offloading(capsys):
+    out = run_json(capsys, "--hf-config", "llama-2-7b", "--profile", "h200-pcie", "--seq", "4096",
+                   "--micro-batch", "1")
+    assert out["model"]["params"] == 6_738_415_616 and out["model"]["seq"] == 4096
+    rows = {r["schedule"]: r for r in out["rows"]}
+    assert list(rows) == ["plain (GPU only)", "ZeRO-Offload", "superoffload stationary",
+                          "superoffload flow"]
+    plain = rows["plain (GPU only)"]
+    # 7B x ~20 B/param of mixed-precision Adam state does not fit 141 GB; the reason says so
+    assert not plain["fits"] and "device memory" in plain["problems"][0]
+    assert rows["ZeRO-Offload"]["fits"] and rows["superoffload stationary"]["fits"]
+    # what the table prints is what the planner predicts for the same shape and schedule
+    shape = plan.ModelShape.from_hf_config("llama-2-7b", seq=4096)
+    zero = plan.simulate(shape, plan.profiles.get("h200-pcie"), "zero-offload")
+    assert rows["ZeRO-Offload"]["iteration_s"] == pytest.approx(zero.iteration_s)
+    assert rows["ZeRO-Offload"]["host_bytes"] == pytest.approx(zero.memory["host"])
+    flow = rows["superoffload flow"]
+    assert flow["config"]["weights"] == "flow" and flow["device_bytes"] < plain["device_bytes"] / 10
+    best = rows[out["best"]]
+    assert best["iteration_s"] == min(r["iteration_s"] for r in rows.values() if r["fits"])
+    assert best["iteration_s"] < rows["ZeRO-Offload"]["iteration_s"]
+
+
+def test_table_from_a_config_json_path(tmp_path, capsys):
+    from superoffload.plan import hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config.load("gpt2")))
+    assert cli.main(["plan", "--hf-config", str(tmp_path / "config.json"), "--profile", "gh200",
+                     "--seq", "1024"]) == 0
+    text = capsys.readouterr().out
+    assert "openai-community/gpt2 (gpt2): 0.12B parameters (124,439,808)" in text
+    for label in ("plain (GPU only)", "ZeRO-Offload", "superoffload stationary", "superoffload flow"):
+        assert label in text
+    assert "Best: " in text  # a 124M model fits everywhere
+
+
+def test_host_memory_cap_leaves_nothing_that_fits(capsys):
+    out = run_json(capsys, "--hf-config", "qwen2.5-14b", "--profile", "h200-pcie",
+                   "--host-gb", "8", "--device-gb", "40")
+    assert out["best"] is None
+    assert all(not r["fits"] and r["problems"] for r in out["rows"])
+    assert cli.main(["plan", "--hf-config", "qwen2.5-14b", "--profile", "h200-pcie",
+                     "--host-gb", "8", "--device-gb", "40"]) == 0
+    assert "Nothing fits this profile" in capsys.readouterr().out
+
+
+def test_errors_name_the_input(capsys):
+    assert cli.main(["plan", "--hf-config", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "llama-2-7b" in err
+    assert cli.main(["plan", "--hf-config", "gpt2", "--profile", "no-such-profile"]) == 2
+    assert "no-such-profile" in capsys.readouterr().err
+
+
+def test_listed_in_help():
+    assert "plan" in cli.build_parser().format_help()

@@ -1,0 +1,216 @@
+"""PyTorch Lightning + `SuperOffloadStrategy` against Lightning + AdamW (issue 14).
+
+The tests' tiny GPT (tests/_tiny_models.py), 20 optimizer steps, `accumulate_grad_batches=2`,
+`gradient_clip_val=0.5` (it fires), a per-step cosine LambdaLR. Tolerances as
+tests/test_engine_diff.py: fp32 1e-5 against Lightning's own AdamW + clipping; bf16 weights
+("bf16-true") 1e-3 against bf16 weights + fp32-master AdamW (tests/_engine_ref.py), and
+`bf16-mixed` 1e-3 against Lightning's AMP. Skipped without the 'lightning' extra.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="needs the optional 'lightning' extra: pip install 'superoffload[lightning]'")
+
+from _engine_ref import HYPER, max_diff, train_reference  # noqa: E402
+from _tiny_models import batches, make_model  # noqa: E402
+from lightning.pytorch.loggers.logger import Logger  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+import superoffload as so  # noqa: E402
+from superoffload.integrations.lightning import SuperOffloadStrategy  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+STEPS, GAS, CLIP = 20, 2, 0.5
+ENGINE = so.OffloadConfig(device="cpu", bucket_bytes=4096, cpu_threads=1, ratio=0.5)
+
+
+def cosine(step: int) -> float:
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, STEPS) / STEPS))
+
+
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(opt, cosine)
+
+
+class Module(pl.LightningModule):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.net = make_model(dtype=dtype)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.net(x, y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.net.parameters(), **HYPER)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule(opt), "interval": "step"}}
+
+
+class Capture(Logger):
+    """A logger that keeps what it is given (TensorBoard / W&B get the same calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append(dict(metrics))
+
+
+class Masters(pl.Callback):
+    """The engine's fp32 masters at the end of fit (the strategy closes it at teardown)."""
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        weights = trainer.strategy.engine.master_weights()  # named from the LightningModule
+        self.weights = {k.removeprefix("net."): v for k, v in weights.items()}
+        self.stats = trainer.strategy.engine.stats
+
+
+def fit(module: Module, data: list, *, strategy: Any = None, precision: str = "32-true",
+        epochs: int = 1, callbacks: list[Any] | None = None, ckpt_path: str | None = None,
+        logger: Any = False, root: Any = None, **kw: Any) -> pl.Trainer:
+    kw.setdefault("accumulate_grad_batches", GAS)
+    kw.setdefault("gradient_clip_val", CLIP)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy or "auto",
+        precision=None if "plugins" in kw else precision, max_epochs=epochs,
+        logger=logger, callbacks=callbacks or [], enable_checkpointing=bool(kw.pop("checkpoint", False)),
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=5,
+        default_root_dir=root, **kw)
+    loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def named(module: Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in module.net.named_parameters() if p.requires_grad}
+
+
+def test_fp32_matches_lightning_adamw():
+    data = batches(STEPS * GAS)
+    ref = Module()
+    fit(ref, data)
+    got, masters = Module(), Masters()
+    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), callbacks=[masters])
+    assert max_diff(named(ref), masters.weights) < 1e-5
+    assert masters.stats.iterations == STEPS and masters.stats.clipped_steps > 0
+    # the module's AdamW still carries the scheduled learning rate; it never stepped itself
+    assert max_diff(named(got), masters.weights) == 0.0
+
+
+def test_bf16_true_matches_master_weight_adamw():
+    data = batches(STEPS * GAS)
+    want = train_reference(make_model(dtype=torch.bfloat16), data, steps=STEPS, gas=GAS,
+                           max_norm=CLIP, sched=schedule)
+    got, masters = Module(), Masters()
+    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-true", callbacks=[masters])
+    assert max_diff(want, masters.weights) < 1e-3
+    for name, p in got.net.named_parameters():  # device weights are bf16 of the masters
+        assert torch.equal(p.detach(), masters.weights[name].to(torch.bfloat16)), name
+
+
+def test_bf16_mixed_matches_lightning_amp():
+    data = batches(STEPS * GAS)
+    ref = Module()
+    fit(ref, data, precision="bf16-mixed")
+    got, masters = Module(), Masters()
+    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-mixed", callbacks=[masters])
+    assert max_diff(named(ref), masters.weights) < 1e-3
+
+
+def test_checkpoint_at_epoch_end_resumes_bit_identically(tmp_path):
+    data = batches(10 * GAS)  # one epoch = 10 optimizer steps; two epochs in all
+    full, masters = Module(), Masters()
+    fit(full, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-true", epochs=2,
+        callbacks=[masters, pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1,
+                                                          every_n_epochs=1)],
+        checkpoint=True, root=tmp_path)
+    first = sorted(tmp_path.glob("epoch=0*.ckpt"))
+    assert len(first) == 1
+    state = torch.load(first[0], weights_only=True)["optimizer_states"][0]
+    assert state["superoffload_engine"]["iteration"] == 10
+    resumed, again = Module(), Masters()
+    fit(resumed, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-true", epochs=2,
+        callbacks=[again], ckpt_path=str(first[0]))
+    assert again.stats.iterations == masters.stats.iterations == 20
+    assert all(torch.equal(masters.weights[k], again.weights[k]) for k in masters.weights)
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
+
+
+def test_engine_metrics_reach_the_loggers():
+    logger, masters = Capture(), Masters()
+    fit(Module(), batches(STEPS * GAS), strategy=SuperOffloadStrategy(ENGINE), logger=logger,
+        callbacks=[masters])
+    ours = [m for m in logger.metrics if "superoffload/rollbacks" in m]
+    assert len(ours) == STEPS // 5
+    last = ours[-1]
+    for key in ("tokens_per_s", "link_gbps", "overlap", "replays", "clipped_steps", "grad_norm"):
+        assert f"superoffload/{key}" in last, key
+    assert last["superoffload/tokens_per_s"] > 0 and last["superoffload/link_gbps"] > 0
+    # clipping is settled in step(); rollbacks count when the CPU lane has run them
+    assert last["superoffload/clipped_steps"] == masters.stats.clipped_steps == STEPS
+    assert 0 < last["superoffload/rollbacks"] <= masters.stats.rollbacks
+
+
+class ManualModule(Module):
+    """Manual optimization: `manual_backward` and `opt.step()` reach the engine too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = self.net(x, y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        sched.step()
+        return loss
+
+
+def test_manual_optimization_matches_lightning_adamw():
+    data = batches(STEPS)
+    ref = ManualModule()
+    fit(ref, data, accumulate_grad_batches=1, gradient_clip_val=None)
+    got, masters = ManualModule(), Masters()
+    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), accumulate_grad_batches=1,
+        gradient_clip_val=None, callbacks=[masters])
+    assert max_diff(named(ref), masters.weights) < 1e-5
+    assert masters.stats.iterations == STEPS
+
+
+class SGDModule(Module):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(("module", "kw", "config", "message"), [
+    (Module, {"plugins": [MixedPrecision("16-mixed", "cpu")]}, ENGINE, "16-true"),
+    (SGDModule, {}, ENGINE, "SGD"),
+    (Module, {"gradient_clip_algorithm": "value"}, ENGINE, "gradient_clip_algorithm"),
+    (Module, {}, ENGINE.replace(max_grad_norm=2.0), r"Trainer\(gradient_clip_val\)"),
+])
+def test_refusals_name_the_setting(module, kw, config, message):
+    with pytest.raises(so.ConfigError, match=message):
+        fit(module(), batches(4), strategy=SuperOffloadStrategy(config), **kw)
