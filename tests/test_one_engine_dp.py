@@ -14,8 +14,8 @@ from _tiny_models import make_model
 
 from superoffload import plan
 from superoffload.config import OffloadConfig
-from superoffload.plan.techniques import Techniques, resolve
 from superoffload.plan.schedule import ENGINE_NEXT, ScheduleFacts, resolve_schedule
+from superoffload.plan.techniques import Techniques, resolve
 from superoffload.runtime.state import EngineState
 from superoffload.threads import usable_cores
 

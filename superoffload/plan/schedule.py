@@ -195,11 +195,11 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
                      weights: str | None = None) -> Schedule:
     """The schedule ``config`` runs on ``facts``. ``weights``: the decided policy when
     ``config.weights`` is "auto" (the engine decides it at the first batch, the planner by
-    ``plan.weights.choose_weights``); otherwise ``config.weights``."""
+    ``plan.choose_weights``); otherwise ``config.weights``."""
     policy = config.weights if weights is None else weights
     if policy not in ("stationary", "flow"):
         raise ValueError(f"resolve_schedule: weights={policy!r}; decide 'auto' first "
-                         "(plan.weights.choose_weights) and pass 'stationary' or 'flow'")
+                         "(plan.choose_weights) and pass 'stationary' or 'flow'")
     notes: list[str] = []
     ratio = float(config.ratio)
     if policy == "flow" and ratio != 1.0:

@@ -1,13 +1,14 @@
 """Inputs of the engine's automatic weight-policy choice (paper §4.5).
 
-The choice itself is the planner's pure ``plan.weights.choose_weights`` (re-exported here);
+The choice itself is the planner's pure ``plan.choose_weights`` (re-exported here);
 this module turns the engine's ``profile=`` argument into a HardwareProfile.
 """
 
 from __future__ import annotations
 
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice, choose_weights
+from superoffload.plan.simulate import choose_weights
+from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice
 
 __all__ = ["FLOW_MIN_EFFICIENCY", "WeightChoice", "choose_weights", "default_profile",
            "resolve_profile"]
