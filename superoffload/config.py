@@ -21,6 +21,10 @@ from typing import Any, Literal
 
 MiB = 1 << 20
 
+MIN_WATCHDOG_S = 0.1
+"""Below this every bucket would time out: a watchdog is a bound on a stuck lane, not a
+deadline for normal work."""
+
 MIN_BUCKET_BYTES = 4096
 """The one lower bound of ``bucket_bytes`` (config, planner, command line): 1024 fp32
 gradients. Smaller buckets only add per-bucket overhead (paper §4.2 uses 64 MiB)."""
@@ -31,6 +35,7 @@ CastSide = Literal["device", "host", "auto"]
 WeightPolicy = Literal["stationary", "flow", "auto"]
 LossScale = Literal["dynamic", "none"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+StepOrder = Literal["deadline", "fifo"]
 Live = Literal["live", "replan", "forward"]
 """How ``engine.reconfigure`` applies a field: "live" (next iteration boundary), "replan"
 (the buckets are rebuilt first) or "forward" (where the next forward starts: weight policy)."""
@@ -126,6 +131,11 @@ class OffloadConfig:
     pin_memory: bool = _field(True)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
+    step_order: StepOrder = _field("deadline", live="live")
+    """Order of the CPU steps and H2D copies of the buckets ready at once: "deadline" (the
+    bucket the next forward needs first goes first: earliest deadline first, DESIGN.md §6)
+    or "fifo" (gradient-ready order, the order backward produced them)."""
+
     weights: WeightPolicy = _field("stationary", live="forward", tuned=True)
     """Weight policy (paper §4.5): bf16 weights stay on the device ("stationary"), stream in per
     block from the host ("flow"), or the cost model chooses ("auto")."""
@@ -187,6 +197,7 @@ class OffloadConfig:
         _check_choice("loss_scale", self.loss_scale, ("dynamic", "none"))
         _check_choice("weights", self.weights, ("stationary", "flow", "auto"))
         _check_choice("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
+        _check_choice("step_order", self.step_order, ("deadline", "fifo"))
         _check(isinstance(self.extra, dict), "extra", self.extra, "use a dict")
         _check(
             _is_int(self.adaptive_window) and self.adaptive_window >= 1,
@@ -242,10 +253,11 @@ class OffloadConfig:
             "use a whole number of blocks >= 1",
         )
         _check(
-            _is_real(self.watchdog_s) and self.watchdog_s > 0,
+            _is_real(self.watchdog_s) and self.watchdog_s >= MIN_WATCHDOG_S,
             "watchdog_s",
             self.watchdog_s,
-            "use a positive number of seconds",
+            f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take "
+            "longer than that; the default is 300)",
         )
         _check(_is_int(self.seed), "seed", self.seed, "use a whole number")
         return self

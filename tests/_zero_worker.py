@@ -103,7 +103,7 @@ def scenario_train(out: Path, rank: int, world: int, args: dict[str, Any]) -> No
         engine.synchronize()
         flow = engine.weights.flow  # weight-flow: close() makes every block resident again
         results[name] = {"weights": weights, "stats": stats_of(engine),
-                         "mode": engine.reduce_mode, "threads": engine.threads,
+                         "mode": engine.reduce_mode, "threads": engine.schedule.threads,
                          "local_world_size": engine.local_world_size,
                          "fetches": None if flow is None else flow.stats.fetches,
                          "n_blocks": None if flow is None else len(flow.blocks),

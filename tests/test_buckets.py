@@ -60,8 +60,17 @@ def test_properties(sizes, bucket_bytes, ratio):
     plan = plan_buckets(specs(sizes), bucket_bytes=bucket_bytes, ratio=ratio)
     members = [i for b in plan.buckets for i in b.param_indices]
     assert members == list(reversed(range(len(sizes))))  # every param once, backward order
-    for b in plan.buckets:  # full buckets never exceed the size unless a single param does
+    for b in plan.buckets:  # a bucket grows past the size only by one parameter it took in
+        last = sizes[b.param_indices[-1]] * 4  # while it was less than half full
+        assert b.nbytes <= bucket_bytes or len(b.param_indices) == 1 or (
+            2 * (b.nbytes - last) < bucket_bytes)
+    for a, b in zip(plan.buckets, plan.buckets[1:]):  # ...and a bucket closed only when
+        first = sizes[b.param_indices[0]] * 4          # the next parameter overflowed it
+        assert a.nbytes + first > bucket_bytes
+    old = plan_buckets(specs(sizes), bucket_bytes=bucket_bytes, ratio=ratio, merge_small=False)
+    for b in old.buckets:  # without merging: a bucket over the size is a single parameter
         assert b.nbytes <= bucket_bytes or len(b.param_indices) == 1
+    assert len(plan.buckets) <= len(old.buckets)
     flags = [b.on_device for b in plan.buckets]
     assert flags == sorted(flags)  # host prefix, device suffix
     total = plan.total_numel
@@ -69,3 +78,12 @@ def test_properties(sizes, bucket_bytes, ratio):
                for k in range(len(plan.buckets) + 1))
     if 0 < ratio < 1:
         assert abs(plan.offloaded_fraction * total - ratio * total) == pytest.approx(best)
+
+
+def test_small_buckets_ride_with_the_next_parameter() -> None:
+    # registration order: big, tiny, tiny, big; backward meets them reversed
+    sizes = [5000, 8, 8, 5000]
+    old = plan_buckets(specs(sizes), bucket_bytes=8192, ratio=1.0, merge_small=False)
+    new = plan_buckets(specs(sizes), bucket_bytes=8192, ratio=1.0)
+    assert [b.param_indices for b in old.buckets] == [(3,), (2, 1), (0,)]
+    assert [b.param_indices for b in new.buckets] == [(3,), (2, 1, 0)]  # no 64-byte bucket

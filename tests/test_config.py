@@ -32,7 +32,8 @@ def test_defaults_validate_and_round_trip_through_json() -> None:
         ("cpu_cores_frac", 0.0, "(0, 1]"),
         ("grad_accum_steps", 0, ">= 1"),
         ("initial_scale_power", 100, "[0, 64]"),
-        ("watchdog_s", 0, "positive"),
+        ("watchdog_s", 0, ">= 0.1"),
+        ("watchdog_s", 1e-9, ">= 0.1"),
         ("weights", "sometimes", "'flow'"),
     ],
 )

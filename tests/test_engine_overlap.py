@@ -3,6 +3,7 @@ for the bucket of the module about to run (paper §4.2). Checked by ordering, no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -12,6 +13,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.runtime import steps
+from superoffload.runtime.worker import Barrier
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -71,3 +73,39 @@ def test_next_forward_waits_only_for_its_own_bucket(monkeypatch):
     finally:
         release.set()
         engine.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hold:
+    """A worker task that holds the CPU lane until released (the CPU "is busy")."""
+
+    release: threading.Event
+
+    def run(self) -> None:
+        self.release.wait(30)
+
+
+@pytest.mark.parametrize("order", ["deadline", "fifo"])
+def test_ready_buckets_are_stepped_and_sent_earliest_deadline_first(order: str) -> None:
+    """When several offloaded buckets are ready at once, the one the next forward needs first
+    (the highest bucket id: the first layers, produced last by backward) is stepped and its
+    weights sent first; "fifo" keeps gradient-ready order (DESIGN.md §6)."""
+    model = make_model()
+    with so.initialize(model, {}, cfg(ratio=1.0, step_order=order)) as engine:
+        release = threading.Event()
+        engine.worker.submit(_Hold(release))  # every spec step queues behind this
+        x, y = batches(1)[0]
+        engine.backward(model(x, y))
+        for lane in engine.transport.lanes[:1]:  # every gradient landed: all steps are ready
+            lane.submit(Barrier()).result(timeout=30)
+        release.set()
+        engine.step()
+        engine.synchronize()
+        spans = engine.telemetry.spans()
+    n_host = len([b for b in engine.bucket_plan.buckets if not b.on_device])
+    assert n_host >= 4
+    cpu = [s.bucket for s in sorted(spans, key=lambda s: s.start_s) if s.kind == "cpu_step"]
+    h2d = [s.bucket for s in sorted(spans, key=lambda s: s.start_s) if s.kind == "h2d"]
+    want = sorted(range(n_host), reverse=order == "deadline")
+    assert cpu == want
+    assert h2d == want  # each H2D issued as soon as its step ended, in the same order

@@ -21,7 +21,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.config import OffloadConfig
-from superoffload.plan.schedule import ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import ENGINE_NEXT, ScheduleFacts, resolve_schedule
 from superoffload.runtime import steps
 from superoffload.runtime.errors import EngineError
 from superoffload.runtime.transfers import H2DTask
@@ -192,7 +192,8 @@ def test_the_engine_runs_the_rule_books_schedule(weights: str) -> None:
     cfg = CFG.replace(ratio=0.5, weights=weights)
     with so.initialize(model, HYPER, cfg) as engine:
         facts = ScheduleFacts(params=engine.state.param_specs(), model_dtype="float32",
-                              device_type="cpu", usable_cores=usable_cores())
+                              device_type="cpu", usable_cores=usable_cores(),
+                              engine=ENGINE_NEXT)  # what the engine runs (plan/schedule.py)
         want = resolve_schedule(cfg, facts)
         got = engine.schedule
         assert got.bucket_table() == want.bucket_table()
@@ -213,3 +214,24 @@ def test_the_engine_runs_the_rule_books_schedule(weights: str) -> None:
     if weights == "flow":
         notes = " ".join(n.text for n in engine.telemetry.notes())
         assert "ratio 0.5 -> 1" in notes
+
+
+@pytest.mark.parametrize("weights", ["stationary", "flow"])
+def test_the_planner_predicts_the_schedule_the_engine_runs(weights: str) -> None:
+    """The simulator's resolved schedule (plan.techniques.resolve, what ``simulate`` runs) for
+    ``ModelShape.from_module(model)``: the engine's effective ratio, offloaded elements and
+    bucket table, for weight-stationary and weight-flow."""
+    from superoffload import plan
+    from superoffload.plan.techniques import Techniques, resolve
+
+    model = make_model(0)
+    cfg = CFG.replace(ratio=0.5, weights=weights, bucket_bytes=8192)
+    with so.initialize(model, HYPER, cfg) as engine:
+        got = engine.schedule
+    shape = plan.ModelShape.from_module(model, seq=12, micro_batch=4)
+    prof = plan.profiles.get("cpu-laptop")
+    want = resolve(shape, prof, "superoffload", cfg, Techniques(engine=ENGINE_NEXT))
+    assert want.ratio == got.ratio == (1.0 if weights == "flow" else 0.5)
+    assert want.host_numel == got.host_numel and want.device_numel == got.device_numel
+    assert [(b.param_indices, b.numel, b.on_device) for b in want.bucket_plan.buckets] == \
+        [(p, n, d) for _, p, n, d in got.bucket_table()]

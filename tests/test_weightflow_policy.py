@@ -19,9 +19,9 @@ from _tiny_models import batches, make_model
 import superoffload as so
 from superoffload import plan
 from superoffload.models.gpt import GPT, gpt_tiny
+from superoffload.plan import choose_weights
 from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.techniques import resolve
-from superoffload.plan.weights import choose_weights
 from superoffload.runtime.device_meter import DeviceBudgetExceeded, DeviceMeter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py

@@ -199,22 +199,40 @@ def _exchange_processes(world_size: int) -> list[RankProcess]:
     return [p for p in table if isinstance(p, RankProcess)]
 
 
-def _process_gone(pid: int) -> bool:
-    """True when `pid` has exited (including a zombie its parent has not reaped yet)."""
+def _proc_state(pid: int) -> str | None:
+    """The one-letter state of `pid` in /proc ("R", "S", "T" stopped, "Z" zombie, ...), or
+    None without procfs; "X" when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             # "pid (comm) state ...": comm may hold spaces, so split after the last ')'
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+            return f.read().rpartition(")")[2].split()[0]
     except FileNotFoundError:
+        return "X"
+    except OSError:
+        return None
+
+
+def _process_gone(pid: int) -> bool:
+    """True when `pid` has exited (including a zombie its parent has not reaped yet)."""
+    state = _proc_state(pid)
+    if state is not None:
+        return state in ("Z", "X")
+    try:  # no procfs (macOS): fall back to signal 0
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
-    except OSError:  # no procfs (macOS): fall back to signal 0
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
+    except PermissionError:
         return False
+    return False
+
+
+def stopped_peers(ranks: list[int]) -> list[int]:
+    """Ranks among `ranks` on this host whose process is stopped (SIGSTOP, a debugger)."""
+    if _STATE is None or len(_STATE.processes) != _STATE.info.world_size:
+        return []
+    host = socket.gethostname()
+    return [r for r in ranks if _STATE.processes[r].host == host and r != _STATE.info.rank
+            and _proc_state(_STATE.processes[r].pid) in ("T", "t")]
 
 
 def exited_peers(ranks: list[int]) -> list[int]:
@@ -279,8 +297,10 @@ def collective_guard(collective: str, group: dist.ProcessGroup | None = None) ->
         rank, world = dist.get_rank(), dist.get_world_size()
         peers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
         timeout = f"{_STATE.info.timeout_s:g} s" if _STATE is not None else "the group's timeout"
-        gone = exited_peers(peers)
+        gone, stopped = exited_peers(peers), stopped_peers(peers)
         cause = (f"rank(s) {gone} on this host have exited" if gone else
+                 f"rank(s) {stopped} on this host are stopped (SIGSTOP or a debugger) and did "
+                 f"not join within {timeout}" if stopped else
                  f"a peer rank died, or stalled past {timeout}, or passed a different shape")
         raise DistributedError(
             f"rank {rank} of {world}: collective {collective} over ranks {peers} failed: "

@@ -31,10 +31,10 @@ from superoffload.plan.memory import Memory, memory
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.schedule import ENGINE, ENGINE_NEXT, EngineVariant
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import LaneStats, SimResult, simulate
+from superoffload.plan.simulate import LaneStats, SimResult, choose_weights, simulate
 from superoffload.plan.techniques import SCHEDULES, ZERO_OFFLOAD, Techniques
 from superoffload.plan.tune import Constraints, InfeasibleError, tune
-from superoffload.plan.weights import WeightChoice, choose_weights
+from superoffload.plan.weights import WeightChoice
 
 __all__ = [
     "ENGINE",

@@ -16,6 +16,7 @@ from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
+from superoffload.plan.simulate import choose_weights
 from superoffload.plan.techniques import SCHEDULES, resolve
 
 MAX_LAYERS = 1000
@@ -37,7 +38,10 @@ def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
     config, the most memory-frugal settings are tried (ratio 1, then weight-flow)."""
     prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
     if config is not None or schedule != "superoffload":
-        plan = resolve(shape, prof, schedule, config, None)
+        auto = None
+        if config is not None and config.weights == "auto" and schedule == "superoffload":
+            auto = choose_weights(shape, prof, config)  # as plan.simulate decides it
+        plan = resolve(shape, prof, schedule, config, None, auto=auto)
         return check_fits(memory(shape, prof, plan), prof)
     problems: list[str] = []
     for cfg in (OffloadConfig(ratio=1.0, weights="stationary", grad_cast="host", param_cast="host"),

@@ -40,10 +40,10 @@ import numpy as np
 from superoffload.config import OffloadConfig
 from superoffload.plan import cost, parallel
 from superoffload.plan.buckets import plan_buckets
-from superoffload.plan.memory import Memory
+from superoffload.plan.memory_types import Memory
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.techniques import Resolved
 from superoffload.telemetry import events as ev
 
 REDUCE_BUCKET_ELEMS = 500_000_000

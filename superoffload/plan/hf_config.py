@@ -14,7 +14,7 @@ modeling_gpt_neox.py):
 hd = head_dim (default hidden / heads). A tied head is the embedding, counted once.
 
 `parameter_shapes` lists every parameter (HF name, shape) in registration order -- the order
-the engine buckets them -- and `model_shape` turns a config into a ModelShape with exact block
+the engine buckets them -- and `shape_fields` gives a ModelShape (`ModelShape.from_hf_config`) with exact block
 and non-block counts (`block_params_override`, `other_params_override`) and, where ModelShape
 has it, the per-parameter `param_table`. The formulas' FLOPs and activation memory stay the GPT
 block's (plan/shapes.py): for SwiGLU / GQA they are estimates; the parameter counts are exact.
@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-from superoffload.plan.shapes import ModelShape
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 DEFAULT_MAX_SEQ = 4096
@@ -215,11 +213,12 @@ def parameter_count(arch: HFArch) -> int:
     return arch.layers * one + edge
 
 
-def model_shape(config_or_path: Any, *, seq: int | None = None, micro_batch: int = 1,
-                **kw: Any) -> ModelShape:
-    """ModelShape of an HF causal LM config (see `load` for what `config_or_path` may be).
-    `seq` defaults to the config's context length capped at DEFAULT_MAX_SEQ; other keywords
-    (activation_checkpointing, dp, ...) go to ModelShape."""
+def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: int = 1,
+                 **kw: Any) -> dict[str, Any]:
+    """ModelShape's fields for an HF causal LM config (see `load` for what `config_or_path`
+    may be); ``ModelShape.from_hf_config`` builds the shape from them (this module does not
+    import shapes.py: no import cycle). `seq` defaults to the config's context length capped
+    at DEFAULT_MAX_SEQ; other keywords (activation_checkpointing, dp, ...) pass through."""
     arch = describe(load(config_or_path))
     table = parameter_shapes(arch)
     block = sum(_numel(s) for layer, _, s in table if layer == 1)
@@ -230,7 +229,6 @@ def model_shape(config_or_path: Any, *, seq: int | None = None, micro_batch: int
         micro_batch=micro_batch, ffn_hidden=arch.ffn, tied_embeddings=arch.tied,
         learned_positions=arch.family == "gpt2", block_params_override=block,
         other_params_override=total - arch.layers * block)
-    if "param_table" in ModelShape.__dataclass_fields__:  # the planner's per-parameter list
-        fields["param_table"] = tuple((layer, _numel(s)) for layer, _, s in table)
+    fields["param_table"] = tuple((layer, _numel(s)) for layer, _, s in table)
     fields.update(kw)
-    return ModelShape(**fields)
+    return fields

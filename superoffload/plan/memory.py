@@ -24,27 +24,13 @@ Headroom: 5% of device memory (allocator fragmentation, CUDA context) and 10% of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from superoffload.plan.memory_types import Memory
 from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.techniques import Resolved
 
 DEVICE_HEADROOM = 0.95
 HOST_HEADROOM = 0.90
-
-
-@dataclass(frozen=True, slots=True)
-class Memory:
-    """Bytes on each side and what they hold."""
-
-    device: float
-    host: float
-    device_parts: dict[str, float]
-    host_parts: dict[str, float]
-
-    def as_dict(self) -> dict[str, float]:
-        return {"device": self.device, "host": self.host}
 
 
 def offloaded_params(shape: ModelShape, plan: Resolved) -> float:

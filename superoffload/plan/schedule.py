@@ -63,6 +63,9 @@ class EngineVariant:
     """The D2H lane launches the bucket's ~9 norm/non-finite kernels before its copy and keeps
     one bucket in flight with a host round trip each (issue 11 item 8); False: copy first,
     stats after, several buckets in flight."""
+    merge_small_buckets: bool = False
+    """Buckets less than half full ride with the next parameter instead of closing
+    (``plan_buckets(merge_small=...)``: fewer tiny buckets, each with fixed costs)."""
 
     def __post_init__(self) -> None:
         if self.step_order not in STEP_ORDERS:
@@ -75,7 +78,8 @@ class EngineVariant:
 
 ENGINE_TODAY = EngineVariant()
 """The engine at 167091f: FIFO stepping, unfused tail step, stats launched before each copy."""
-ENGINE_NEXT = EngineVariant(step_order="edf", tail_step="fused", d2h_stats_first=False)
+ENGINE_NEXT = EngineVariant(step_order="edf", tail_step="fused", d2h_stats_first=False,
+                            merge_small_buckets=True)
 """The engine issue 11 asks for: earliest deadline first, fused tail step, copy first."""
 ENGINE = ENGINE_TODAY
 """What the engine implements now (the planner's default; change it when the engine does)."""
@@ -191,11 +195,11 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
                      weights: str | None = None) -> Schedule:
     """The schedule ``config`` runs on ``facts``. ``weights``: the decided policy when
     ``config.weights`` is "auto" (the engine decides it at the first batch, the planner by
-    ``plan.weights.choose_weights``); otherwise ``config.weights``."""
+    ``plan.choose_weights``); otherwise ``config.weights``."""
     policy = config.weights if weights is None else weights
     if policy not in ("stationary", "flow"):
         raise ValueError(f"resolve_schedule: weights={policy!r}; decide 'auto' first "
-                         "(plan.weights.choose_weights) and pass 'stationary' or 'flow'")
+                         "(plan.choose_weights) and pass 'stationary' or 'flow'")
     notes: list[str] = []
     ratio = float(config.ratio)
     if policy == "flow" and ratio != 1.0:
@@ -206,7 +210,8 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
                                 local_ranks=facts.local_ranks,
                                 reserved=runtime_threads(facts.device_type),
                                 explicit=config.cpu_threads)
-    plan = plan_buckets(facts.params, bucket_bytes=config.bucket_bytes, ratio=ratio)
+    plan = plan_buckets(facts.params, bucket_bytes=config.bucket_bytes, ratio=ratio,
+                        merge_small=facts.engine.merge_small_buckets)
     g, p, cast_notes = resolve_casting(
         config.grad_cast, config.param_cast, model_dtype=facts.model_dtype,
         device_type=facts.device_type, weights=policy, profile=facts.profile, threads=threads,

@@ -236,9 +236,9 @@ class ModelShape:
         `transformers` config, a dict, a config.json path or directory, or a shipped name such
         as "llama-2-7b". `kw`: seq (default: the context length, at most 4096), micro_batch and
         other fields. Exact parameter counts (GQA, SwiGLU, tied head): plan/hf_config.py."""
-        from superoffload.plan.hf_config import model_shape
+        from superoffload.plan.hf_config import shape_fields
 
-        return model_shape(config_or_path, **kw)
+        return cls(**shape_fields(config_or_path, **kw))
 
     # ------------------------------------------------------------------ from a module
     @classmethod

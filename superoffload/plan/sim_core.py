@@ -20,8 +20,8 @@ import numpy as np
 
 from superoffload.plan import cost, parallel
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.techniques import Resolved
 from superoffload.telemetry import events as ev
 
 D2H_STATS_LAUNCHES = 9

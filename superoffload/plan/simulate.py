@@ -40,12 +40,13 @@ from typing import Any
 import numpy as np
 
 from superoffload.config import OffloadConfig
-from superoffload.plan import deepspeed, parallel, sim_core
+from superoffload.plan import cost, deepspeed, parallel, sim_core
 from superoffload.plan.memory import Memory, check_fits, memory, offloaded_params
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.sim_core import edf, fifo
 from superoffload.plan.techniques import Resolved, Techniques, resolve
+from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice, fmt_gb
 from superoffload.telemetry import events as ev
 
 __all__ = ["N_ITER", "LaneStats", "SimResult", "edf", "fifo", "simulate"]
@@ -153,7 +154,11 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
     if not isinstance(prof, HardwareProfile):
         raise TypeError(f"simulate: prof must be a HardwareProfile, got {type(prof).__name__}")
     prof = parallel.rank_profile(prof, shape.ranks_per_host)  # this rank's share of the host
-    plan = resolve(shape, prof, schedule, config, techniques)
+    auto = None
+    if schedule == "superoffload" and config is not None and config.weights == "auto" and (
+            techniques is None or techniques.adaptive_weights):
+        auto = choose_weights(shape, prof, config)  # the engine's rule (plan/weights.py)
+    plan = resolve(shape, prof, schedule, config, techniques, auto=auto)
     lay = None if plan.schedule == "zero-offload" else sim_core.layout(shape, plan)
     ends, chunks = _run(shape, prof, plan, N_ITER, None, lay)
     period = float(ends[-1] - ends[-2])
@@ -215,3 +220,49 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     if plan.schedule == "zero-offload":
         return deepspeed.zero2_run(shape, prof, plan, n_iter)
     return sim_core.run(shape, prof, plan, n_iter, clipped_iter, lay)
+
+
+def choose_weights(shape: ModelShape, prof: HardwareProfile, config: OffloadConfig | None = None,
+                   *, device_memory_bytes: float | None = None) -> WeightChoice:
+    """Pick the weight policy for ``shape`` on ``prof`` (see the module docstring)."""
+    if not isinstance(shape, ModelShape):
+        raise TypeError(f"choose_weights: shape must be a ModelShape, got {type(shape).__name__}")
+    if device_memory_bytes is not None:
+        if device_memory_bytes <= 0:
+            raise ValueError(f"device_memory_bytes={device_memory_bytes}: use a positive byte count")
+        prof = prof.replace(device_memory_bytes=float(device_memory_bytes))
+    base = (config or OffloadConfig()).replace(weights="stationary", extra={})
+    stat: SimResult = simulate(shape, prof, "superoffload", base)
+    # the rule book runs weight-flow with every bucket on the host, weights cast on the host
+    flow: SimResult = simulate(shape, prof, "superoffload", base.replace(weights="flow"))
+    eff = cost.weight_flow_efficiency(shape, prof)
+    act = shape.activation_bytes()
+    parts = stat.memory_detail.device_parts
+    resident = parts.get("weights_bf16", 0.0) + parts.get("grads_bf16", 0.0)
+    numbers = (f"predicted {stat.iteration_s * 1e3:.3g} ms (stationary) vs "
+               f"{flow.iteration_s * 1e3:.3g} ms (flow); device memory "
+               f"{fmt_gb(stat.memory['device'])} vs {fmt_gb(flow.memory['device'])} of "
+               f"{fmt_gb(prof.device_memory_bytes)}; activations {fmt_gb(act)}; weight-flow "
+               f"efficiency {eff:.3f}")
+    if stat.fits and not flow.fits:
+        policy, why = "stationary", "weight-flow does not fit: " + "; ".join(flow.problems)
+    elif flow.fits and not stat.fits:
+        policy, why = "flow", "weight-stationary does not fit: " + "; ".join(stat.problems)
+    elif not flow.fits:
+        policy, why = "flow", ("neither policy fits; weight-flow needs the least device memory: "
+                               + "; ".join(flow.problems))
+    elif eff >= FLOW_MIN_EFFICIENCY and act > resident:
+        policy, why = "flow", (f"both fit; the fetch hides behind compute (efficiency {eff:.3f} >= "
+                               f"{FLOW_MIN_EFFICIENCY}) and activations ({fmt_gb(act)}) outweigh the "
+                               f"resident weights + gradients ({fmt_gb(resident)})")
+    else:
+        cause = (f"efficiency {eff:.3f} < {FLOW_MIN_EFFICIENCY}" if eff < FLOW_MIN_EFFICIENCY
+                 else f"activations ({fmt_gb(act)}) do not outweigh the resident weights + "
+                      f"gradients ({fmt_gb(resident)})")
+        policy, why = "stationary", f"both fit and weight-flow would gain nothing: {cause}"
+    return WeightChoice(
+        policy=policy, reason=f"weights={policy}: {why}; {numbers}", efficiency=eff,
+        stationary_s=stat.iteration_s, flow_s=flow.iteration_s,
+        stationary_device_bytes=stat.memory["device"], flow_device_bytes=flow.memory["device"],
+        activation_bytes=act, device_memory_bytes=prof.device_memory_bytes,
+    )

@@ -26,13 +26,13 @@ switches on top. The "zero-offload" schedule is the peer users run, DeepSpeed Ze
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from superoffload.config import OffloadConfig
 from superoffload.plan import cost
-from superoffload.plan.buckets import BucketPlan
 from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.resolved import Resolved
 from superoffload.plan.schedule import (
     ENGINE,
     ENGINE_NEXT,
@@ -92,62 +92,13 @@ __all__ = ["ENGINE_NEXT", "PAPER_CLIP_RATE", "SCHEDULES", "ZERO_OFFLOAD", "Resol
            "Techniques", "resolve"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Resolved:
-    """The concrete schedule one simulation runs (every 'auto' decided, every rule applied)."""
-
-    schedule: str
-    bucket_bytes: int
-    """Bytes of fp32 gradient per bucket (4 B/param), as OffloadConfig.bucket_bytes."""
-    whole_model_bucket: bool
-    """Ablation (buckets off): the offloaded parameters move and step as one bucket."""
-    ratio: float
-    """The effective ratio the buckets were planned with (1 under weight-flow)."""
-    speculate: bool
-    rollback_rate: float
-    grad_cast: str
-    param_cast: str
-    weights: str
-    kernel: cost.Kernel
-    threads: int
-    prefetch_depth: int
-    snapshot_rollback: bool
-    bucket_plan: BucketPlan
-    """The engine's bucket table (plan.buckets.plan_buckets over whole parameters)."""
-    engine: EngineVariant = ENGINE
-    requested_ratio: float = 0.9
-    """OffloadConfig.ratio as asked."""
-    model_dtype: str = "bfloat16"
-    reasons: tuple[str, ...] = ()
-    host_numel: int = field(init=False, default=0)
-    """Parameters whose fp32 state and step are on the host (whole buckets; derived)."""
-    device_numel: int = field(init=False, default=0)
-    """Parameters stepped on the device (derived)."""
-
-    def __post_init__(self) -> None:
-        host = sum(b.numel for b in self.bucket_plan.buckets if not b.on_device)
-        object.__setattr__(self, "host_numel", host)
-        object.__setattr__(self, "device_numel", self.bucket_plan.total_numel - host)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-safe fields (the bucket table as counts)."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__  # type: ignore[attr-defined]
-                               if k not in ("bucket_plan", "engine")}
-        out["reasons"] = list(self.reasons)
-        out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
-                         "d2h_stats_first": self.engine.d2h_stats_first}
-        plan = self.bucket_plan
-        n_host = sum(1 for b in plan.buckets if not b.on_device)
-        out["buckets"] = {"host": n_host, "device": len(plan.buckets) - n_host,
-                          "largest_numel": max((b.numel for b in plan.buckets), default=0)}
-        return out
-
-
 def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
-            config: OffloadConfig | None, techniques: Techniques | None) -> Resolved:
+            config: OffloadConfig | None, techniques: Techniques | None, *,
+            auto: Any = None) -> Resolved:
     """Turn (schedule, config, techniques) into a Resolved schedule: the rule book decides what
     the engine runs (plan.schedule), then the ablation switches apply. 'auto' fields ask the
-    cost model. "zero-offload" is DeepSpeed ZeRO-2 + offload_optimizer and ignores
+    cost model; ``auto``: the WeightChoice for weights="auto". "zero-offload" is DeepSpeed
+    ZeRO-2 + offload_optimizer and ignores
     `techniques` (but its rollback_rate); "gpu" keeps everything on the device."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
@@ -165,13 +116,13 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
     weights = "stationary"
     if tech.adaptive_weights and schedule == "superoffload":
         if cfg.weights == "auto":
-            # the same rule the engine applies (plan/weights.py), so a simulated "auto" and a
-            # running engine choose alike; imported here because it simulates both policies
-            from superoffload.plan.weights import choose_weights
-
-            choice = choose_weights(shape, prof, cfg)
-            weights = choice.policy
-            reasons.append(choice.reason)
+            # the engine's rule (plan.choose_weights) simulates both policies, so the caller
+            # decides it: plan.simulate does, passing `auto` (no import cycle through here)
+            if auto is None:
+                raise ValueError("resolve: config.weights='auto' must be decided first; "
+                                 "plan.simulate does it with plan.choose_weights")
+            weights = auto.policy
+            reasons.append(auto.reason)
         else:
             weights = cfg.weights
     if not tech.gpu_tail:

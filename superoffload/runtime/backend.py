@@ -31,6 +31,25 @@ class GradStats:
     sum_sq: float
     nonfinite: int
 
+    def resolve(self) -> GradStats:
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class PendingStats:
+    """A CUDA bucket's statistics still on their way: ``resolve()`` waits for the copy and the
+    statistics to land (a blocking event: the thread sleeps, it does not spin) and reads them.
+    Returning this instead of waiting lets the D2H lane keep several buckets in flight."""
+
+    done: Any
+    """A blocking ``torch.cuda.Event`` after the copy and the statistics."""
+    host: torch.Tensor
+    """Pinned [sum of squares, non-finite count], filled when ``done`` completes."""
+
+    def resolve(self) -> GradStats:
+        self.done.synchronize()
+        return GradStats(float(self.host[0]), int(self.host[1]))
+
 
 class Backend(Protocol):
     device: torch.device
@@ -45,7 +64,11 @@ class Backend(Protocol):
 
     def d2h(
         self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
-    ) -> GradStats: ...
+    ) -> GradStats | PendingStats: ...
+
+    def stream(self, kind: str) -> Any:
+        """The device stream of "d2h" or "h2d" work (None: the current one; CPU: None)."""
+        ...
 
     def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any: ...
 
@@ -93,6 +116,9 @@ class CPUBackend:
 
     def ready_token(self) -> Any:
         return None  # autograd on the CPU has finished the gradient when the hook fires
+
+    def stream(self, kind: str) -> Any:
+        return None
 
     def d2h(
         self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
@@ -143,26 +169,31 @@ class CUDABackend:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def stream(self, kind: str) -> Any:
+        return {"d2h": self.d2h_stream, "h2d": self.h2d_stream}.get(kind)
+
     def d2h(
         self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
-    ) -> GradStats:
+    ) -> PendingStats:
+        """Enqueue the copy, then the bucket's statistics, on the D2H stream and return at
+        once: the copy goes first (the CPU step needs it), the ~9 norm kernels after it, and
+        nothing here waits, so the lane keeps several buckets in flight (issue 11 item 8)."""
         stream = self.d2h_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)  # after the kernels that produced the gradients
-            stats_dev = stats_tensor(grads, self.device)
             for g, d in zip(grads, dst):
                 src = g if g.dtype == d.dtype else g.to(d.dtype)  # device-side cast
                 d.copy_(src, non_blocking=True)
                 # The gradient's memory belongs to the compute stream's allocator pool; keep it
                 # alive until this stream is done with it (zero_grad may free it meanwhile).
                 g.record_stream(stream)
+            stats_dev = stats_tensor(grads, self.device)
             stats_host = torch.empty(2, dtype=torch.float32, pin_memory=self.pin_memory)
             stats_host.copy_(stats_dev, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
             done.record(stream)
-        done.synchronize()  # this runs on the D2H transfer thread, not the training thread
-        return GradStats(float(stats_host[0]), int(stats_host[1]))
+        return PendingStats(done, stats_host)
 
     def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any:
         stream = self.h2d_stream

@@ -6,10 +6,12 @@ and buffers, param-group hyperparameters (the LR a scheduler set), loss scaler, 
 STV state, counters, RNG states (torch, CUDA, Python, NumPy) and an optional LR scheduler
 and ``extra`` payload.
 
-Safety: one file, ``engine.pt``, written to a temporary name, fsynced, then renamed over the
-old one (``os.replace`` is atomic on POSIX), so a write killed midway leaves the previous
-checkpoint loadable. Loading uses ``torch.load(weights_only=True)``: tensors and plain data
-only, never arbitrary unpickling. ``meta.json`` beside it is for humans and tools.
+Safety (ckpt_files.py): one file, ``engine.pt``, sealed with a checksum of its contents,
+written to a temporary name, fsynced, then renamed over the old one (``os.replace`` is atomic
+on POSIX), so a write killed midway leaves the previous checkpoint loadable and a flipped
+byte is refused on load naming the file. Loading uses ``torch.load(weights_only=True)``:
+tensors and plain data only. ``meta.json`` beside it (for humans and tools) records the
+file's SHA-256.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from superoffload.config import NUMERICS_FIELDS, OffloadConfig
+from superoffload.runtime.ckpt_files import file_sha256, read_verified, write_atomic
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.scheduler import EngineStats
 from superoffload.runtime.state import EngineState, ParamState
@@ -212,32 +216,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, gauss))
 
 
-def write_atomic(payload: Any, final: str) -> None:
-    """torch.save to a temporary name, fsync, rename over ``final`` (atomic on POSIX)."""
-    tmp = f"{final}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)  # readers see the old file or the new one
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: Any = None) -> str:
-    """Write ``path/engine.pt`` atomically; returns the file path."""
-    os.makedirs(path, exist_ok=True)
+    """Write ``path/engine.pt`` atomically (sealed with its checksum, ckpt_files.py) and
+    ``path/meta.json`` (the file's SHA-256, for tools); returns the file path. Nothing is
+    created when the engine has failed (the state is gathered first)."""
     payload = engine_state_dict(engine)
     payload["rng"] = rng_state()
     payload["extra"] = extra
     payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
+    os.makedirs(path, exist_ok=True)
     final = os.path.join(path, FILENAME)
-    write_atomic(payload, final)
+    digest = write_atomic(payload, final)
     meta = {"format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
-            "parameters": len(payload["signature"])}
+            "parameters": len(payload["signature"]),
+            "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}}}
     meta_tmp = os.path.join(path, META + ".tmp")
     with open(meta_tmp, "w") as f:
         json.dump(meta, f, indent=2)
@@ -246,11 +238,17 @@ def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: 
 
 
 def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
-    """Restore everything saved by ``save``; returns its ``extra``."""
+    """Restore everything saved by ``save`` (checksums verified); returns its ``extra``."""
     file = os.path.join(path, FILENAME)
     if not os.path.exists(file):
         raise FileNotFoundError(f"no checkpoint at {file}")
-    payload = torch.load(file, map_location="cpu", weights_only=True)
+    payload = read_verified(file)  # the sealed checksum: a corrupt file is refused
+    recorded = _recorded_sha256(path)
+    if recorded is not None and recorded != file_sha256(file):
+        # the sealed checksum passed, so the file is whole: meta.json is from an older save
+        # (a save killed between writing engine.pt and meta.json)
+        warnings.warn(f"{os.path.join(path, META)} is older than {file} (their checksums "
+                      "differ; the checkpoint itself checks out)", RuntimeWarning, stacklevel=3)
     load_engine_state_dict(engine, payload)
     set_rng_state(payload["rng"])
     if lr_scheduler is not None:
@@ -258,3 +256,11 @@ def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
             raise CheckpointMismatch("lr_scheduler given but the checkpoint holds none")
         lr_scheduler.load_state_dict(payload["lr_scheduler"])
     return payload.get("extra")
+
+
+def _recorded_sha256(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, META)) as f:
+            return str(json.load(f)["files"][FILENAME]["sha256"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return None  # no meta.json, or one written before checksums existed

@@ -1,19 +1,14 @@
 """The offload engine (paper §4; DESIGN.md §3): the public facade over one iteration core.
 
-One iteration: forward with the device weights (each module waits only for its own bucket's
-publish); backward, where a bucket is offloaded the moment its last gradient is final and the
-CPU worker steps it speculatively; then ``step()`` validates (global norm, inf/nan), rolls
-back / replays / skips as the verdict says, and steps the GPU tail buckets on the device.
-
-The parts: ``EngineState`` (runtime/state.py) is the book of the model's parameters and
-buckets; ``plan.schedule.resolve_schedule`` decides what runs (the planner calls the same
-function); a ``Transport`` (runtime/transport.py) moves gradients and weights — D2H/H2D in
-one process (``LocalTransport``), reduce-scatter/all-gather under ZeRO
-(``superoffload.distributed.zero``, the same engine with another transport); the
-``IterationScheduler`` (runtime/scheduler.py, settle.py) runs the bucket lifecycle; hooks,
-weight-flow, the weight policy, reconfiguration and checkpoints receive the state or a small
-protocol. An exception on a lane is stored and raised in the training thread at its next
-call as an ``EngineError``.
+Forward with the device weights (each module waits only for its own bucket's publish);
+backward, where a bucket is offloaded the moment its last gradient is final and stepped
+speculatively on the CPU; ``step()`` validates, rolls back / replays / skips as the verdict
+says, and steps the GPU tail buckets on the device. ``EngineState`` (state.py) books the
+parameters and buckets; ``plan.schedule.resolve_schedule`` decides what runs (the planner
+calls it too); a ``Transport`` moves gradients and weights (``LocalTransport`` here, ZeRO's in
+``superoffload.distributed.zero``: the same engine); ``IterationScheduler`` (scheduler.py,
+settle.py) runs the bucket lifecycle. A lane's exception is raised in the training thread at
+its next call as an ``EngineError``. docs/engine.md, "The parts".
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,10 +25,12 @@ import torch
 from superoffload.config import RECONFIGURABLE, OffloadConfig
 from superoffload.kernels import AdamHyper
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.schedule import Schedule, ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import ENGINE_NEXT, Schedule, ScheduleFacts, resolve_schedule
+from superoffload.runtime import checkpoint
 from superoffload.runtime import hooks as engine_hooks
 from superoffload.runtime.backend import Backend, make_backend
 from superoffload.runtime.casting import CastPolicy, cast_policy
+from superoffload.runtime.device_clock import CudaClock
 from superoffload.runtime.errors import EngineClosed, EngineError, FailureBox
 from superoffload.runtime.lifetime import release
 from superoffload.runtime.local_transport import LocalTransport
@@ -83,6 +81,8 @@ class OffloadEngine:
                                                max_events=config.telemetry_max_events,
                                                rank=self.transport.rank)
         self.backend = backend or make_backend(config.device, pin_memory=config.pin_memory)
+        if self.backend.device.type == "cuda":  # device spans on the GPU's clock (issue 11)
+            self.telemetry.clock = CudaClock(self.backend.device, self.telemetry.now)
         self.failures = FailureBox()
         self.closed = False
         groups = param_groups_from(model, optimizer)
@@ -98,10 +98,10 @@ class OffloadEngine:
         self.fetch_lane: Lane = make_lane("fetch", inline=inline, on_error=self.failures.record)
         self.transport.start(TransportContext(
             state=self.state, backend=self.backend, recorder=self.telemetry, inline=inline,
-            on_error=self.failures.record, watchdog_s=self._watchdog_s))
+            on_error=self.failures.record, watchdog_s=lambda: float(self.config.watchdog_s)))
         self.scheduler = IterationScheduler(
             state=self.state, transport=self.transport, backend=self.backend,
-            recorder=self.telemetry, worker=self.worker, config=self._config,
+            recorder=self.telemetry, worker=self.worker, config=lambda: self.config,
             scaler=self.scaler, adaptive=self.adaptive, failures=self.failures,
             streamed=self._streamed)
         self.reconfigurer = Reconfigurer(self)
@@ -117,12 +117,6 @@ class OffloadEngine:
         self._finalizer = weakref.finalize(self, release, self.lanes, self.hooks)
 
     # ------------------------------------------------------------------ views
-    def _config(self) -> OffloadConfig:
-        return self.config
-
-    def _watchdog_s(self) -> float:
-        return float(self.config.watchdog_s)
-
     def _streamed(self) -> frozenset[int]:
         flow = self.weights.flow
         return flow.streamed_indices if flow is not None else frozenset()
@@ -155,12 +149,8 @@ class OffloadEngine:
         return self.state.schedule
 
     @property
-    def bucket_plan(self) -> Any:
+    def bucket_plan(self) -> Any:  # the schedule's buckets
         return self.schedule.bucket_plan
-
-    @property
-    def threads(self) -> int:
-        return self.schedule.threads
 
     @property
     def reconfigurable(self) -> frozenset[str]:
@@ -175,7 +165,8 @@ class OffloadEngine:
             params=self.state.param_specs(), model_dtype=self.state.dtype_name,
             device_type=self.backend.device.type, dp=self.transport.grad_divisor,
             usable_cores=usable_cores(), local_ranks=self.transport.local_ranks,
-            profile=self.weights.profile() if cuda and auto_cast else None)
+            profile=self.weights.profile() if cuda and auto_cast else None,
+            engine=replace(ENGINE_NEXT, step_order="edf" if cfg.step_order == "deadline" else "fifo"))
 
     def _build(self, states: Mapping[int, ParamState]) -> None:
         """Resolve the schedule and (re)allocate every bucket from placement-free ``states``."""
@@ -211,33 +202,41 @@ class OffloadEngine:
     def new_flow(self, depth: int) -> WeightFlow:
         return WeightFlow(self.model, self.scheduler, self.transport.home, depth, self.fetch_lane)
 
-    def request_weights(self, changes: dict[str, Any]) -> None:
-        self.weights.request(changes)
-
-    def count_reconfiguration(self) -> None:
-        self.stats.reconfigurations += 1
-
     # ------------------------------------------------------------------ training API
     def _hypers(self) -> list[AdamHyper]:
         return hypers_of(self.optimizer.param_groups)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-step; offloads buckets as their gradients become final."""
+    def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
+        """Backward of one micro-step; offloads buckets as their gradients become final.
+        ``scale_wrt_gas`` (DeepSpeed's name): False when the caller already divided the loss
+        by ``grad_accum_steps``. Interrupted, the iteration is rolled back (docs/failure_
+        semantics.md)."""
         self.raise_if_failed()
-        if self.scheduler.current.micro_step == 0:
+        it = self.scheduler.current
+        if it.micro_step >= self.config.grad_accum_steps:
+            raise EngineError(
+                f"backward() was called {it.micro_step + 1} times since the last step() with "
+                f"OffloadConfig.grad_accum_steps={self.config.grad_accum_steps}: the last "
+                "micro-step's buckets are already offloaded and stepped, so another gradient "
+                "cannot join them. Call step() after every grad_accum_steps backward() calls "
+                "(raise grad_accum_steps to accumulate more); nothing was changed")
+        if it.micro_step == 0:
             self.reconfigurer.apply_pending()
         it = self.scheduler.begin_micro_step(self._hypers)
-        t0 = self.telemetry.now()
-        scale = self.scaler.loss_scale / self.config.grad_accum_steps
+        scale = self.scaler.loss_scale / (self.config.grad_accum_steps if scale_wrt_gas else 1)
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
-        finally:
-            self.telemetry.add(LANE_COMPUTE, KIND_BACKWARD, t0, self.telemetry.now(),
-                               iteration=self.iteration)
-            self.weights.end_backward()
-        it.losses.append(float(loss.detach()))
-        if it.armed:
-            self.scheduler.launch_remaining()  # buckets some of whose params got no grad
+            try:
+                with self.telemetry.device_span(LANE_COMPUTE, KIND_BACKWARD,
+                                                iteration=self.iteration):
+                    (loss * scale if scale != 1.0 else loss).backward()
+            finally:
+                self.weights.end_backward()
+            it.losses.append(loss.detach())
+            if it.armed:
+                self.scheduler.launch_remaining()  # buckets some of whose params got no grad
+        except BaseException as exc:
+            self._interrupted(exc, "backward()")
+            raise
         self.raise_if_failed()
 
     def step(self) -> None:
@@ -249,12 +248,16 @@ class OffloadEngine:
         it = self.scheduler.current
         if 0 < it.micro_step < self.config.grad_accum_steps:
             return  # DeepSpeed semantics: step() every micro-step, acts on the boundary
-        self.weights.end_backward()
-        if it.micro_step == 0:  # gradients from a plain loss.backward(): no overlap, no STV
-            self.reconfigurer.apply_pending()
-            self.scheduler.arm_without_backward(self._hypers)
-        n = self.iteration
-        finish_iteration(self.scheduler)
+        try:
+            self.weights.end_backward()
+            if it.micro_step == 0:  # gradients from a plain loss.backward(): no overlap, no STV
+                self.reconfigurer.apply_pending()
+                self.scheduler.arm_without_backward(self._hypers)
+            n = self.iteration
+            finish_iteration(self.scheduler)
+        except BaseException as exc:
+            self._interrupted(exc, "step()")
+            raise
         self.weights.close_iteration(n)
         now = time.perf_counter()
         self.telemetry.scalar("iteration_s", n, now - self._last_step_end)
@@ -262,13 +265,21 @@ class OffloadEngine:
         self.scheduler.current = Iteration()
         self.raise_if_failed()
 
+    def _interrupted(self, exc: BaseException, where: str) -> None:
+        self.scheduler.recover(exc, where, self.synchronize)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         # through the optimizer view, so optimizer.zero_grad() and engine.zero_grad() agree
         self.optimizer.zero_grad(set_to_none)
 
     def _zero_grad_impl(self, set_to_none: bool = True) -> None:
-        if 0 < self.scheduler.current.micro_step < self.config.grad_accum_steps:
+        it = self.scheduler.current
+        if 0 < it.micro_step < self.config.grad_accum_steps:
             return  # mid-accumulation: keep the partial sums
+        if it.micro_step:  # after backward, before step(): discard the iteration, as torch
+            self.raise_if_failed()  # drops the gradients and its step does nothing
+            self.scheduler.abort()
+            self.synchronize()
         for i in self.state.trainable:
             p = self.state.params[i]
             if p.grad is None:
@@ -282,6 +293,9 @@ class OffloadEngine:
         """Wait for all in-flight work; then the parameters hold the latest weights."""
         self.raise_if_failed()
         self.scheduler.drain_pending(self.lanes)
+        if isinstance(self.telemetry.clock, CudaClock):
+            self.telemetry.flush()
+            self.telemetry.clock.calibrate()  # the GPU and host clocks drift (ppm)
         self.raise_if_failed()
 
     def reconfigure(self, **changes: Any) -> None:
@@ -299,8 +313,7 @@ class OffloadEngine:
         return {self.state.names[i]: s.master for i, s in self.export_states().items()}
 
     def resident_weights(self) -> contextlib.AbstractContextManager[None]:
-        """Within it every streamed block is resident (weight-flow; a no-op otherwise):
-        model.state_dict() / load_state_dict() see the real weights (checkpoints)."""
+        """Every streamed block resident inside (weight-flow; else a no-op): checkpoints."""
         return self.weights.resident()
 
     def restore(self, states: Mapping[int, ParamState]) -> None:
@@ -310,25 +323,17 @@ class OffloadEngine:
         self._build(states)
 
     def state_dict(self) -> dict[str, Any]:
-        from superoffload.runtime import checkpoint
-
         return checkpoint.engine_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        from superoffload.runtime import checkpoint
-
         checkpoint.load_engine_state_dict(self, state_dict)
 
     def save_checkpoint(self, path: str, extra: Any = None, *, lr_scheduler: Any = None) -> str:
         """Write ``path/engine.pt`` atomically (runtime/checkpoint.py); returns the file."""
-        from superoffload.runtime import checkpoint
-
         return checkpoint.save(self, path, extra=extra, lr_scheduler=lr_scheduler)
 
     def load_checkpoint(self, path: str, *, lr_scheduler: Any = None) -> Any:
         """Restore everything ``save_checkpoint`` wrote; returns its ``extra``."""
-        from superoffload.runtime import checkpoint
-
         return checkpoint.load(self, path, lr_scheduler=lr_scheduler)
 
     # ------------------------------------------------------------------ failures, lifetime
@@ -336,36 +341,35 @@ class OffloadEngine:
         if self.closed:
             raise EngineClosed("the offload engine is closed; build a new one with "
                                "superoffload.initialize (the model keeps its latest weights)")
-        self.failures.raise_if_failed()
+        if self.failures.failed:
+            self._shut_down()  # a failed engine lets go of the model at once
+            self.failures.raise_if_failed()
+
+    def _shut_down(self) -> None:
+        """Stop the lanes, remove every hook, leave the model holding its latest weights
+        (weight-flow: copied back from the homes without the lanes). Idempotent."""
+        self._finalizer()
+        flow, self.weights.flow = self.weights.flow, None
+        if flow is not None:
+            flow.restore_in_place()
 
     def close(self) -> None:
         """Drain and stop the lanes, remove the hooks, release the buffers. Idempotent.
-
-        Cleanup always completes. It raises only a lane failure that no call has reported
-        yet (so no error is lost), never one already raised."""
+        Cleanup always completes; it raises only a lane failure no call has reported yet."""
         if self.closed:
             return
-        pending: BaseException | None = None
-        flow = self.weights.flow
-        if flow is not None and not self.failures.failed:
-            # weight-flow: leave the model holding its latest weights, as stationary does
-            try:
-                self.synchronize()
-                flow.detach()
-            except Exception as exc:
-                pending = exc
+        seen = self.failures.reported
+        if not self.failures.failed:
+            with contextlib.suppress(Exception):  # a lane's failure is kept: raised below
+                self.scheduler.drain_pending(self.lanes)
         self.closed = True
-        self._finalizer()  # stops the lanes, removes the hooks
+        self._shut_down()
         self.transport.close()
-        self.weights.flow = None
         self.scheduler.pending.clear()
         self.scheduler.reset()
         self.state.buffers = []
-        if self.failures.failed and not self.failures.reported:
+        if self.failures.failed and not seen:
             self.failures.raise_if_failed()
-        if pending is not None and not isinstance(pending, EngineError):
-            raise EngineError(f"close(): weight-flow could not restore the weights: {pending!r}"
-                              ) from pending
 
     def __enter__(self) -> OffloadEngine:
         return self

@@ -80,8 +80,10 @@ class FetchTask:
     def run(self) -> Any:
         for fut in self.after:
             wait_for(fut, self.watchdog_s, f"CPU step before the fetch of block {self.block}")
-        with self.recorder.span(LANE_H2D, KIND_WEIGHT_FETCH, iteration=self.iteration,
-                                nbytes=tensors_nbytes(self.src_host)):
+        with self.recorder.device_span(LANE_H2D, KIND_WEIGHT_FETCH,
+                                       stream=self.backend.stream("h2d"),
+                                       iteration=self.iteration,
+                                       nbytes=tensors_nbytes(self.src_host)):
             stream = getattr(self.backend, "h2d_stream", None)
             if stream is not None and self.ready is not None:
                 # the buffer may reuse memory the compute stream still reads: order after it

@@ -62,15 +62,16 @@ def _timeline_hooks(model: torch.nn.Module, ref: weakref.ref[IterationScheduler]
             return
         if raise_if_failed is not None:
             raise_if_failed()
-        start.append(sched.recorder.now())
+        if torch.is_grad_enabled():  # evaluation forwards stay out of the training timeline
+            start.append(sched.recorder.mark())  # the device's clock (recorder.py)
 
     def forward_end(module: torch.nn.Module, args: Any, output: Any) -> None:
         sched = ref()
-        if sched is None or module is not owner():
+        if sched is None or module is not owner() or not torch.is_grad_enabled():
             return
-        t0 = start.pop() if start else sched.recorder.now()
-        sched.recorder.add(LANE_COMPUTE, KIND_FORWARD, t0, sched.recorder.now(),
-                           iteration=sched.iteration)
+        end = sched.recorder.mark()
+        sched.recorder.add_marks(LANE_COMPUTE, KIND_FORWARD, start.pop() if start else end,
+                                 end, iteration=sched.iteration)
 
     return [model.register_forward_pre_hook(forward_start),
             model.register_forward_hook(forward_end)]

@@ -23,7 +23,7 @@ from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers, export_state
 from superoffload.runtime.transfers import D2HTask, H2DTask
 from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, make_lane
+from superoffload.runtime.worker import Lane, Priority, describe, make_lane
 
 
 class LocalTransport:
@@ -71,7 +71,7 @@ class LocalTransport:
         return self.buffers
 
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[GradStats] | None:
+               streamed: frozenset[int]) -> Future[Any] | None:
         buf = self.buffers[b]
         if buf.on_device or not present:
             return None
@@ -97,11 +97,14 @@ class LocalTransport:
         return [p.grad if p.grad is not None else torch.zeros_like(p)
                 for p in self.buffers[b].params]
 
+    def discard(self, buckets: Sequence[int]) -> None:
+        return None  # a tail bucket moves nothing
+
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
         return GlobalStats(local.sum_sq, local.nonfinite, present)
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
-                iteration: int, streamed: frozenset[int]) -> Published:
+                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
         buf = self.buffers[b]
         # weight-flow: streamed weights are not on the device; their next fetch waits for the
         # step that wrote their home (runtime/weightflow.py); only resident ones are copied
@@ -113,7 +116,8 @@ class LocalTransport:
         fut = self._lanes[1].submit(H2DTask(
             bucket=b, iteration=iteration, src_host=tuple(src[k] for k in keep),
             dst_device=tuple(buf.params[k].data for k in keep), after=after,
-            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()))
+            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()),
+            after=(after,), priority=priority)  # issued as soon as its step ends, by deadline
         return Published(fut, after)
 
     def home(self, index: int) -> torch.Tensor:
@@ -121,6 +125,12 @@ class LocalTransport:
         buf = self.buffers[st.bucket_of[index]]
         pos = self._pos[index]
         return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
+
+    def stall_hint(self) -> str:
+        lanes = ", ".join(describe(lane) for lane in self._lanes)
+        return (f"transfer lanes: {lanes}; a copy that never ends means a hung device (check "
+                "nvidia-smi) or an overloaded host (raise OffloadConfig.watchdog_s if the step "
+                "is just slow)")
 
     def export_states(self) -> dict[int, ParamState]:
         steps = self.ctx.state.steps

@@ -1,13 +1,14 @@
 """Inputs of the engine's automatic weight-policy choice (paper §4.5).
 
-The choice itself is the planner's pure ``plan.weights.choose_weights`` (re-exported here);
+The choice itself is the planner's pure ``plan.choose_weights`` (re-exported here);
 this module turns the engine's ``profile=`` argument into a HardwareProfile.
 """
 
 from __future__ import annotations
 
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice, choose_weights
+from superoffload.plan.simulate import choose_weights
+from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice
 
 __all__ = ["FLOW_MIN_EFFICIENCY", "WeightChoice", "choose_weights", "default_profile",
            "resolve_profile"]
@@ -19,13 +20,10 @@ def default_profile(device_type: str) -> HardwareProfile:
     from superoffload.plan import profiles
 
     if device_type == "cpu":
-        import socket
+        from superoffload.plan.measure import cached_profile
 
-        from superoffload.plan.measure import cache_dir, measure_local
-
-        if (cache_dir() / f"profile-{socket.gethostname()}.json").exists():
-            return measure_local(progress=False)  # cached: instant
-        return profiles.get("cpu-laptop")
+        hit = cached_profile()  # never measures inside initialize()
+        return hit if hit is not None else profiles.get("cpu-laptop")
     return profiles.get("h200-pcie")
 
 

@@ -14,7 +14,9 @@ import threading
 from typing import Any, Protocol
 
 from superoffload.config import FORWARD_FIELDS, REPLAN_FIELDS, ConfigError, OffloadConfig
+from superoffload.runtime.scheduler import EngineStats
 from superoffload.runtime.stv import AdaptiveSTV
+from superoffload.runtime.weights import WeightPolicyController
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -35,9 +37,11 @@ class ReconfigureHost(Protocol):
         """Re-resolve the schedule for changed "live" fields (threads) without re-planning."""
         ...
 
-    def request_weights(self, changes: dict[str, Any]) -> None: ...
+    @property
+    def stats(self) -> EngineStats: ...
 
-    def count_reconfiguration(self) -> None: ...
+    @property
+    def weights(self) -> WeightPolicyController: ...
 
 
 class Reconfigurer:
@@ -63,7 +67,7 @@ class Reconfigurer:
             weights = {k: merged.pop(k) for k in FORWARD_FIELDS & merged.keys()}
             self._pending = merged
         if weights:
-            self.host.request_weights(weights)  # applied where the next forward starts
+            self.host.weights.request(weights)  # applied where the next forward starts
 
     def apply_pending(self) -> None:
         """At an iteration boundary, in the training thread."""
@@ -82,6 +86,6 @@ class Reconfigurer:
             host.refresh_schedule()
         host.adaptive.configure(mode=new.speculation, window=new.adaptive_window,
                                 threshold=new.adaptive_threshold)
-        host.count_reconfiguration()
+        host.stats.reconfigurations += 1
         diff = ", ".join(f"{k} {getattr(old, k)!r} -> {getattr(new, k)!r}" for k in sorted(changes))
         host.telemetry.note(host.iteration, f"reconfigure applied: {diff}")

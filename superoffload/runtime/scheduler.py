@@ -26,15 +26,20 @@ from typing import Any
 
 from superoffload.config import OffloadConfig
 from superoffload.kernels import AdamHyper
-from superoffload.runtime.backend import Backend, GradStats
-from superoffload.runtime.errors import FailureBox
+from superoffload.runtime.backend import Backend
+from superoffload.runtime.errors import (
+    EngineError,
+    FailureBox,
+    IterationInterrupted,
+    WatchdogTimeout,
+)
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, RollbackTask, StepTask, make_calls, members_of
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.transport import Transport
-from superoffload.runtime.worker import Barrier, Lane, describe
+from superoffload.runtime.worker import Barrier, Lane, Priority, describe
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 
@@ -71,7 +76,7 @@ class Flight:
     """Its parameters with a local gradient at launch."""
     calls: tuple[KernelCall, ...]
     """Kernel calls over this rank's positions of those parameters."""
-    stats: Future[GradStats] | None = None
+    stats: Future[Any] | None = None
     """Host buckets: the local validation statistics (D2H or reduce)."""
     spec: Future[Any] | None = None
     """The speculative step (resolves True when it ran)."""
@@ -92,7 +97,11 @@ class Iteration:
     ready: set[int] = field(default_factory=set)
     next_launch: int = 0
     flights: dict[int, Flight] = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
+    losses: list[Any] = field(default_factory=list)
+    """Loss tensors (detached); read as floats when the iteration closes (no host sync in
+    backward)."""
+    settling: bool = False
+    """``step()`` has begun acting on the verdict (rollbacks, replays, the tail step)."""
 
 
 class IterationScheduler:
@@ -113,6 +122,8 @@ class IterationScheduler:
         """Per bucket, the last publish a module must wait for before it runs."""
         self.home_ready: dict[int, Future[Any]] = {}
         """Weight-flow: per bucket, the last step/gather that wrote its host homes."""
+        self.outstanding: list[Future[Any]] = []
+        """Every worker task and publish since the last drain (chained ones included)."""
         self._launch_lock = threading.Lock()  # hooks may fire on autograd's device threads
         self._count_lock = threading.Lock()   # lane callbacks; never held while launching
 
@@ -199,10 +210,51 @@ class IterationScheduler:
         if cfg.rollback == "snapshot":
             buf.ensure_snapshot(self.backend.alloc_host)
         fl.spec_scale = 1.0 / (self.scaler.loss_scale * self.transport.grad_divisor)
-        fl.spec = self.worker.submit(self.step_task(fl, calls, scale=fl.spec_scale, after=stats,
-                                                    speculative=True, replay=False))
+        # queued once its gradients landed, then earliest deadline first (worker.py)
+        fl.spec = self.submit(self.step_task(fl, calls, scale=fl.spec_scale, after=stats,
+                                             speculative=True, replay=False),
+                              b, after=() if stats is None else (stats,))
         fl.spec.add_done_callback(self.counter("speculated_buckets"))
         self.publish(b, calls, fl.spec)
+
+    def abort(self) -> None:
+        """Undo the iteration in progress (an interrupted backward, ``zero_grad()`` before
+        ``step()``): every speculative step that ran is rolled back and its restored weights
+        published; nothing else of the iteration was applied (the tail steps, the step
+        counts and the loss scale change only in ``step()``). Drain the lanes afterwards."""
+        with self._launch_lock:  # no hook launches while the iteration is taken apart
+            it = self.current
+            it.armed = False
+            flights = [it.flights[b] for b in sorted(it.flights)]
+        for fl in flights:
+            if fl.spec is not None:
+                self.publish(fl.bucket, fl.calls, self.rollback(fl))
+        self.transport.discard([fl.bucket for fl in flights if fl.on_device])
+        self.current = Iteration()
+
+    def recover(self, exc: BaseException, where: str, synchronize: Callable[[], None]) -> None:
+        """An iteration will not finish (``exc`` in ``where``): undo it, or refuse to go on —
+        never a silent mix of two batches. One process, before ``step()`` acted on its
+        verdict: roll back (``abort``). Data parallel (the other ranks' collectives no longer
+        match this rank's) or half-settled: the engine fails, saying how to recover."""
+        if isinstance(exc, EngineError) or self.failures.failed:
+            return  # a lane failure: already the engine's error
+        it = self.current
+        if not it.settling and not self.transport.ordered_launch:
+            try:
+                self.abort()
+                synchronize()
+                self.recorder.note(self.iteration, f"{where} interrupted ({type(exc).__name__}):"
+                                   " the iteration was rolled back; train on from here")
+                return
+            except BaseException as cause:  # the engine fails below
+                exc = cause
+        state = "while settling the verdict" if it.settling else "under data parallel"
+        self.failures.record("training", IterationInterrupted(
+            f"{where} was interrupted ({exc!r}) {state}: the iteration cannot be undone, so "
+            "the engine stops rather than train on a mix of two batches. Recover: load the "
+            "last checkpoint into a new engine (engine.load_checkpoint), or build a new engine "
+            "from the model's current weights"))
 
     # ------------------------------------------------------------------ tasks
     def step_task(self, fl: Flight, calls: tuple[KernelCall, ...], *, scale: float,
@@ -218,20 +270,34 @@ class IterationScheduler:
         """Undo ``fl``'s speculative step (if it ran) on the worker."""
         assert fl.spec is not None
         cfg = self.config()
-        fut = self.worker.submit(RollbackTask(
+        fut = self.submit(RollbackTask(
             bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
             calls=fl.calls, grad_scale=fl.spec_scale, threads=self.threads,
             step_future=fl.spec, mode=cfg.rollback, recorder=self.recorder,
-            watchdog_s=cfg.watchdog_s))
+            watchdog_s=cfg.watchdog_s), fl.bucket, after=(fl.spec,))
         fut.add_done_callback(self.counter("rollbacks"))
+        return fut
+
+    def deadline(self, b: int) -> Priority:
+        """Worker / H2D priority of bucket ``b``: earliest deadline first — the next forward
+        needs the highest offloaded bucket id (the first layers) first, while backward
+        produced it last (DESIGN.md §6); ``step_order="fifo"`` keeps gradient-ready order."""
+        order = -b if self.config().step_order == "deadline" else b
+        return (float(self.iteration), float(order))
+
+    def submit(self, task: Any, b: int, *, after: Sequence[Future[Any]] = ()) -> Future[Any]:
+        """A task of bucket ``b`` on the CPU worker, once ``after`` is done, by deadline."""
+        fut = self.worker.submit(task, after=after, priority=self.deadline(b))
+        self.outstanding.append(fut)
         return fut
 
     def publish(self, b: int, calls: tuple[KernelCall, ...], after: Future[Any]) -> None:
         """Bring bucket ``b``'s weights back after ``after`` (a step or a rollback)."""
         pub = self.transport.publish(b, tuple(members_of(calls)), after, self.iteration,
-                                     self.streamed())
+                                     self.streamed(), self.deadline(b))
         if pub.device is not None:
             self.pending[b] = pub.device
+            self.outstanding.append(pub.device)
         if pub.home is not None:
             self.home_ready[b] = pub.home
 
@@ -248,6 +314,9 @@ class IterationScheduler:
         """Wait with the watchdog; a lane failure surfaces as the engine's own error."""
         try:
             return wait_for(future, self.config().watchdog_s, what)
+        except WatchdogTimeout as exc:
+            self.failures.raise_if_failed()
+            raise WatchdogTimeout(f"{exc}; {self.transport.stall_hint()}") from None
         except Exception:
             self.failures.raise_if_failed()
             raise
@@ -272,6 +341,8 @@ class IterationScheduler:
             except Exception as exc:
                 self.failures.raise_if_failed()
                 raise type(exc)(f"{describe(lane)}: {exc}") from exc
+        while self.outstanding:  # chained tasks are queued late: wait for each future itself
+            self.wait(self.outstanding.pop(0), "a task submitted before synchronize()")
         for b, fut in list(self.pending.items()):
             self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
         self.pending.clear()

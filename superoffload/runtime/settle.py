@@ -36,6 +36,7 @@ def finish_iteration(sched: IterationScheduler) -> Verdict:
     flights = [it.flights[b] for b in sorted(it.flights)]
     loss_scale = sched.scaler.loss_scale
     v, glob = validate(sched, flights, loss_scale)
+    it.settling = True  # from here an interruption leaves the iteration half-settled
     settle(sched, flights, v, glob)
     if v.action is not Action.SKIP:
         sched.state.take_steps(sorted(glob.present))
@@ -51,7 +52,7 @@ def validate(sched: IterationScheduler, flights: list[Flight],
     for fl in flights:
         if fl.on_device or fl.stats is None:
             continue
-        stats = sched.wait(fl.stats, f"gradients of bucket {fl.bucket}")
+        stats = sched.wait(fl.stats, f"gradients of bucket {fl.bucket}").resolve()
         if stats.nonfinite:
             sched.stats.nonfinite_buckets += 1
         sum_sq += stats.sum_sq
@@ -70,7 +71,8 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
     st, it = sched.state, sched.current
     scale = v.grad_scale / sched.transport.grad_divisor
     collective = sched.transport.ordered_launch
-    for fl in flights:
+    # forward-need order: the highest bucket ids (first layers) first, tail steps included
+    for fl in sorted(flights, key=lambda f: -f.bucket):
         buf = st.buffers[fl.bucket]
         union = glob.present & frozenset(sched.bucket_params(fl.bucket))
         if fl.on_device:
@@ -81,6 +83,7 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
                             iteration=sched.iteration)
             continue
         mismatch = union != fl.present
+        undone = None
         if fl.spec is not None and (v.action is not Action.COMMIT or mismatch):
             undone = sched.rollback(fl)
             if v.action is Action.SKIP:
@@ -95,8 +98,9 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
         if not calls and not collective:
             continue
         replay = fl.spec is not None
-        step = sched.worker.submit(sched.step_task(fl, calls, scale=scale, after=None,
-                                                   speculative=False, replay=replay))
+        step = sched.submit(sched.step_task(fl, calls, scale=scale, after=None,
+                                            speculative=False, replay=replay),
+                            fl.bucket, after=() if undone is None else (undone,))
         if replay:
             step.add_done_callback(sched.counter("replays"))
         sched.publish(fl.bucket, calls, step)
@@ -122,8 +126,8 @@ def close_iteration(sched: IterationScheduler, v: Verdict, loss_scale: float) ->
         rec.note(n, note)
     stats.speculation_enabled = sched.adaptive.enabled
     stats.iterations += 1
-    if it.losses:
-        rec.scalar("loss", n, sum(it.losses) / len(it.losses))
+    if it.losses:  # the only host sync for the loss: after the step, not inside backward
+        rec.scalar("loss", n, float(sum(float(x) for x in it.losses) / len(it.losses)))
     rec.scalar("grad_norm", n, v.grad_norm)
     rec.scalar("loss_scale", n, loss_scale)
     schedule = sched.state.schedule

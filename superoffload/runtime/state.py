@@ -219,7 +219,20 @@ class EngineState:
                 for n, p, shape in zip(self.names, self.params, self.shapes)]
 
     def check_placement(self, device: torch.device, precision: str) -> None:
-        """Every parameter on the engine's device; the trainable dtype the one asked for."""
+        """Every parameter on the engine's device, dense and contiguous; the trainable dtype
+        the one asked for. Checked when the engine is built, not at the first step."""
+        for i in self.trainable:
+            if not self.params[i].is_contiguous():
+                raise ValueError(
+                    f"model parameter {self.names[i]!r} is not contiguous (strides "
+                    f"{self.params[i].stride()}); the engine's buffers are flat: make it "
+                    f"contiguous first (p.data = p.data.contiguous())")
+        for name, module in self.model.named_modules():
+            if getattr(module, "sparse", False) and isinstance(
+                    module, torch.nn.Embedding | torch.nn.EmbeddingBag):
+                raise ValueError(
+                    f"module {name!r} produces sparse gradients (sparse=True); the engine "
+                    "offloads dense gradients: build it with sparse=False")
         for i, p in enumerate(self.params):
             if p.device.type != device.type or (device.type == "cuda"
                                                  and p.device.index != device.index):

@@ -22,7 +22,6 @@ import torch
 
 from superoffload import kernels
 from superoffload.kernels import AdamHyper
-from superoffload.runtime.backend import GradStats
 from superoffload.runtime.state import BucketBuffers
 from superoffload.runtime.transfers import wait_for
 from superoffload.telemetry.events import (
@@ -115,7 +114,7 @@ class StepTask:
     calls: tuple[KernelCall, ...]
     grad_scale: float
     threads: int | None
-    after: Future[GradStats] | None
+    after: Future[Any] | None
     skip_nonfinite: bool
     snapshot: bool
     replay: bool
@@ -125,7 +124,7 @@ class StepTask:
     def run(self) -> bool:
         if self.after is not None:
             stats = wait_for(self.after, self.watchdog_s, f"D2H of bucket {self.bucket}")
-            if self.skip_nonfinite and stats.nonfinite:
+            if stats.resolve().nonfinite and self.skip_nonfinite:  # resolve: the copy landed
                 return False
         buf = self.buffers
         with torch.no_grad():
@@ -201,7 +200,7 @@ def device_step(
     ``grads`` per position of ``buffers`` (the transport's: local, or all-reduced)."""
     # The kernels read fp32 or bf16 gradients; widen fp16 ones on the device.
     grads = [g.float() if g.dtype == torch.float16 else g for g in grads]
-    with torch.no_grad(), recorder.span(
+    with torch.no_grad(), recorder.device_span(
         LANE_DEVICE_OPT, KIND_DEVICE_STEP, iteration=iteration, bucket=buffers.bucket.id,
         nbytes=28 * sum(buffers.master[i].numel() for i in members_of(calls)),
     ):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.backend import Backend, GradStats
+from superoffload.runtime.backend import Backend, GradStats, PendingStats
 from superoffload.runtime.errors import WatchdogTimeout
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
@@ -26,8 +26,7 @@ def wait_for(future: Future[Any], timeout_s: float, what: str) -> Any:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
         raise WatchdogTimeout(
-            f"{what} did not finish within watchdog_s={timeout_s}s; the lane serving it is "
-            "stuck or overloaded (raise OffloadConfig.watchdog_s if the step is just slow)"
+            f"{what} did not finish within OffloadConfig.watchdog_s={timeout_s:g} s"
         ) from None
 
 
@@ -50,10 +49,10 @@ class D2HTask:
     backend: Backend
     recorder: Recorder
 
-    def run(self) -> GradStats:
-        with self.recorder.span(
-            LANE_D2H, KIND_D2H, iteration=self.iteration, bucket=self.bucket,
-            nbytes=tensors_nbytes(self.grad_host),
+    def run(self) -> GradStats | PendingStats:
+        with self.recorder.device_span(
+            LANE_D2H, KIND_D2H, stream=self.backend.stream("d2h"), iteration=self.iteration,
+            bucket=self.bucket, nbytes=tensors_nbytes(self.grad_host),
         ):
             return self.backend.d2h(self.grads, self.grad_host, self.ready)
 
@@ -78,8 +77,8 @@ class H2DTask:
             stepped = wait_for(self.after, self.watchdog_s, f"CPU step of bucket {self.bucket}")
             if stepped is False:
                 return None
-        with self.recorder.span(
-            LANE_H2D, KIND_H2D, iteration=self.iteration, bucket=self.bucket,
-            nbytes=tensors_nbytes(self.src_host),
+        with self.recorder.device_span(
+            LANE_H2D, KIND_H2D, stream=self.backend.stream("h2d"), iteration=self.iteration,
+            bucket=self.bucket, nbytes=tensors_nbytes(self.src_host),
         ):
             return self.backend.h2d(self.src_host, self.dst_device)

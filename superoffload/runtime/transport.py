@@ -27,7 +27,7 @@ from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import Backend, GradStats
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
-from superoffload.runtime.worker import ErrorSink, Lane
+from superoffload.runtime.worker import ErrorSink, Lane, Priority
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -95,7 +95,7 @@ class Transport(Protocol):
         ...
 
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[GradStats] | None:
+               streamed: frozenset[int]) -> Future[Any] | None:
         """A bucket's gradients are final: start moving them. Returns the local validation
         statistics of what this rank will step (host buckets), None for tail buckets.
         ``streamed``: parameter indices weight-flow streams (their device gradient may be
@@ -110,17 +110,27 @@ class Transport(Protocol):
         """The gradient a tail bucket steps with, per position of its buffers."""
         ...
 
+    def discard(self, buckets: Sequence[int]) -> None:
+        """Forget the launched tail buckets of an iteration that will not finish (ZeRO: wait
+        for their all-reduce, which every rank issued)."""
+        ...
+
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
         """Sum the statistics (and the parameters with gradients) over the ranks."""
         ...
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
-                iteration: int, streamed: frozenset[int]) -> Published:
-        """After ``after`` (a step or rollback of bucket ``b``), bring its weights back."""
+                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
+        """After ``after`` (a step or rollback of bucket ``b``), bring its weights back;
+        ``priority``: the deadline order a reorderable lane may use (worker.py)."""
         ...
 
     def home(self, index: int) -> torch.Tensor:
         """Weight-flow: the host tensor parameter ``index`` streams from."""
+        ...
+
+    def stall_hint(self) -> str:
+        """What a lane that does not finish may be waiting for (watchdog messages)."""
         ...
 
     def export_states(self) -> dict[int, ParamState]:

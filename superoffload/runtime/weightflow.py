@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from superoffload.runtime.fetch import FetchTask, WeightFlowError, block_params, find_blocks
+from superoffload.runtime.fetch import FetchTask, block_params, find_blocks
+from superoffload.runtime.flow_hooks import grad_hook, post_hook, pre_hook, wrap_output
 from superoffload.runtime.hooks import in_backward
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 
@@ -133,11 +134,11 @@ class WeightFlow:
             if not self.numel[k]:
                 continue
             owner = weakref.ref(block)
-            self.handles.append(block.register_forward_pre_hook(_pre_hook(ref, owner, k)))
-            self.handles.append(block.register_forward_hook(_post_hook(ref, owner, k)))
+            self.handles.append(block.register_forward_pre_hook(pre_hook(ref, owner, k)))
+            self.handles.append(block.register_forward_hook(post_hook(ref, owner, k)))
             for p in self.params[k]:
                 self.handles.append(p.register_post_accumulate_grad_hook(
-                    _grad_hook(ref, weakref.ref(p), k)))
+                    grad_hook(ref, weakref.ref(p), k)))
         for k in range(len(self.blocks)):
             self._release_now(k, force=True)
 
@@ -147,6 +148,21 @@ class WeightFlow:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.resident.clear()
+        self._pool.clear()
+        self.resident_bytes = 0
+
+    def restore_in_place(self) -> None:
+        """Every streamed parameter holds its latest weights again (from its home), copied
+        synchronously without the lanes — for an engine that failed or is shutting down —
+        and the hooks are removed."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        with torch.no_grad():
+            for k, ps in enumerate(self.params):
+                for p, i, shape in zip(ps, self.indices[k], self.shapes[k]):
+                    p.data = self.home(i).to(self.device, self.dtype, copy=True).view(shape)
         self.resident.clear()
         self._pool.clear()
         self.resident_bytes = 0
@@ -313,7 +329,7 @@ class WeightFlow:
         if not keep:
             self._release_now(k)
         if grad:
-            return _wrap(output, self, k)
+            return wrap_output(output, self, k)
         return None
 
     def _keep_from(self) -> int:
@@ -329,31 +345,6 @@ class WeightFlow:
             self._top_up()
 
 
-def _pre_hook(ref: weakref.ref[WeightFlow], owner: weakref.ref[torch.nn.Module], k: int) -> Any:
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        flow = ref()
-        if flow is not None and module is owner():
-            flow.on_pre(k)
-    return hook
-
-
-def _post_hook(ref: weakref.ref[WeightFlow], owner: weakref.ref[torch.nn.Module], k: int) -> Any:
-    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-        flow = ref()
-        if flow is not None and module is owner():
-            return flow.on_post(k, output)
-        return None
-    return hook
-
-
-def _grad_hook(ref: weakref.ref[WeightFlow], owner: weakref.ref[torch.Tensor], k: int) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        flow = ref()
-        if flow is not None and param is owner():
-            flow.on_grad(k, id(param))
-    return hook
-
-
 def _base(t: torch.Tensor) -> torch.Tensor:
     """The whole pooled buffer behind a (prefix) slice."""
     return t if t._base is None else t._base
@@ -362,30 +353,3 @@ def _base(t: torch.Tensor) -> torch.Tensor:
 def _base_nbytes(t: torch.Tensor) -> int:
     b = _base(t)
     return b.numel() * b.element_size()
-
-
-class _BackwardFetch(torch.autograd.Function):
-    """Identity whose backward runs before the block's own backward: fetch the block."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, flow: WeightFlow, k: int) -> torch.Tensor:
-        ctx.flow, ctx.k = flow, k
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.flow.enter_backward(ctx.k)
-        return grad, None, None
-
-
-def _wrap(output: Any, flow: WeightFlow, k: int) -> Any:
-    if isinstance(output, torch.Tensor):
-        return _BackwardFetch.apply(output, flow, k) if output.requires_grad else None
-    if isinstance(output, tuple):
-        for i, t in enumerate(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                return (*output[:i], _BackwardFetch.apply(t, flow, k), *output[i + 1:])
-    raise WeightFlowError(
-        f"block {k} returned {type(output).__name__} with no tensor requiring grad; weight-flow "
-        "needs a tensor (or a tuple holding one) to fetch the block before its backward"
-    )

@@ -1,7 +1,7 @@
 """Which weight policy the engine runs, and switching it (paper §4.5).
 
 ``OffloadConfig.weights``: "stationary" and "flow" run as asked; "auto" asks
-``plan.weights.choose_weights`` with the model's shape (``plan.ModelShape.from_module``), the
+``plan.choose_weights`` with the model's shape (``plan.ModelShape.from_module``), the
 micro-batch and sequence length (given to ``initialize``, else read from the first batch the
 model sees) and a hardware profile (given, a cached ``measure_local`` profile, or a preset).
 The choice, the predicted numbers and the reason go to the log (logger
@@ -29,7 +29,8 @@ import torch
 from superoffload.config import OffloadConfig
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.weights import WeightChoice, choose_weights
+from superoffload.plan.simulate import choose_weights
+from superoffload.plan.weights import WeightChoice
 from superoffload.runtime.backend import Backend
 from superoffload.runtime.hooks import in_backward
 from superoffload.runtime.policy import resolve_profile

@@ -1,22 +1,39 @@
 """Executors: the small typed concurrency interface of the runtime (STYLE.md §9).
 
-Every lane (D2H transfers, H2D transfers, the CPU optimizer) is an executor with one
-method, ``submit(task) -> Future``. A task is a frozen dataclass with a ``run()`` method;
-its result or exception travels back through the Future. ``ThreadLane`` runs tasks in
-order on one daemon thread, blocking on a queue (no sleep-polling); ``InlineLane`` runs
-them in the caller's thread, which makes schedules deterministic in tests.
+Every lane (transfers, the CPU optimizer, weight fetches) is an executor with one method,
+``submit(task, *, after=(), priority=LAST) -> Future``. A task is a frozen dataclass with a
+``run()`` method; its result or exception travels back through the Future.
+
+* ``after``: futures the task depends on. The task is queued only once all of them are done
+  (a done-callback chains it), so a lane thread never blocks on another task's future: any
+  order of priorities is deadlock-free. A failed dependency fails the task's future with the
+  same exception, without running it.
+* ``priority``: among queued tasks the smallest runs first, ties in submission order. The
+  CPU worker and the H2D lane use earliest-deadline-first (DESIGN.md §6: the offloaded
+  bucket the next forward needs first is stepped and sent first); ``LAST`` (the default)
+  keeps a lane FIFO — collective lanes must stay FIFO, every rank issues them in one order.
+
+``ThreadLane`` runs tasks on one daemon thread, blocking on a condition (no sleep-polling);
+``InlineLane`` runs them in the caller's thread (dependencies are always done there), which
+makes schedules deterministic in tests.
 """
 
 from __future__ import annotations
 
-import queue
+import heapq
+import itertools
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T", covariant=True)
+
+Priority = tuple[float, ...]
+LAST: Priority = (math.inf,)
+"""The default priority: after every prioritised task, FIFO among themselves."""
 
 
 class Task(Protocol[T]):
@@ -27,22 +44,27 @@ class Task(Protocol[T]):
 
 @dataclass(frozen=True, slots=True)
 class Barrier:
-    """A no-op task: once it ran, everything submitted before it on that lane has run."""
+    """A no-op task: once it ran, everything queued before it on that lane has run."""
 
     def run(self) -> None:
         return None
 
 
 class LaneClosed(RuntimeError):
-    """Raised by ``submit`` after ``close()``."""
+    """Raised by ``submit`` after ``close()`` (or set on a chained task's future)."""
 
 
 class Lane(Protocol):
     name: str
 
-    def submit(self, task: Task[Any]) -> Future[Any]: ...
+    def submit(self, task: Task[Any], *, after: Sequence[Future[Any]] = (),
+               priority: Priority = LAST) -> Future[Any]: ...
 
     def close(self, timeout_s: float | None = 30.0) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def join(self, timeout_s: float | None) -> None: ...
 
 
 ErrorSink = Callable[[str, BaseException], None]
@@ -62,6 +84,31 @@ def _run_into(task: Task[Any], future: Future[Any], lane: str, on_error: ErrorSi
         future.set_result(result)
 
 
+def _when_done(deps: Sequence[Future[Any]], future: Future[Any],
+               go: Callable[[], None]) -> None:
+    """Call ``go()`` once every dep is done; fail ``future`` instead if one failed."""
+    pending = [d for d in deps if not d.done()]
+    failed = next((d for d in deps if d.done() and d.exception() is not None), None)
+    if failed is not None:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(failed.exception())  # type: ignore[arg-type]
+        return
+    if not pending:
+        go()
+        return
+    lock, left = threading.Lock(), [len(pending)]
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            _when_done(deps, future, go)  # all done now: re-check for a failure, then go
+
+    for d in pending:
+        d.add_done_callback(one_done)
+
+
 class InlineLane:
     """Runs each task at once in the caller's thread (tests; deterministic)."""
 
@@ -70,59 +117,91 @@ class InlineLane:
         self._on_error = on_error
         self._closed = False
 
-    def submit(self, task: Task[Any]) -> Future[Any]:
+    def submit(self, task: Task[Any], *, after: Sequence[Future[Any]] = (),
+               priority: Priority = LAST) -> Future[Any]:
         if self._closed:
             raise LaneClosed(f"lane {self.name!r} is closed")
         future: Future[Any] = Future()
-        _run_into(task, future, self.name, self._on_error)
+        _when_done(after, future, lambda: _run_into(task, future, self.name, self._on_error))
         return future
 
     def close(self, timeout_s: float | None = 30.0) -> None:
         self._closed = True
+
+    def stop(self) -> None:
+        self._closed = True
+
+    def join(self, timeout_s: float | None) -> None:
+        return None
 
 
 _STOP = object()
 
 
 class ThreadLane:
-    """One daemon thread running submitted tasks in FIFO order."""
+    """One daemon thread running queued tasks, smallest priority first (see module doc)."""
 
     def __init__(self, name: str, on_error: ErrorSink | None = None) -> None:
         self.name = name
         self._on_error = on_error
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._heap: list[tuple[Priority, int, Any, Any]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
         self._closed = False
         self.current: Any = None
         """The task running now (for the watchdog's message), or None."""
         self._thread = threading.Thread(target=self._loop, name=f"superoffload-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, task: Task[Any]) -> Future[Any]:
-        future: Future[Any] = Future()
-        with self._lock:
+    def submit(self, task: Task[Any], *, after: Sequence[Future[Any]] = (),
+               priority: Priority = LAST) -> Future[Any]:
+        with self._cond:
             if self._closed:
                 raise LaneClosed(f"lane {self.name!r} is closed")
-            self._queue.put((task, future))
+        future: Future[Any] = Future()
+        _when_done(after, future, lambda: self._enqueue(priority, task, future))
         return future
+
+    def _enqueue(self, priority: Priority, task: Any, future: Future[Any]) -> None:
+        with self._cond:
+            if self._closed and task is not _STOP:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(LaneClosed(f"lane {self.name!r} closed before "
+                                                    "this task's dependencies finished"))
+                return
+            heapq.heappush(self._heap, (priority, next(self._seq), task, future))
+            self._cond.notify()
 
     def _loop(self) -> None:
         while True:
-            item = self._queue.get()  # blocks; no polling
-            if item is _STOP:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()  # blocks; no polling
+                _, _, task, future = heapq.heappop(self._heap)
+            if task is _STOP:
                 return
-            task, future = item
             self.current = task
             _run_into(task, future, self.name, self._on_error)
-            self.current = None
+            # drop the references while blocked on the next task: a finished task's future
+            # carries callbacks into the engine, which must stay collectable (lifetime.py)
+            self.current = task = future = None
 
     def close(self, timeout_s: float | None = 30.0) -> None:
-        """Stop after the queued tasks; idempotent. Pending tasks still run to completion."""
-        with self._lock:
+        """Stop after the queued tasks; idempotent. Queued tasks still run to completion;
+        waits at most ``timeout_s`` for them (a daemon thread stuck in a hung copy or
+        collective is abandoned, never blocks the caller longer)."""
+        self.stop()
+        self.join(timeout_s)
+
+    def stop(self) -> None:
+        """Ask the thread to exit once the queued tasks ran (returns at once)."""
+        with self._cond:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(_STOP)
+        self._enqueue((math.inf, math.inf), _STOP, Future())
+
+    def join(self, timeout_s: float | None) -> None:
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 

@@ -3,6 +3,15 @@
 Cheap when nobody reads it: recording is an append to a bounded deque under a lock.
 Readers take snapshots (`spans()`, `spans_since(seq)`), never live views, so the engine's
 threads never wait on a widget.
+
+Device-side work (forward, backward, transfers, the device optimizer step) is timed on the
+device's clock: `mark(stream)` asks the recorder's `clock` for a point on the device
+timeline and `add_marks` records the span between two marks once the device has reached
+them (until then it waits in a pending list that `flush()` resolves; readers flush first).
+The default `HostClock` marks host time, which is exact where the device is the CPU; the
+CUDA engine installs `runtime.device_clock.CudaClock` (CUDA events aligned to this
+recorder's clock), so "device idle" and "overlap" describe what the GPU did, not when the
+host enqueued it.
 """
 
 from __future__ import annotations
@@ -12,8 +21,9 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from superoffload.telemetry.events import LANES, Span
 
@@ -37,6 +47,31 @@ class Note:
     time_s: float
 
 
+class DeviceClock(Protocol):
+    """Points on the device's timeline, read in a recorder's seconds."""
+
+    def mark(self, stream: Any = None) -> Any:
+        """A point after everything enqueued so far on ``stream`` (None: the current one)."""
+        ...
+
+    def seconds(self, mark: Any) -> float | None:
+        """The mark's time in recorder seconds, or None while the device has not reached it."""
+        ...
+
+
+class HostClock:
+    """Marks are host readings of the recorder's clock (a CPU "device": exact)."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+
+    def mark(self, stream: Any = None) -> float:
+        return self.now()
+
+    def seconds(self, mark: Any) -> float | None:
+        return float(mark)
+
+
 class Recorder:
     """Collects spans from any thread. `enabled=False` makes every call a no-op."""
 
@@ -53,6 +88,8 @@ class Recorder:
         self._notes: deque[Note] = deque(maxlen=10_000)
         self._seq = itertools.count()
         self._last_seq = -1
+        self.clock: DeviceClock = HostClock(self.now)
+        self._pending: list[tuple[str, str, Any, Any, int, int, int]] = []
 
     # ----------------------------------------------------------------- writing
     def now(self) -> float:
@@ -104,6 +141,51 @@ class Recorder:
         finally:
             self.add(lane, kind, start, self.now(), iteration=iteration, bucket=bucket, nbytes=nbytes)
 
+    def mark(self, stream: Any = None) -> Any:
+        """A point on the device timeline (see the module docstring)."""
+        return self.clock.mark(stream) if self.enabled else None
+
+    def add_marks(self, lane: str, kind: str, start: Any, end: Any, *, iteration: int,
+                  bucket: int = -1, nbytes: int = 0) -> None:
+        """Record the device span between two marks (now, or when the device reaches them)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._pending.append((lane, kind, start, end, iteration, bucket, nbytes))
+        self.flush()
+
+    @contextlib.contextmanager
+    def device_span(self, lane: str, kind: str, *, stream: Any = None, iteration: int,
+                    bucket: int = -1, nbytes: int = 0) -> Iterator[None]:
+        """Time the device work enqueued on ``stream`` inside the block."""
+        if not self.enabled:
+            yield
+            return
+        start = self.clock.mark(stream)
+        try:
+            yield
+        finally:
+            self.add_marks(lane, kind, start, self.clock.mark(stream), iteration=iteration,
+                           bucket=bucket, nbytes=nbytes)
+
+    def flush(self) -> None:
+        """Record every pending device span the device has finished (cheap; any thread)."""
+        with self._lock:
+            if not self._pending:
+                return
+            pending, self._pending = self._pending, []
+        keep = []
+        for item in pending:
+            lane, kind, start, end, iteration, bucket, nbytes = item
+            t0, t1 = self.clock.seconds(start), self.clock.seconds(end)
+            if t0 is None or t1 is None:
+                keep.append(item)
+                continue
+            self.record(Span(lane, kind, t0, max(t0, t1), iteration, bucket, nbytes, self.rank))
+        if keep:
+            with self._lock:
+                self._pending[:0] = keep
+
     def scalar(self, name: str, iteration: int, value: float) -> None:
         if self.enabled:
             with self._lock:
@@ -116,6 +198,7 @@ class Recorder:
 
     def clear(self) -> None:
         with self._lock:
+            self._pending.clear()
             self._spans.clear()
             self._scalars.clear()
             self._notes.clear()
@@ -127,11 +210,13 @@ class Recorder:
         return self._last_seq
 
     def spans(self) -> list[Span]:
+        self.flush()
         with self._lock:
             return [s for _, s in self._spans]
 
     def spans_since(self, seq: int) -> tuple[list[Span], int]:
         """Spans recorded after sequence number `seq`, and the newest sequence number."""
+        self.flush()
         with self._lock:
             out = [s for q, s in self._spans if q > seq]
             return out, self._last_seq

@@ -9,9 +9,11 @@ Layout of ``path/``::
     manifest.json           format, world size, file names, iteration, config, parameter
                             signature, step counts, param groups, loss scaler, STV, counters
 
-Each file is written to a temporary name, fsynced and renamed; rank 0 writes the manifest
-only after every rank's file is in place (a barrier), so a manifest means a complete
-checkpoint. Segments are stored by *parameter* offset, not by rank range, so
+Each file is sealed with a checksum of its contents, written to a temporary name, fsynced
+and renamed (runtime/ckpt_files.py); rank 0 writes the manifest, with every file's SHA-256,
+only after every rank's file is in place (the checksums' all-gather is the barrier), so a
+manifest means a complete checkpoint and a file from another save (a save killed midway) or
+a flipped byte is refused on load, naming the file. Segments are stored by *parameter* offset, not by rank range, so
 ``consolidate()`` rebuilds each full fp32 tensor by concatenating its pieces in offset
 order (checking they tile it exactly) whatever the world size that wrote them, and
 ``load()`` on any world size lets each rank cut its own new slice out of the full tensors
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from superoffload.distributed.launch import collective_guard
 from superoffload.distributed.zero.transport import ZeroTransport
 from superoffload.runtime import checkpoint as single
+from superoffload.runtime.ckpt_files import read_verified, write_atomic
 from superoffload.runtime.state import ParamState
 
 FORMAT = "superoffload-zero/1"
@@ -84,12 +87,27 @@ def save(engine: ShardedCheckpointable, path: str, *, extra: Any = None,
                                  for k, v in engine.model.state_dict().items() if k not in trained}
         payload["extra"] = extra
         payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
-    single.write_atomic(payload, os.path.join(path, rank_file(engine.rank, engine.world_size)))
-    _barrier(engine, "checkpoint files written")
+    error: Exception | None = None
+    try:
+        sha: str | None = write_atomic(
+            payload, os.path.join(path, rank_file(engine.rank, engine.world_size))).sha256
+    except Exception as exc:  # every rank learns of it below: none waits for a failed one
+        error, sha = exc, None
+    digests: list[Any] = [None] * engine.world_size  # also the barrier: every file is in place
+    with collective_guard("all_gather_object (checkpoint checksums)", engine.zero.grad_group):
+        dist.all_gather_object(digests, sha, group=engine.zero.grad_group)
+    if error is not None:
+        raise error
+    failed = [r for r, d in enumerate(digests) if d is None]
+    if failed:
+        raise OSError(f"sharded checkpoint {path}: rank(s) {failed} could not write their file "
+                      "(see their logs); the previous manifest, if any, still names a complete "
+                      "checkpoint")
     if engine.rank == 0:
+        files = [rank_file(r, engine.world_size) for r in range(engine.world_size)]
         manifest = {
-            "format": FORMAT, "world_size": engine.world_size,
-            "files": [rank_file(r, engine.world_size) for r in range(engine.world_size)],
+            "format": FORMAT, "world_size": engine.world_size, "files": files,
+            "sha256": dict(zip(files, digests)),
             **single.common_payload(engine),
             "steps": {names[i]: st.steps[i] for i in st.trainable},
         }
@@ -142,7 +160,8 @@ def consolidate(path: str) -> ConsolidatedState:
         if not os.path.exists(file):
             raise FileNotFoundError(f"sharded checkpoint {path}: {name} (rank {r} of "
                                     f"{manifest['world_size']}) is missing; copy every rank's file")
-        payload = torch.load(file, map_location="cpu", weights_only=True)
+        # the manifest's checksum: a corrupt file, or one from another save, is refused
+        payload = read_verified(file, sha256=manifest.get("sha256", {}).get(name))
         if payload["rank"] != r or payload["world_size"] != manifest["world_size"]:
             raise single.CheckpointMismatch(f"{name}: holds rank {payload['rank']} of "
                                             f"{payload['world_size']}, the manifest expects {r}")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from superoffload.distributed.launch import collective_guard
-from superoffload.runtime.backend import Backend, GradStats
+from superoffload.runtime.backend import Backend, GradStats, PendingStats
 from superoffload.runtime.transfers import wait_for
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
@@ -90,7 +90,8 @@ class ReduceTask:
     backend: Backend
     recorder: Recorder
 
-    def run(self) -> GradStats:
+    def run(self) -> GradStats | PendingStats:
+        # host clock: the span covers the wait for the collective (on NCCL's own stream) too
         with self.recorder.span(LANE_D2H, KIND_D2H, iteration=self.iteration, bucket=self.bucket,
                                 nbytes=self.grad_host.numel() * self.grad_host.element_size()):
             with collective_guard(f"reduce of bucket {self.bucket}"):
@@ -147,7 +148,7 @@ class GatherTask:
                                 async_op=True).wait()
                 for view, d in zip(self.flat_views, self.dst):
                     d.copy_(view, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # a waiter sleeps, never spins
                 done.record(self.stream)
             if any(d.device.type == "cpu" for d in self.dst):
                 # weight-flow homes on the host (zero_flow.py): a fetch reads them as soon as

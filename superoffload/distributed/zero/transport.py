@@ -64,7 +64,7 @@ from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
 from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, make_lane
+from superoffload.runtime.worker import Lane, Priority, describe, make_lane
 
 
 def resolve_group(group: Any) -> Any:
@@ -199,7 +199,7 @@ class ZeroTransport:
 
     # ------------------------------------------------------------------ per iteration
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[GradStats] | None:
+               streamed: frozenset[int]) -> Future[Any] | None:
         ctx = self.ctx
         if b in self.tails:
             flat, offset = self._tail_grads[b], 0
@@ -242,6 +242,13 @@ class ZeroTransport:
             nonfinite += stats.nonfinite
         return GradStats(sum_sq, nonfinite)
 
+    def discard(self, buckets: Sequence[int]) -> None:
+        for b in buckets:
+            work = self._tail_work.pop(b, None)
+            if work is not None:
+                with collective_guard(f"all_reduce of tail bucket {b}", self.grad_group):
+                    work.wait()
+
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
         st = self.ctx.state
         trainable = st.trainable
@@ -262,8 +269,10 @@ class ZeroTransport:
         return GlobalStats(float(host[0]), int(host[1]), got, partial)
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any], iteration: int,
-                streamed: frozenset[int]) -> Published:
-        # collective: every rank gathers the whole bucket, whatever it stepped itself
+                streamed: frozenset[int], priority: Priority) -> Published:
+        # collective: every rank gathers the whole bucket, whatever it stepped itself, and in
+        # the training thread's order (FIFO, the task waits for its step): all-gathers match
+        # by issue order, so they are never reordered by completion or deadline
         sb, ctx = self.shards[b], self.ctx
         views, dst = gather_targets(sb, self.homes, streamed)
         fut = self._lanes[1].submit(GatherTask(
@@ -273,6 +282,21 @@ class ZeroTransport:
 
     def home(self, index: int) -> torch.Tensor:
         return self.homes[index]
+
+    def stall_hint(self) -> str:
+        from superoffload.distributed.launch import (
+            collective_timeout_s,
+            exited_peers,
+            stopped_peers,
+        )
+
+        lanes = ", ".join(describe(lane) for lane in self._lanes)
+        stopped, gone = stopped_peers(self.ranks), exited_peers(self.ranks)
+        who = (f"rank(s) {stopped} on this host are stopped" if stopped else
+               f"rank(s) {gone} on this host have exited" if gone else
+               "no local peer is stopped or gone: look at the other hosts' ranks")
+        return (f"collective lanes: {lanes}, over ranks {self.ranks} with a "
+                f"{collective_timeout_s():g} s collective timeout; {who}")
 
     # ------------------------------------------------------------------ state
     def export_states(self) -> dict[int, ParamState]:

@@ -1,0 +1,62 @@
+"""The concrete schedule one simulation runs (plan/techniques.py resolves it; the DeepSpeed
+peer, plan/deepspeed.py, too — a module of its own so neither imports the other for it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from superoffload.plan import cost
+from superoffload.plan.buckets import BucketPlan
+from superoffload.plan.schedule import ENGINE, EngineVariant
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resolved:
+    """The concrete schedule one simulation runs (every 'auto' decided, every rule applied)."""
+
+    schedule: str
+    bucket_bytes: int
+    """Bytes of fp32 gradient per bucket (4 B/param), as OffloadConfig.bucket_bytes."""
+    whole_model_bucket: bool
+    """Ablation (buckets off): the offloaded parameters move and step as one bucket."""
+    ratio: float
+    """The effective ratio the buckets were planned with (1 under weight-flow)."""
+    speculate: bool
+    rollback_rate: float
+    grad_cast: str
+    param_cast: str
+    weights: str
+    kernel: cost.Kernel
+    threads: int
+    prefetch_depth: int
+    snapshot_rollback: bool
+    bucket_plan: BucketPlan
+    """The engine's bucket table (plan.buckets.plan_buckets over whole parameters)."""
+    engine: EngineVariant = ENGINE
+    requested_ratio: float = 0.9
+    """OffloadConfig.ratio as asked."""
+    model_dtype: str = "bfloat16"
+    reasons: tuple[str, ...] = ()
+    host_numel: int = field(init=False, default=0)
+    """Parameters whose fp32 state and step are on the host (whole buckets; derived)."""
+    device_numel: int = field(init=False, default=0)
+    """Parameters stepped on the device (derived)."""
+
+    def __post_init__(self) -> None:
+        host = sum(b.numel for b in self.bucket_plan.buckets if not b.on_device)
+        object.__setattr__(self, "host_numel", host)
+        object.__setattr__(self, "device_numel", self.bucket_plan.total_numel - host)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe fields (the bucket table as counts)."""
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__  # type: ignore[attr-defined]
+                               if k not in ("bucket_plan", "engine")}
+        out["reasons"] = list(self.reasons)
+        out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
+                         "d2h_stats_first": self.engine.d2h_stats_first}
+        plan = self.bucket_plan
+        n_host = sum(1 for b in plan.buckets if not b.on_device)
+        out["buckets"] = {"host": n_host, "device": len(plan.buckets) - n_host,
+                          "largest_numel": max((b.numel for b in plan.buckets), default=0)}
+        return out
