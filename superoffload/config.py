@@ -132,7 +132,7 @@ class OffloadConfig:
     pin_memory: bool = _field(True)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
-    optimizer_state_dtype: StateDtype = _field("fp32", numerics=True, tuned=True)
+    optimizer_state_dtype: StateDtype = _field("fp32", numerics=True)
     """Adam moments of the offloaded buckets on the host: "fp32" (28 B/param moved by the CPU
     step) or "bf16" with stochastic rounding (20 B/param: the host-memory-bound step runs
     ~1.4x faster; DeepSpeed's ``fp32_optimizer_states=False``). The fp32 master stays fp32;
