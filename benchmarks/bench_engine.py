@@ -11,7 +11,8 @@
 Each row prints the planner's prediction next to the measurement: the profile is
 ``plan.measure_local()`` (or --profile), its achieved FLOP/s fitted to the measured plain row
 (``plan.calibrate.fit_compute``: the one fitted figure), the schedule the rule book resolves for
-each config, the engine variant the engine implements (plan.schedule.ENGINE). Without
+each config, the engine variant the engine runs for it (plan.schedule.engine_for: ENGINE with
+the config's step_order, as runtime/engine.py resolves it). Without
 --sequential the variants run interleaved in rounds in one process (the host is shared: between
 processes +-10% is noise, FACTS.md) on deep copies of one model with the same batches; with it,
 one after another, each engine closed before the next is built (bounds host and device memory
@@ -49,7 +50,7 @@ from superoffload.data import BatchSampler, load_tokens
 from superoffload.models import GPT, PRESETS
 from superoffload.models.gpt import GPTConfig
 from superoffload.plan.calibrate import fit_compute
-from superoffload.plan.schedule import ENGINE
+from superoffload.plan.schedule import engine_for
 from superoffload.plan.techniques import PAPER_CLIP_RATE
 from superoffload.telemetry.metrics import summarize
 
@@ -305,10 +306,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seq": seq, "iters": args.iters * args.rounds,
             "profile": None if fitted is None else fitted.name,
             "achieved_tflops": None if fitted is None else fitted.device_achieved_tflops,
-            "engine": repr(ENGINE),
+            "engine": {name: repr(engine_for(cfg)) for name, cfg in variants if cfg is not None},
             "configs": {name: {k: getattr(cfg, k) for k in
                                ("bucket_bytes", "ratio", "speculation", "grad_cast",
-                                "param_cast", "cpu_cores_frac", "cpu_threads")}
+                                "param_cast", "cpu_cores_frac", "cpu_threads", "step_order",
+                                "optimizer_state_dtype")}
                         for name, cfg in variants if cfg is not None}}
     _print(meta, rows)
     out = {"meta": meta, "rows": rows}
@@ -358,7 +360,8 @@ def _print(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print(f"{meta['model']} GPT, {meta['params'] / 1e6:.2f} M params, {meta['dtype']}, batch "
           f"{meta['batch']} x {meta['seq']}, on {meta['device']} ({meta['host']}); medians of "
           f"{meta['iters']} iterations; predictions: {meta['profile'] or 'none'} with compute "
-          f"fitted to plain ({meta['achieved_tflops'] or 0:.4g} TFLOP/s), {meta['engine']}")
+          f"fitted to plain ({meta['achieved_tflops'] or 0:.4g} TFLOP/s), "
+          f"{' / '.join(sorted(set(meta['engine'].values())))}")
     print(f"{'schedule':<10} {'iter ms':>9} {'pred ms':>9} {'error':>7} {'tokens/s':>10} "
           f"{'vs plain':>9} {'vs zero':>8} {'exposed opt ms':>15} {'dev idle':>9} {'overlap':>8}")
     for row in rows:

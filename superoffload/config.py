@@ -134,9 +134,10 @@ class OffloadConfig:
 
     optimizer_state_dtype: StateDtype = _field("fp32", numerics=True)
     """Adam moments of the offloaded buckets on the host: "fp32" (28 B/param moved by the CPU
-    step) or "bf16" with stochastic rounding (20 B/param: the host-memory-bound step runs
-    ~1.4x faster; DeepSpeed's ``fp32_optimizer_states=False``). The fp32 master stays fp32;
-    GPU tail buckets keep fp32 moments. Accuracy measured in docs/kernel.md."""
+    step) or "bf16" with stochastic rounding (20 B/param, 4 B/param less host memory;
+    DeepSpeed's ``fp32_optimizer_states=False``). It pays where the step is memory-bound and
+    the kernel's bf16 pass keeps up (docs/planner.md: ``tune --allow-bf16-moments``). The fp32
+    master stays fp32; GPU tail buckets keep fp32 moments. Accuracy: docs/kernel.md."""
 
     step_order: StepOrder = _field("deadline", live="live")
     """Order of the CPU steps and H2D copies of the buckets ready at once: "deadline" (the

@@ -14,6 +14,7 @@ from superoffload.cli import main
 from superoffload.config import MiB, OffloadConfig
 from superoffload.plan import parallel
 from superoffload.plan.memory import offloaded_params
+from superoffload.plan.schedule import ENGINE_NEXT, ENGINE_TODAY
 from superoffload.telemetry import events as ev
 
 GH200 = plan.profiles.get("gh200")
@@ -23,14 +24,22 @@ HOST_CAST = OffloadConfig(grad_cast="host", param_cast="host", weights="stationa
 
 
 # Numbers of the single-rank planner, pinned so a change to dp=1 shows: (iteration_s,
-# steady_iteration_s, device bytes, host bytes, spans). Re-pinned when the simulator took the
-# engine's bucket table of whole parameters, the host-memory lane and DeepSpeed's ZeRO-2 as
-# the "zero-offload" schedule (issues 10, 11); before that they were the numbers of f3f26b3.
+# steady_iteration_s, device bytes, host bytes, spans). Re-pinned when the planner's default
+# became the engine that runs (plan.schedule.ENGINE = ENGINE_NEXT: EDF stepping, copy-first
+# D2H, small buckets merged, fused tail step). Against the previous pins (ENGINE_TODAY):
+# gh200 13B 2.9168 -> 2.8826 s (the tail step: 1.28B tail params x (118 - 28) B / 4 TB/s =
+# 28.8 ms, and 28 x 20 - 14 x 1 launches x 10 us = 5.5 ms), 2 x 4 B x 20480 more device
+# staging for the weights cast on the device (the largest host bucket now holds the MLP
+# weight and its merged bias), 3872 -> 2108 spans (buckets merged); h100-pcie flow 0.1150 ->
+# 0.0978 s; DeepSpeed's row unchanged (not our engine).
+# The fifo row pins OffloadConfig.step_order="fifo" selecting the FIFO variant.
 GOLDEN = [
     ("gh200", B13, "superoffload", None,
-     (2.916810805341669, 2.914307296372309, 88839204864.0, 208133959680.0, 3872)),
+     (2.882589861983474, 2.880049485172309, 88839368704.0, 208133959680.0, 2108)),
     ("h100-pcie", SMALL, "superoffload", OffloadConfig(weights="flow"),
-     (0.1150122179467674, 0.11497664987968892, 1856536576.0, 9104338944.0, 564)),
+     (0.09778230219404009, 0.09774673412696161, 1856536576.0, 9104338944.0, 428)),
+    ("h100-pcie", SMALL, "superoffload", OffloadConfig(weights="flow", step_order="fifo"),
+     (0.11442354728494918, 0.1143879792178707, 1856536576.0, 9104338944.0, 428)),
     ("gh200", SMALL, "zero-offload", None,
      (0.11454324791887793, 0.11454324791887793, 5103245824.0, 9310191616.0, 116)),
 ]
@@ -62,23 +71,32 @@ def test_ring_collectives_by_hand() -> None:
         parallel.ring_time_s(1.0, 0, GH200)
 
 
-def test_simulated_bucket_spans_carry_the_collectives_by_hand() -> None:
-    # ratio 1, 64 MiB buckets, bf16 both ways. The engine's buckets hold whole parameters:
-    # bucket 1 is the last block's MLP projection alone (5120 x 20480 = 104,857,600 params,
-    # larger than a 64 MiB bucket), after bucket 0 = [ln_f.b, ln_f.w, mlp.proj.b]
+@pytest.mark.parametrize("engine", [None, ENGINE_TODAY], ids=["engine-now", "h200-measured"])
+def test_simulated_bucket_spans_carry_the_collectives_by_hand(engine) -> None:
+    # ratio 1, 64 MiB buckets, bf16 both ways. The engine's buckets hold whole parameters;
+    # the last block's MLP projection (5120 x 20480 = 104,857,600 params) is larger than a
+    # 64 MiB bucket. Today's engine closes [ln_f.b, ln_f.w, mlp.proj.b] as bucket 0 and the
+    # projection is bucket 1 alone; the engine now merges that small bucket (less than half
+    # full) into the next parameter, so bucket 0 is the four of them
     cfg = HOST_CAST.replace(ratio=1.0, bucket_bytes=64 * MiB)
-    r = plan.simulate(plan.ModelShape(**B13, dp=4), GH200, "superoffload", cfg)
-    assert r.plan.bucket_plan.buckets[0].numel == 3 * 5120
-    assert r.plan.bucket_plan.buckets[1].numel == 5120 * 20480
+    r = plan.simulate(plan.ModelShape(**B13, dp=4), GH200, "superoffload", cfg,
+                      plan.Techniques(engine=engine))
+    proj = 5120 * 20480
+    if engine is None:
+        assert r.plan.engine == ENGINE_NEXT
+        b, numel, stats = 0, 3 * 5120 + proj, 0.0  # copy first: no stats before the D2H
+    else:
+        assert r.plan.bucket_plan.buckets[0].numel == 3 * 5120
+        # today's D2H lane: 9 stats kernels + a host round trip (2 launches) first
+        b, numel, stats = 1, proj, 11 * 10e-6
+    assert r.plan.bucket_plan.buckets[b].numel == numel
     it = r.timeline[-1].iteration
-    d2h = [s for s in r.timeline if s.lane == ev.LANE_D2H and s.iteration == it and s.bucket == 1]
-    h2d = [s for s in r.timeline if s.lane == ev.LANE_H2D and s.iteration == it and s.bucket == 1]
+    d2h = [s for s in r.timeline if s.lane == ev.LANE_D2H and s.iteration == it and s.bucket == b]
+    h2d = [s for s in r.timeline if s.lane == ev.LANE_H2D and s.iteration == it and s.bucket == b]
     cpu = [s for s in r.timeline if s.lane == ev.LANE_CPU and s.kind == ev.KIND_CPU_STEP
-           and s.iteration == it and s.bucket == 1]
-    numel = 5120 * 20480
-    shard = numel / 4  # params of this rank's slice
+           and s.iteration == it and s.bucket == b]
+    shard = numel / 4  # params of this rank's slice (numel is a multiple of 4 here)
     link = 20e-6 + 2 * shard / 450e9  # the shard's bf16 over C2C
-    stats = 11 * 10e-6  # today's D2H lane: 9 stats kernels + a host round trip (2 launches)
     rs = 3 * 10e-6 + 0.75 * (4 * numel) / 50e9  # reduce-scatter in fp32
     ag = 3 * 10e-6 + 0.75 * (2 * numel) / 50e9  # all-gather of bf16 weights
     assert d2h[0].duration_s == pytest.approx(link + stats + rs, rel=1e-9)
@@ -99,11 +117,14 @@ def test_more_ranks_never_increase_per_rank_host_memory() -> None:
         host = r.memory_detail.host_parts
         off = offloaded_params(r.shape, r.plan)
         assert host["fp32_state"] == pytest.approx(16 * off / dp, rel=1e-12)
+        assert host["weights_bf16_pinned"] == pytest.approx(2 * off / dp, rel=1e-12)
         assert r.memory["host"] <= last
         last = r.memory["host"]
         if dp > 1:  # the replicated device side grows by the fp32 reduce buffers only: two
-            # of the largest host bucket, a 5120 x 20480 MLP weight (whole parameters)
-            assert r.memory_detail.device_parts["collective_buffers"] == 2 * 4 * 5120 * 20480
+            # of the largest host bucket, a 5120 x 20480 MLP weight with its 20480-element
+            # bias (whole parameters; a bucket less than half full rides with the next one)
+            assert r.memory_detail.device_parts["collective_buffers"] == \
+                2 * 4 * (5120 * 20480 + 20480)
 
 
 @pytest.mark.parametrize("dp", [2, 4, 8])

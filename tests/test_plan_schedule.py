@@ -10,6 +10,7 @@ dp=2 + weight-flow; and the parameter list of a shape built from numbers is the 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,8 +23,11 @@ from superoffload.plan.buckets import ParamSpec
 from superoffload.plan.schedule import (
     ENGINE,
     ENGINE_NEXT,
+    ENGINE_TODAY,
+    STEP_ORDER_OF,
     EngineVariant,
     ScheduleFacts,
+    engine_for,
     resolve_schedule,
 )
 from superoffload.telemetry import events as ev
@@ -124,11 +128,23 @@ def test_frozen_and_tied_parameters_are_listed_as_the_engine_sees_them() -> None
 
 
 def test_engine_variant_is_the_rule_books() -> None:
+    # the default is the engine that runs (issue 11 landed), in the order the config selects,
+    # as runtime/engine.py resolves it: "deadline" -> EDF, "fifo" -> FIFO
     res = plan.simulate(plan.ModelShape.from_module(_gpt(), seq=32), PCIE, config=CFG)
-    assert res.plan.engine == ENGINE
-    edf = plan.simulate(res.shape, PCIE, config=CFG,
-                        techniques=plan.Techniques(engine=ENGINE_NEXT))
-    assert edf.plan.engine == ENGINE_NEXT and edf.summary()["plan"]["engine"]["step_order"] == "edf"
+    assert ENGINE == ENGINE_NEXT and res.plan.engine == ENGINE
+    assert CFG.step_order == "deadline" and engine_for(CFG) == ENGINE
+    fifo_cfg = CFG.replace(step_order="fifo")
+    fifo = plan.simulate(res.shape, PCIE, config=fifo_cfg)
+    assert fifo.plan.engine == engine_for(fifo_cfg) == replace(ENGINE_NEXT, step_order="fifo")
+    assert fifo.summary()["plan"]["engine"]["step_order"] == "fifo"
+    assert STEP_ORDER_OF == {"deadline": "edf", "fifo": "fifo"}
+    # a variant given to Techniques is used as it is, whatever the config's order
+    today = plan.simulate(res.shape, PCIE, config=CFG,
+                          techniques=plan.Techniques(engine=ENGINE_TODAY))
+    assert today.plan.engine == ENGINE_TODAY and today.plan.engine.step_order == "fifo"
+    assert engine_for(fifo_cfg, ENGINE_TODAY) is ENGINE_TODAY
+    with pytest.raises(ValueError, match="OffloadConfig.step_order='lifo'"):
+        engine_for(OffloadConfig(step_order="lifo"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="step_order"):
         EngineVariant(step_order="lifo")
     with pytest.raises(ValueError, match="tail_step"):

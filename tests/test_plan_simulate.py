@@ -161,8 +161,17 @@ def test_ratio_limits_equal_the_simpler_schedules() -> None:
     so0 = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0), fused)
     assert so0.iteration_s == pytest.approx(gpu.iteration_s, rel=1e-12)
     assert so0.memory == pytest.approx(gpu.memory)
-    # today's unfused tail step moves 118 instead of 28 B/param, with 20 launches per bucket
-    so0_today = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0))
+    # the engine now (the default) merges small buckets: the same 28 B/param, one launch
+    # (10 us on GH200) fewer per bucket merged away
+    so0_now = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0))
+    assert so0_now.plan.engine == ENGINE_NEXT
+    merged = len(gpu.plan.bucket_plan.buckets) - len(so0_now.plan.bucket_plan.buckets)
+    assert merged > 0
+    assert gpu.iteration_s - so0_now.iteration_s == pytest.approx(merged * 10e-6, rel=1e-9)
+    # the engine FACTS.md measured: its unfused tail step moves 118 instead of 28 B/param,
+    # with 20 launches per bucket
+    so0_today = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0),
+                              plan.Techniques(engine=ENGINE_TODAY))
     n, buckets = SMALL.params, len(so0_today.plan.bucket_plan.buckets)
     extra = (n * (118 - 28) / 4000e9) + buckets * (20 - 1) * 10e-6
     assert so0_today.iteration_s - gpu.iteration_s == pytest.approx(extra, rel=1e-9)
@@ -213,8 +222,13 @@ def test_event_count_stays_small_for_a_100_layer_model() -> None:
     res = plan.simulate(shape, GH200)
     n_buckets = len(res.plan.bucket_plan.host_buckets)
     assert n_buckets <= 12 * shape.layers  # at most one per parameter tensor
-    per_iter = 2 * (shape.layers + 2) + 3 * n_buckets + 8  # layers + three lanes per bucket
+    # per layer a forward, a backward and at most one wait (a forward waiting for its
+    # buckets' H2D: the engine now steps EDF, so several forwards wait a little); per host
+    # bucket one span on each of three lanes; validation and the tail step
+    per_iter = 3 * (shape.layers + 2) + 3 * n_buckets + 2
     assert res.n_spans <= N_ITER * per_iter
+    waits = [s for s in res.timeline if s.kind == ev.KIND_WAIT]
+    assert len(waits) <= N_ITER * (shape.layers + 2)
 
 
 # --------------------------------------------------------------------------- headline (paper)
@@ -223,7 +237,16 @@ def test_gh200_headline_for_the_right_reasons() -> None:
     zero = plan.simulate(HEADLINE, GH200, "zero-offload")
     assert so.fits and zero.fits
     speedup = zero.iteration_s / so.iteration_s
-    assert 1.8 <= speedup <= 2.7, speedup  # paper: up to 2.5x over ZeRO-Offload
+    # paper: up to 2.5x over ZeRO-Offload, with buckets stepped in gradient-ready order; the
+    # engine now steps them earliest deadline first, which keeps Grace's CPU lane (the
+    # bottleneck) busy: predicted 2.7x, bounded by that lane's work per iteration
+    assert 2.3 <= speedup <= 2.9, speedup
+    assert so.lanes["cpu_optimizer"].utilization >= 0.95
+    # the same schedule in gradient-ready order (step_order="fifo") is the paper's range
+    fifo_so = plan.simulate(HEADLINE, GH200, config=OffloadConfig(step_order="fifo"))
+    assert fifo_so.plan.engine.step_order == "fifo"
+    assert 1.8 <= zero.iteration_s / fifo_so.iteration_s <= 2.7
+    assert fifo_so.iteration_s > so.iteration_s * 1.1
     # the reason: ZeRO-Offload's GPU idles through the CPU step; SuperOffload overlaps them
     util_zero = zero.lanes["device_compute"].utilization
     util_so = so.lanes["device_compute"].utilization

@@ -6,7 +6,7 @@
     python -m superoffload simulate --profile gh200 --schedule superoffload --dp 8 \
         --collective-gbps 450        # 8 GH200 in one NVLink domain; times/memory per rank
     python -m superoffload simulate --facts h200     # predicted vs measured (FACTS.md, H200)
-    python -m superoffload simulate ... --step-order edf --tail-step fused   # the next engine
+    python -m superoffload simulate ... --step-order fifo --tail-step unfused   # what-ifs
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from superoffload.commands.argtypes import writable_file
 from superoffload.config import MiB, OffloadConfig
 
 
@@ -33,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--param-cast", choices=["device", "host", "auto"])
     sim.add_argument("--weights", choices=["stationary", "flow", "auto"])
     sim.add_argument("--cpu-threads", type=int)
+    sim.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"],
+                     help="host Adam moments: fp32 (default) or bf16 with stochastic rounding "
+                          "(changes the numerics; docs/kernel.md)")
     sim.add_argument("--kernel", choices=["ours", "deepspeed", "torch"], default="ours")
     sim.add_argument("--disable", action="append", default=[],
                      choices=["buckets", "gpu_tail", "stv", "casting", "adaptive_weights"],
@@ -52,28 +56,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--max-grad-norm", type=float)
     tune.add_argument("--fix", action="append", default=[], metavar="FIELD=VALUE",
                       help="keep an OffloadConfig field fixed, e.g. --fix ratio=0.9 (repeatable)")
-    tune.add_argument("--out", type=Path, help="write the chosen OffloadConfig as JSON here")
+    tune.add_argument("--out", type=writable_file,
+                      help="write the chosen OffloadConfig as JSON here")
+    tune.add_argument("--allow-bf16-moments", action="store_true",
+                      help="let the tuner propose optimizer_state_dtype='bf16' (Adam moments "
+                           "in bf16 with stochastic rounding: changes the numerics; proposed "
+                           "only when it pays, and said so in the explanation)")
     _engine_args(tune)
     tune.set_defaults(func=_tune)
 
 
+STEP_ORDERS = {"deadline": "deadline", "edf": "deadline", "fifo": "fifo"}
+"""--step-order values -> OffloadConfig.step_order ("edf" is the planner's name for "deadline")."""
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--step-order", choices=["fifo", "edf"],
-                   help="engine variant: order the CPU steps offloaded buckets (default: what "
-                        "the engine implements, plan.schedule.ENGINE)")
+    p.add_argument("--step-order", choices=sorted(STEP_ORDERS),
+                   help="OffloadConfig.step_order: 'deadline' (= 'edf', earliest deadline "
+                        "first; the default) or 'fifo' (gradient-ready order)")
     p.add_argument("--tail-step", choices=["unfused", "fused"],
-                   help="engine variant: the GPU tail step (default: the engine's)")
+                   help="what-if engine variant: the GPU tail step (default: the engine's, "
+                        "fused)")
 
 
-def _engine(args: argparse.Namespace) -> Any:
-    """The EngineVariant the flags ask for; None when neither is given (the engine's)."""
-    from superoffload.plan.schedule import ENGINE, EngineVariant
+def _step_order(args: argparse.Namespace) -> dict[str, str]:
+    """The OffloadConfig change --step-order asks for (none when it is not given)."""
+    return {} if args.step_order is None else {"step_order": STEP_ORDERS[args.step_order]}
 
-    if args.step_order is None and args.tail_step is None:
+
+def _engine(args: argparse.Namespace, cfg: OffloadConfig) -> Any:
+    """The EngineVariant --tail-step asks for, with the step order ``cfg`` selects (as the
+    engine resolves it, plan.schedule.engine_for); None without the flag (the engine's)."""
+    from dataclasses import replace
+
+    from superoffload.plan.schedule import engine_for
+
+    if args.tail_step is None:
         return None
-    return EngineVariant(step_order=args.step_order or ENGINE.step_order,
-                         tail_step=args.tail_step or ENGINE.tail_step,
-                         d2h_stats_first=ENGINE.d2h_stats_first)
+    return replace(engine_for(cfg), tail_step=args.tail_step)
 
 
 def _shape_args(p: argparse.ArgumentParser) -> None:
@@ -140,13 +160,14 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
         changes: dict[str, Any] = {}
-        for name in ("ratio", "speculation", "grad_cast", "param_cast", "weights", "cpu_threads"):
+        for name in ("ratio", "speculation", "grad_cast", "param_cast", "weights", "cpu_threads",
+                     "optimizer_state_dtype"):
             if getattr(args, name) is not None:
                 changes[name] = getattr(args, name)
         if args.bucket_mb is not None:
             changes["bucket_bytes"] = args.bucket_mb * MiB
-        cfg = OffloadConfig().replace(**changes)
-        tech = plan.Techniques(kernel=args.kernel, engine=_engine(args),
+        cfg = OffloadConfig().replace(**changes, **_step_order(args))
+        tech = plan.Techniques(kernel=args.kernel, engine=_engine(args, cfg),
                                **({"rollback_rate": args.rollback_rate}
                                   if args.rollback_rate is not None else {}))
         for name in args.disable:
@@ -219,16 +240,23 @@ def _tune(args: argparse.Namespace) -> int:
     try:
         prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
         extra = {} if args.rollback_rate is None else {"rollback_rate": args.rollback_rate}
+        fixed = {**_parse_fix(args.fix), **_step_order(args)}
+        ordered = OffloadConfig().replace(**{k: v for k, v in fixed.items() if k == "step_order"})
         cons = plan.Constraints(
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
-            cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm,
-            fixed=_parse_fix(args.fix), engine=_engine(args), **extra)
+            cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm, fixed=fixed,
+            engine=_engine(args, ordered),
+            allow_bf16_moments=args.allow_bf16_moments, **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
     except ValueError as exc:
         return _fail(str(exc))
     if args.out is not None:
-        args.out.write_text(json.dumps(cfg.to_dict(), indent=1, default=float))
+        try:
+            args.out.write_text(json.dumps(cfg.to_dict(), indent=1, default=float))
+        except OSError as exc:  # checked at parse time; the folder may change meanwhile
+            return _fail(f"--out {args.out}: cannot write ({exc.strerror or exc}); choose "
+                         "another path")
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "explanation": why,
                           "prediction": pred.summary()}, indent=1, default=float))
@@ -238,7 +266,8 @@ def _tune(args: argparse.Namespace) -> int:
         print(_dp_line(shape, prof, [pred]))
     print()
     keys = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
-            "cpu_cores_frac", "prefetch_depth", "max_grad_norm")
+            "cpu_cores_frac", "prefetch_depth", "optimizer_state_dtype", "step_order",
+            "max_grad_norm")
     print("OffloadConfig(" + ", ".join(f"{k}={getattr(cfg, k)!r}" for k in keys) + ")")
     print()
     print(_results_table([pred]))
@@ -246,24 +275,30 @@ def _tune(args: argparse.Namespace) -> int:
 
 
 def _facts(args: argparse.Namespace) -> int:
-    """Predicted next to measured for FACTS.md's H200 table, today's engine and the next."""
+    """Predicted next to measured for FACTS.md's H200 table: with the engine it was measured
+    with (plan.facts.H200_ENGINE) and, as a prediction only, with the engine that runs now."""
     from superoffload.plan import facts
-    from superoffload.plan.schedule import ENGINE_NEXT
+    from superoffload.plan.schedule import ENGINE
 
-    today = facts.calibration_table()
-    nxt = facts.calibration_table(engine=ENGINE_NEXT)
+    then = facts.calibration_table()
+    now = facts.calibration_table(engine=ENGINE)
     if args.json:
         print(json.dumps([{"schedule": r.row.label, "measured_ms": r.row.measured_ms,
                            "predicted_ms": r.predicted_ms, "error": r.error,
                            "fitted": r.row.fitted, "target": r.row.target,
-                           "predicted_next_engine_ms": n.predicted_ms}
-                          for r, n in zip(today, nxt)], indent=1))
+                           "predicted_engine_now_ms": n.predicted_ms}
+                          for r, n in zip(then, now)], indent=1))
         return 0
     shape = facts.H200_SHAPE
     print(f"FACTS.md, H200 machine: GPT {shape.layers} x {shape.hidden} ({shape.params / 1e9:.2f} "
           f"B params, vocab {shape.vocab}), bf16, batch {shape.micro_batch} x {shape.seq}; "
           "profile h200-pcie-measured")
     print("predicted with the engine it was measured with (FIFO stepping, unfused tail step); "
-          "last column: the engine issue 11 asks for (EDF, fused tail, copy first)")
-    print(facts.format_table(today, nxt))
+          "last column: the engine now (EDF, copy first, small buckets merged, fused tail) -- "
+          "a prediction, not yet measured on a GPU")
+    print(facts.format_table(then, now, next_label="engine now"))
+    print()
+    print(f"issue 11's targets for the engine now, relative to the measured plain row "
+          f"({facts.PLAIN_MS} ms) -- predictions, not measurements:")
+    print(facts.format_targets(facts.targets()))
     return 0

@@ -11,7 +11,8 @@ Pure code: no threads, no devices, no torch state (torch only to describe a modu
 
 The schedule simulated is the one the engine runs: ``plan.schedule.resolve_schedule`` (the one
 rule book) over the model's parameter list (``ModelShape.param_layout``), with the engine's
-implementation variant (``plan.schedule.ENGINE``; ``Techniques(engine=...)`` for another).
+implementation variant for the config (``plan.schedule.engine_for(config)``: ``ENGINE`` with
+the config's ``step_order``, as the engine resolves it; ``Techniques(engine=...)`` for another).
 ``plan.facts`` holds FACTS.md's measured H200 table and the calibration that reproduces it.
 """
 
@@ -29,7 +30,7 @@ from superoffload.plan.guard import SimulationTooLarge
 from superoffload.plan.measure import measure_local
 from superoffload.plan.memory import Memory, memory
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.schedule import ENGINE, ENGINE_NEXT, EngineVariant
+from superoffload.plan.schedule import ENGINE, ENGINE_NEXT, ENGINE_TODAY, EngineVariant, engine_for
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import LaneStats, SimResult, choose_weights, simulate
 from superoffload.plan.techniques import SCHEDULES, ZERO_OFFLOAD, Techniques
@@ -39,7 +40,9 @@ from superoffload.plan.weights import WeightChoice
 __all__ = [
     "ENGINE",
     "ENGINE_NEXT",
+    "ENGINE_TODAY",
     "EngineVariant",
+    "engine_for",
     "SimulationTooLarge",
     "facts",
     "fit_compute",

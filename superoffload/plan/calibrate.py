@@ -126,7 +126,8 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
     `adam_bytes_per_param`: what the measured CPU pass touched per parameter (28 for fp32
     gradients and no fused cast, as an fp32 model runs); the profile's Adam rate is stated at
     28 B, so the fitted rate is scaled by adam_bytes_per_param / 28. `tail_step`: the device
-    step the spans came from ("unfused" today, plan.schedule.ENGINE), for its bytes/param."""
+    step the spans came from (default: the engine's, plan.schedule.ENGINE, "fused"; pass
+    "unfused" for spans of the engine at ef04687, plan.facts.H200_ENGINE), for its bytes/param."""
     m = data if isinstance(data, Measurements) else measurements_from_spans(
         data, shape, cpu_threads=cpu_threads)
     threads = m.cpu_threads or cpu_threads or profile.cpu_cores

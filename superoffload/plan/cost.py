@@ -12,9 +12,16 @@ Formulas (paper section in brackets; SuperOffload, Lian et al., arXiv 2509.21271
               params/s in the engine against 8.4 measured on a warm buffer):
                 t = call + max(n * kernel_bytes/28 / compute, n * bus_bytes / (eff * host_bw))
                     / kernel factor + separate cast passes
-              bus_bytes = kernel bytes (28 - 2 bf16 grad in + 2 bf16 copy out) + the write-
-              allocate read of the write-only bf16 copy (x86) + the bucket's D2H and H2D bytes
-  device Adam fused: t = launch per bucket + params * 28 B / device_bw; today's unfused
+              bus_bytes = kernel bytes (28 - 2 bf16 grad in + 2 bf16 copy out - 8 bf16
+              moments) + the write-allocate read of the write-only bf16 copy (x86) + the
+              bucket's D2H and H2D bytes
+  bf16 moments m and v stored as bf16 with stochastic rounding (OffloadConfig.
+              optimizer_state_dtype="bf16"; docs/kernel.md "Reduced precision"): 2 + 2 B read
+              and 2 + 2 B written instead of 4 + 4 each, so 8 B/param fewer on the bus (28 ->
+              20 for the fp32 step); the pass's compute time grows by 1 / the profile's
+              cpu_adam_bf16_moments_relative (docs/kernel.md: ~1.3 vs ~3 G params/s per
+              thread in cache), so it pays only where the bus, not the cores, bounds the lane
+  device Adam fused: t = launch per bucket + params * 28 B / device_bw; the unfused
               foreach step: ~20 launches per bucket and ~118 B/param (issue 11, item 6)
   compute     t = FLOPs / achieved FLOP/s           (FLOPs from ModelShape: 6 N tokens + attention,
                                                     + 2 N tokens recompute with checkpointing)
@@ -40,6 +47,11 @@ from superoffload.threads import optimizer_threads, runtime_threads
 Kernel = Literal["ours", "deepspeed", "torch"]
 KERNELS: tuple[str, ...] = ("ours", "deepspeed", "torch")
 Direction = Literal["h2d", "d2h"]
+STATE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+"""OffloadConfig.optimizer_state_dtype: the dtype of the host's Adam moments."""
+BF16_MOMENT_SAVING = 8.0
+"""Bytes per parameter bf16 moments save in the CPU step: m and v read and written as 2 B
+instead of 4 (DESIGN.md §4: 28 -> 20 B/param; docs/kernel.md)."""
 
 
 def _interp_log(table: Sequence[tuple[float, float]], x: float) -> float:
@@ -146,10 +158,10 @@ def cpu_adam_time_s(params: float, prof: HardwareProfile, threads: int, kernel: 
 
 
 UNFUSED_TAIL_BYTES = 118.0
-"""Device bytes per parameter of today's tail step (kernels.device_adam_multi: ~13 foreach
-passes, per-tensor casts and temporaries; issue 11, item 6)."""
+"""Device bytes per parameter of the unfused tail step (ENGINE_TODAY's kernels.device_adam_multi:
+~13 foreach passes, per-tensor casts and temporaries; issue 11, item 6)."""
 UNFUSED_TAIL_LAUNCHES = 20
-"""Kernel launches per tail bucket of today's tail step (issue 11, item 6)."""
+"""Kernel launches per tail bucket of the unfused tail step (ENGINE_TODAY; issue 11, item 6)."""
 FUSED_TAIL_LAUNCHES = 1
 """A fused multi-tensor step (``torch._fused_adamw_`` or one Triton kernel): one per bucket."""
 
@@ -158,7 +170,8 @@ def device_adam_time_s(params: float, prof: HardwareProfile, *, tail_step: str =
                        buckets: int = 1) -> float:
     """Device Adam over `params` parameters in `buckets` buckets: "fused" is bandwidth bound at
     28 B/param (read bf16 grad + fp32 p, m, v; write p, m, v + the bf16 copy) with one launch
-    per bucket; "unfused" is today's foreach step, 118 B/param and 20 launches per bucket."""
+    per bucket; "unfused" is ENGINE_TODAY's foreach step, 118 B/param and 20 launches per
+    bucket."""
     if params <= 0:
         return 0.0
     if tail_step == "fused":
@@ -203,7 +216,7 @@ class HostStep:
 
     kernel_bytes: float
     """Bytes the CPU kernel pass touches: 28, - 2 reading a bf16 gradient, + 2 writing the
-    bf16 copy (DESIGN.md §4)."""
+    bf16 copy, - 8 with bf16 moments (DESIGN.md §4)."""
     bus_bytes: float
     """Bytes crossing the host memory bus for it: kernel bytes, the write-allocate read of
     the write-only bf16 copy (x86), the D2H and H2D (or weight-flow fetch) bytes."""
@@ -215,15 +228,22 @@ class HostStep:
     """Link bytes of the gradient (4 fp32, 2 bf16)."""
     p_bytes: float
     """Link bytes of the updated weight."""
+    compute_scale: float = 1.0
+    """The kernel pass's compute time per parameter in units of the fp32 28 B step at the
+    profile's compute rate: kernel_bytes / 28 with fp32 moments; (kernel_bytes + 8) / 28 /
+    cpu_adam_bf16_moments_relative with bf16 moments (module docstring, "bf16 moments")."""
 
 
 def host_step(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Kernel, *,
-              flow: bool = False) -> HostStep:
+              flow: bool = False, moments: str = "fp32") -> HostStep:
     """The host lane's bytes for one casting choice (module docstring, "host lane").
     grad "device": the device casts to fp32 and 4 B cross; "host": 2 B cross and the kernel
     reads bf16 (or a separate pass widens them). param "host": the kernel writes the bf16
     copy and 2 B cross; "device": 4 B fp32 cross. With weight-flow no bucket H2D happens;
-    each weight streams in twice per iteration (forward and backward, §4.5)."""
+    each weight streams in twice per iteration (forward and backward, §4.5). ``moments``:
+    "fp32" or "bf16" (OffloadConfig.optimizer_state_dtype; 8 B fewer, slower compute)."""
+    if moments not in STATE_DTYPES:
+        raise ValueError(f"optimizer_state_dtype={moments!r}: use one of {STATE_DTYPES}")
     fuse_g, fuse_p = kernel_fuses(kernel)
     wa = 1.0 if prof.host_write_allocate else 0.0
     kernel_bytes, extra, cast_bytes, cast_s = float(ADAM_BYTES_PER_PARAM), 0.0, 0.0, 0.0
@@ -240,11 +260,15 @@ def host_step(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Ke
         else:  # a pass reading 4 B and writing 2 B
             cast_bytes += 6.0 + 2.0 * wa
             cast_s += 1.0 / (prof.host_cast_gelems * 1e9)
+    compute_scale = kernel_bytes / ADAM_BYTES_PER_PARAM
+    if moments == "bf16":  # the same pass with narrower moments: fewer bytes, more compute
+        compute_scale /= prof.cpu_adam_bf16_moments_relative
+        kernel_bytes -= BF16_MOMENT_SAVING
     g_bytes = 4.0 if grad_cast == "device" else 2.0
     p_bytes = 4.0 if param_cast == "device" else 2.0
     dma = g_bytes + (2.0 * 2.0 if flow else p_bytes)
     return HostStep(kernel_bytes, kernel_bytes + extra + dma, cast_bytes, cast_s, g_bytes,
-                    p_bytes)
+                    p_bytes, compute_scale)
 
 
 def host_step_s(params: np.ndarray | float, prof: HardwareProfile, threads: int, kernel: Kernel,
@@ -255,16 +279,17 @@ def host_step_s(params: np.ndarray | float, prof: HardwareProfile, threads: int,
     n = np.asarray(params, dtype=float)
     bus = host_bus_bps(prof)
     compute = cpu_compute_rate(prof, threads) * kernel_factor(prof, kernel)
-    per_kernel = max(step.kernel_bytes / ADAM_BYTES_PER_PARAM / compute, step.bus_bytes / bus)
+    per_kernel = max(step.compute_scale / compute, step.bus_bytes / bus)
     per_cast = max(step.cast_s, step.cast_bytes / bus)
     return n * (per_kernel + per_cast)
 
 
 def per_param_lane_s(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Kernel,
-                     threads: int, bucket_params: float) -> dict[str, float]:
+                     threads: int, bucket_params: float, moments: str = "fp32"
+                     ) -> dict[str, float]:
     """Seconds per parameter on each lane of the offload pipeline for one casting choice; the
     CPU lane shares the host bus with both DMA directions (`host_step`)."""
-    step = host_step(prof, grad_cast, param_cast, kernel)
+    step = host_step(prof, grad_cast, param_cast, kernel, moments=moments)
     n = max(bucket_params, 1.0)
     return {
         "d2h": link_time_s(step.g_bytes * n, prof, "d2h") / n,
@@ -276,7 +301,7 @@ def per_param_lane_s(prof: HardwareProfile, grad_cast: str, param_cast: str, ker
 
 
 def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
-                   bucket_params: float) -> tuple[str, str, str]:
+                   bucket_params: float, moments: str = "fp32") -> tuple[str, str, str]:
     """Pick (grad_cast, param_cast) minimising the offload pipeline's bottleneck lane (its
     steady-state throughput), ties broken by the sum (its latency). The CPU lane includes
     the host bus it shares with both DMA directions, so moving fp32 costs host bandwidth
@@ -284,7 +309,7 @@ def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
     candidates = []
     for g in ("device", "host"):
         for p in ("host", "device"):
-            lanes = per_param_lane_s(prof, g, p, kernel, threads, bucket_params)
+            lanes = per_param_lane_s(prof, g, p, kernel, threads, bucket_params, moments)
             key = max(lanes["d2h"], lanes["cpu"], lanes["h2d"])
             total = lanes["d2h"] + lanes["cpu"] + lanes["h2d"]
             candidates.append((key, total, g, p))

@@ -11,6 +11,9 @@ ms). `calibration_table()` predicts every row with the measured profile
 
 prints predicted next to measured (docs/planner.md). tests/test_plan_calibration.py pins it.
 Only the plain row was used to fit a figure (device_achieved_tflops); the rest are predictions.
+`targets()` predicts issue 11's targets on the same machine for the engine that runs now
+(``plan.schedule.ENGINE``, not yet measured on a GPU): >= 0.92x plain at the tuner's pick,
+>= 0.65x plain at ratio 0.7, each also with bf16 moments.
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def calibration_table(prof: HardwareProfile | None = None, engine: EngineVariant
 
 
 def format_table(rows: list[CalibrationRow], next_rows: list[CalibrationRow] | None = None,
-                 next_label: str = "next engine") -> str:
+                 next_label: str = "engine now") -> str:
     """The table docs/planner.md shows; `next_rows`: the same rows for another engine variant."""
     head = f"{'schedule':50} {'measured ms':>11} {'predicted ms':>12} {'error':>7}"
     if next_rows is not None:
@@ -111,4 +114,67 @@ def format_table(rows: list[CalibrationRow], next_rows: list[CalibrationRow] | N
         if next_rows is not None:
             line += f" {next_rows[i].predicted_ms:12.1f}"
         lines.append(f"{line}  {note}".rstrip())
+    return "\n".join(lines)
+
+
+PLAIN_MS = H200_ROWS[0].measured_ms
+"""The measured plain row, what issue 11's targets are relative to."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetRow:
+    """One of issue 11's settings, predicted (never measured) for an engine variant."""
+
+    label: str
+    config: OffloadConfig
+    predicted_ms: float
+    target: float | None
+    """Issue 11's target as a share of plain's speed (plain ms / ours ms), None for a
+    what-if row."""
+
+    @property
+    def vs_plain(self) -> float:
+        """plain ms / predicted ms (1.0 = as fast as plain PyTorch)."""
+        return PLAIN_MS / self.predicted_ms
+
+
+def targets(prof: HardwareProfile | None = None, engine: EngineVariant | None = None,
+            shape: ModelShape = H200_SHAPE) -> list[TargetRow]:
+    """Issue 11's targets predicted on `prof` (default h200-pcie-measured) for `engine` (None:
+    the engine that runs, ``plan.schedule.engine_for(config)``): the tuner's pick as
+    ``bench_engine.py --tuned`` asks for it (device, pinned memory and no clipping fixed), the
+    pcie_host preset at ratio 0.7, and each with bf16 moments (the tuner allowed them)."""
+    from superoffload.plan.simulate import simulate
+    from superoffload.plan.techniques import Techniques
+    from superoffload.plan.tune import Constraints, tune
+
+    prof = prof or profiles.get("h200-pcie-measured")
+    tech = Techniques(rollback_rate=0.0, engine=engine)
+    fixed = {"device": "cuda", "pin_memory": True}
+    rows = []
+    for allow in (False, True):
+        cfg, _, pred = tune(shape, prof, Constraints(rollback_rate=0.0, fixed=fixed,
+                                                     engine=engine, allow_bf16_moments=allow))
+        label = (f"tuner's pick{', bf16 allowed' if allow else ''}: ratio {cfg.ratio:g}, "
+                 f"{cfg.bucket_bytes // MiB} MiB, {cfg.optimizer_state_dtype} moments")
+        rows.append(TargetRow(label, cfg, pred.iteration_s * 1e3, None if allow else 0.92))
+    ratio07 = H200_ROWS[1].config
+    assert ratio07 is not None and ratio07.ratio == 0.7
+    for dtype, target in (("fp32", 0.65), ("bf16", None)):
+        cfg = ratio07.replace(optimizer_state_dtype=dtype)
+        res = simulate(shape, prof, "superoffload", cfg, tech)
+        rows.append(TargetRow(f"pcie_host preset, ratio 0.7, 32 MiB, {dtype} moments", cfg,
+                              res.iteration_s * 1e3, target))
+    return rows
+
+
+def format_targets(rows: list[TargetRow]) -> str:
+    """The predicted-targets table docs/planner.md shows."""
+    head = f"{'setting (predicted, not measured)':62} {'ms':>7} {'vs plain':>8} {'target':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        target = "" if r.target is None else f">= {r.target:.2f}x"
+        met = "" if r.target is None else ("  met" if r.vs_plain >= r.target else "  missed")
+        lines.append(f"{r.label:62} {r.predicted_ms:7.1f} {r.vs_plain:7.2f}x {target:>7}"
+                     f"{met}".rstrip())
     return "\n".join(lines)

@@ -61,6 +61,11 @@ class HardwareProfile:
     """Measured (threads, params/s) points of our kernel, DRAM-resident in the engine's
     variant (``measure_local``); they replace the per-core model, and the host-memory cap
     still applies on top (plan/cost.py)."""
+    cpu_adam_bf16_moments_relative: float = 1.3 / 3.0
+    """Compute throughput of our kernel with bf16 moments (stochastic rounding: widen, update,
+    hash, narrow m and v) relative to its fp32-moment pass, before the bandwidth cap.
+    docs/kernel.md (2-core Sapphire Rapids, AVX-512): ~1.3 G params/s per thread with the
+    data in cache vs ~3 G for fp32 -- an estimate on every other CPU until measured there."""
     deepspeed_adam_relative: float = 0.082 / 0.098
     """DeepSpeed CPUAdam throughput relative to ours (FACTS.md: Grace, 1B params, 0.098 vs 0.082 s)."""
     torch_adam_relative: float = 0.082 / 0.289
@@ -122,7 +127,8 @@ class HardwareProfile:
         positive = (
             "device_peak_tflops", "device_achieved_tflops", "device_memory_bytes",
             "device_mem_bw_gbps", "host_memory_bytes", "host_mem_bw_gbps", "cpu_cores",
-            "cpu_adam_params_per_s_per_core", "cpu_adam_bw_efficiency", "deepspeed_adam_relative",
+            "cpu_adam_params_per_s_per_core", "cpu_adam_bw_efficiency",
+            "cpu_adam_bf16_moments_relative", "deepspeed_adam_relative",
             "torch_adam_relative", "h2d_gbps", "d2h_gbps", "device_cast_gelems",
             "host_cast_gelems", "collective_gbps",
         )

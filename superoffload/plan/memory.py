@@ -4,7 +4,9 @@ Bytes per parameter (DESIGN.md §1; mixed-precision Adam, Rajbhandari et al. 202
   plain GPU           device: 2 (bf16 weight) + 2 (bf16 grad) + 16 (fp32 master, m, v, grad)
   offloaded params    device: 2 (bf16 weight, stationary) + 2 (bf16 grad until its bucket leaves)
                       host:   16 (fp32 master, m, v, grad buffer) + 2 (pinned bf16 weight copy)
-                              + 12 with snapshot rollback (pre-step p, m, v; DESIGN.md §4)
+                              + 12 with snapshot rollback (pre-step p, m, v; DESIGN.md §4);
+                              bf16 moments (optimizer_state_dtype="bf16", docs/kernel.md):
+                              m and v take 2 + 2 instead of 4 + 4, so 12 + 2, snapshot 8
   GPU tail params     device: 2 + 2 + 16 (like plain GPU)
   weight-flow         device keeps only (prefetch_depth + 1) layers of bf16 weights (paper §4.5);
                       the bf16 copy of offloaded weights lives on the host (the 2 B above)
@@ -31,6 +33,8 @@ from superoffload.plan.shapes import ModelShape
 
 DEVICE_HEADROOM = 0.95
 HOST_HEADROOM = 0.90
+MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0}
+"""Bytes per parameter of one Adam moment on the host, by OffloadConfig.optimizer_state_dtype."""
 
 
 def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
@@ -81,10 +85,15 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     dev["activations"] = shape.activation_bytes()
     if off > 0:
         shard = off / shape.dp if shape.dp > 1 else off
-        host["fp32_state"] = 16.0 * shard
+        moments = 2.0 * MOMENT_BYTES[plan.optimizer_state_dtype]  # m and v
+        if plan.optimizer_state_dtype == "fp32":
+            host["fp32_state"] = (8.0 + moments) * shard  # master, gradient buffer, m, v
+        else:
+            host["fp32_state"] = 8.0 * shard  # master and gradient buffer
+            host["bf16_moments"] = moments * shard
         host["weights_bf16_pinned"] = 2.0 * (shard if plan.weights != "flow" else n)
         if plan.speculate and plan.snapshot_rollback:
-            host["rollback_snapshot"] = 12.0 * shard
+            host["rollback_snapshot"] = (4.0 + moments) * shard  # pre-step p, m, v
     return Memory(sum(dev.values()), sum(host.values()), dev, host)
 
 

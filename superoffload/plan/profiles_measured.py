@@ -103,5 +103,5 @@ def h200_pcie_measured() -> HardwareProfile:
         ),
         notes="The H200 machine of FACTS.md: links, casts, host copy bandwidth and the warm "
               "Adam probe as measured; the host bus derived from the copy; compute fitted to "
-              "the plain row. Read with plan.facts.H200_ENGINE (today's engine).",
+              "the plain row. Read with plan.facts.H200_ENGINE (the engine it was measured with).",
     )

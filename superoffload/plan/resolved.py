@@ -34,6 +34,9 @@ class Resolved:
     bucket_plan: BucketPlan
     """The engine's bucket table (plan.buckets.plan_buckets over whole parameters)."""
     engine: EngineVariant = ENGINE
+    optimizer_state_dtype: str = "fp32"
+    """Dtype of the host's Adam moments ("fp32" or "bf16" with stochastic rounding;
+    OffloadConfig.optimizer_state_dtype). GPU tail buckets keep fp32 moments."""
     requested_ratio: float = 0.9
     """OffloadConfig.ratio as asked."""
     model_dtype: str = "bfloat16"
@@ -54,7 +57,8 @@ class Resolved:
                                if k not in ("bucket_plan", "engine")}
         out["reasons"] = list(self.reasons)
         out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
-                         "d2h_stats_first": self.engine.d2h_stats_first}
+                         "d2h_stats_first": self.engine.d2h_stats_first,
+                         "merge_small_buckets": self.engine.merge_small_buckets}
         plan = self.bucket_plan
         n_host = sum(1 for b in plan.buckets if not b.on_device)
         out["buckets"] = {"host": n_host, "device": len(plan.buckets) - n_host,

@@ -18,10 +18,12 @@ runs and telemetry can record the effective values:
   reads fp32 or bf16);
 * CPU optimizer threads: ``optimizer_threads`` below, the one thread rule;
 * the engine's implementation choices that change the timeline (``EngineVariant``: the step
-  order of offloaded buckets, the GPU tail step, the D2H stats launch): ``ENGINE`` is what the
-  engine implements today, read by the planner so a prediction describes the engine that
-  runs. When the engine gains earliest-deadline-first stepping and a fused tail step, it
-  changes ``ENGINE`` here (one line) and the planner follows.
+  order of offloaded buckets, the GPU tail step, the D2H stats launch, small-bucket merging):
+  ``ENGINE`` is what the engine implements (since issue 11: ``ENGINE_NEXT``), and
+  ``engine_for(config)`` is that variant with the step order ``OffloadConfig.step_order``
+  selects ("deadline" -> "edf", "fifo" -> "fifo"). The engine (runtime/engine.py) and the
+  planner (plan/techniques.py) both resolve with it, so they agree for either setting.
+  ``ENGINE_TODAY`` is the engine FACTS.md's H200 table was measured with (plan/facts.py).
 
 No torch, no threads, no devices (STYLE.md §2).
 """
@@ -29,16 +31,16 @@ No torch, no threads, no devices (STYLE.md §2).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from superoffload.config import OffloadConfig
 from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
 
-__all__ = ["ENGINE", "ENGINE_NEXT", "ENGINE_TODAY", "EngineVariant", "Schedule", "ScheduleFacts",
-           "optimizer_threads", "resolve_casting", "resolve_schedule", "runtime_threads",
-           "specs_of", "usable_cores"]
+__all__ = ["ENGINE", "ENGINE_NEXT", "ENGINE_TODAY", "STEP_ORDER_OF", "EngineVariant", "Schedule",
+           "ScheduleFacts", "engine_for", "optimizer_threads", "resolve_casting",
+           "resolve_schedule", "runtime_threads", "specs_of", "usable_cores"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")
@@ -77,12 +79,30 @@ class EngineVariant:
 
 
 ENGINE_TODAY = EngineVariant()
-"""The engine at 167091f: FIFO stepping, unfused tail step, stats launched before each copy."""
+"""The engine at 167091f / ef04687, the one FACTS.md's H200 table was measured with: FIFO
+stepping, unfused tail step, stats launched before each copy, no small-bucket merging."""
 ENGINE_NEXT = EngineVariant(step_order="edf", tail_step="fused", d2h_stats_first=False,
                             merge_small_buckets=True)
-"""The engine issue 11 asks for: earliest deadline first, fused tail step, copy first."""
-ENGINE = ENGINE_TODAY
-"""What the engine implements now (the planner's default; change it when the engine does)."""
+"""The engine issue 11 asked for and 21db21a landed: earliest deadline first, copy-first D2H
+with several buckets in flight, small buckets merged, fused tail step
+(kernels/device_adam.py)."""
+ENGINE = ENGINE_NEXT
+"""What the engine implements now (the planner's default): ``ENGINE_NEXT``. Its step order
+is the default ``OffloadConfig.step_order`` ("deadline"); ``engine_for`` applies another."""
+
+STEP_ORDER_OF = {"deadline": "edf", "fifo": "fifo"}
+"""``OffloadConfig.step_order`` -> ``EngineVariant.step_order`` (runtime/scheduler.py steps
+"deadline" earliest deadline first, "fifo" in gradient-ready order)."""
+
+
+def engine_for(config: OffloadConfig, base: EngineVariant = ENGINE) -> EngineVariant:
+    """The variant the engine runs for ``config``: ``base`` (the engine's implementation) with
+    the step order ``config.step_order`` selects. The engine and the planner both call it."""
+    order = STEP_ORDER_OF.get(config.step_order)
+    if order is None:
+        raise ValueError(f"OffloadConfig.step_order={config.step_order!r}: use one of "
+                         f"{tuple(STEP_ORDER_OF)}")
+    return base if base.step_order == order else replace(base, step_order=order)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +181,8 @@ class Schedule:
 
 def resolve_casting(grad_cast: str, param_cast: str, *, model_dtype: str, device_type: str,
                     weights: str, profile: HardwareProfile | None = None,
-                    threads: int = 1, bucket_params: float = 16 * 2**20
-                    ) -> tuple[str, str, tuple[str, ...]]:
+                    threads: int = 1, bucket_params: float = 16 * 2**20,
+                    moments: str = "fp32") -> tuple[str, str, tuple[str, ...]]:
     """(grad side, param side, notes) for one model dtype; see the module docstring."""
     notes: list[str] = []
     if model_dtype == "float32":
@@ -174,7 +194,8 @@ def resolve_casting(grad_cast: str, param_cast: str, *, model_dtype: str, device
         elif profile is not None:
             from superoffload.plan import cost  # the cost model (pure)
 
-            g_auto, p_auto, why = cost.choose_casting(profile, "ours", threads, bucket_params)
+            g_auto, p_auto, why = cost.choose_casting(profile, "ours", threads, bucket_params,
+                                                      moments)
             notes.append(f"casting auto on {profile.name}: {why}")
         else:
             g_auto, p_auto = "device", "host"
@@ -215,7 +236,7 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
     g, p, cast_notes = resolve_casting(
         config.grad_cast, config.param_cast, model_dtype=facts.model_dtype,
         device_type=facts.device_type, weights=policy, profile=facts.profile, threads=threads,
-        bucket_params=config.bucket_bytes / 4)
+        bucket_params=config.bucket_bytes / 4, moments=config.optimizer_state_dtype)
     notes += cast_notes
     return Schedule(weights=policy, requested_ratio=float(config.ratio), ratio=ratio,
                     bucket_plan=plan, grad_cast=g, param_cast=p, threads=threads, dp=facts.dp,

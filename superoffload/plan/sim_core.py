@@ -25,8 +25,9 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.telemetry import events as ev
 
 D2H_STATS_LAUNCHES = 9
-"""Norm / non-finite kernels today's D2H lane launches per bucket ahead of the copy (issue
-11, item 8); with one bucket in flight it also pays a host round trip (2 launches)."""
+"""Norm / non-finite kernels ENGINE_TODAY's D2H lane launches per bucket ahead of the copy
+(issue 11, item 8); with one bucket in flight it also pays a host round trip (2 launches).
+The engine now copies first (EngineVariant.d2h_stats_first=False): none of this."""
 
 
 def fifo(ready: np.ndarray, dur: np.ndarray, free_s: float) -> tuple[np.ndarray, np.ndarray]:
@@ -164,7 +165,8 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     w_bytes = 2.0 if low else 4.0
     dp = shape.dp
     shard = np.ceil(numel / dp) if dp > 1 else numel  # this rank's slice of each bucket (ZeRO §5)
-    step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel, flow=flow)
+    step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel, flow=flow,
+                          moments=plan.optimizer_state_dtype)
     g_bytes, p_bytes = step.g_bytes, step.p_bytes
     d2h_dur = cost.link_time_s_array(shard * g_bytes, prof, "d2h")
     if plan.engine.d2h_stats_first and nb:

@@ -17,7 +17,7 @@ casting and threads. Per iteration (plan/sim_core.py):
     deadline first) and pays `cpu_call_s` per bucket; its pass shares the host memory bus with
     both DMA directions (plan/cost.py, "host lane"); an iteration that clips rolls the
     speculated buckets back and replays them;
-  tail buckets: one device step after validation, fused (28 B/param) or today's unfused
+  tail buckets: one device step after validation, fused (28 B/param) or ENGINE_TODAY's unfused
     foreach step (118 B/param, 20 launches per bucket) (EngineVariant.tail_step).
 "zero-offload" is DeepSpeed ZeRO-2 + offload_optimizer, modelled from its code
 (plan/deepspeed.py). The bucket lanes are vectorised scans (EDF: a heap), so a 100-layer

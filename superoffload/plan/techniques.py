@@ -14,7 +14,9 @@
   kernel       §4.6 "ours" (GraceAdam-class), "deepspeed" (CPUAdam), "torch" (PyTorch CPU Adam)
   engine       not a technique: how the engine implements the schedule (plan.schedule.
                EngineVariant: FIFO or earliest-deadline-first stepping, unfused or fused GPU
-               tail step); None = what the engine runs today (plan.schedule.ENGINE)
+               tail step); None = what the engine runs for the config (plan.schedule.
+               engine_for: ENGINE with the step order OffloadConfig.step_order selects, as
+               runtime/engine.py resolves it); a variant given here is used as it is
 
 `resolve` asks the one rule book (plan.schedule.resolve_schedule) what the engine runs for a
 config on the model's real parameter list -- effective ratio (1 under weight-flow, also with
@@ -34,10 +36,11 @@ from superoffload.plan import cost
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.schedule import (
-    ENGINE,
     ENGINE_NEXT,
+    ENGINE_TODAY,
     EngineVariant,
     ScheduleFacts,
+    engine_for,
     resolve_schedule,
 )
 from superoffload.plan.shapes import ModelShape
@@ -61,7 +64,8 @@ class Techniques:
     adaptive_weights: bool = True
     kernel: cost.Kernel = "ours"
     engine: EngineVariant | None = None
-    """The engine variant to simulate; None: the one the engine implements (schedule.ENGINE)."""
+    """The engine variant to simulate, as given (its step order wins over the config's);
+    None: the one the engine runs for the config (``plan.schedule.engine_for(config)``)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rollback_rate <= 1.0:
@@ -85,9 +89,11 @@ backward, whole-model transfers of bf16, casts on the CPU, DeepSpeed's CPUAdam, 
 on the device. The ablation's starting point; the "zero-offload" *schedule* is the real peer
 (DeepSpeed ZeRO-2 with offload_optimizer, plan/deepspeed.py)."""
 
-ENGINE_FUSED = EngineVariant(step_order=ENGINE.step_order, tail_step="fused",
-                             d2h_stats_first=ENGINE.d2h_stats_first)
-"""The engine with a fused GPU tail step only (plain PyTorch's fused AdamW is one)."""
+ENGINE_FUSED = dataclasses.replace(ENGINE_TODAY, tail_step="fused")
+"""The "gpu" schedule's variant: plain PyTorch's ``AdamW(fused=True)`` is one fused step over
+the parameters' buckets as ``plan_buckets`` cuts them without merging (the variant the plain
+row of FACTS.md was fitted with: profiles_measured.ACHIEVED_TFLOPS). Nothing is offloaded, so
+step order and D2H launch order do not apply."""
 __all__ = ["ENGINE_NEXT", "PAPER_CLIP_RATE", "SCHEDULES", "ZERO_OFFLOAD", "Resolved",
            "Techniques", "resolve"]
 
@@ -136,11 +142,12 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
         # the rule book's "auto" asks the cost model for our kernel; an ablation with another
         # kernel asks it for that kernel (which fuses fewer casts)
         threads = cost.cpu_threads(prof, cfg.cpu_threads, cfg.cpu_cores_frac)
-        g, p, why = cost.choose_casting(prof, tech.kernel, threads, cfg.bucket_bytes / 4)
+        g, p, why = cost.choose_casting(prof, tech.kernel, threads, cfg.bucket_bytes / 4,
+                                        cfg.optimizer_state_dtype)
         changes.update(grad_cast=g if cfg.grad_cast == "auto" else cfg.grad_cast,
                        param_cast=p if cfg.param_cast == "auto" else cfg.param_cast)
         reasons.append(why)
-    engine = tech.engine or ENGINE
+    engine = tech.engine or engine_for(cfg)  # the engine's own rule (runtime/engine.py)
     if schedule == "gpu":
         engine = ENGINE_FUSED  # plain PyTorch: torch.optim.AdamW(fused=True)
     facts = ScheduleFacts(params=shape.param_specs(), model_dtype=shape.dtype,
@@ -170,6 +177,7 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
         threads=rules.threads,
         prefetch_depth=cfg.prefetch_depth,
         snapshot_rollback=cfg.rollback == "snapshot",
+        optimizer_state_dtype="fp32" if schedule == "gpu" else cfg.optimizer_state_dtype,
         bucket_plan=rules.bucket_plan,
         engine=rules.engine,
         requested_ratio=float(cfg.ratio),

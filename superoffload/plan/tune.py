@@ -4,11 +4,19 @@ Coordinate descent over the knobs the paper tunes by hand (§4.2 bucket size and
 mode, §4.4 casting side, §4.5 weight policy, the CPU core split): start from the paper's
 defaults, improve one knob at a time by simulated expected iteration time among the settings
 that fit memory, until nothing changes. Every candidate is a `simulate()` call (milliseconds).
+
+bf16 Adam moments (``optimizer_state_dtype="bf16"``, stochastic rounding; docs/kernel.md)
+change the maths, so they are not a knob like the others: only with
+``Constraints(allow_bf16_moments=True)`` does the tuner run the whole search a second time
+with them, and it proposes them only when that search's best is ``BF16_MIN_GAIN`` faster
+than the best with fp32 moments (or only they fit), saying so in the explanation. Without
+the flag the explanation mentions them when they would pay at the chosen setting.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +31,9 @@ BUCKET_CHOICES = tuple(m * MiB for m in (8, 16, 32, 64, 128, 256, 512))
 TIE = 0.002
 """Relative difference in predicted time below which two settings count as equally fast."""
 RATIO_CHOICES = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+BF16_MIN_GAIN = 0.02
+"""bf16 moments change the numerics: proposed only when the best setting with them is at
+least this much faster (relative) than the best with fp32 moments."""
 
 
 class InfeasibleError(ValueError):
@@ -45,7 +56,13 @@ class Constraints:
     bucket_choices: tuple[int, ...] = BUCKET_CHOICES
     ratio_choices: tuple[float, ...] = RATIO_CHOICES
     engine: EngineVariant | None = None
-    """The engine variant to tune for; None: the one the engine implements (schedule.ENGINE)."""
+    """The engine variant to tune for; None: the one the engine runs for each candidate
+    config (``plan.schedule.engine_for``; fix ``step_order`` to tune for FIFO stepping)."""
+    allow_bf16_moments: bool = False
+    """Let the tuner propose ``optimizer_state_dtype="bf16"`` (bf16 Adam moments with
+    stochastic rounding: 20 instead of 28 B/param through the CPU step, 4 B/param less host
+    memory, and different numerics, docs/kernel.md). Off by default because it changes the
+    maths; ``fixed={"optimizer_state_dtype": ...}`` overrides it either way."""
 
     def apply(self, prof: HardwareProfile) -> HardwareProfile:
         changes: dict[str, Any] = {}
@@ -87,16 +104,48 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
             cache[key] = simulate(shape, eff, "superoffload", cfg, tech)
         return cache[key]
 
+    weigh = cons.allow_bf16_moments and "optimizer_state_dtype" not in cons.fixed
+    if weigh:
+        cfg, best, tried, moments = _weigh_moments(shape, eff, cons, base, run)
+    else:
+        try:
+            cfg, best, tried = _search(shape, eff, cons, base, run)
+        except InfeasibleError as exc:
+            raise InfeasibleError(str(exc) + _bf16_hint(base, cons, run)) from None
+        moments = _moments_note(eff, cfg, best, cons, run)
+    zero = simulate(shape, eff, "zero-offload", None, tech)
+    explanation = _explain(shape, eff, cfg, best, zero, tried, cons)
+    if moments:
+        explanation += "\n" + moments
+    numerics = ([f"optimizer_state_dtype={cfg.optimizer_state_dtype!r}"]
+                if cfg.optimizer_state_dtype != "fp32" and "optimizer_state_dtype"
+                not in cons.fixed else [])
+    cfg = cfg.replace(extra={**cfg.extra, "planner": {
+        "profile": prof.name,
+        "predicted_iteration_s": float(best.iteration_s),
+        "predicted_tflops": float(best.tflops),
+        "predicted_memory_bytes": {k: float(v) for k, v in best.memory.items()},
+        "zero_offload_iteration_s": float(zero.iteration_s) if zero.fits else None,
+        "numerics_changes": numerics,
+        "explanation": explanation,
+    }})
+    return cfg, explanation, best
+
+
+def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: OffloadConfig,
+            run: Callable[[OffloadConfig], SimResult]
+            ) -> tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]]]:
+    """The coordinate descent from `base` (module docstring): (config, its prediction, what
+    each knob's alternatives gave). Raises InfeasibleError when even the frugal setting does
+    not fit."""
     def score(r: SimResult) -> float:
         return r.iteration_s if r.fits else math.inf
 
     # most memory-frugal setting first: if that does not fit, nothing does
-    frugal = {"ratio": 1.0, "weights": "flow", "bucket_bytes": min(cons.bucket_choices),
-              "rollback": "inverse", "grad_cast": "host", "param_cast": "host"}
-    lean = run(base.replace(**{k: v for k, v in frugal.items() if k not in cons.fixed}))
+    lean = run(_frugal(base, cons))
     if not lean.fits:
         raise InfeasibleError(
-            f"{shape.params / 1e9:.2f}B parameters cannot be trained on {prof.name} even with "
+            f"{shape.params / 1e9:.2f}B parameters cannot be trained on {eff.name} even with "
             f"every state on the host and weights streamed: " + "; ".join(lean.problems))
 
     knobs: dict[str, list[Any]] = {
@@ -113,7 +162,7 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
     start = {"weights": "stationary", "grad_cast": "auto", "param_cast": "auto"}
     cfg = base.replace(**{k: v for k, v in start.items() if k not in cons.fixed})
     if not run(cfg).fits:
-        cfg = base.replace(**{k: v for k, v in frugal.items() if k not in cons.fixed})
+        cfg = _frugal(base, cons)
     best = run(cfg)
     tried: dict[str, list[tuple[Any, SimResult]]] = {}
     for _round in range(4):
@@ -135,17 +184,88 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
             break
     if not best.fits:  # pragma: no cover - the frugal start fits by the check above
         raise InfeasibleError("; ".join(best.problems))
-    zero = simulate(shape, eff, "zero-offload", None, tech)
-    explanation = _explain(shape, eff, cfg, best, zero, tried, cons)
-    cfg = cfg.replace(extra={**cfg.extra, "planner": {
-        "profile": prof.name,
-        "predicted_iteration_s": float(best.iteration_s),
-        "predicted_tflops": float(best.tflops),
-        "predicted_memory_bytes": {k: float(v) for k, v in best.memory.items()},
-        "zero_offload_iteration_s": float(zero.iteration_s) if zero.fits else None,
-        "explanation": explanation,
-    }})
-    return cfg, explanation, best
+    return cfg, best, tried
+
+
+def _frugal(base: OffloadConfig, cons: Constraints) -> OffloadConfig:
+    """The most memory-frugal setting of `base` the constraints leave open."""
+    frugal = {"ratio": 1.0, "weights": "flow", "bucket_bytes": min(cons.bucket_choices),
+              "rollback": "inverse", "grad_cast": "host", "param_cast": "host"}
+    return base.replace(**{k: v for k, v in frugal.items() if k not in cons.fixed})
+
+
+# ----------------------------------------------------------------- bf16 moments (numerics)
+_BF16_WHAT = ("the host's Adam moments in bf16 with stochastic rounding: 8 B/param fewer "
+              "through the CPU step (28 -> 20 for the fp32 step) and 4 B/param less host "
+              "memory; accuracy (docs/kernel.md): median relative error ~0.4% in m and ~1.5% "
+              "in v against fp32 moments, rollback exact to a few bf16 roundings")
+_ALLOW = "Constraints(allow_bf16_moments=True), tune --allow-bf16-moments"
+
+
+def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,
+                   base: OffloadConfig, run: Callable[[OffloadConfig], SimResult]
+                   ) -> tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]], str]:
+    """The search with fp32 moments and again with bf16 moments; bf16 only when its best is
+    BF16_MIN_GAIN faster, or only it fits. Returns the search's result and the line that
+    explains the choice."""
+    found: dict[str, tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]]]] = {}
+    errors: dict[str, InfeasibleError] = {}
+    for dtype in ("fp32", "bf16"):
+        try:
+            found[dtype] = _search(shape, eff, cons, base.replace(optimizer_state_dtype=dtype),
+                                   run)
+        except InfeasibleError as exc:
+            errors[dtype] = exc
+    if "fp32" not in found:
+        if "bf16" not in found:
+            raise errors["bf16"]  # the more frugal of the two
+        return (*found["bf16"], f"- optimizer_state_dtype = 'bf16': CHANGES THE NUMERICS "
+                f"(allowed: {_ALLOW}): {_BF16_WHAT}. Chosen because fp32 moments do not fit: "
+                f"{errors['fp32']}.")
+    f_cfg, f_best, _ = found["fp32"]
+    if "bf16" not in found:  # pragma: no cover - bf16 moments need less memory than fp32
+        return (*found["fp32"], f"- optimizer_state_dtype = 'fp32': bf16 moments were "
+                f"allowed but do not fit: {errors['bf16']}.")
+    b_best = found["bf16"][1]
+    gain = 1.0 - b_best.iteration_s / f_best.iteration_s
+    if gain >= BF16_MIN_GAIN:
+        return (*found["bf16"], f"- optimizer_state_dtype = 'bf16': CHANGES THE NUMERICS "
+                f"(allowed: {_ALLOW}): {_BF16_WHAT}. Predicted {b_best.iteration_s * 1e3:.1f} "
+                f"ms against {f_best.iteration_s * 1e3:.1f} ms with fp32 moments at their own "
+                f"best setting (ratio {f_cfg.ratio:g}, {f_cfg.bucket_bytes // MiB} MiB): "
+                f"{gain:.1%} faster. Fix optimizer_state_dtype='fp32' to keep fp32 maths.")
+    return (*found["fp32"], f"- optimizer_state_dtype = 'fp32': bf16 moments were allowed and "
+            f"weighed: their best setting predicts {b_best.iteration_s * 1e3:.1f} ms "
+            f"({b_best.iteration_s / f_best.iteration_s - 1:+.1%}), less than the "
+            f"{BF16_MIN_GAIN:.0%} a change of numerics must gain.")
+
+
+def _moments_note(eff: HardwareProfile, cfg: OffloadConfig, best: SimResult, cons: Constraints,
+                  run: Callable[[OffloadConfig], SimResult]) -> str:
+    """Without the flag: a line when bf16 moments would pay at the chosen setting (the core
+    split re-chosen: their pass needs more compute), else ''."""
+    if "optimizer_state_dtype" in cons.fixed or cfg.optimizer_state_dtype != "fp32":
+        return ""
+    fracs = [cfg.cpu_cores_frac] if "cpu_cores_frac" in cons.fixed else _threads_frac(eff)
+    alts = [run(cfg.replace(optimizer_state_dtype="bf16", cpu_cores_frac=f)) for f in fracs]
+    alt = min((r for r in alts if r.fits), key=lambda r: r.iteration_s, default=None)
+    if alt is None or 1.0 - alt.iteration_s / best.iteration_s < BF16_MIN_GAIN:
+        return ""
+    return (f"- optimizer_state_dtype = 'fp32': bf16 moments would take "
+            f"{alt.iteration_s * 1e3:.1f} ms at this setting "
+            f"({alt.iteration_s / best.iteration_s - 1:+.1%}); they change the numerics, so "
+            f"the tuner proposes them only when allowed ({_ALLOW}).")
+
+
+def _bf16_hint(base: OffloadConfig, cons: Constraints,
+               run: Callable[[OffloadConfig], SimResult]) -> str:
+    """Appended to an InfeasibleError when bf16 moments (not allowed) would make it fit."""
+    if "optimizer_state_dtype" in cons.fixed or base.optimizer_state_dtype != "fp32":
+        return ""
+    if not run(_frugal(base, cons).replace(optimizer_state_dtype="bf16")).fits:
+        return ""
+    return (f". bf16 moments would fit (4 B/param less host memory); they change the "
+            f"numerics, so allow them explicitly: {_ALLOW}")
 
 
 def _prefer(name: str, value: Any) -> float:
