@@ -17,7 +17,6 @@ import contextlib
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from superoffload.config import RECONFIGURABLE, OffloadConfig
 from superoffload.kernels import AdamHyper
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.schedule import ENGINE_NEXT, Schedule, ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for, resolve_schedule
 from superoffload.runtime import checkpoint
 from superoffload.runtime import hooks as engine_hooks
 from superoffload.runtime.backend import Backend, make_backend
@@ -166,7 +165,7 @@ class OffloadEngine:
             device_type=self.backend.device.type, dp=self.transport.grad_divisor,
             usable_cores=usable_cores(), local_ranks=self.transport.local_ranks,
             profile=self.weights.profile() if cuda and auto_cast else None,
-            engine=replace(ENGINE_NEXT, step_order="edf" if cfg.step_order == "deadline" else "fifo"))
+            engine=engine_for(cfg))  # the planner's rule: the planner predicts this engine
 
     def _build(self, states: Mapping[int, ParamState]) -> None:
         """Resolve the schedule and (re)allocate every bucket from placement-free ``states``."""
