@@ -40,11 +40,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def jupyter_lab(root: Path, *, start_timeout_s: float = 90.0) -> Iterator[str]:
-    """Run JupyterLab on `root`; yield its base URL; always shut it down."""
+def jupyter_lab(root: Path, *, start_timeout_s: float = 90.0,
+                extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run JupyterLab on `root`; yield its base URL; always shut it down. Its kernels run the
+    notebooks' live path (SUPEROFFLOAD_NOTEBOOK_CI=0: a person's run, not nbval's)."""
     port = free_port()
     home = root.parent / "jupyter-home"
     env = dict(os.environ)
+    env.pop("PYTEST_CURRENT_TEST", None)  # else the kernels would take the CI path
+    env["SUPEROFFLOAD_NOTEBOOK_CI"] = "0"
+    env.update(extra_env or {})
     for name, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
                       ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython")):
         (home / sub).mkdir(parents=True, exist_ok=True)
@@ -116,24 +121,26 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=15)
 
 
-def prepare_notebook(src: Path, dst: Path, *, parameters: dict[str, Any]) -> None:
+def prepare_notebook(src: Path, dst: Path, *, parameters: dict[str, Any] | None = None,
+                     drop_tags: tuple[str, ...] = ()) -> None:
     """Copy a notebook for the browser run: the cell tagged "parameters" gets `parameters`
-    appended (papermill's convention) and cells tagged "final-check" are dropped, so the run
-    ends with training still going in its background thread."""
+    appended (papermill's convention; none: the notebook as a person opens it) and cells with
+    a tag in `drop_tags` are left out."""
     nb = json.loads(src.read_text())
     cells = []
     found = False
+    parameters = parameters or {}
     for cell in nb["cells"]:
         tags = cell.get("metadata", {}).get("tags", [])
-        if "final-check" in tags:
+        if set(tags) & set(drop_tags):
             continue
-        if "parameters" in tags:
+        if "parameters" in tags and parameters:
             found = True
             source = "".join(cell["source"])
             extra = "".join(f"\n{k} = {v!r}" for k, v in parameters.items())
             cell["source"] = source.rstrip("\n") + "\n# set by tests/test_browser.py" + extra + "\n"
         cells.append(cell)
-    if not found:
+    if parameters and not found:
         raise ValueError(f"{src} has no cell tagged 'parameters'")
     nb["cells"] = cells
     dst.write_text(json.dumps(nb, indent=1))
@@ -174,3 +181,69 @@ JS_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map
 JS_CELL_ERRORS = """() => Array.from(document.querySelectorAll(
   '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]'
 )).map(e => e.innerText.slice(0, 2000))"""
+
+JS_DASHBOARD = """() => {
+  const box = document.querySelector('.so-dashboard');
+  const status = document.querySelector('.so-dash-status');
+  const trainer = document.querySelector('.so-trainer-status');
+  const gd = box ? box.querySelector('.js-plotly-plot') : null;
+  const trace = (name) => {  // _fullData: the arrays as drawn (data may hold base64 specs)
+    if (!gd || !gd._fullData) return null;
+    const t = gd._fullData.find(d => d.name === name);
+    return t ? {n: t.x ? t.x.length : 0, lastX: t.x && t.x.length ? Number(t.x[t.x.length - 1]) : null} : null;
+  };
+  return {
+    live: !!gd,
+    traces: gd && gd._fullData ? gd._fullData.length : 0,
+    draws: box && box.querySelector('.so-liveplot') ? Number(box.querySelector('.so-liveplot').dataset.draws || 0) : 0,
+    drawMs: box && box.querySelector('.so-liveplot') ? Number(box.querySelector('.so-liveplot').dataset.drawMs || 0) : 0,
+    status: status ? status.innerText : '',
+    trainer: trainer ? trainer.innerText : '',
+    title: gd && gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
+    measured: trace('measured'),
+    compute: trace('compute'),
+    shapes: gd && gd.layout && gd.layout.shapes ? gd.layout.shapes.map(s => ({xref: s.xref, x0: s.x0})) : [],
+    annotations: gd && gd.layout && gd.layout.annotations ? gd.layout.annotations.map(a => a.text || '') : [],
+  };
+}"""
+
+JS_STATIC_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot'))
+  .filter(gd => !gd.closest('.so-dashboard'))
+  .map(gd => ({title: gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
+               traces: (gd.data || []).length}))"""
+
+JS_LAYOUT_PROBLEMS = """() => {
+  // every plotly figure fits its output area; legends, axis titles, tick labels and
+  // annotations stay inside the figure; legends do not overlap one another
+  const out = [];
+  const inside = (r, b, what) => {
+    if (r.width === 0 && r.height === 0) return;
+    if (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1)
+      out.push(`${what} [${Math.round(r.left)},${Math.round(r.top)},${Math.round(r.right)},${Math.round(r.bottom)}]`
+               + ` outside [${Math.round(b.left)},${Math.round(b.top)},${Math.round(b.right)},${Math.round(b.bottom)}]`);
+  };
+  for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+    const area = gd.closest('.jp-OutputArea-output') || gd.parentElement;
+    const svg = gd.querySelector('svg.main-svg');
+    if (!svg) continue;
+    const a = area.getBoundingClientRect(), f = svg.getBoundingClientRect();
+    if (f.width > a.width + 1) out.push(`figure ${Math.round(f.width)} px wider than its output area ${Math.round(a.width)} px`);
+    const legends = Array.from(gd.querySelectorAll('g.legend')).map(l => l.getBoundingClientRect());
+    legends.forEach((r, i) => inside(r, f, `legend ${i}`));
+    for (let i = 0; i < legends.length; i++) for (let j = i + 1; j < legends.length; j++) {
+      const p = legends[i], q = legends[j];
+      if (p.width && q.width && p.left < q.right - 1 && q.left < p.right - 1 && p.top < q.bottom - 1 && q.top < p.bottom - 1)
+        out.push(`legends ${i} and ${j} overlap`);
+    }
+    gd.querySelectorAll('.g-xtitle, .g-ytitle, .annotation, .gtitle, .xtick, .ytick').forEach((e, i) =>
+      inside(e.getBoundingClientRect(), f, `${e.getAttribute('class')} ${i} '${e.textContent.slice(0, 40)}'`));
+  }
+  for (const e of document.querySelectorAll('.so-tuner .widget-html-content, .so-tuner .widget-label'))
+    if (e.scrollWidth > e.clientWidth + 1) out.push(`tuner text clipped: '${e.textContent.slice(0, 60)}'`);
+  return out;
+}"""
+
+JS_WIDGET_ERRORS = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+  .map(e => e.innerText || '')
+  .filter(t => t.includes('Error displaying widget') || t.includes('Traceback'))
+  .map(t => t.slice(0, 500))"""

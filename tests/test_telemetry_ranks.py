@@ -113,9 +113,10 @@ def test_dashboard_draws_per_rank_lanes_and_keeps_per_rank_points() -> None:
     for rank, rec in ((0, r0), (1, r1)):
         expected = metrics.iteration_metrics(rec.spans())
         got = dash.state.series(rank)
-        assert list(got["wall_s"]) == pytest.approx([m.wall_s for m in expected])
-        assert list(got["d2h_gbps"]) == pytest.approx([m.d2h_gbps_wall for m in expected])
-    assert list(fig.data[TRACE["d2h_gbps"]].y) == pytest.approx(list(dash.state.series(0)["d2h_gbps"]))
+        assert list(got["wall_ms"]) == pytest.approx([m.wall_s * 1e3 for m in expected])
+        assert list(got["d2h_gbps_wall"]) == pytest.approx([m.d2h_gbps_wall for m in expected])
+        assert list(got["d2h_gbps_busy"]) == pytest.approx([m.d2h_gbps_busy for m in expected])
+    assert list(fig.data[TRACE["d2h_gbps"]].y) == pytest.approx(list(dash.state.series(0)["d2h_gbps_busy"]))
     assert "rank 1:" in dash.summary()
     with pytest.raises(ValueError, match="ranks seen"):
         dash.state.series(7)

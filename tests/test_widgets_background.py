@@ -4,6 +4,8 @@ its output to the starting cell, and drives the dashboard's refresher."""
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +13,7 @@ from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets import _env
 from superoffload.widgets.background import BackgroundTrainer
 from superoffload.widgets.dashboard import LiveDashboard
+from superoffload.widgets.runstate import RunState
 from tests.widgets_support import FakeShell, record_iteration
 
 
@@ -27,9 +30,10 @@ def test_runs_every_step_on_another_thread_and_returns_the_losses() -> None:
     assert result.steps_done == 5 and not result.stopped_early
     assert result.losses == [10.0, 9.0, 8.0, 7.0, 6.0]
     assert (result.first_loss, result.final_loss) == (10.0, 6.0)
-    assert not trainer.running and "done, step 5/5" in trainer.status()
-    bar, label = trainer.progress.children
-    assert bar.value == 5 and bar.bar_style == "success"
+    assert not trainer.running and "finished, step 5 of 5" in trainer.status()
+    assert result.state is RunState.FINISHED
+    bar, label, button = trainer.progress.children
+    assert bar.value == 1.0 and bar.bar_style == "success" and button.disabled
 
 
 def test_stop_ends_the_loop_between_steps() -> None:
@@ -42,11 +46,22 @@ def test_stop_ends_the_loop_between_steps() -> None:
 
     trainer = BackgroundTrainer(step, steps=1000).start()
     assert started.wait(30)
-    trainer.stop(wait=False)
+    trainer.progress.children[2].click()  # the Stop button
     release.set()
     result = trainer.wait(timeout_s=30)
-    assert result.stopped_early and result.steps_done == 1
-    assert result.losses == []
+    assert result.stopped_early and result.steps_done == 1 and result.state is RunState.STOPPED
+    assert result.losses == [] and "stopped" in trainer.status()
+
+
+def test_without_steps_it_runs_until_stopped_or_its_time_limit() -> None:
+    trainer = BackgroundTrainer(lambda i: time.sleep(0.005), max_s=0.2).start()
+    assert "stops after" in trainer.status()
+    result = trainer.wait(timeout_s=30)
+    assert result.state is RunState.FINISHED and not result.stopped_early and result.steps_done > 3
+    endless = BackgroundTrainer(lambda i: time.sleep(0.002)).start()
+    assert endless.wait_for_steps(5, timeout_s=30) >= 5 and "until stopped" in endless.status()
+    endless.stop()
+    assert endless.wait(timeout_s=30).state is RunState.STOPPED
 
 
 def test_an_exception_in_the_thread_is_re_raised_by_wait(capsys) -> None:
@@ -60,7 +75,7 @@ def test_an_exception_in_the_thread_is_re_raised_by_wait(capsys) -> None:
         trainer.wait(timeout_s=30)
     assert isinstance(info.value.__cause__, ArithmeticError)
     assert "boom at 2" in capsys.readouterr().out
-    assert trainer.progress.children[0].bar_style == "danger"
+    assert trainer.progress.children[0].bar_style == "danger" and trainer.state is RunState.FAILED
 
 
 def test_thread_output_goes_to_the_cell_that_started_it(monkeypatch) -> None:
@@ -72,25 +87,30 @@ def test_thread_output_goes_to_the_cell_that_started_it(monkeypatch) -> None:
     assert shell.thread_parents == [("t-out", {"header": {"msg_id": "cell-1"}})]
 
 
-def test_the_dashboard_follows_the_run_and_gets_a_final_refresh() -> None:
+def test_the_dashboard_and_the_tuner_follow_the_run_and_get_a_final_refresh() -> None:
     rec = Recorder()
     dash = LiveDashboard(rec, refresh_hz=20)
+    seen: list[RunState] = []
+    tuner = SimpleNamespace(set_run_state=seen.append)
     t = [0.0]
 
     def step(i: int) -> float:
         t[0] = record_iteration(rec, i, t[0], loss=3.0 - 0.1 * i) + 0.001
         return 3.0 - 0.1 * i
 
-    trainer = BackgroundTrainer(step, steps=6, dashboard=dash).start()
+    trainer = BackgroundTrainer(step, steps=6, dashboard=dash, tuner=tuner).start()
     trainer.wait(timeout_s=30)
     assert not dash.running, "the refresher stops with the run"
     assert len(dash.state.series()["iteration"]) == 6
     assert len(dash.state.loss) == 6
+    assert seen == [RunState.RUNNING, RunState.FINISHED]
+    assert dash.run_state is RunState.FINISHED and "finished" in dash.summary()
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"), ({"steps": 3, "print_every": -1}, "print_every")],
+    [({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"), ({"steps": 3, "print_every": -1}, "print_every"),
+     ({"max_s": 0}, "max_s")],
 )
 def test_bad_arguments_name_the_field(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -2,40 +2,40 @@
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from superoffload.telemetry import metrics
+import superoffload as so
+from superoffload import plan
 from superoffload.telemetry.events import LANES, Span
 from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets import _env
+from superoffload.widgets import layout as L
 from superoffload.widgets.dashboard import LiveDashboard
 from superoffload.widgets.figure import TRACE
-from superoffload.widgets.series import DashboardState, span_segments
+from superoffload.widgets.runstate import RunState
+from superoffload.widgets.series import DashboardState
+from superoffload.widgets.simfigure import sim_figures, sim_panels
 from tests.widgets_support import FakeEngine, filled_recorder, record_iteration
+
+SHAPE = plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4)
 
 
 def lane_counts(spans: list[Span]) -> dict[str, int]:
     return {lane: sum(1 for s in spans if s.lane == lane) for lane in LANES}
 
 
-def test_segments_encode_each_span_as_start_end_gap() -> None:
-    spans = [Span("d2h", "d2h", 1.0, 1.5, 3, 0, 10), Span("d2h", "d2h", 2.0, 2.25, 3, 1, 10)]
-    seg = span_segments(spans, lane_index=1)
-    assert seg.count == 2
-    np.testing.assert_array_equal(seg.x_s[[0, 1, 3, 4]], [1.0, 1.5, 2.0, 2.25])
-    assert math.isnan(seg.x_s[2]) and math.isnan(seg.x_s[5])
-    np.testing.assert_array_equal(seg.y[[0, 1, 3, 4]], [1, 1, 1, 1])
-    assert seg.text[0].startswith("d2h it 3 bucket 0") and seg.text[2] == ""
+def visible_panels(fig) -> list[str]:  # type: ignore[no-untyped-def]
+    return [k for k, s in L.AXIS.items() if fig.layout[f"xaxis{s}"].visible]
 
 
-def test_refresh_draws_the_last_window_of_iterations_and_one_point_per_finished_iteration() -> None:
+def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None:
     rec = Recorder()
     dash = LiveDashboard(rec, window_iterations=3)
     fig = dash.figure
+    assert visible_panels(fig) == ["timeline"], "no panel before it has data"
     t = 0.0
     for it in range(8):
         t = record_iteration(rec, it, t, loss=5.0 - 0.1 * it) + 0.001
@@ -45,73 +45,101 @@ def test_refresh_draws_the_last_window_of_iterations_and_one_point_per_finished_
     shown = [s for s in rec.spans() if s.iteration >= 5]
     for lane, n in lane_counts(shown).items():
         assert len(fig.data[TRACE[f"lane:{lane}"]].x) == 3 * n
-    # iterations 0..6 are finished (7 is the newest, its window is still open)
-    assert list(fig.data[TRACE["d2h_gbps"]].x) == list(range(7))
-    expected = {m.iteration: m for m in metrics.iteration_metrics(rec.spans())}
-    for it, gbps in zip(fig.data[TRACE["d2h_gbps"]].x, fig.data[TRACE["d2h_gbps"]].y):
-        assert gbps == pytest.approx(expected[int(it)].d2h_gbps_wall, rel=1e-12)
-    for it, frac in zip(fig.data[TRACE["overlap_frac"]].x, fig.data[TRACE["overlap_frac"]].y):
-        assert frac == pytest.approx(expected[int(it)].cpu_overlap_frac, rel=1e-12)
+    assert fig.data[TRACE["lane:device_compute"]].x[0] == 0.0, "ms since the window's start"
+    # iterations 0..5 are complete (6 and 7 may still get late spans)
+    assert list(fig.data[TRACE["d2h_gbps"]].x) == list(range(6))
+    assert list(fig.data[TRACE["iteration_ms"]].y) == pytest.approx(list(dash.state.series()["wall_ms"]))
     assert list(fig.data[TRACE["loss"]].y) == pytest.approx([5.0 - 0.1 * i for i in range(8)])
-    assert len(fig.data[TRACE["host_mem_gb"]].x) == dash.refreshes == 8
-    assert fig.layout.title.text.startswith("superoffload · iteration 7")
+    assert visible_panels(fig)[:4] == ["timeline", "speed", "link", "percent"]
+    assert fig.layout.xaxis3.matches == "x2" and fig.layout.xaxis4.matches == "x2"
+    assert fig.layout.yaxis4.title.text == "%" and fig.layout.yaxis3.title.text == "GB/s (log)"
+    assert fig.layout.yaxis3.type == "log" and fig.layout.yaxis2.range[0] == 0
+    assert fig.layout.width is None and fig.layout.autosize, "the width follows the output area"
+    assert fig.layout.title.text == "superoffload · iteration 7"
+    assert "<" not in dash.summary(), "no markup in text output"
 
 
-def test_final_refresh_closes_the_newest_iteration() -> None:
+def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
+    engine = FakeEngine(iteration=6)
+    for it in range(6):
+        record_iteration(engine.telemetry, it, it * 0.034, loss=3.0)
+    dash = LiveDashboard(engine, shape=SHAPE, profile="gh200")
+    dash.refresh(final=True)
+    peak = dash.figure.data[TRACE["link_peak"]]
+    assert set(np.asarray(peak.y, dtype=float)[~np.isnan(np.asarray(peak.y, dtype=float))]) == {450.0}
+    res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
+    assert dash.figure.data[TRACE["predicted_ms"]].y[0] == pytest.approx(res.iteration_s * 1e3)
+    assert "on profile gh200 (preset)" in dash.summary()
+    # a reconfiguration: a new prediction step from its iteration, a marker on every panel
+    engine.config = engine.config.replace(ratio=0.2)
+    engine.telemetry.note(6, "reconfigure applied: ratio 0.9 -> 0.2")
+    for it in range(6, 10):
+        record_iteration(engine.telemetry, it, it * 0.034)
+    engine.iteration = 10
+    dash.refresh(final=True)
+    pred = list(dash.figure.data[TRACE["predicted_ms"]].y)
+    res2 = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
+    assert pred[5] == pytest.approx(res.iteration_s * 1e3) and pred[6] == pytest.approx(res2.iteration_s * 1e3)
+    shapes = dash.figure.layout.shapes
+    assert {s.xref for s in shapes} >= {"x2", "x3", "x4"} and all(s.x0 in (6, 6.0) or s.xref == "x" for s in shapes)
+    assert any("ratio 0.9→0.2" in a.text for a in dash.figure.layout.annotations)
+    assert "it. 6: reconfigure applied: ratio 0.9 -> 0.2 · iteration time" in dash.summary()
+
+
+def test_run_states_and_the_static_snapshot_at_the_end() -> None:
     rec = filled_recorder(4)
     dash = LiveDashboard(rec)
-    dash.refresh()
-    assert list(dash.state.series()["iteration"]) == [0, 1, 2]
-    dash.refresh(final=True)
-    assert list(dash.state.series()["iteration"]) == [0, 1, 2, 3]
+    dash.set_run_state(RunState.RUNNING)
+    assert "running" in dash.title_text()
+    dash.set_run_state(RunState.STOPPED)
+    assert "stopped" in dash.title_text() and "running" not in dash.summary()
+    assert list(dash.state.series()["iteration"]) == [0, 1, 2, 3], "the end refresh is final"
+    bundle = dash._static_bundle()
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
+    assert bundle["application/vnd.plotly.v1+json"]["data"], "the figure itself, no kernel needed"
+    assert "stopped" in bundle["text/plain"]
 
 
-def test_rollbacks_are_marked_and_counted() -> None:
+def test_rollbacks_replays_and_skipped_steps_are_marked_separately() -> None:
     rec = Recorder()
     t = 0.0
-    for it in range(4):
+    for it in range(5):
         t = record_iteration(rec, it, t, rollback=(it == 2)) + 0.001
-    dash = LiveDashboard(rec, window_iterations=4)
-    dash.refresh()
-    marks = dash.figure.data[TRACE["rollback"]]
+    rec.add("cpu_optimizer", "replay", 0.0705, 0.0706, iteration=2, bucket=0)
+    rec.note(3, "overflow: non-finite gradient, step skipped; loss scale 1 -> 1")
+    dash = LiveDashboard.from_spans(rec, title="stv")
+    fig = dash.figure
     (rb,) = [s for s in rec.spans() if s.kind == "rollback"]
-    assert list(marks.x) == [pytest.approx((rb.start_s + rb.end_s) / 2)]
-    assert list(marks.y) == [LANES.index("cpu_optimizer")]
-    assert "1 rollbacks" in dash.title_text()
+    assert list(fig.data[TRACE["rollback"]].x) == [pytest.approx((rb.start_s + rb.end_s) / 2 * 1e3)]
+    assert list(fig.data[TRACE["rollback"]].y) == [LANES.index("cpu_optimizer")]
+    assert len(fig.data[TRACE["replay"]].x) == 1 and len(fig.data[TRACE["skipped"]].x) == 1
+    assert list(fig.data[TRACE["speed_rollback"]].x) == [2] and list(fig.data[TRACE["speed_skipped"]].x) == [3]
+    assert "1 bucket rollbacks · 1 replays · 1 skipped steps" in dash.summary()
 
 
-def test_title_reports_the_ratio_in_force_and_since_when() -> None:
-    engine = FakeEngine(iteration=9)
-    t = 0.0
-    for it in range(9):
-        t = record_iteration(engine.telemetry, it, t, ratio=0.9 if it < 6 else 0.5) + 0.001
-    dash = LiveDashboard(engine)
-    dash.refresh()
-    assert dash.figure.layout.title.text == "superoffload · iteration 9 · ratio 0.50 (since it. 6)"
+def test_show_simulation_uses_the_simulated_layout() -> None:
+    res = plan.simulate(SHAPE, plan.profiles.get("gh200"))
+    dash = LiveDashboard(None)
+    dash.show_simulation(res)
+    figs = dash.sim
+    assert sim_panels(figs) == ["timeline", "lanes", "link", "memory"]
+    assert dash.figure.layout.title.text.startswith("simulated")
+    assert figs.link["d2h"].peak_gbps == 450.0 and figs.link["d2h"].gbps_busy <= 450.0 * 1.001
+    assert [b.side for b in figs.memory] == ["device", "host"] and all(b.fits for b in figs.memory)
+    assert all(figs.exposed_ms[lane] <= figs.busy_ms[lane] + 1e-9 for lane in LANES)
+    # ratio 0: nothing crosses the link, so no link panel
+    none = sim_figures(plan.simulate(SHAPE, plan.profiles.get("gh200"), config=so.OffloadConfig(ratio=0.0)))
+    assert "link" not in sim_panels(none)
 
 
-def test_title_falls_back_to_the_engine_config_without_ratio_scalars() -> None:
-    engine = FakeEngine()
-    engine.config = engine.config.replace(ratio=0.25)
-    dash = LiveDashboard(engine)
-    dash.refresh()
-    assert "ratio 0.25" in dash.title_text()
-
-
-def test_from_spans_draws_every_iteration_and_show_simulation_replaces_the_view() -> None:
-    rec = filled_recorder(5)
-    dash = LiveDashboard.from_spans(rec.spans(), title="run")
-    assert dash.state.timeline_spans() == rec.spans()
-    assert len(dash.state.series()["iteration"]) == 5
-    sim = SimpleNamespace(
-        timeline=[Span("device_compute", "forward", 0.0, 0.004, 0), Span("d2h", "d2h", 0.001, 0.003, 0, 0, 8)],
-        iteration_s=0.012, tflops=321.0, memory=SimpleNamespace(device_bytes=2e9, host_bytes=5e9),
-    )
-    dash.show_simulation(sim)
-    assert dash.figure.layout.title.text == "simulated · 12.0 ms/iteration · 321 TFLOPS"
-    assert len(dash.figure.data[TRACE["lane:device_compute"]].x) == 3
-    assert list(dash.figure.data[TRACE["device_mem_gb"]].y) == [2.0, 2.0]
-    assert list(dash.figure.data[TRACE["host_mem_gb"]].y) == [5.0, 5.0]
+def test_a_simulation_that_does_not_fit_says_so_in_red() -> None:
+    big = plan.ModelShape(layers=80, hidden=8192, heads=64, vocab=50257, seq=4096, micro_batch=8)
+    dash = LiveDashboard(None)
+    dash.show_simulation(plan.simulate(big, plan.profiles.get("gh200"), config=so.OffloadConfig(ratio=0.0)))
+    assert dash.sim.problems and not all(b.fits for b in dash.sim.memory)
+    texts = [a.text for a in dash.figure.layout.annotations]
+    assert any(t.startswith("<b>DOES NOT FIT</b>") for t in texts)
+    assert any("DOES NOT FIT" in line for line in dash.status_lines())
 
 
 def test_background_refresher_catches_up_and_stops(tmp_path) -> None:
@@ -122,11 +150,11 @@ def test_background_refresher_catches_up_and_stops(tmp_path) -> None:
     for it in range(6):
         t = record_iteration(rec, it, t) + 0.001
     dash.stop()
+    dash.refresh(final=True)
     assert not dash.running and dash.error is None
     assert dash.state.spans_seen == len(rec.spans())
-    assert len(dash.state.series()["iteration"]) == 6  # the last refresh is final
-    page = dash.to_html(tmp_path / "dash.html")
-    text = page.read_text()
+    assert len(dash.state.series()["iteration"]) == 6
+    text = dash.to_html(tmp_path / "dash.html").read_text()
     assert "plotly" in text and "iteration 5" in text
 
 
@@ -169,14 +197,42 @@ def test_bad_sources_and_rates_are_refused() -> None:
         LiveDashboard.from_spans([]).start()
 
 
-def test_device_memory_falls_back_to_device_resident_weight_bytes_without_cuda() -> None:
+def test_device_memory_is_drawn_only_when_known() -> None:
     rec = Recorder()
     dash = LiveDashboard(rec)
-    t = record_iteration(rec, 0, 0.0, loss=5.0)
-    rec.scalar("device_weight_bytes", 0, 3e9)  # what weight-flow bounds by its prefetch depth
-    record_iteration(rec, 1, t + 0.001, loss=4.9)
+    t = 0.0
+    for it in range(4):
+        t = record_iteration(rec, it, t, loss=5.0) + 0.001
     dash.refresh()
-    assert list(dash.figure.data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(3.0)
-    rec.scalar("device_mem_bytes", 1, 5e9)  # the engine's own figure wins when it records one
-    dash.refresh()
+    assert len(dash.figure.data[TRACE["device_mem_gb"]].y) == 0, "CPU backend: no flat zero line"
+    rec.scalar("device_mem_bytes", 3, 5e9)  # the engine's own figure when it records one
+    dash.refresh(final=True)
     assert list(dash.figure.data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(5.0)
+
+
+def test_static_dashboards_accept_a_fake_simulation() -> None:
+    sim = SimpleNamespace(
+        timeline=[Span("device_compute", "forward", 0.0, 0.004, 0), Span("d2h", "d2h", 0.001, 0.003, 0, 0, 8)],
+        iteration_s=0.012, tflops=321.0, memory={"device": 2e9, "host": 5e9}, window=(0.0, 0.004),
+        profile="gh200", problems=[])
+    dash = LiveDashboard(None)
+    dash.show_simulation(sim)
+    assert dash.figure.layout.title.text == "simulated · 12.0 ms/iteration · 321 TFLOP/s · profile gh200"
+    assert [b.needed_gb for b in dash.sim.memory] == [2.0, 5.0]
+
+
+def test_the_live_view_is_a_one_way_widget_with_the_figure_in_one_trait() -> None:
+    pytest.importorskip("anywidget")
+    rec = filled_recorder(5, loss=3.0)
+    dash = LiveDashboard(rec, live=True)
+    assert dash.widget is not None and dash.plot in dash.widget.children
+    # nothing the browser sends back is echoed: a busy kernel still hears the tuner
+    assert dash.plot.trait_metadata("figure", "echo_update") is False
+    assert "Plotly.react" in dash.plot._esm and "module.exports" in dash.plot._esm
+    dash.refresh()
+    sent = dash.plot.figure
+    assert len(sent["data"]) == len(TRACE) and sent["layout"]["title"]["text"].startswith("superoffload")
+    dash.refresh()  # nothing new: nothing sent
+    assert dash.plot.figure is sent
+    bundle = dash._static_bundle()  # what replaces the widget when the run ends
+    assert bundle["application/vnd.plotly.v1+json"]["data"][TRACE["loss"]]["y"]

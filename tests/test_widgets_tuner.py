@@ -1,7 +1,12 @@
 """OffloadTuner without a browser: move controls, assert the prediction shown and what apply
-sends to the engine (a fake one, then the real engine on a tiny GPT)."""
+sends to the engine (a fake one, then the real engine on a tiny GPT). `debounce_s=0` runs
+the planner inline, so a control change is followed at once; the debounced worker is tested
+on its own."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -11,8 +16,16 @@ from superoffload import plan
 from superoffload.config import ConfigError, MiB
 from superoffload.widgets import _env
 from superoffload.widgets.dashboard import LiveDashboard
+from superoffload.widgets.debounce import Inline, LatestOnly
+from superoffload.widgets.runstate import RunState
 from superoffload.widgets.tuner import OffloadTuner
-from superoffload.widgets.tuner_core import engine_changes, prediction_text
+from superoffload.widgets.tuner_core import (
+    TUNED_FIELDS,
+    engine_changes,
+    prediction_rows,
+    reconfigurable_fields,
+    setting_notes,
+)
 from tests.widgets_support import FakeEngine
 
 SHAPE = plan.ModelShape(layers=8, hidden=1024, heads=16, vocab=50257, seq=1024, micro_batch=2)
@@ -23,14 +36,17 @@ def simulated_s(config: so.OffloadConfig, profile: str = "gh200") -> float:
 
 
 def test_every_control_change_shows_the_planners_prediction() -> None:
-    tuner = OffloadTuner(SHAPE, "gh200")
+    tuner = OffloadTuner(SHAPE, "gh200", debounce_s=0)
+    assert isinstance(tuner.executor, Inline)
     first = tuner.prediction_html.value
     assert tuner.prediction.iteration_s == pytest.approx(simulated_s(tuner.config), rel=1e-12)
     tuner.controls["ratio"].value = 0.3  # what a slider move in the browser does
     assert tuner.values["ratio"] == 0.3 and tuner.config.ratio == 0.3
     assert tuner.prediction.iteration_s == pytest.approx(simulated_s(tuner.config), rel=1e-12)
     assert tuner.prediction_html.value != first
-    assert prediction_text(tuner.prediction) in tuner.prediction_html.value.replace("&#x27;", "'")
+    for label, value, _ok in prediction_rows(tuner.prediction):  # a table, one row each
+        assert f">{label}</th>" in tuner.prediction_html.value and value.split(" ")[0] in tuner.prediction_html.value
+    assert "ratio 0.30," in tuner.prediction_html.value
     tuner.controls["weights"].value = "flow"
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=tuner.config)
     assert tuner.prediction.device_bytes == res.memory["device"]
@@ -38,7 +54,7 @@ def test_every_control_change_shows_the_planners_prediction() -> None:
 
 
 def test_set_moves_the_controls_and_extends_the_bucket_choices() -> None:
-    tuner = OffloadTuner(SHAPE, "h100-pcie")
+    tuner = OffloadTuner(SHAPE, "h100-pcie")  # debounced: set() still answers at once
     pred = tuner.set(ratio=0.55, bucket_bytes=3 * MiB, speculation="off", cpu_threads=4)
     assert tuner.controls["ratio"].value == 0.55
     assert tuner.controls["bucket_bytes"].value == 3 * MiB
@@ -64,21 +80,85 @@ def test_bad_settings_are_refused_before_touching_the_controls() -> None:
 
 def test_apply_sends_only_the_changed_reconfigurable_fields() -> None:
     engine = FakeEngine(iteration=12)
+    engine.reconfigurable = frozenset({"ratio", "bucket_bytes"})  # what this engine takes live
     tuner = OffloadTuner(SHAPE, "gh200", engine=engine)
     assert tuner.values["ratio"] == engine.config.ratio
+    assert tuner.apply_button.disabled, "nothing changed yet: nothing to apply"
     tuner.set(ratio=0.5, bucket_bytes=2 * MiB, weights="flow")
+    assert not tuner.apply_button.disabled
     tuner.apply_button.click()  # the browser's click lands here
     assert engine.calls == [{"ratio": 0.5, "bucket_bytes": 2 * MiB}]
-    assert "applied ratio=0.5, bucket_bytes=2097152 at iteration 12" in tuner.status_html.value
+    assert "applied ratio=0.5, bucket_bytes=2097152 at iteration 12 (in force from the next iteration)" in tuner.status_html.value
     assert "needs a restart: weights=flow" in tuner.status_html.value
     assert tuner.apply() == {}  # applied already: nothing new
-    assert len(engine.calls) == 1
+    assert len(engine.calls) == 1 and tuner.apply_button.disabled
+
+
+def test_apply_is_disabled_when_nothing_can_take_it_and_follows_the_run() -> None:
+    assert OffloadTuner(SHAPE, "gh200").apply_blocked().startswith("no engine attached")
+    data_parallel = FakeEngine()
+    data_parallel.reconfigurable = frozenset()  # the ZeRO engine cannot reconfigure
+    tuner = OffloadTuner(SHAPE, "gh200", engine=data_parallel)
+    tuner.set(ratio=0.3)
+    assert tuner.apply_button.disabled and "cannot reconfigure" in tuner.apply_blocked()
+    closed = FakeEngine()
+    closed.closed = True
+    tuner = OffloadTuner(SHAPE, "gh200", engine=closed)
+    tuner.set(ratio=0.3)
+    assert tuner.apply_button.disabled and "closed" in tuner.status_html.value
+    engine = FakeEngine(iteration=40)
+    tuner = OffloadTuner(SHAPE, "gh200", engine=engine)
+    tuner.set_run_state(RunState.RUNNING)
+    assert "training running" in tuner.status_html.value
+    tuner.set_run_state(RunState.FINISHED)
+    tuner.set(ratio=0.3)
+    tuner.apply()
+    assert "training is not running" in tuner.status_line and "in force from the next" not in tuner.status_line
+    assert reconfigurable_fields(object()) == so.config.RECONFIGURABLE
 
 
 def test_engine_changes_splits_live_and_restart_fields() -> None:
     cur = so.OffloadConfig()
     live, restart = engine_changes(cur, cur.replace(ratio=0.2, weights="flow"), frozenset({"ratio"}))
     assert live == {"ratio": 0.2} and restart == {"weights": "flow"}
+
+
+def test_flow_says_the_ratio_is_ignored_and_fields_come_from_the_config() -> None:
+    assert set(TUNED_FIELDS) == set(so.config.TUNED_FIELDS) and TUNED_FIELDS[0] == "ratio"
+    tuner = OffloadTuner(SHAPE, "gh200", debounce_s=0)
+    tuner.controls["weights"].value = "flow"
+    assert tuner.controls["ratio"].disabled and "ratio control is ignored" in tuner.notes_html.value
+    assert setting_notes({"weights": "stationary", "ratio": 0.0}) == []
+
+
+def test_does_not_fit_is_red_and_names_the_capacity() -> None:
+    big = plan.ModelShape(layers=80, hidden=8192, heads=64, vocab=50257, seq=4096, micro_batch=8)
+    tuner = OffloadTuner(big, "gh200", debounce_s=0, compare_baseline=False)
+    tuner.set(ratio=0.0)
+    assert tuner.prediction.fits is False
+    assert "DOES NOT FIT" in tuner.prediction_html.value and "color:#C00000" in tuner.prediction_html.value
+    assert "usable" in tuner.prediction_html.value
+
+
+def test_the_planner_runs_off_the_ui_thread_once_per_burst() -> None:
+    runs: list[str] = []
+    gate = LatestOnly(delay_s=0.05)
+    futures = [gate.submit(lambda k=k: runs.append(threading.current_thread().name) or k) for k in range(20)]
+    assert futures[-1].result(timeout=10) == 19
+    assert all(f.cancelled() for f in futures[:-1]), "superseded values never run"
+    assert runs == ["superoffload-debounce"]
+    gate.close()
+    tuner = OffloadTuner(SHAPE, "gh200", debounce_s=0.05)
+    t0 = time.perf_counter()
+    for k in range(6):  # six arrow-key presses
+        tuner.controls["ratio"].value = 0.5 + 0.05 * (k + 1)
+    assert time.perf_counter() - t0 < 0.5, "the control handler only queues the prediction"
+    deadline = time.monotonic() + 10
+    while tuner.prediction.iteration_s != pytest.approx(simulated_s(tuner.config), rel=1e-12):
+        assert time.monotonic() < deadline, "the prediction follows the last value"
+        time.sleep(0.02)
+    assert "ratio 0.80," in tuner.prediction_html.value
+    tuner.close()
 
 
 def test_a_preview_dashboard_draws_the_simulated_timeline_of_each_setting() -> None:
@@ -95,10 +175,11 @@ def test_a_preview_dashboard_draws_the_simulated_timeline_of_each_setting() -> N
 def test_static_html_and_text_outside_a_notebook(tmp_path, capsys) -> None:
     tuner = OffloadTuner(SHAPE, "gh200")
     page = tuner.to_html(tmp_path / "tuner.html").read_text()
-    assert "predicted iteration" in page and "plotly" in page
+    assert "iteration time" in page and "plotly" in page
     tuner.display()
     out = capsys.readouterr().out
-    assert "predicted iteration" in out and "not in a notebook" in out
+    assert "iteration time" in out and "not in a notebook" in out
+    assert "profile gh200 (preset)" in out
 
 
 def test_without_ipywidgets_the_tuner_still_predicts(monkeypatch, capsys) -> None:
@@ -120,7 +201,8 @@ def test_apply_reconfigures_a_real_engine_on_a_later_iteration() -> None:
     config = so.presets.tiny_cpu().replace(bucket_bytes=64 * 1024, ratio=0.5)
     batches = BatchSampler(load_tokens()[:20000], batch_size=2, seq_len=16, seed=0)
     with so.initialize(model, optimizer={"lr": 1e-3}, config=config) as engine:
-        tuner = OffloadTuner(model, "cpu-laptop", engine=engine, micro_batch=2, compare_baseline=False)
+        tuner = OffloadTuner(model, engine=engine, micro_batch=2, compare_baseline=False)
+        assert "measured on this machine" in tuner.choice.note
 
         def one_step() -> None:
             x, y = batches.next_batch()
@@ -140,4 +222,5 @@ def test_apply_reconfigures_a_real_engine_on_a_later_iteration() -> None:
         assert ratios[applied_at - 1] == 0.5 and ratios[applied_at] == 1.0
         dash = LiveDashboard(engine)
         dash.refresh()
-        assert f"ratio 1.00 (since it. {applied_at})" in dash.title_text()
+        assert f"ratio 1.00 (since it. {applied_at})" in dash.summary()
+        assert dash.state.reconfigures[-1][0] == applied_at

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from superoffload.config import OffloadConfig
+from superoffload.config import RECONFIGURABLE, OffloadConfig
 from superoffload.telemetry.recorder import Recorder
 
 MB = 1_000_000
@@ -48,12 +48,15 @@ def filled_recorder(iterations: int, **kw: Any) -> Recorder:
 
 @dataclass
 class FakeEngine:
-    """What the widgets use of an engine: config, iteration, telemetry, reconfigure."""
+    """What the widgets use of an engine: config, iteration, telemetry, reconfigure (and the
+    optional `reconfigurable` and `closed` an engine may declare)."""
 
     config: OffloadConfig = field(default_factory=lambda: OffloadConfig(bucket_bytes=1 << 20))
     iteration: int = 0
     telemetry: Recorder = field(default_factory=Recorder)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    reconfigurable: frozenset[str] = RECONFIGURABLE
+    closed: bool = False
 
     def reconfigure(self, **changes: Any) -> None:
         self.calls.append(dict(changes))

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from superoffload.config import MiB, OffloadConfig
+from superoffload.config import MIN_BUCKET_BYTES, MiB, OffloadConfig
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.schedule import EngineVariant
 from superoffload.plan.shapes import ModelShape
@@ -145,11 +145,11 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     lean = run(_frugal(base, cons))
     if not lean.fits:
         raise InfeasibleError(
-            f"{shape.params / 1e9:.2f}B parameters cannot be trained on {eff.name} even with "
+            f"{format_count(shape.params)} parameters cannot be trained on {eff.name} even with "
             f"every state on the host and weights streamed: " + "; ".join(lean.problems))
 
     knobs: dict[str, list[Any]] = {
-        "bucket_bytes": list(cons.bucket_choices),
+        "bucket_bytes": _bucket_choices(shape, cons),
         "ratio": list(cons.ratio_choices),
         "weights": ["stationary", "flow"],
         "grad_cast": ["device", "host"],
@@ -232,7 +232,7 @@ def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,
         return (*found["bf16"], f"- optimizer_state_dtype = 'bf16': CHANGES THE NUMERICS "
                 f"(allowed: {_ALLOW}): {_BF16_WHAT}. Predicted {b_best.iteration_s * 1e3:.1f} "
                 f"ms against {f_best.iteration_s * 1e3:.1f} ms with fp32 moments at their own "
-                f"best setting (ratio {f_cfg.ratio:g}, {f_cfg.bucket_bytes // MiB} MiB): "
+                f"best setting (ratio {f_cfg.ratio:g}, {_fmt('bucket_bytes', f_cfg.bucket_bytes)}): "
                 f"{gain:.1%} faster. Fix optimizer_state_dtype='fp32' to keep fp32 maths.")
     return (*found["fp32"], f"- optimizer_state_dtype = 'fp32': bf16 moments were allowed and "
             f"weighed: their best setting predicts {b_best.iteration_s * 1e3:.1f} ms "
@@ -299,7 +299,7 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
              zero: SimResult, tried: dict[str, list[tuple[Any, SimResult]]],
              cons: Constraints) -> str:
     lines = [
-        f"Model {shape.params / 1e9:.2f}B params ({shape.layers} layers x {shape.hidden}), "
+        f"Model {format_count(shape.params)} params ({shape.layers} layers x {shape.hidden}), "
         f"seq {shape.seq} x batch {shape.micro_batch} on {prof.name}.",
         f"Predicted: {best.iteration_s * 1e3:.1f} ms/iteration, {best.tflops:.0f} TFLOPS "
         f"(device compute busy {best.lanes['device_compute'].utilization:.0%}, CPU optimizer busy "
@@ -345,9 +345,32 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
     return "\n".join(lines)
 
 
+def _bucket_choices(shape: ModelShape, cons: Constraints) -> list[int]:
+    """The constraint's sizes, plus — for a model whose gradients fit in fewer than a couple
+    of the smallest buckets — powers of two down to a sixty-fourth of its gradient bytes, so
+    a small model is tuned with several buckets too (a tiny model in one 8 MiB bucket cannot
+    overlap anything)."""
+    choices = set(cons.bucket_choices)
+    if cons.bucket_choices == BUCKET_CHOICES:  # the defaults, not the caller's own list
+        grad_bytes = 4 * shape.params
+        size = 1 << max(MIN_BUCKET_BYTES.bit_length() - 1, (grad_bytes // 64).bit_length())
+        while size < min(BUCKET_CHOICES) and size <= 2 * grad_bytes:
+            choices.add(size)
+            size *= 2
+    return sorted(choices)
+
+
+def format_count(n: float) -> str:
+    """"121K", "1.21B": a parameter count for people."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
 def _fmt(name: str, value: Any) -> str:
     if name == "bucket_bytes":
-        return f"{value // MiB} MiB"
+        return f"{value // MiB} MiB" if value >= MiB else f"{value // 1024} KiB"
     if isinstance(value, float):
         return f"{value:.3g}"
     return repr(value) if isinstance(value, str) else str(value)

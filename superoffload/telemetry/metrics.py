@@ -11,6 +11,9 @@ Legend (per iteration i):
   link GB/s     two readings per direction: `*_gbps_busy` = bytes / union of that lane's busy
                 time (the rate the link achieved while moving), `*_gbps_wall` = bytes / wall_s
                 (the rate averaged over the iteration; what the link costs the iteration)
+  link utilisation
+                `*_gbps_wall` / the link's peak, in percent: the share of the link's capacity the
+                iteration used (`link_utilisation_pct`; the peak comes from a hardware profile)
   overlap       share of i's CPU-optimizer time that ran while the device computed
                 (paper §4.2: the point of bucketization is to hide the CPU step behind backward)
   exposed optimizer time
@@ -177,6 +180,18 @@ class IterationMetrics:
     """Rollback spans (one per bucket rolled back)."""
     replays: int
     """Replay spans (one per bucket replayed with clipped gradients)."""
+    d2h_busy_s: float = 0.0
+    """Union of this iteration's D2H spans: the time the link moved its gradients."""
+    h2d_busy_s: float = 0.0
+    """Union of this iteration's H2D spans (weights back in, weight-flow fetches)."""
+
+
+def link_utilisation_pct(gbps_wall: float, peak_gbps: float | None) -> float:
+    """100 x `gbps_wall` / `peak_gbps`: the share of the link's capacity one iteration used
+    (NaN when the peak is unknown or not positive)."""
+    if peak_gbps is None or not peak_gbps > 0:
+        return math.nan
+    return 100.0 * gbps_wall / peak_gbps
 
 
 def _intervals(spans: Iterable[Span]) -> list[Interval]:
@@ -247,6 +262,7 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
         h2d = [s for s in group if s.lane == LANE_H2D]
         d2h_bytes = sum(s.nbytes for s in d2h)
         h2d_bytes = sum(s.nbytes for s in h2d)
+        d2h_busy, h2d_busy = length(_intervals(d2h)), length(_intervals(h2d))
         out.append(
             IterationMetrics(
                 iteration=it,
@@ -261,12 +277,14 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
                 exposed_optimizer_s=max(exposed, 0.0),
                 d2h_bytes=d2h_bytes,
                 h2d_bytes=h2d_bytes,
-                d2h_gbps_busy=_gbps(d2h_bytes, length(_intervals(d2h))),
-                h2d_gbps_busy=_gbps(h2d_bytes, length(_intervals(h2d))),
+                d2h_gbps_busy=_gbps(d2h_bytes, d2h_busy),
+                h2d_gbps_busy=_gbps(h2d_bytes, h2d_busy),
                 d2h_gbps_wall=_gbps(d2h_bytes, wall),
                 h2d_gbps_wall=_gbps(h2d_bytes, wall),
                 rollbacks=sum(1 for s in group if s.kind == KIND_ROLLBACK),
                 replays=sum(1 for s in group if s.kind == KIND_REPLAY),
+                d2h_busy_s=d2h_busy,
+                h2d_busy_s=h2d_busy,
             )
         )
     return out

@@ -235,7 +235,8 @@ def _charts(
     rows = [lane_label(lane, r, multi) for r, lane in lane_rows(ranks)] if multi else list(LANES)
     timeline.update_layout(
         title=f"Timeline of iterations {shown[0]}..{shown[-1]}" if shown else "Timeline (empty)",
-        barmode="overlay", xaxis_title="ms since start", height=380 + 200 * (len(ranks) - 1),
+        barmode="overlay", xaxis_title="ms since the recording started",
+        height=380 + 200 * (len(ranks) - 1),
         yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows))})
     divs.append(timeline)
 
@@ -246,21 +247,28 @@ def _charts(
             t, gbps = bandwidth_series(rank_spans, lane)
             bw.add_trace(go.Scatter(name=lane_label(lane, rank, multi), x=[x for x in t], y=gbps,
                                     mode="lines", line={"shape": "hv"}))
-    bw.update_layout(title="Link bandwidth over time (GB/s, bytes spread over each transfer)",
-                     xaxis_title="s since start", yaxis_title="GB/s", height=320)
+    bw.update_layout(title="Link bandwidth over time (bytes spread over each transfer)",
+                     xaxis_title="s since the recording started", yaxis_title="GB/s", height=320)
     divs.append(bw)
 
-    # 3. overlap, idle and exposed optimizer time per iteration
+    # 3. link rate while moving (per direction), then overlap and idle in percent, per iteration
     its = [m.iteration for m in per_iter]
+    link = go.Figure()
+    for direction, rates in (("D2H", [m.d2h_gbps_busy if m.d2h_bytes else None for m in per_iter]),
+                             ("H2D", [m.h2d_gbps_busy if m.h2d_bytes else None for m in per_iter])):
+        link.add_trace(go.Scatter(name=direction, x=its, y=rates, mode="lines"))
+    link.update_layout(title="Link rate while moving, per iteration (bytes / time the link was busy)",
+                       xaxis_title="iteration", yaxis_title="GB/s", height=320)
+    divs.append(link)
     ov = go.Figure()
-    ov.add_trace(go.Scatter(name="CPU work overlapped with device compute", x=its,
-                            y=[m.cpu_overlap_frac for m in per_iter]))
-    ov.add_trace(go.Scatter(name="device idle", x=its, y=[m.device_idle_frac for m in per_iter]))
-    ov.add_trace(go.Scatter(name="CPU busy", x=its, y=[m.cpu_busy_frac for m in per_iter]))
+    ov.add_trace(go.Scatter(name="CPU step hidden under device work", x=its,
+                            y=[100 * m.cpu_overlap_frac if m.cpu_step_s > 0 else None for m in per_iter]))
+    ov.add_trace(go.Scatter(name="device idle", x=its, y=[100 * m.device_idle_frac for m in per_iter]))
+    ov.add_trace(go.Scatter(name="CPU busy", x=its, y=[100 * m.cpu_busy_frac for m in per_iter]))
     ov.add_trace(go.Scatter(name="exposed optimizer / iteration time", x=its,
-                            y=[m.exposed_optimizer_s / m.wall_s if m.wall_s else 0.0 for m in per_iter]))
-    ov.update_layout(title="Overlap and idle per iteration (fractions)", xaxis_title="iteration",
-                     yaxis={"range": [0, 1.05]}, height=320)
+                            y=[100 * m.exposed_optimizer_s / m.wall_s if m.wall_s else 0.0 for m in per_iter]))
+    ov.update_layout(title="Overlap and idle per iteration", xaxis_title="iteration",
+                     yaxis={"range": [0, 105], "title": "%"}, height=320)
     divs.append(ov)
 
     # 4. scalars: loss first, then the rest (each on its own axis would crowd: one chart each)

@@ -2,10 +2,12 @@
 
     from superoffload.widgets import LiveDashboard, OffloadTuner, BackgroundTrainer
 
-`LiveDashboard` draws the engine's timeline, link GB/s, overlap, memory and loss live (or a
-simulated timeline); `OffloadTuner` shows the planner's prediction for every setting and
-applies settings to a running engine; `BackgroundTrainer` runs training off the cell so the
-widgets stay interactive. Everything degrades to text or static HTML outside a notebook.
+`LiveDashboard` draws the engine's timeline, link GB/s while moving, overlap, iteration time
+against the planner's prediction, loss and memory live (or a simulated result);
+`OffloadTuner` shows the planner's prediction for every setting and applies settings to a
+running engine; `BackgroundTrainer` runs training off the cell so the widgets stay
+interactive. `notebook_ci()` tells a notebook to take its short CI path. Everything degrades
+to text or static HTML outside a notebook.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from superoffload.widgets._env import WidgetsUnavailable, in_notebook, live_widgets_available
+from superoffload.widgets._env import (
+    WidgetsUnavailable,
+    in_notebook,
+    live_widgets_available,
+    notebook_ci,
+)
 
 _LAZY = {
     "LiveDashboard": "superoffload.widgets.dashboard",
@@ -22,6 +29,7 @@ _LAZY = {
     "TrainResult": "superoffload.widgets.background",
     "engine_step_fn": "superoffload.widgets.background",
     "DashboardState": "superoffload.widgets.series",
+    "RunState": "superoffload.widgets.runstate",
 }
 
 
@@ -34,4 +42,4 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["WidgetsUnavailable", "in_notebook", "live_widgets_available", *_LAZY]
+__all__ = ["WidgetsUnavailable", "in_notebook", "live_widgets_available", "notebook_ci", *_LAZY]

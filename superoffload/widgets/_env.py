@@ -8,14 +8,34 @@ a static figure; outside a notebook they print a text summary and point at `to_h
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from typing import Any
+
+CI_ENV = "SUPEROFFLOAD_NOTEBOOK_CI"
+"""Set to 1 to run a notebook's short CI path, 0 to force the live path (a person's)."""
 
 INSTALL_HINT = "pip install 'superoffload[notebooks]'  (jupyterlab, ipywidgets, plotly, anywidget)"
 
 
 class WidgetsUnavailable(RuntimeError):
     """Raised when a view needs a library that is not installed; the message says which."""
+
+
+def notebook_ci() -> bool:
+    """True when a notebook should take its short, non-interactive CI path.
+
+    `SUPEROFFLOAD_NOTEBOOK_CI=1` (or 0) decides; unset, it is True when pytest runs this
+    process or started its kernel (nbval: the kernel inherits PYTEST_CURRENT_TEST from the
+    pytest process), so `pytest --nbval-lax notebooks tutorials` is fast without changing
+    what a person running the notebook sees.
+    """
+    value = os.environ.get(CI_ENV, "").strip().lower()
+    if value in ("1", "true", "yes"):
+        return True
+    if value in ("0", "false", "no"):
+        return False
+    return "PYTEST_CURRENT_TEST" in os.environ
 
 
 def has_module(name: str) -> bool:

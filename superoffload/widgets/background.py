@@ -6,11 +6,15 @@ the cell. Updates the other way (dashboard traces, a progress bar) reach the bro
 any thread. What the thread prints is routed to the cell that started it (ipykernel routes
 output by the parent message of the current request; see `_env.bind_thread_output`).
 
-    trainer = BackgroundTrainer(step_fn, steps=200, dashboard=dash).start()
+    trainer = BackgroundTrainer(step_fn, max_s=300, dashboard=dash, tuner=tuner).start()
     ...                           # other cells run; sliders work; apply reconfigures
+    trainer.stop()                # or the Stop button under the progress line
     result = trainer.wait()       # re-raises an exception from the thread
 
-`engine_step_fn(engine, model, batches)` builds the usual step function.
+`steps=N` stops after N steps, `max_s` after that many seconds, neither: when stopped. The
+run's state (running, finished, stopped, failed) is shown on the progress line and handed
+to the dashboard and the tuner (`set_run_state`). `engine_step_fn(engine, model, batches)`
+builds the usual step function.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from superoffload.widgets import _env
+from superoffload.widgets.runstate import RunState
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +37,9 @@ class TrainResult:
     steps_done: int
     losses: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    """Stopped by the user (`stop()`, the Stop button) before its steps or time were up."""
     wall_s: float = 0.0
+    state: RunState = RunState.FINISHED
 
     @property
     def first_loss(self) -> float:
@@ -44,52 +51,52 @@ class TrainResult:
 
 
 class BackgroundTrainer:
-    """Calls `step_fn(i)` for i in range(steps) on a daemon thread until done or stopped.
+    """Calls `step_fn(i)` for i = 0, 1, ... on a daemon thread until `steps` are done,
+    `max_s` seconds passed or `stop()`. `step_fn` does one optimizer iteration and returns
+    the loss as a float (or None). A `dashboard` and a `tuner`, when given, are told the
+    run's state; the dashboard refreshes from its own thread while this one runs."""
 
-    `step_fn` does one optimizer iteration (forward, `engine.backward`, `engine.step`,
-    `engine.zero_grad`) and returns the loss as a float (or None). A `dashboard`, when
-    given, is refreshed from its own thread while this one runs and once more at the end.
-    """
-
-    def __init__(
-        self,
-        step_fn: Callable[[int], Any],
-        steps: int,
-        *,
-        dashboard: Any = None,
-        print_every: int = 0,
-        name: str = "superoffload-train",
-    ) -> None:
+    def __init__(self, step_fn: Callable[[int], Any], steps: int | None = None, *,
+                 max_s: float | None = None, dashboard: Any = None, tuner: Any = None,
+                 print_every: int = 0, name: str = "superoffload-train") -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn={step_fn!r} must be callable as step_fn(iteration) -> loss")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"steps={steps!r} must be a whole number >= 1")
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"steps={steps!r} must be a whole number >= 1 (None: until stopped)")
+        if max_s is not None and not max_s > 0:
+            raise ValueError(f"max_s={max_s!r} must be > 0 seconds (None: no time limit)")
         if not isinstance(print_every, int) or print_every < 0:
             raise ValueError(f"print_every={print_every!r} must be a whole number >= 0 (0: silent)")
         self.step_fn = step_fn
         self.steps = steps
+        self.max_s = max_s
         self.dashboard = dashboard
+        self.tuner = tuner
         self.print_every = print_every
         self.name = name
         self.losses: list[float] = []
         self.steps_done = 0
         self.error: BaseException | None = None
+        self.state = RunState.NOT_STARTED
         self._stop = threading.Event()
         self._done = threading.Event()
         self._progressed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._t0 = 0.0
         self._wall_s = 0.0
-        self.progress: Any = _make_progress(steps)
+        self._shown_at = 0.0
+        self.progress: Any = self._make_progress()
 
+    # ----------------------------------------------------------------- control
     def start(self) -> BackgroundTrainer:
         """Start the thread (and the dashboard's refresher); returns self."""
         if self._thread is not None:
             raise RuntimeError(f"{self.name} was already started; make a new BackgroundTrainer")
         parent = _env.capture_output_parent()
+        self._t0 = time.perf_counter()
+        self._set_state(RunState.RUNNING)
         if self.dashboard is not None and getattr(self.dashboard, "recorder", None) is not None:
             self.dashboard.start()
-        self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(parent,), name=self.name, daemon=True)
         self._thread.start()
         return self
@@ -97,34 +104,47 @@ class BackgroundTrainer:
     def _run(self, parent: Any) -> None:
         _env.bind_thread_output(parent)
         try:
-            for i in range(self.steps):
-                if self._stop.is_set():
+            i = 0
+            while not self._stop.is_set() and (self.steps is None or i < self.steps):
+                if self.max_s is not None and time.perf_counter() - self._t0 >= self.max_s:
                     break
                 loss = self.step_fn(i)
                 if loss is not None:
                     self.losses.append(float(loss))
+                i += 1
                 with self._progressed:
-                    self.steps_done = i + 1
+                    self.steps_done = i
                     self._progressed.notify_all()
                 self._show_progress()
-                if self.print_every and (i + 1) % self.print_every == 0:
-                    print(f"step {i + 1}/{self.steps} loss {self.losses[-1] if self.losses else math.nan:.4f}")
+                if self.print_every and i % self.print_every == 0:
+                    print(f"step {i} loss {self.losses[-1] if self.losses else math.nan:.4f}")
         except BaseException as exc:  # kept for wait(), shown in the starting cell
             self.error = exc
             print(f"{self.name} failed at step {self.steps_done}: {exc!r}")
         finally:
             self._wall_s = time.perf_counter() - self._t0
-            if self.dashboard is not None and getattr(self.dashboard, "recorder", None) is not None:
-                self.dashboard.stop()
-            self._show_progress(final=True)
+            ended = (RunState.FAILED if self.error is not None else
+                     RunState.STOPPED if self._stop.is_set() else RunState.FINISHED)
+            self._set_state(ended)
             self._done.set()
             with self._progressed:
                 self._progressed.notify_all()
 
+    def _set_state(self, state: RunState) -> None:
+        self.state = state
+        self._show_progress(force=True)
+        for view in (self.dashboard, self.tuner):
+            setter = getattr(view, "set_run_state", None)
+            if setter is not None:
+                try:
+                    setter(state)
+                except Exception as exc:  # a view must never kill the run
+                    print(f"{self.name}: {type(view).__name__}.set_run_state failed: {exc!r}")
+
     def stop(self, *, wait: bool = True, timeout_s: float = 60.0) -> None:
         """Ask the loop to stop after the current step; optionally wait for it."""
         self._stop.set()
-        if wait:
+        if wait and self._thread is not None:
             self._done.wait(timeout_s)
 
     def wait(self, timeout_s: float | None = None) -> TrainResult:
@@ -132,68 +152,88 @@ class BackgroundTrainer:
         if self._thread is None:
             raise RuntimeError(f"{self.name} was never started: call .start() first")
         if not self._done.wait(timeout_s):
-            raise TimeoutError(
-                f"{self.name} still running after {timeout_s} s ({self.steps_done}/{self.steps} "
-                "steps); call .stop() or wait longer"
-            )
+            raise TimeoutError(f"{self.name} still running after {timeout_s} s ({self.steps_done} "
+                               "steps); call .stop() or wait longer")
         if self.error is not None:
             raise RuntimeError(f"{self.name} failed at step {self.steps_done}") from self.error
-        return TrainResult(
-            steps_done=self.steps_done,
-            losses=list(self.losses),
-            stopped_early=self.steps_done < self.steps,
-            wall_s=self._wall_s,
-        )
+        return TrainResult(steps_done=self.steps_done, losses=list(self.losses),
+                           stopped_early=self.state is RunState.STOPPED, wall_s=self._wall_s,
+                           state=self.state)
 
     def wait_for_steps(self, steps: int, timeout_s: float = 60.0) -> int:
-        """Block until at least `steps` steps are done (or the run ended); return steps done.
-
-        Use it before changing settings that must land on a *later* iteration than the first.
-        """
+        """Block until at least `steps` steps are done (or the run ended); return steps done."""
         if self._thread is None:
             raise RuntimeError(f"{self.name} was never started: call .start() first")
         with self._progressed:
             reached = self._progressed.wait_for(
-                lambda: self.steps_done >= steps or self._done.is_set(), timeout_s
-            )
+                lambda: self.steps_done >= steps or self._done.is_set(), timeout_s)
         if not reached:
-            raise TimeoutError(
-                f"{self.name} did only {self.steps_done} of {steps} steps in {timeout_s} s"
-            )
+            raise TimeoutError(f"{self.name} did only {self.steps_done} of {steps} steps in {timeout_s} s")
         return self.steps_done
 
     @property
     def running(self) -> bool:
         return self._thread is not None and not self._done.is_set()
 
+    # ----------------------------------------------------------------- display
     def status(self) -> str:
-        state = "running" if self.running else ("failed" if self.error else "done")
-        loss = f", loss {self.losses[-1]:.4f}" if self.losses else ""
-        return f"{self.name}: {state}, step {self.steps_done}/{self.steps}{loss}"
+        """One plain-text line: state, steps, time, last loss."""
+        elapsed = (time.perf_counter() - self._t0 if self.running else self._wall_s) if self._t0 else 0.0
+        limit = []
+        if self.steps is not None:
+            limit.append(f"of {self.steps}")
+        text = f"{self.name}: {self.state.value}, step {self.steps_done} {' '.join(limit)}".rstrip()
+        text += f", {elapsed:.0f} s"
+        if self.state is RunState.RUNNING:
+            if self.max_s is not None:
+                text += f" (stops after {self.max_s:.0f} s)"
+            elif self.steps is None:
+                text += " (until stopped)"
+        if self.losses:
+            text += f", loss {self.losses[-1]:.4f}"
+        return text
 
-    def _show_progress(self, final: bool = False) -> None:
+    def _make_progress(self) -> Any:
+        """Progress bar, status line and a Stop button (None without ipywidgets)."""
+        if not _env.has_module("ipywidgets"):
+            return None
+        import ipywidgets as w
+
+        bar = w.FloatProgress(value=0.0, min=0.0, max=1.0, layout=w.Layout(width="200px"))
+        label = w.Label(value="not started")
+        label.add_class("so-trainer-status")
+        button = w.Button(description="Stop training", button_style="warning", icon="stop",
+                          tooltip="stop after the current step (trainer.stop())")
+        button.add_class("so-trainer-stop")
+        button.on_click(lambda _b: self.stop(wait=False))
+        box = w.HBox([bar, label, button])
+        box.add_class("so-trainer")
+        return box
+
+    def _show_progress(self, force: bool = False) -> None:
         if self.progress is None:
             return
-        bar, label = self.progress.children
-        bar.value = self.steps_done
+        now = time.perf_counter()
+        if not force and now - self._shown_at < 0.5:
+            return  # at most 2 updates a second: each one is a message to the browser
+        self._shown_at = now
+        bar, label, button = self.progress.children
+        if self.steps is not None:
+            bar.value = self.steps_done / self.steps
+        elif self.max_s is not None and self._t0:
+            bar.value = min(1.0, (now - self._t0) / self.max_s)
         label.value = self.status()
-        if final:
-            bar.bar_style = "danger" if self.error else "success"
+        if self.state.ended:
+            bar.value = 1.0 if self.state is RunState.FINISHED else bar.value
+            bar.bar_style = {"failed": "danger", "stopped": "warning"}.get(self.state.value, "success")
+            button.disabled = True
+            button.description = self.state.value
 
     def _ipython_display_(self) -> None:
         if self.progress is None:
             print(self.status())
         else:
             _env.display_or_print(self.progress, self.status())
-
-
-def _make_progress(steps: int) -> Any:
-    """A progress bar and a status label (None without ipywidgets)."""
-    if not _env.has_module("ipywidgets"):
-        return None
-    import ipywidgets as w
-
-    return w.HBox([w.IntProgress(value=0, min=0, max=steps), w.Label(value="not started")])
 
 
 def engine_step_fn(engine: Any, model: Any, batches: Any) -> Callable[[int], float]:

@@ -1,62 +1,89 @@
-"""`LiveDashboard`: a live view of the engine's telemetry (or of a simulated timeline).
+"""`LiveDashboard`: a live view of the engine's telemetry, or of a finished run, or of a
+simulated one (`show_simulation`).
 
-    dash = LiveDashboard(engine)       # or a telemetry Recorder
-    dash                               # last expression of a cell: shows one FigureWidget
-    dash.start()                       # refresh from a background thread at ~5 Hz
-    ...                                # training runs (see BackgroundTrainer)
-    dash.stop(); dash.to_html("artifacts/dashboard.html")
+    dash = LiveDashboard(engine, shape=model, seq=64, micro_batch=8)   # prediction beside
+    dash                              # last expression of a cell: status line + figure
+    BackgroundTrainer(step_fn, dashboard=dash).start()   # refreshes a few times a second
+    ...
+    dash.to_html("artifacts/dashboard.html")
 
-One FigureWidget per dashboard, created once: each ships ~5 MB of JavaScript to the browser
-(plotly >= 6 is an anywidget), so refreshes only assign numpy arrays to existing traces in a
-`batch_update`, throttled to `refresh_hz`. Widget updates sent from a thread reach the
-browser while other cells run; this class never needs widget *input*, so it needs no
-cooperation from the kernel's main thread.
+Measured runs get the measured layout (timeline in ms, iteration time measured vs predicted,
+link GB/s while moving against the peak, percent, loss, memory: `figure.py`), simulated
+results the simulated one (`simfigure.py`). A live dashboard shows its figure in one
+`LivePlot` (liveplot.py: kernel -> browser only, so a busy kernel still hears the tuner),
+created once (it ships ~5 MB of JavaScript); a refresh updates the figure's traces in place
+and sends it when something changed, at `refresh_hz` or slower when a refresh takes long
+(a loaded machine keeps its cores for training). When the run ends the widget is replaced in
+place by a static figure of the last state (snapshot.py), so a saved notebook reopens with
+the figure.
 """
 
 from __future__ import annotations
 
 import html
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from superoffload.telemetry.events import Span
 from superoffload.widgets import _env
-from superoffload.widgets.figure import build_figure, write_state
+from superoffload.widgets import snapshot as snap
+from superoffload.widgets.figure import PLOT_CONFIG, build_figure, write_state
+from superoffload.widgets.panels import Expected, status_lines
+from superoffload.widgets.predict import ProfileChoice, resolve_profile, to_shape
+from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState
+from superoffload.widgets.sources import (
+    cuda_allocated_bytes,
+    is_recorder,
+    process_rss_bytes,
+    resolve_source,
+    workload,
+)
+
+SNAPSHOT_EVERY_S = 5.0
 
 
 class LiveDashboard:
-    """Timeline, link GB/s each way, overlap and device idle, memory, loss. Spans of several
-    ranks (e.g. `from_spans(telemetry.ranks.merge_rank_spans([...]))`) get per-rank lanes."""
+    """Status line and figure of a run (see the module docstring). Spans of several ranks
+    (`from_spans(telemetry.ranks.merge_rank_spans([...]))`) get per-rank lanes."""
 
-    def __init__(
-        self,
-        source: Any = None,
-        *,
-        window_iterations: int = 6,
-        refresh_hz: float = 4.0,
-        live: bool | None = None,
-        title: str = "superoffload",
-    ) -> None:
+    def __init__(self, source: Any = None, *, shape: Any = None, seq: int | None = None,
+                 micro_batch: int = 1, profile: Any = None, window_iterations: int = 4,
+                 refresh_hz: float = 2.0, live: bool | None = None,
+                 title: str = "superoffload") -> None:
         if not refresh_hz > 0:
-            raise ValueError(f"refresh_hz={refresh_hz} must be > 0 (refreshes per second, ~5-10)")
-        self.engine, self.recorder = _resolve_source(source)
+            raise ValueError(f"refresh_hz={refresh_hz} must be > 0 (refreshes per second, ~2-5)")
+        self.engine, self.recorder = resolve_source(source)
         self.refresh_hz = float(refresh_hz)
         self.base_title = title
         self.state = DashboardState(window_iterations=window_iterations)
         self.live = _env.live_widgets_available() if live is None else bool(live)
         if self.live and not _env.live_widgets_available():
             raise _env.WidgetsUnavailable(
-                f"live=True needs {', '.join(_env.missing_for_live())}: {_env.INSTALL_HINT}"
-            )
-        self.figure: Any = (
-            build_figure(live=self.live, title=title) if _env.plotly_available() else None
-        )
+                f"live=True needs {', '.join(_env.missing_for_live())}: {_env.INSTALL_HINT}")
+        self.shape = to_shape(shape, seq=seq, micro_batch=micro_batch) if shape is not None else None
+        want_profile = profile is not None or self.shape is not None or self.engine is not None
+        self.profile: ProfileChoice | None = resolve_profile(profile) if want_profile else None
+        self.work = workload(self.shape, self.profile)
+        self.expected: list[Expected] = []
+        self._expected_key: Any = None
+        self._expected_notes = 0
+        self.run_state: RunState | None = None
+        self.simulation: Any = None
+        self.sim: Any = None
+        """The simulated layout's figures (`simfigure.SimFigures`) after `show_simulation`."""
+        self.figure: Any = build_figure(title=title) if _env.plotly_available() else None
+        following = self.live and self.recorder is not None
+        self.status: Any = _status_widget() if following else None
+        self.plot: Any = _live_plot() if following else None
+        self.widget: Any = _vbox(self.status, self.plot) if following else None
         self.refreshes = 0
         self.error: BaseException | None = None
-        self.simulation: Any = None
+        self._main = snap.Slot("dashboard")
+        self._snapshot = snap.Slot("dashboard-snapshot")
+        self._last_snapshot = 0.0
         self._seq = -1
         self._scalar_t: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -65,71 +92,126 @@ class LiveDashboard:
 
     # ----------------------------------------------------------------- sources
     @classmethod
-    def from_spans(cls, spans: Iterable[Span], *, title: str = "timeline", **kw: Any) -> LiveDashboard:
-        """A static dashboard of `spans` (e.g. a simulated timeline), every iteration drawn."""
-        spans = list(spans)
-        iterations = {s.iteration for s in spans}
-        kw.setdefault("window_iterations", max(1, len(iterations)))
-        dash = cls(None, title=title, **kw)
-        dash.state.add_spans(spans, final=True)
+    def from_spans(cls, source: Any, *, title: str = "timeline", **kw: Any) -> LiveDashboard:
+        """A static dashboard of a finished run: a list of spans (e.g. a merged multi-rank
+        timeline) or a Recorder (its notes and scalars too), every iteration drawn."""
+        kw.setdefault("live", False)
+        if isinstance(source, Iterable) and not is_recorder(source):
+            spans = list(source)
+            kw.setdefault("window_iterations", max(1, len({s.iteration for s in spans})))
+            dash = cls(None, title=title, **kw)
+            dash.state.add_spans(spans, final=True)
+        else:
+            kw.setdefault("window_iterations", max(1, len(source.iterations())))
+            dash = cls(source, title=title, **kw)
+            dash.refresh(final=True)
+        dash.run_state = RunState.FINISHED
         dash._redraw()
         return dash
 
-    def show_simulation(self, result: Any, *, title: str | None = None, steady_only: bool = True) -> None:
-        """Draw a planner result (`plan.simulate(...)`): its timeline uses the engine's span
-        format, so the same lanes show predicted instead of measured work."""
-        spans = list(result.timeline)
-        window = getattr(result, "window", None)
-        if steady_only and window is not None:
-            # the simulator runs a few iterations to reach steady state: draw the spans that
-            # touch the steady iteration's window (paper Fig. 5 shows one iteration)
-            w0, w1 = window
-            spans = [s for s in spans if s.end_s > w0 and s.start_s < w1]
+    def show_simulation(self, result: Any, *, title: str | None = None, profile: Any = None) -> None:
+        """Draw a planner result (`plan.simulate(...)`) in the simulated layout."""
+        from superoffload.widgets.simfigure import build_sim_figure, sim_figures
+
         with self._lock:
             self.simulation = result
-            self.state = DashboardState(
-                window_iterations=max(1, len({s.iteration for s in spans})),
-                max_points=self.state.max_points,
-            )
-            self.state.add_spans(spans, final=True)
-            end_s = max((s.end_s for s in spans), default=0.0)
-            host, device = _simulated_memory_bytes(result)
-            self.state.add_memory(0.0, host, device)
-            self.state.add_memory(end_s, host, device)
-            self.base_title = title or _simulation_title(result)
-            self._redraw()
+            self.sim = sim_figures(result, profile)
+            self.state = DashboardState(window_iterations=self.state.window_iterations)
+            self.state.add_spans(self.sim.spans, final=True)
+            self.base_title = title or self.sim.title
+            if _env.plotly_available():
+                self.figure = build_sim_figure(self.sim, title=self.base_title)
+                self._main.update(self._static_bundle())
 
     # ----------------------------------------------------------------- updates
     def refresh(self, *, final: bool = False) -> bool:
-        """Pull new telemetry and redraw; returns True when something new arrived.
-        Safe to call from any thread (the refresher thread calls it at `refresh_hz`)."""
+        """Pull new telemetry and redraw; True when something new arrived. Any thread."""
         if self.recorder is None:
             return False
         with self._lock:
             spans, self._seq = self.recorder.spans_since(self._seq)
-            new_scalars = False
-            for name in ("loss", "ratio"):
-                fresh = [
-                    s for s in self.recorder.scalars(name) if s.time_s > self._scalar_t.get(name, -1.0)
-                ]
+            fresh_scalars = False
+            for name in ("loss", "ratio", "skipped"):
+                fresh = [s for s in self.recorder.scalars(name)
+                         if s.time_s > self._scalar_t.get(name, -1.0)]
                 if fresh:
                     self._scalar_t[name] = fresh[-1].time_s
                     self.state.add_scalars(name, ((s.iteration, s.value) for s in fresh))
-                    new_scalars = True
+                    fresh_scalars = True
+            self.state.add_notes([(n.iteration, n.text) for n in self.recorder.notes()])
             self.state.add_spans(spans, final=final)
-            host, device = self._memory_bytes()
-            self.state.add_memory(self.recorder.now(), host, device)
+            if self.state.complete_through >= 0 and self.state.complete_through not in self.state.memory:
+                host, device = self._memory_bytes()  # one sample per complete iteration
+                self.state.add_memory(self.state.complete_through, host, device)
+            self._update_expected()
             self._redraw()
             self.refreshes += 1
-            return bool(spans) or new_scalars
+            return bool(spans) or fresh_scalars
+
+    def _update_expected(self) -> None:
+        """Re-predict when the engine's settings changed (a reconfiguration starts a step)."""
+        if self.shape is None or self.profile is None or self.engine is None:
+            return
+        config = getattr(self.engine, "config", None)
+        key = repr(config)
+        notes = len(self.state.reconfigures)
+        if config is None or (key == self._expected_key and notes == self._expected_notes):
+            return
+        # the step starts where the engine's note says the change holds; without a note yet
+        # (the config is swapped a moment before the note is written), at the next iteration
+        start = max(self.state.complete_through + 1, 0) if self.expected else 0
+        if notes > self._expected_notes and self.expected:
+            start = self.state.reconfigures[-1][0]
+        self._expected_notes = notes
+        if key == self._expected_key:  # the note of a change already predicted: move its step
+            last = self.expected.pop()
+            res_s, tflops = last.iteration_s, last.tflops
+        else:
+            from superoffload import plan
+
+            res = plan.simulate(self.shape, self.profile.profile, schedule="superoffload", config=config)
+            res_s, tflops = float(res.iteration_s), float(res.tflops)
+        self.expected = [e for e in self.expected if e.from_iteration < start]
+        self.expected.append(Expected(start, res_s, tflops))
+        self._expected_key = key
 
     def _redraw(self) -> None:
-        if self.figure is not None:
-            write_state(self.figure, self.state, self.title_text())
+        lines = self.status_lines()
+        if self.status is not None:
+            self.status.value = snap.html_lines(lines, css_class="so-dash-status")
+        if self.figure is not None and self.simulation is None:
+            changed = write_state(self.figure, self.state, self.title_text(), work=self.work,
+                                  expected=self.expected)
+            if self.plot is not None and (changed or not self.plot.figure):
+                self.plot.show_figure(self.figure)
+        now = time.monotonic()
+        if self._snapshot.shown and (now - self._last_snapshot > SNAPSHOT_EVERY_S):
+            self._snapshot.update(snap.text_bundle(["static snapshot (updated every few seconds "
+                                                    "while the run goes):", *lines]))
+            self._last_snapshot = now
+
+    def set_run_state(self, state: RunState) -> None:
+        """Told by the trainer; when the run ends, a final refresh and the live figure is
+        replaced by a static one of the last state."""
+        self.run_state = state
+        if state.ended:
+            self.stop()
+            self.refresh(final=True)
+            self.finalize()
+        else:
+            self._redraw()
+
+    def finalize(self) -> None:
+        """Swap the live widget for the static figure of the current state (in place)."""
+        with self._lock:
+            self._redraw()
+            if self._main.shown:
+                self._main.update(self._static_bundle())
+            if self._snapshot.shown:
+                self._snapshot.update(snap.text_bundle(["final state:", *self.status_lines()]))
 
     def start(self, hz: float | None = None) -> LiveDashboard:
-        """Refresh from a daemon thread until `stop()`; returns self (so `dash.start()` as
-        the last line of a cell also shows the dashboard)."""
+        """Refresh from a daemon thread until `stop()`; returns self."""
         if hz is not None:
             if not hz > 0:
                 raise ValueError(f"hz={hz} must be > 0")
@@ -139,10 +221,11 @@ class LiveDashboard:
         if self.running:
             return self
         self._stop.clear()
+        if self._main.shown and self.widget is not None:
+            self._main.update(snap.widget_bundle(self.widget, self.status_lines()))
         parent = _env.capture_output_parent()
-        self._thread = threading.Thread(
-            target=self._run, args=(parent,), name="superoffload-dashboard", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(parent,),
+                                        name="superoffload-dashboard", daemon=True)
         self._thread.start()
         return self
 
@@ -150,20 +233,21 @@ class LiveDashboard:
         _env.bind_thread_output(parent)
         try:
             while not self._stop.is_set():
+                t0 = time.perf_counter()
                 self.refresh()
-                # A timer, not a poll of shared state: the refresh rate is the throttle.
-                self._stop.wait(1.0 / self.refresh_hz)
-            self.refresh(final=True)
+                took = time.perf_counter() - t0
+                # a timer, not a poll; and never more than ~1/4 of a core on refreshes
+                self._stop.wait(max(1.0 / self.refresh_hz, 3.0 * took))
         except BaseException as exc:  # surface in the cell that started us, then stop
             self.error = exc
             print(f"superoffload dashboard stopped: {exc!r}")
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the refresher thread (after one final refresh)."""
+        """Stop the refresher thread (the caller refreshes once more if it wants)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
-            self._thread = None
+        self._thread = None
 
     @property
     def running(self) -> bool:
@@ -172,44 +256,39 @@ class LiveDashboard:
     # ----------------------------------------------------------------- reading
     def title_text(self) -> str:
         parts = [self.base_title]
-        iteration = self._engine_iteration()
-        if iteration is None and self.state.newest_iteration >= 0:
-            iteration = self.state.newest_iteration
-        if iteration is not None and self.simulation is None:
-            parts.append(f"iteration {iteration}")
-        ratio = self.state.ratio_in_force()
-        if ratio is not None:
-            parts.append(f"ratio {ratio[0]:.2f} (since it. {ratio[1]})")
-        elif self.engine is not None and hasattr(self.engine, "config"):
-            parts.append(f"ratio {float(self.engine.config.ratio):.2f}")
-        if self.state.total_rollbacks:
-            parts.append(f"{self.state.total_rollbacks} rollbacks")
-        text = " · ".join(parts)
-        notes = self.recorder.notes() if self.recorder is not None else []
-        if notes:  # the engine's plain-language events: reconfigure, adaptive STV, ...
-            last = notes[-1]
-            text += f"<br><sup>it. {last.iteration}: {html.escape(last.text)}</sup>"
-        return text
+        if self.run_state is not None and self.simulation is None:
+            parts.append(self.run_state.value)
+        it = self._engine_iteration()
+        if it is None and self.state.newest_iteration >= 0:
+            it = self.state.newest_iteration
+        if it is not None and self.simulation is None:
+            parts.append(f"iteration {it}")
+        return " · ".join(parts)
+
+    def status_lines(self) -> list[str]:
+        """The status as plain-text lines (no markup)."""
+        if self.simulation is not None:
+            lines = [self.base_title]
+            lines += [f"DOES NOT FIT: {p}" for p in self.sim.problems]
+            return lines
+        ratio = getattr(getattr(self.engine, "config", None), "ratio", None)
+        return status_lines(self.state, self.work, self.expected, run_state=self.run_state,
+                            iteration=self._engine_iteration() if self.engine is not None
+                            else self.state.newest_iteration,
+                            ratio_fallback=float(ratio) if ratio is not None else None,
+                            title=self.base_title)
 
     def summary(self) -> str:
         """Plain-text summary (what a terminal sees instead of the figure)."""
-        series = self.state.series()
-        lines = [self.title_text()]
-        if len(series["iteration"]):
-            lines.append(
-                f"last iteration: D2H {series['d2h_gbps'][-1]:.2f} GB/s, "
-                f"H2D {series['h2d_gbps'][-1]:.2f} GB/s, overlap {series['overlap_frac'][-1]:.0%}, "
-                f"device idle {series['device_idle_frac'][-1]:.0%}"
-            )
+        lines = self.status_lines()
         if len(self.state.points_by_rank) > 1:  # data parallel: one line per rank
             for rank in sorted(self.state.points_by_rank):
                 rs = self.state.series(rank)
                 if len(rs["iteration"]):
-                    lines.append(
-                        f"rank {rank}: {rs['wall_s'][-1] * 1e3:.1f} ms, D2H "
-                        f"{rs['d2h_gbps'][-1]:.2f} GB/s, H2D {rs['h2d_gbps'][-1]:.2f} GB/s, "
-                        f"overlap {rs['overlap_frac'][-1]:.0%}, idle "
-                        f"{rs['device_idle_frac'][-1]:.0%}")
+                    lines.append(f"rank {rank}: {rs['wall_ms'][-1]:.1f} ms, D2H "
+                                 f"{rs['d2h_gbps_busy'][-1]:.3g} GB/s, H2D {rs['h2d_gbps_busy'][-1]:.3g}"
+                                 f" GB/s, CPU hidden {rs['overlap_pct'][-1]:.0f} %, idle "
+                                 f"{rs['idle_pct'][-1]:.0f} %")
         lines.append(f"timeline: {len(self.state.timeline_spans())} spans drawn")
         return "\n".join(lines)
 
@@ -218,31 +297,25 @@ class LiveDashboard:
         return int(value) if isinstance(value, (int, float)) else None
 
     def _memory_bytes(self) -> tuple[float | None, float | None]:
-        """(host, device) bytes in use: the engine's own scalars when it records them, else
-        this process's resident memory and the CUDA allocator's count; on a CPU-only host the
-        device side falls back to the engine's device-resident weight bytes, which is what
-        weight-flow bounds by its prefetch depth (paper §4.5)."""
+        """(host, device) bytes: the engine's scalars when it records them, else this
+        process's resident memory and the CUDA allocator's count (None: unknown, not drawn;
+        a CPU-only run has no device memory to show)."""
         assert self.recorder is not None
         host_s = self.recorder.scalars("host_mem_bytes")
         device_s = self.recorder.scalars("device_mem_bytes")
-        host = host_s[-1].value if host_s else _process_rss_bytes()
-        device = device_s[-1].value if device_s else _cuda_allocated_bytes()
-        if device is None:
-            weights_s = self.recorder.scalars("device_weight_bytes")
-            device = weights_s[-1].value if weights_s else None
+        host = host_s[-1].value if host_s else process_rss_bytes()
+        device = device_s[-1].value if device_s else cuda_allocated_bytes()
         return host, device
 
     # ----------------------------------------------------------------- display
-    @property
-    def widget(self) -> Any:
-        """The FigureWidget (to put in an ipywidgets layout); None when not live."""
-        return self.figure if self.live else None
+    def _static_bundle(self) -> dict[str, Any]:
+        return snap.figure_bundle(self.figure, self.status_lines(), PLOT_CONFIG)
 
     def _ipython_display_(self) -> None:
         self.display()
 
     def display(self) -> None:
-        """Show the live figure in a notebook; degrade with a message elsewhere."""
+        """Show the dashboard in a notebook; degrade with a message elsewhere."""
         if self.figure is None:
             print(f"[superoffload] dashboard needs plotly to draw: {_env.INSTALL_HINT}")
             print(self.summary())
@@ -251,12 +324,17 @@ class LiveDashboard:
             print(self.summary())
             print("[superoffload] not in a notebook: dash.to_html('dashboard.html') writes a static page")
             return
-        from IPython.display import display
-
-        if not self.live:
-            print(f"[superoffload] live widgets need {', '.join(_env.missing_for_live())}: "
-                  f"showing a static snapshot. {_env.INSTALL_HINT}")
-        display(self.figure)
+        live = self.widget is not None and not (self.run_state is not None and self.run_state.ended)
+        if live:
+            self._main.show(snap.widget_bundle(self.widget, self.status_lines()))
+            self._snapshot.show(snap.text_bundle(["static snapshot (updated every few seconds "
+                                                  "while the run goes):", *self.status_lines()]))
+            self._last_snapshot = time.monotonic()
+        else:
+            if self.recorder is not None and not self.live:
+                print(f"[superoffload] live widgets need {', '.join(_env.missing_for_live())}: "
+                      f"showing a static snapshot. {_env.INSTALL_HINT}")
+            self._main.show(self._static_bundle())
 
     def to_html(self, path: str | Path, *, include_plotlyjs: bool | str = True) -> Path:
         """Write the current view as a self-contained HTML page (plotly.js embedded, so it
@@ -266,67 +344,36 @@ class LiveDashboard:
 
         with self._lock:
             fig = go.Figure(self.figure)
+            lines = self.status_lines()
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.write_html(str(path), include_plotlyjs=include_plotlyjs, full_html=True)
+        body = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, config=PLOT_CONFIG)
+        path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>"
+                        f"{html.escape(self.base_title)}</title></head><body>"
+                        f"{snap.html_lines(lines)}{body}</body></html>", encoding="utf-8")
         return path
 
 
-def _resolve_source(source: Any) -> tuple[Any, Any]:
-    """(engine or None, recorder or None) from an engine, a Recorder or None."""
-    from superoffload.telemetry.recorder import Recorder
+def _status_widget() -> Any:
+    import ipywidgets as w
 
-    if source is None:
-        return None, None
-    if isinstance(source, Recorder):
-        return None, source
-    recorder = getattr(source, "telemetry", None)
-    if isinstance(recorder, Recorder):
-        return source, recorder
-    raise TypeError(
-        f"LiveDashboard(source={type(source).__name__}): pass an engine (with .telemetry) or a "
-        "superoffload.telemetry.Recorder; for a simulation use LiveDashboard.from_spans(res.timeline)"
-    )
+    status = w.HTML(value="", layout=w.Layout(width="100%"))
+    status.add_class("so-dash-status")
+    return status
 
 
-def _simulation_title(result: Any) -> str:
-    parts = ["simulated"]
-    iteration_s = getattr(result, "iteration_s", None)
-    if iteration_s is not None:
-        parts.append(f"{float(iteration_s) * 1e3:.1f} ms/iteration")
-    tflops = getattr(result, "tflops", None)
-    if tflops is not None:
-        parts.append(f"{float(tflops):.0f} TFLOPS")
-    return " · ".join(parts)
+def _live_plot() -> Any:
+    from superoffload.widgets.liveplot import live_plot_class
+
+    plot = live_plot_class()(config=dict(PLOT_CONFIG))
+    plot.add_class("so-dashboard-plot")
+    plot.layout.width = "100%"
+    return plot
 
 
-def _simulated_memory_bytes(result: Any) -> tuple[float | None, float | None]:
-    memory = getattr(result, "memory", None)
-    host = _first_attr(memory, ("host_bytes", "host_total_bytes", "host"))
-    device = _first_attr(memory, ("device_bytes", "device_total_bytes", "device"))
-    return host, device
+def _vbox(status: Any, figure: Any) -> Any:
+    import ipywidgets as w
 
-
-def _first_attr(obj: Any, names: tuple[str, ...]) -> float | None:
-    for name in names:
-        value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
-
-
-def _process_rss_bytes() -> float | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return float(psutil.Process().memory_info().rss)
-
-
-def _cuda_allocated_bytes() -> float | None:
-    import sys
-
-    torch = sys.modules.get("torch")  # never import torch just to draw
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    return float(torch.cuda.memory_allocated())
+    box = w.VBox([status, figure], layout=w.Layout(width="100%"))
+    box.add_class("so-dashboard")
+    return box

@@ -1,37 +1,46 @@
 """`OffloadTuner`: controls for every offload setting with the planner's prediction, live.
 
-    tuner = OffloadTuner(plan.ModelShape(...), "gh200")          # what-if, no engine
-    tuner = OffloadTuner(model, "cpu-laptop", engine=engine, seq=64)  # attached to training
-    tuner                                                         # shows the controls
+    tuner = OffloadTuner(plan.ModelShape(...), "gh200")               # what-if, no engine
+    tuner = OffloadTuner(model, engine=engine, seq=64, micro_batch=8)  # this machine, live
+    tuner                                                              # shows the controls
 
-Every control change re-runs `plan.simulate` (milliseconds) and rewrites the prediction
-line; with an engine attached, "apply" sends the changed fields to
-`engine.reconfigure(...)`, which takes effect at the next iteration boundary: the
-dashboard's title and traces show it on the following steps. This only works while
-training runs in a background thread (see `BackgroundTrainer`): a cell that is still
-running never receives the button press.
+Every control change re-runs `plan.simulate` off the kernel's main thread, once the
+controls have been still for `debounce_s` (a held arrow key sends dozens of values; only
+the last is predicted), and rewrites the prediction table. The profile is this machine's
+measured one unless another is given, and the title says which. With an engine attached,
+"Apply to engine" sends the changed fields to `engine.reconfigure(...)` (in force from the
+next iteration); it is disabled when nothing can take the change (no engine, an engine
+that cannot reconfigure, nothing changed). A small static snapshot under the controls
+keeps the last settings and prediction readable in a saved notebook.
 """
 
 from __future__ import annotations
 
 import contextlib
 import html
-import os
+import itertools
 from pathlib import Path
 from typing import Any
 
 from superoffload.config import OffloadConfig
 from superoffload.widgets import _env
+from superoffload.widgets import snapshot as snap
+from superoffload.widgets.debounce import Executor, Inline, LatestOnly
+from superoffload.widgets.predict import describe, resolve_profile, to_shape
+from superoffload.widgets.runstate import RunState
 from superoffload.widgets.tuner_core import (
     TUNED_FIELDS,
     Prediction,
+    apply_block_reason,
     baseline_iteration_s,
     bucket_options,
     engine_changes,
     format_bytes,
     predict,
+    prediction_rows,
     prediction_text,
     reconfigurable_fields,
+    setting_notes,
 )
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -40,36 +49,27 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "weights": ("stationary", "flow", "auto"),
     "speculation": ("on", "off", "adaptive"),
 }
-_LABELS = {
-    "ratio": "ratio (CPU share)",
+LABELS = {
+    "ratio": "ratio (CPU share of the optimizer)",
     "bucket_bytes": "bucket size",
-    "grad_cast": "grad cast on",
-    "param_cast": "param cast on",
-    "weights": "weights",
-    "speculation": "STV",
-    "cpu_threads": "CPU threads",
+    "grad_cast": "gradients cast on",
+    "param_cast": "weights cast on",
+    "weights": "weight policy",
+    "speculation": "speculation (STV)",
+    "cpu_threads": "CPU optimizer threads",
 }
 
 
 class OffloadTuner:
     """Sliders and toggles over the tuned OffloadConfig fields, a prediction, an apply button."""
 
-    def __init__(
-        self,
-        shape_or_model: Any,
-        profile: Any = "gh200",
-        engine: Any = None,
-        *,
-        config: OffloadConfig | None = None,
-        seq: int | None = None,
-        micro_batch: int = 1,
-        preview: Any = None,
-        compare_baseline: bool = True,
-    ) -> None:
-        from superoffload import plan
-
-        self.shape = _to_shape(shape_or_model, seq=seq, micro_batch=micro_batch)
-        self.profile = plan.profiles.get(profile) if isinstance(profile, str) else profile
+    def __init__(self, shape_or_model: Any, profile: Any = None, engine: Any = None, *,
+                 config: OffloadConfig | None = None, seq: int | None = None,
+                 micro_batch: int = 1, preview: Any = None, compare_baseline: bool = True,
+                 debounce_s: float = 0.2) -> None:
+        self.shape = to_shape(shape_or_model, seq=seq, micro_batch=micro_batch)
+        self.choice = resolve_profile(profile)
+        self.profile = self.choice.profile
         self.engine = engine
         base = config or (engine.config if engine is not None else OffloadConfig())
         if not isinstance(base, OffloadConfig):
@@ -78,18 +78,24 @@ class OffloadTuner:
         self.preview = preview
         self.values: dict[str, Any] = {name: getattr(self.base_config, name) for name in TUNED_FIELDS}
         self._derived_threads = self.values["cpu_threads"] is None
-        if self._derived_threads:
-            # the slider needs a number: show what cpu_cores_frac derives on this profile
+        if self._derived_threads:  # the slider needs a number: what cpu_cores_frac gives here
             self.values["cpu_threads"] = self._default_threads()
         self._shown_default_threads = self.values["cpu_threads"]
         self.baseline_s = baseline_iteration_s(self.shape, self.profile) if compare_baseline else None
         self.prediction: Prediction | None = None
         self.prediction_line = ""
+        self.run_state: RunState | None = None
         self.status_line = "no engine attached (what-if mode)" if engine is None else "not applied yet"
         self.applied: list[dict[str, Any]] = []
+        self._sent: dict[str, Any] = {}
         self.controls: dict[str, Any] = {}
+        self._seq = itertools.count()
+        self._latest = 0
+        self._quiet = False
+        self._snapshot = snap.Slot("tuner-snapshot")
         self.widget: Any = self._build_widgets() if _env.has_module("ipywidgets") else None
-        self._update()
+        self.executor: Executor = LatestOnly(debounce_s) if self.widget is not None and debounce_s > 0 else Inline()
+        self._show(*self._predict(self.config))
 
     # ----------------------------------------------------------------- state
     @property
@@ -101,36 +107,58 @@ class OffloadTuner:
         return self.base_config.replace(**values)
 
     def set(self, **values: Any) -> Prediction:
-        """Set controls by field name (as a user would); returns the new prediction."""
+        """Set controls by field name (as a user would); returns the new prediction (computed
+        in this thread, so the caller reads it at once)."""
         unknown = sorted(set(values) - set(TUNED_FIELDS))
         if unknown:
             raise ValueError(f"OffloadTuner.set: unknown control(s) {unknown}; known: {list(TUNED_FIELDS)}")
         self.base_config.replace(**{**self.values, **values})  # validate before touching anything
-        for name, value in values.items():
-            control = self.controls.get(name)
-            if control is None:
+        self._quiet = True
+        try:
+            for name, value in values.items():
                 self.values[name] = value
-                continue
-            if name == "bucket_bytes" and value not in dict(control.options).values():
-                merged = set(bucket_options(value)) | {tuple(o) for o in control.options}
-                control.options = sorted(merged, key=lambda o: o[1])
-            control.value = value  # fires the observer: values and prediction follow
-        if not self.controls:
-            self._update()
+                control = self.controls.get(name)
+                if control is None:
+                    continue
+                if name == "bucket_bytes" and value not in dict(control.options).values():
+                    merged = set(bucket_options(value)) | {tuple(o) for o in control.options}
+                    control.options = sorted(merged, key=lambda o: o[1])
+                control.value = value
+        finally:
+            self._quiet = False
+        self._latest = next(self._seq)
+        self._show(*self._predict(self.config))
         assert self.prediction is not None
         return self.prediction
+
+    def set_run_state(self, state: RunState) -> None:
+        """Told by the trainer: the status line and Apply follow the run."""
+        self.run_state = state
+        self._show_status()
+
+    def _live_changes(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.engine is None:
+            return {}, {}
+        current = self.engine.config
+        self._sent = {k: v for k, v in self._sent.items() if getattr(current, k) != v}
+        target = current.replace(**self._sent) if self._sent else current
+        return engine_changes(target, self.config, reconfigurable_fields(self.engine))
+
+    def apply_blocked(self) -> str | None:
+        """Why Apply is disabled now (None: enabled)."""
+        reason = apply_block_reason(self.engine, reconfigurable_fields(self.engine) if self.engine
+                                    is not None else frozenset(), bool(getattr(self.engine, "closed", False)))
+        if reason is None and not self._live_changes()[0]:
+            return "nothing to apply: the controls match the engine's settings"
+        return reason
 
     def apply(self) -> dict[str, Any]:
         """Send the changed settings to the attached engine (applied between iterations)."""
         if self.engine is None:
             raise ValueError("OffloadTuner.apply: no engine attached; pass engine=... to OffloadTuner")
-        changes, restart = engine_changes(
-            self.engine.config, self.config, reconfigurable_fields(self.engine)
-        )
+        changes, restart = self._live_changes()
         iteration = getattr(self.engine, "iteration", "?")
-        later = (
-            "; needs a restart: " + ", ".join(f"{k}={v}" for k, v in restart.items()) if restart else ""
-        )
+        later = "; needs a restart: " + ", ".join(f"{k}={v}" for k, v in restart.items()) if restart else ""
         if not changes:
             self.status_line = f"nothing to apply at iteration {iteration}{later}"
         else:
@@ -141,93 +169,160 @@ class OffloadTuner:
                 self._show_status()
                 raise
             self.applied.append(dict(changes))
+            self._sent.update(changes)
             shown = ", ".join(f"{k}={v}" for k, v in changes.items())
-            self.status_line = (
-                f"applied {shown} at iteration {iteration} (in force from the next one){later}"
-            )
+            when = ("training is not running: it takes effect at the next iteration trained"
+                    if self.run_state is not None and self.run_state is not RunState.RUNNING
+                    else "in force from the next iteration")
+            self.status_line = f"applied {shown} at iteration {iteration} ({when}){later}"
         self._show_status()
         return changes
 
+    def close(self) -> None:
+        """Stop the prediction worker thread."""
+        self.executor.close()
+
+    # ----------------------------------------------------------------- predicting
+    def _predict(self, config: OffloadConfig | None) -> tuple[Prediction | None, str, Any]:
+        """The planner's answer for `config` (any thread): prediction, its line, a simulation."""
+        if config is None:
+            return None, self.prediction_line, None
+        pred = predict(self.shape, self.profile, config, baseline_s=self.baseline_s)
+        sim = None
+        if self.preview is not None:
+            from superoffload import plan
+
+            sim = plan.simulate(self.shape, self.profile, schedule="superoffload", config=config)
+        return pred, prediction_text(pred), sim
+
+    def _on_control(self, change: dict[str, Any]) -> None:
+        owner = change["owner"]
+        name = next(n for n, c in self.controls.items() if c is owner)
+        self.values[name] = change["new"]
+        if self._quiet:
+            return
+        try:
+            config = self.config
+        except ValueError as exc:
+            self.prediction_line = f"invalid setting: {exc}"
+            self._show(None, self.prediction_line, None)
+            return
+        seq = self._latest = next(self._seq)
+        if self.widget is not None:
+            self.prediction_html.add_class("so-tuner-pending")
+        future = self.executor.submit(lambda: self._predict(config))
+        future.add_done_callback(lambda f: self._on_prediction(seq, f))
+
+    def _on_prediction(self, seq: int, future: Any) -> None:
+        if future.cancelled() or seq != self._latest:
+            return  # a newer setting is on its way
+        exc = future.exception()
+        if exc is not None:
+            self.prediction_line = f"the planner failed on this setting: {exc}"
+            self._show(None, self.prediction_line, None)
+            return
+        self._show(*future.result())
+
+    def _show(self, pred: Prediction | None, line: str, sim: Any) -> None:
+        if pred is not None:
+            self.prediction = pred
+        self.prediction_line = line
+        if sim is not None and self.preview is not None:
+            self.preview.show_simulation(sim, profile=self.profile)
+        if self.widget is not None:
+            self.prediction_html.value = self._prediction_html(pred, line)
+            self.prediction_html.remove_class("so-tuner-pending")
+            notes = setting_notes(self.values)
+            self.notes_html.value = "".join(f"<div>&#9888; {html.escape(n)}</div>" for n in notes)
+            self.controls["ratio"].disabled = self.values.get("weights") == "flow"
+        self._show_status()
+
     # ----------------------------------------------------------------- widgets
     def _default_threads(self) -> int:
+        import os
+
         cores = int(getattr(self.profile, "cpu_cores", os.cpu_count() or 1))
         return max(1, round(cores * self.base_config.cpu_cores_frac))
 
     def _build_widgets(self) -> Any:
         import ipywidgets as w
 
-        style = {"description_width": "110px"}
-        layout = w.Layout(width="460px")
         c = self.controls
-        c["ratio"] = w.FloatSlider(
-            value=float(self.values["ratio"]), min=0.0, max=1.0, step=0.05, readout_format=".2f",
-            description=_LABELS["ratio"], style=style, layout=layout, continuous_update=True,
-        )
-        c["bucket_bytes"] = w.SelectionSlider(
-            options=bucket_options(self.values["bucket_bytes"]), value=self.values["bucket_bytes"],
-            description=_LABELS["bucket_bytes"], style=style, layout=layout,
-        )
+        full = w.Layout(width="100%")
+        c["ratio"] = w.FloatSlider(value=float(self.values["ratio"]), min=0.0, max=1.0, step=0.05,
+                                   readout_format=".2f", continuous_update=True, layout=full)
+        c["bucket_bytes"] = w.SelectionSlider(options=bucket_options(self.values["bucket_bytes"]),
+                                              value=self.values["bucket_bytes"], layout=full)
         for name, options in _CHOICES.items():
-            c[name] = w.ToggleButtons(
-                options=list(options), value=self.values[name], description=_LABELS[name], style=style,
-            )
+            c[name] = w.ToggleButtons(options=list(options), value=self.values[name],
+                                      style={"button_width": "86px"})
         max_threads = max(int(getattr(self.profile, "cpu_cores", 1)), int(self.values["cpu_threads"]))
-        c["cpu_threads"] = w.IntSlider(
-            value=int(self.values["cpu_threads"]), min=1, max=max_threads,
-            description=_LABELS["cpu_threads"], style=style, layout=layout,
-        )
-        for name, control in c.items():
+        c["cpu_threads"] = w.IntSlider(value=int(self.values["cpu_threads"]), min=1, max=max_threads,
+                                       layout=full)
+        rows = []
+        for name in TUNED_FIELDS:
+            control = c.get(name)
+            if control is None:
+                continue
             control.observe(self._on_control, names="value")
             control.add_class(f"so-tuner-{name.replace('_', '-')}")
-        self.prediction_html = w.HTML(value="")
+            label = w.HTML(value=f"<span title='OffloadConfig.{name}'>{html.escape(LABELS.get(name, name))}</span>")
+            rows += [label, control]
+        grid = w.GridBox(rows, layout=w.Layout(grid_template_columns="minmax(150px, 230px) minmax(0, 1fr)",
+                                               grid_gap="4px 12px", width="100%", align_items="center"))
+        self.notes_html = w.HTML(value="")
+        self.notes_html.add_class("so-tuner-notes")
+        self.prediction_html = w.HTML(value="", layout=w.Layout(width="100%"))
         self.prediction_html.add_class("so-tuner-prediction")
-        self.apply_button = w.Button(
-            description="Apply to engine", button_style="primary", disabled=self.engine is None,
-            tooltip="engine.reconfigure(...) with the changed settings; in force next iteration",
-        )
+        self.apply_button = w.Button(description="Apply to engine", button_style="primary",
+                                     disabled=True, layout=w.Layout(width="auto", min_width="150px"))
         self.apply_button.add_class("so-tuner-apply")
         self.apply_button.on_click(lambda _button: self._apply_from_button())
-        self.status_html = w.HTML(value="")
+        self.status_html = w.HTML(value="", layout=w.Layout(width="100%"))
         self.status_html.add_class("so-tuner-status")
-        title = w.HTML(value=f"<b>offload tuner</b> · {html.escape(_describe(self.shape, self.profile))}")
-        return w.VBox([title, *c.values(), self.prediction_html, w.HBox([self.apply_button, self.status_html])])
+        title = w.HTML(value=f"<b>offload tuner</b> · {html.escape(describe(self.shape, self.choice))}")
+        box = w.VBox([title, grid, self.notes_html, self.prediction_html,
+                      w.HBox([self.apply_button, self.status_html], layout=w.Layout(width="100%"))],
+                     layout=w.Layout(width="100%", max_width="980px"))
+        box.add_class("so-tuner")
+        return box
 
-    def _on_control(self, change: dict[str, Any]) -> None:
-        owner = change["owner"]
-        name = next(n for n, c in self.controls.items() if c is owner)
-        self.values[name] = change["new"]
-        self._update()
+    def _prediction_html(self, pred: Prediction | None, line: str) -> str:
+        # name the settings the table is for: a slider moves faster than the kernel answers
+        shown = (f"ratio {float(self.values['ratio']):.2f}, "
+                 f"{format_bytes(self.values['bucket_bytes'])} buckets")
+        head = f"<div><b>predicted</b> for {html.escape(shown)} on {html.escape(self.choice.name)}</div>"
+        if pred is None:
+            return head + f"<div style='color:#C00000'>{html.escape(line)}</div>"
+        cells = []
+        for label, value, ok in prediction_rows(pred):
+            style = " style='color:#C00000;font-weight:bold'" if ok is False else ""
+            cells.append(f"<tr><th style='text-align:left;padding-right:12px'>{html.escape(label)}</th>"
+                         f"<td{style}>{html.escape(value)}</td></tr>")
+        return head + f"<table style='border-collapse:collapse'>{''.join(cells)}</table>"
 
     def _apply_from_button(self) -> None:
         # A button callback has no cell to raise into: the status line carries the error.
         with contextlib.suppress(ValueError, TypeError):
             self.apply()
 
-    def _update(self) -> None:
-        try:
-            config = self.config
-        except ValueError as exc:
-            self.prediction_line = f"invalid setting: {exc}"
-        else:
-            self.prediction = predict(self.shape, self.profile, config, baseline_s=self.baseline_s)
-            self.prediction_line = prediction_text(self.prediction)
-            if self.preview is not None:
-                from superoffload import plan
-
-                self.preview.show_simulation(
-                    plan.simulate(self.shape, self.profile, schedule="superoffload", config=config)
-                )
-        if self.widget is not None:
-            # name the settings the line is for: a slider moves faster than the kernel answers
-            shown = f"ratio {float(self.values['ratio']):.2f}, {format_bytes(self.values['bucket_bytes'])} buckets"
-            self.prediction_html.value = (
-                f"<code>{html.escape(shown)} → {html.escape(self.prediction_line)}</code>"
-            )
-        self._show_status()
-
     def _show_status(self) -> None:
-        if self.widget is not None:
-            self.status_html.value = html.escape(self.status_line)
+        if self.widget is None:
+            return
+        blocked = self.apply_blocked()
+        self.apply_button.disabled = blocked is not None
+        self.apply_button.tooltip = blocked or "engine.reconfigure(...) with the changed settings"
+        run = f"training {self.run_state.value} · " if self.run_state is not None else ""
+        text = run + self.status_line
+        if blocked is not None and self.engine is not None and not self.status_line.startswith("applied"):
+            text = run + blocked
+        self.status_html.value = html.escape(text)
+        self._snapshot.update(snap.text_bundle(self._snapshot_lines()))
+
+    def _snapshot_lines(self) -> list[str]:
+        settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        return ["offload tuner (static snapshot)", describe(self.shape, self.choice), settings,
+                self.prediction_line, self.status_line]
 
     # ----------------------------------------------------------------- output
     def _ipython_display_(self) -> None:
@@ -243,56 +338,29 @@ class OffloadTuner:
         from IPython.display import display
 
         display(self.widget)
+        self._snapshot.show(snap.text_bundle(self._snapshot_lines()))
 
     def summary(self) -> str:
         settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
-        return f"{_describe(self.shape, self.profile)}\n{settings}\n{self.prediction_line}"
+        return f"{describe(self.shape, self.choice)}\n{settings}\n{self.prediction_line}"
 
     def to_html(self, path: str | Path) -> Path:
         """A static page with the settings, the prediction and the simulated timeline."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        rows = "".join(
-            f"<tr><th>{html.escape(_LABELS[k])}</th><td>{html.escape(str(v))}</td></tr>"
-            for k, v in self.values.items()
-        )
-        body = (
-            f"<h2>offload tuner</h2><p>{html.escape(_describe(self.shape, self.profile))}</p>"
-            f"<table>{rows}</table><p><code>{html.escape(self.prediction_line)}</code></p>"
-            f"<p>{html.escape(self.status_line)}</p>"
-        )
+        rows = "".join(f"<tr><th>{html.escape(LABELS.get(k, k))}</th><td>{html.escape(str(v))}</td></tr>"
+                       for k, v in self.values.items())
+        body = (f"<h2>offload tuner</h2><p>{html.escape(describe(self.shape, self.choice))}</p>"
+                f"<table>{rows}</table>{self._prediction_html(self.prediction, self.prediction_line)}"
+                f"<p>{html.escape(self.status_line)}</p>")
         if _env.plotly_available():
             from superoffload import plan
             from superoffload.widgets.dashboard import LiveDashboard
 
             res = plan.simulate(self.shape, self.profile, schedule="superoffload", config=self.config)
             dash = LiveDashboard(None, live=False)
-            dash.show_simulation(res)
+            dash.show_simulation(res, profile=self.profile)
             body += dash.figure.to_html(full_html=False, include_plotlyjs=True)
-        path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>offload tuner</title>"
-                        f"</head><body>{body}</body></html>")
+        path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>offload tuner</title>"
+                        f"</head><body>{body}</body></html>", encoding="utf-8")
         return path
-
-
-def _to_shape(shape_or_model: Any, *, seq: int | None, micro_batch: int) -> Any:
-    from superoffload.plan.shapes import ModelShape
-
-    if isinstance(shape_or_model, ModelShape):
-        return shape_or_model
-    if hasattr(shape_or_model, "parameters"):
-        if seq is None:
-            cfg = getattr(shape_or_model, "cfg", None) or getattr(shape_or_model, "config", None)
-            seq = getattr(cfg, "seq_len", None) or getattr(cfg, "block_size", None)
-        if not isinstance(seq, int):
-            raise ValueError("OffloadTuner(model, ...): pass seq=<tokens per sequence> for an nn.Module")
-        return ModelShape.from_module(shape_or_model, seq=seq, micro_batch=micro_batch)
-    raise TypeError(
-        f"OffloadTuner(shape_or_model={type(shape_or_model).__name__}): pass a plan.ModelShape or an nn.Module"
-    )
-
-
-def _describe(shape: Any, profile: Any) -> str:
-    params = getattr(shape, "params", None)
-    size = f"{params / 1e9:.2f}B params" if isinstance(params, int) and params >= 1e8 else (
-        f"{params / 1e6:.2f}M params" if isinstance(params, int) else "model")
-    return f"{size}, seq {shape.seq} x batch {shape.micro_batch} on {getattr(profile, 'name', profile)}"

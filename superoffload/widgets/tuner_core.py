@@ -1,27 +1,27 @@
 """The tuner's pure core: settings in, the planner's prediction and the engine changes out.
 
-No widgets here: `OffloadTuner` (tuner.py) is a view that calls these on every control
-change. The numbers all come from `superoffload.plan.simulate` (DESIGN.md §5).
+No widgets here: `OffloadTuner` (tuner.py) is a view that calls these off the UI thread.
+The numbers all come from `superoffload.plan.simulate` (docs/planner.md). Which fields have
+a control and which the engine takes live are declared once, in `superoffload.config`
+(`TUNED_FIELDS`, `RECONFIGURABLE`); an engine says what IT can take as
+`engine.reconfigurable` (empty for one that cannot reconfigure while training).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
+from superoffload import config as config_module
 from superoffload.config import OffloadConfig
 
-TUNED_FIELDS: tuple[str, ...] = (
-    "ratio", "bucket_bytes", "grad_cast", "param_cast", "weights", "speculation", "cpu_threads",
-)
-"""OffloadConfig fields the tuner's controls set."""
-
-DEFAULT_RECONFIGURABLE: frozenset[str] = frozenset(
-    {"ratio", "bucket_bytes", "speculation", "grad_cast", "param_cast", "cpu_threads", "max_grad_norm"}
-)
-"""What `engine.reconfigure(...)` takes between iterations when the engine's module does not
-say (the engine module's own `RECONFIGURABLE` wins: see `reconfigurable_fields`)."""
+DISPLAY_ORDER = ("ratio", "bucket_bytes", "grad_cast", "param_cast", "weights", "speculation",
+                 "cpu_threads")
+"""Controls top to bottom (the fields come from config.TUNED_FIELDS)."""
+TUNED_FIELDS: tuple[str, ...] = tuple(
+    sorted(config_module.TUNED_FIELDS,
+           key=lambda n: DISPLAY_ORDER.index(n) if n in DISPLAY_ORDER else len(DISPLAY_ORDER)))
+"""OffloadConfig fields the tuner's controls set, in display order."""
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -40,6 +40,15 @@ class Prediction:
     """ZeRO-Offload on the same model and machine (None when not simulated)."""
     fits: bool | None
     """Whether both memories hold the state (None when the planner does not say)."""
+    problems: tuple[str, ...] = ()
+    """Why it does not fit, with the capacity (the planner's words)."""
+    tokens: int | None = None
+    """Tokens per iteration (for tokens/s)."""
+    effective_ratio: float | None = None
+    """The ratio the schedule runs (weight-flow offloads every bucket: 1.0)."""
+    device_capacity_bytes: float | None = None
+    host_capacity_bytes: float | None = None
+    profile_name: str = ""
 
     @property
     def speedup_vs_baseline(self) -> float | None:
@@ -51,16 +60,20 @@ class Prediction:
 def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: float | None = None) -> Prediction:
     """Simulate one SuperOffload iteration of `shape` on `profile` with `config`."""
     from superoffload import plan
+    from superoffload.plan.memory import DEVICE_HEADROOM, HOST_HEADROOM
 
     res = plan.simulate(shape, profile, schedule="superoffload", config=config)
     device, host = memory_bytes(res.memory)
+    dev_cap = getattr(profile, "device_memory_bytes", None)
+    host_cap = getattr(profile, "host_memory_bytes", None)
     return Prediction(
-        iteration_s=float(res.iteration_s),
-        tflops=float(res.tflops),
-        device_bytes=device,
-        host_bytes=host,
-        baseline_s=baseline_s,
-        fits=_fits(res),
+        iteration_s=float(res.iteration_s), tflops=float(res.tflops), device_bytes=device,
+        host_bytes=host, baseline_s=baseline_s, fits=_fits(res),
+        problems=tuple(getattr(res, "problems", ()) or ()), tokens=int(shape.tokens),
+        effective_ratio=_number(getattr(res, "plan", None), ("ratio",)),
+        device_capacity_bytes=float(dev_cap) * DEVICE_HEADROOM if dev_cap else None,
+        host_capacity_bytes=float(host_cap) * HOST_HEADROOM if host_cap else None,
+        profile_name=str(getattr(profile, "name", "")),
     )
 
 
@@ -76,9 +89,8 @@ def baseline_iteration_s(shape: Any, profile: Any) -> float | None:
 
 def memory_bytes(memory: Any) -> tuple[float | None, float | None]:
     """(device, host) bytes from a simulation's memory report."""
-    device = _number(memory, ("device_bytes", "device_total_bytes", "device"))
-    host = _number(memory, ("host_bytes", "host_total_bytes", "host"))
-    return device, host
+    return (_number(memory, ("device_bytes", "device_total_bytes", "device")),
+            _number(memory, ("host_bytes", "host_total_bytes", "host")))
 
 
 def _number(obj: Any, names: tuple[str, ...]) -> float | None:
@@ -98,21 +110,40 @@ def _fits(res: Any) -> bool | None:
 
 
 def reconfigurable_fields(engine: Any) -> frozenset[str]:
-    """The fields this engine accepts in `reconfigure`: its module's `RECONFIGURABLE` set."""
-    module = sys.modules.get(type(engine).__module__)
-    declared = getattr(module, "RECONFIGURABLE", None)
-    return frozenset(declared) if declared else DEFAULT_RECONFIGURABLE
+    """What `engine.reconfigure` takes while training: the engine's own `reconfigurable`
+    (empty when it cannot reconfigure), else the config's declared RECONFIGURABLE."""
+    return frozenset(getattr(engine, "reconfigurable", config_module.RECONFIGURABLE))
 
 
-def engine_changes(
-    current: OffloadConfig, wanted: OffloadConfig, allowed: frozenset[str] = DEFAULT_RECONFIGURABLE
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def engine_changes(current: OffloadConfig, wanted: OffloadConfig,
+                   allowed: frozenset[str] = config_module.RECONFIGURABLE
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(changes `engine.reconfigure` takes, changes that need a restart) among the tuned
     fields whose value differs."""
     diff = {n: getattr(wanted, n) for n in TUNED_FIELDS if getattr(wanted, n) != getattr(current, n)}
     live = {n: v for n, v in diff.items() if n in allowed}
     restart = {n: v for n, v in diff.items() if n not in allowed}
     return live, restart
+
+
+def apply_block_reason(engine: Any, allowed: frozenset[str], closed: bool) -> str | None:
+    """Why Apply cannot do anything now (None: it can)."""
+    if engine is None:
+        return "no engine attached (what-if mode): pass engine=... to apply settings"
+    if closed:
+        return "the engine is closed: nothing can take new settings"
+    if not allowed:
+        return f"{type(engine).__name__} cannot reconfigure while training: restart it with the settings"
+    return None
+
+
+def setting_notes(values: dict[str, Any]) -> list[str]:
+    """What a combination of settings does that the controls alone do not show."""
+    notes = []
+    if values.get("weights") == "flow":
+        notes.append(f"weight-flow offloads every bucket: the ratio control is ignored (the "
+                     f"engine runs ratio 1.0, not {float(values.get('ratio', 1.0)):.2f})")
+    return notes
 
 
 def bucket_options(current_bytes: int) -> list[tuple[str, int]]:
@@ -129,22 +160,38 @@ def format_bytes(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
-def prediction_text(pred: Prediction) -> str:
-    """One line: predicted iteration time, TFLOPS, memory each side, speed-up vs ZeRO-Offload."""
-    parts = [f"predicted iteration {_format_seconds(pred.iteration_s)}", f"{pred.tflops:.1f} TFLOPS"]
-    if pred.device_bytes is not None:
-        parts.append(f"device {_format_gb(pred.device_bytes)}")
-    if pred.host_bytes is not None:
-        parts.append(f"host {_format_gb(pred.host_bytes)}")
+def prediction_rows(pred: Prediction) -> list[tuple[str, str, bool | None]]:
+    """(label, value, ok) rows of the prediction table; ok is False where it does not fit."""
+    rows: list[tuple[str, str, bool | None]] = [
+        ("iteration time", format_seconds(pred.iteration_s), None)]
+    if pred.tokens:
+        rows.append(("tokens/s", f"{pred.tokens / pred.iteration_s:,.0f}", None))
+    rows.append(("TFLOP/s", f"{pred.tflops:.3g}", None))
+    for side, used, cap in (("device memory", pred.device_bytes, pred.device_capacity_bytes),
+                            ("host memory", pred.host_bytes, pred.host_capacity_bytes)):
+        if used is None:
+            continue
+        ok = None if cap is None else used <= cap
+        text = format_gb(used) + (f" of {format_gb(cap)} usable" if cap is not None else "")
+        rows.append((side, text + (" · DOES NOT FIT" if ok is False else ""), ok))
     speedup = pred.speedup_vs_baseline
     if speedup is not None:
-        parts.append(f"{speedup:.2f}x vs ZeRO-Offload")
+        rows.append(("vs ZeRO-Offload", f"{speedup:.2f}x faster" if speedup >= 1 else
+                     f"{1 / speedup:.2f}x slower", None))
+    if pred.effective_ratio is not None:
+        rows.append(("ratio that runs", f"{pred.effective_ratio:.2f}", None))
     if pred.fits is False:
-        parts.append("DOES NOT FIT")
-    return " · ".join(parts)
+        rows.append(("DOES NOT FIT", "; ".join(pred.problems) or "the planner says it does not fit", False))
+    return rows
 
 
-def _format_seconds(seconds: float) -> str:
+def prediction_text(pred: Prediction) -> str:
+    """One plain-text line: the rows joined (what terminals and summaries show)."""
+    return " · ".join(f"{label} {value}" if label != "DOES NOT FIT" else f"DOES NOT FIT: {value}"
+                      for label, value, _ in prediction_rows(pred))
+
+
+def format_seconds(seconds: float) -> str:
     if seconds >= 1:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:
@@ -152,5 +199,5 @@ def _format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
-def _format_gb(nbytes: float) -> str:
+def format_gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"

@@ -1,0 +1,82 @@
+"""What the planner needs from a notebook: a model shape and a hardware profile, resolved once.
+
+The default profile is THIS machine's, measured by `plan.measure_local(quick=True)` (a few
+seconds the first time, then read from its cache file): a preset for another machine
+(`"cpu-laptop"`, `"gh200"`) predicts another machine, and a prediction that is off by 10x
+teaches nothing. Every view says which profile it uses (`ProfileChoice.note`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileChoice:
+    profile: Any
+    """A `plan.HardwareProfile`."""
+    note: str
+    """Where it comes from, for the views ("measured on this machine ...", "preset")."""
+
+    @property
+    def name(self) -> str:
+        return str(getattr(self.profile, "name", "?"))
+
+
+@functools.lru_cache(maxsize=1)
+def local_profile() -> Any:
+    """This machine's profile (`plan.measure_local(quick=True)`, cached on disk and here)."""
+    from superoffload import plan
+
+    return plan.measure_local(quick=True, progress=False)
+
+
+def resolve_profile(profile: Any = None) -> ProfileChoice:
+    """None: this machine's measured profile; a name: that preset; a HardwareProfile: itself."""
+    from superoffload import plan
+
+    if profile is None:
+        return ProfileChoice(local_profile(), "measured on this machine by "
+                                              "plan.measure_local(quick=True), cached")
+    if isinstance(profile, str):
+        return ProfileChoice(plan.profiles.get(profile), "preset")
+    if isinstance(profile, plan.HardwareProfile):
+        return ProfileChoice(profile, "given")
+    raise TypeError(f"profile={profile!r}: pass None (this machine, measured), a preset name "
+                    f"({', '.join(plan.profiles.names())}) or a plan.HardwareProfile")
+
+
+def to_shape(shape_or_model: Any, *, seq: int | None = None, micro_batch: int = 1) -> Any:
+    """A `plan.ModelShape` from a shape or an `nn.Module` (then `seq` is needed, or read from
+    the model's config)."""
+    from superoffload.plan.shapes import ModelShape
+
+    if isinstance(shape_or_model, ModelShape):
+        return shape_or_model
+    if hasattr(shape_or_model, "parameters"):
+        if seq is None:
+            cfg = getattr(shape_or_model, "cfg", None) or getattr(shape_or_model, "config", None)
+            seq = getattr(cfg, "seq_len", None) or getattr(cfg, "block_size", None)
+        if not isinstance(seq, int):
+            raise ValueError("pass seq=<tokens per sequence> with an nn.Module (the planner "
+                             "needs the sequence length to count FLOPs and activations)")
+        return ModelShape.from_module(shape_or_model, seq=seq, micro_batch=micro_batch)
+    raise TypeError(f"{type(shape_or_model).__name__}: pass a plan.ModelShape or an nn.Module")
+
+
+def format_count(n: float) -> str:
+    """120576 -> "121K", 1.3e9 -> "1.3B" (3 significant digits)."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def describe(shape: Any, choice: ProfileChoice) -> str:
+    """"121K params, seq 64 x batch 8 · profile local-vm (measured on this machine ...)"."""
+    params = getattr(shape, "params", None)
+    size = f"{format_count(float(params))} params" if isinstance(params, (int, float)) else "model"
+    return (f"{size}, seq {shape.seq} x batch {shape.micro_batch} · profile {choice.name} "
+            f"({choice.note})")

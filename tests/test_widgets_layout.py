@@ -1,0 +1,242 @@
+"""The dashboard's pure logic without plotly or a browser: link rates and utilisation,
+percentages, complete iterations only, the timeline in ms, layouts and palettes, status text."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from superoffload.telemetry import metrics
+from superoffload.telemetry.events import LANES, Span
+from superoffload.widgets import layout as L
+from superoffload.widgets.panels import (
+    Expected,
+    Workload,
+    measured_arrays,
+    predicted_at,
+    reconfigure_delta,
+    robust_top,
+    status_lines,
+)
+from superoffload.widgets.runstate import RunState
+from superoffload.widgets.series import DashboardState, thin
+from superoffload.widgets.timeline import span_segments, timeline_view, vlines
+from tests.widgets_support import MB, filled_recorder, record_iteration
+
+
+def fed(iterations: int, *, final: bool = False, **kw) -> DashboardState:
+    rec = filled_recorder(iterations, **kw)
+    state = DashboardState(window_iterations=3)
+    state.add_spans(rec.spans(), final=final)
+    for name in ("loss", "ratio"):
+        state.add_scalars(name, [(s.iteration, s.value) for s in rec.scalars(name)])
+    return state
+
+
+# ------------------------------------------------------------------ rates and percentages
+
+
+def test_link_rate_is_bytes_over_time_moving_per_direction() -> None:
+    # widgets_support: 3 buckets per iteration, D2H 4 MB in 2 ms each, H2D 2 MB in 1 ms each
+    state = fed(4, final=True)
+    s = state.series()
+    assert s["d2h_gbps_busy"] == pytest.approx([12 * MB / 0.006 / 1e9] * 4)
+    assert s["h2d_gbps_busy"] == pytest.approx([6 * MB / 0.003 / 1e9] * 4)
+    m = metrics.iteration_metrics(filled_recorder(4).spans())
+    assert s["d2h_gbps_wall"] == pytest.approx([x.d2h_bytes / x.wall_s / 1e9 for x in m])
+
+
+def test_utilisation_is_wall_rate_over_peak_in_percent() -> None:
+    state = fed(4, final=True)
+    a = measured_arrays(state, Workload(d2h_peak_gbps=10.0, h2d_peak_gbps=5.0))
+    assert a["d2h_util_pct"] == pytest.approx(100 * state.series()["d2h_gbps_wall"] / 10.0)
+    assert a["h2d_util_pct"] == pytest.approx(100 * state.series()["h2d_gbps_wall"] / 5.0)
+    assert metrics.link_utilisation_pct(3.0, None) != metrics.link_utilisation_pct(3.0, None)  # NaN
+    assert math.isnan(measured_arrays(state, Workload())["d2h_util_pct"][0])
+
+
+def test_overlap_and_idle_are_percent_and_overlap_is_a_gap_without_cpu_work() -> None:
+    state = fed(3, final=True)
+    s = state.series()
+    m = metrics.iteration_metrics(filled_recorder(3).spans())
+    assert s["overlap_pct"] == pytest.approx([100 * x.cpu_overlap_frac for x in m])
+    assert s["idle_pct"] == pytest.approx([100 * x.device_idle_frac for x in m])
+    no_cpu = DashboardState()
+    no_cpu.add_spans([Span("device_compute", "forward", 0.0, 0.01, 0),
+                      Span("device_compute", "forward", 0.02, 0.03, 1)], final=True)
+    assert math.isnan(no_cpu.series()["overlap_pct"][0])  # not "100 % hidden"
+    assert "link" not in no_cpu.available()
+
+
+def test_tokens_and_tflops_per_second_and_the_prediction_step() -> None:
+    state = fed(5, final=True)
+    work = Workload(tokens_per_iteration=512, flops_per_iteration=2e12)
+    expected = [Expected(0, 0.020, 50.0), Expected(3, 0.010, 100.0)]
+    a = measured_arrays(state, work, expected)
+    assert a["tokens_per_s"] == pytest.approx(512 / (a["wall_ms"] / 1e3))
+    assert a["tflops"] == pytest.approx(2.0 / (a["wall_ms"] / 1e3))
+    assert list(a["predicted_ms"]) == pytest.approx([20, 20, 20, 10, 10])
+    assert math.isnan(predicted_at([Expected(2, 1.0, 1.0)], np.array([0.0, 2.0]))[0])
+
+
+def test_only_complete_iterations_get_points() -> None:
+    rec = filled_recorder(6)
+    state = DashboardState()
+    state.add_spans(rec.spans())
+    # iteration i is complete once i + 2 has started: 0..3 of 0..5
+    assert list(state.series()["iteration"]) == [0, 1, 2, 3]
+    assert state.complete_through == 3
+    # a late CPU span of iteration 4 still counts: its point is not out yet
+    late = Span("cpu_optimizer", "cpu_step", 0.2, 0.3, 4, bucket=9, nbytes=0)
+    record_iteration(rec, 6, 0.231)
+    state.add_spans([late, *[s for s in rec.spans() if s.iteration == 6]])
+    assert 4 in state.points and state.points[4].iteration == 4
+    state.add_spans([], final=True)
+    assert list(state.series()["iteration"]) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_long_runs_keep_their_history_at_a_coarser_step() -> None:
+    assert thin(list(range(10)), 10) == []
+    drop = thin(list(range(40)), 30)
+    kept = sorted(set(range(40)) - set(drop))
+    assert len(kept) <= 30 and kept[-20:] == list(range(20, 40)) and kept[0] == 0
+    state = DashboardState(max_points=10)
+    state.add_spans(filled_recorder(40).spans(), final=True)
+    its = state.series()["iteration"]
+    assert len(its) <= 10 and its[-1] == 39 and its[0] == 0
+
+
+def test_one_stall_does_not_flatten_the_iteration_time_axis() -> None:
+    ms = np.full(100, 20.0)
+    ms[50] = 900.0  # the machine stalled once
+    assert robust_top(ms) == pytest.approx(30.0)
+    assert robust_top(ms, also=np.array([np.nan, 40.0])) == pytest.approx(48.0)
+    assert robust_top(np.array([np.nan])) is None
+
+
+def test_reconfigure_delta_compares_medians_and_skips_the_rebuild_iteration() -> None:
+    its = np.arange(20, dtype=float)
+    ms = np.where(its < 10, 30.0, 20.0)
+    ms[10] = 500.0  # the iteration that rebuilt the buckets
+    assert reconfigure_delta(its, ms, 10, n=5) == (30.0, 20.0, 5, 5)
+    assert reconfigure_delta(its, ms, 19, n=5) is None  # nothing after yet
+
+
+# ------------------------------------------------------------------ events and status
+
+
+def test_rollbacks_replays_and_skipped_steps_are_counted_apart() -> None:
+    rec = filled_recorder(2)
+    rec.add("cpu_optimizer", "rollback", 1.0, 1.1, iteration=1, bucket=0)
+    rec.add("cpu_optimizer", "rollback", 1.1, 1.2, iteration=1, bucket=1)
+    rec.add("cpu_optimizer", "replay", 1.2, 1.3, iteration=1, bucket=0)
+    state = DashboardState()
+    state.add_spans(rec.spans(), final=True)
+    state.add_notes([(1, "overflow: non-finite gradient, step skipped; loss scale 1 -> 1"),
+                     (1, "reconfigure applied: ratio 0.5 -> 0.8")])
+    assert (state.total_rollbacks, state.total_replays, state.skipped) == (2, 1, {1})
+    assert state.reconfigures == [(1, "reconfigure applied: ratio 0.5 -> 0.8")]
+    view = timeline_view(state.timeline_spans(), skipped=state.skipped, reconfigures=state.reconfigures)
+    assert (view.rollbacks.count, view.replays.count, view.skipped.count) == (2, 1, 1)
+    lines = status_lines(state, Workload(), [], run_state=RunState.STOPPED, iteration=2)
+    assert "2 bucket rollbacks · 1 replays · 1 skipped steps" in lines
+    assert lines[0] == "superoffload · stopped · iteration 2"
+    assert not any("<" in line for line in lines), "plain text, no markup"
+
+
+def test_status_says_measured_vs_predicted_and_which_profile() -> None:
+    state = fed(8, final=True, ratio=0.5)
+    work = Workload(tokens_per_iteration=512, flops_per_iteration=1e9, d2h_peak_gbps=40.0,
+                    h2d_peak_gbps=40.0, profile_name="local-vm", profile_note="measured here")
+    lines = status_lines(state, work, [Expected(0, 0.030, 0.1)], run_state=RunState.RUNNING,
+                         iteration=8)
+    assert lines[0] == "superoffload · running · iteration 8 · ratio 0.50 (since it. 0)"
+    assert "predicted: 30.00 ms" in lines[1] and "profile local-vm (measured here)" in lines[1]
+    assert "tokens/s" in lines[1] and "TFLOP/s" in lines[1]
+    assert "link use" in lines[2] and "of 40 GB/s peak" in lines[2]
+    assert not any(line.startswith("warning") for line in lines)  # 33 ms vs 30: close enough
+    far = status_lines(state, work, [Expected(0, 0.001, 0.1)], run_state=None, iteration=8)
+    assert any(line.startswith("warning: measured is 33.0x the prediction") for line in far)
+
+
+# ------------------------------------------------------------------ timeline
+
+
+def test_timeline_is_in_ms_from_the_first_shown_iteration_with_boundaries() -> None:
+    spans = filled_recorder(3).spans()
+    view = timeline_view(spans)
+    assert view.origin_s == 0.0
+    assert view.boundaries == pytest.approx({0: 0.0, 1: 33.0, 2: 66.0})
+    compute = view.lanes[LANES.index("device_compute")]
+    assert compute.x_ms[0] == 0.0 and compute.x_ms[1] == pytest.approx(10.0)
+    later = timeline_view([s for s in spans if s.iteration >= 1])
+    assert later.boundaries[1] == 0.0 and later.x_range_ms[0] == 0.0
+    x, y = vlines([1.0, 2.0], -0.5, 4.5)
+    assert list(x[[0, 1, 3, 4]]) == [1, 1, 2, 2] and math.isnan(x[2]) and list(y[:2]) == [-0.5, 4.5]
+
+
+def test_segments_encode_each_span_as_start_end_gap_in_ms() -> None:
+    spans = [Span("d2h", "d2h", 1.0, 1.5, 3, 0, 10), Span("d2h", "d2h", 2.0, 2.25, 3, 1, 10)]
+    seg = span_segments(spans, [1, 1], origin_s=1.0)
+    assert seg.count == 2
+    np.testing.assert_array_equal(seg.x_ms[[0, 1, 3, 4]], [0.0, 500.0, 1000.0, 1250.0])
+    assert math.isnan(seg.x_ms[2]) and math.isnan(seg.x_ms[5])
+    assert seg.text[0].startswith("d2h · it 3 · bucket 0") and seg.text[2] == ""
+
+
+# ------------------------------------------------------------------ layout
+
+
+def test_no_panel_without_data() -> None:
+    assert L.measured_panels(frozenset()) == ["timeline"]
+    assert L.measured_panels(frozenset({"loss", "speed"})) == ["timeline", "speed", "loss"]
+    state = DashboardState()
+    assert state.available() == frozenset()
+    state.add_spans(filled_recorder(4).spans(), final=True)
+    assert state.available() == {"speed", "percent", "link"}
+    state.add_scalars("loss", [(0, 3.0)])
+    state.add_memory(0, 1e9, None)
+    assert state.available() == {"speed", "percent", "link", "loss", "memory"}
+    assert not state.has_device_memory()
+
+
+def test_grid_stacks_rows_and_every_panel_stays_inside_the_figure() -> None:
+    panels = L.measured_panels(frozenset({"speed", "link", "percent", "loss", "memory"}))
+    g = L.grid(panels)
+    assert g.domains["timeline"].x == (0.0, 1.0)
+    assert g.domains["speed"].y == g.domains["link"].y  # side by side
+    assert g.domains["speed"].x[1] < g.domains["link"].x[0]
+    assert g.domains["percent"].y[1] < g.domains["speed"].y[0]  # below
+    for d in g.domains.values():
+        assert 0 <= d.x[0] < d.x[1] <= 1 and 0 < d.y[0] < d.y[1] < 1
+    # a header band (title + legend) above each panel: nothing overlaps it
+    header = L.HEADER_PX / g.height_px
+    tops = sorted(d.y[1] for d in g.domains.values())
+    bottoms = sorted(d.y[0] for d in g.domains.values())
+    assert all(b - 1e-9 <= 1 for b in bottoms)
+    for key, d in g.domains.items():
+        above = [o for k, o in g.domains.items() if o.y[0] > d.y[1] and
+                 not (o.x[1] <= d.x[0] or o.x[0] >= d.x[1])]
+        assert all(o.y[0] - d.y[1] >= header - 1e-6 for o in above), key
+    assert tops and g.bottom_row == {"memory", "loss"}
+    assert L.grid(["timeline", "speed"]).height_px < g.height_px
+
+
+def test_legends_fit_their_panels_at_the_narrowest_supported_width() -> None:
+    g = L.grid(L.measured_panels(frozenset(L.MEASURED)))
+    assert L.legends_fit(L.MEASURED, g.domains, L.MIN_WIDTH_PX) == []
+    sim = L.grid(list(L.SIMULATED), full_width=("timeline", "memory"))
+    assert L.legends_fit(L.SIMULATED, sim.domains, L.MIN_WIDTH_PX) == []
+    too_long = {**L.MEASURED, "link": L.Panel("link", "x", "GB/s", ("D2H (bytes / iteration time, "
+                                                                   "while the link was busy)",) * 3)}
+    assert L.legends_fit(too_long, g.domains, L.MIN_WIDTH_PX) == ["link"]
+
+
+def test_palettes_give_each_meaning_its_own_colour() -> None:
+    groups = [set(L.LANE_COLORS.values()), set(L.METRIC_COLORS.values()), set(L.EVENT_COLORS.values()),
+              {L.REFERENCE_COLOR}]
+    every = [c.upper() for g in groups for c in g]
+    assert len(every) == len(set(every)), "no colour means two things"
+    assert len(L.LANE_COLORS) == len(LANES) == len(set(L.LANE_COLORS.values()))
