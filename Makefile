@@ -27,7 +27,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 pytest: $(STAMP)
-	$(PY) -m pytest tests --nbval-lax notebooks tutorials
+	SUPEROFFLOAD_NOTEBOOK_CI=1 $(PY) -m pytest tests --nbval-lax notebooks tutorials
 
 test: lint typecheck pytest
 

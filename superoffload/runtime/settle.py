@@ -133,4 +133,5 @@ def close_iteration(sched: IterationScheduler, v: Verdict, loss_scale: float) ->
     schedule = sched.state.schedule
     rec.scalar("ratio", n, schedule.ratio if schedule is not None else 0.0)  # effective ratio
     rec.scalar("speculating", n, 1.0 if it.speculate else 0.0)
+    rec.scalar("skipped", n, 1.0 if skipped else 0.0)  # the dashboard marks skipped steps
     sched.iteration += 1
