@@ -3,10 +3,10 @@
 * no import cycles inside ``runtime/``, ``distributed/`` or ``plan/`` — every import counts,
   at module level, under ``TYPE_CHECKING`` or inside a function (a lazy import hides a cycle,
   it does not remove it);
-* no module reads another module's underscore attributes: ``obj._name`` where ``obj`` is
-  not ``self``/``cls`` and ``_name`` is one our package defines (a third-party library's
-  private API is that library's business), or ``from x import _name`` of our modules
-  (except a package's own private modules, e.g. the kernels' compiled CFFI module);
+* no module reads another module's underscore attributes: ``obj._name`` where ``_name`` is
+  defined by another of our modules, not this one (a third-party library's private API is
+  that library's business), or ``from x import _name`` of our modules (except a package's
+  own private modules, e.g. the kernels' compiled CFFI module);
 * no file over ~400 lines.
 """
 
@@ -107,32 +107,32 @@ def _package_of(path: Path) -> str:
     return ".".join(path.relative_to(PACKAGE.parent).parent.parts)
 
 
-def _our_private_names() -> set[str]:
-    """Underscore names our package defines: functions, classes, module globals, attributes
-    assigned on self."""
+def _private_names_of(path: Path) -> set[str]:
+    """Underscore names a module defines: functions, classes, module globals, attributes
+    assigned on self, arguments."""
     names: set[str] = set()
-    for path in MODULES.values():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                names.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
-                names.add(node.attr)  # attributes of our own objects
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                names.add(node.id)
-            elif isinstance(node, ast.arg):
-                names.add(node.arg)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            names.add(node.attr)  # attributes of our own objects
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
     return {n for n in names if n.startswith("_") and not n.startswith("__")}
 
 
-OURS = _our_private_names()
+OWN = {path: _private_names_of(path) for path in MODULES.values()}
+OURS = set().union(*OWN.values())
 
 
 def _private_reads(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
     bad = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in OURS \
+        if isinstance(node, ast.Attribute) and node.attr in OURS - OWN[path] \
                 and node.attr not in TORCH_PRIVATE | STDLIB_PRIVATE:
             base = node.value
             if isinstance(base, ast.Name) and base.id in ("self", "cls"):

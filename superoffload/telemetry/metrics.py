@@ -26,7 +26,6 @@ Legend (per iteration i):
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 from collections.abc import Iterable, Sequence
@@ -48,97 +47,22 @@ from superoffload.telemetry.events import (
     LANE_H2D,
     Span,
 )
+from superoffload.telemetry.intervals import (
+    Disjoint,
+    Interval,
+    clip,
+    intersect,
+    length,
+    subtract,
+    union,
+)
 
-Interval = tuple[float, float]
+__all__ = ["GB", "Disjoint", "Interval", "IterationMetrics", "Summary", "bandwidth_series",
+           "clip", "device_busy", "intersect", "iteration_metrics", "length",
+           "link_utilisation_pct", "model_compute", "spans_to_dataframe", "subtract",
+           "summarize", "summarize_metrics", "to_dataframe", "to_records", "union"]
+
 GB = 1e9
-
-# ------------------------------------------------------------------ interval algebra
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint union of [start, end] intervals (empty ones dropped)."""
-    out: list[Interval] = []
-    for start, end in sorted((s, e) for s, e in intervals if e > s):
-        if out and start <= out[-1][1]:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
-
-
-def length(intervals: Iterable[Interval]) -> float:
-    """Total length of the union of `intervals`."""
-    return sum(e - s for s, e in union(intervals))
-
-
-def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """Union(a) ∩ union(b), as a sorted disjoint list."""
-    ua, ub = union(a), union(b)
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(ua) and j < len(ub):
-        start = max(ua[i][0], ub[j][0])
-        end = min(ua[i][1], ub[j][1])
-        if end > start:
-            out.append((start, end))
-        if ua[i][1] < ub[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """Union(a) minus union(b), as a sorted disjoint list."""
-    out: list[Interval] = []
-    ub = union(b)
-    for start, end in union(a):
-        cur = start
-        for bs, be in ub:
-            if be <= cur or bs >= end:
-                continue
-            if bs > cur:
-                out.append((cur, bs))
-            cur = max(cur, be)
-            if cur >= end:
-                break
-        if cur < end:
-            out.append((cur, end))
-    return out
-
-
-def clip(intervals: Iterable[Interval], window: Interval) -> list[Interval]:
-    """`intervals` cut to `window`."""
-    return intersect(intervals, [window])
-
-
-class _Disjoint:
-    """A sorted disjoint interval list with O(log n) window queries (the timeline of a long
-    run has ~10^4 spans; clipping it once per iteration must not be quadratic)."""
-
-    def __init__(self, intervals: Iterable[Interval]) -> None:
-        self.items = union(intervals)
-        self.ends = [e for _, e in self.items]
-
-    def clip(self, window: Interval) -> list[Interval]:
-        lo, hi = window
-        out: list[Interval] = []
-        for start, end in self.items[bisect.bisect_right(self.ends, lo):]:
-            if start >= hi:
-                break
-            out.append((max(start, lo), min(end, hi)))
-        return [iv for iv in out if iv[1] > iv[0]]
-
-    def length_in(self, window: Interval) -> float:
-        return sum(e - s for s, e in self.clip(window))
-
-    def overlap(self, intervals: Iterable[Interval]) -> float:
-        """Length of union(intervals) ∩ self."""
-        return sum(self.length_in(iv) for iv in union(intervals))
-
-
-# ------------------------------------------------------------------ per-iteration metrics
 
 _COMPUTE_KINDS = (KIND_FORWARD, KIND_BACKWARD, KIND_WEIGHT_FETCH)
 _OPTIMIZER_LANES = (LANE_CPU, LANE_H2D, LANE_DEVICE_OPT)
@@ -232,9 +156,9 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
         if any(s.lane == LANE_COMPUTE for s in group)
     }
     order = sorted(starts)
-    busy = _Disjoint(device_busy(spans))
-    compute = _Disjoint(model_compute(spans))
-    cpu_all = _Disjoint((s.start_s, s.end_s) for s in spans if s.lane == LANE_CPU)
+    busy = Disjoint(device_busy(spans))
+    compute = Disjoint(model_compute(spans))
+    cpu_all = Disjoint((s.start_s, s.end_s) for s in spans if s.lane == LANE_CPU)
     out: list[IterationMetrics] = []
     for k, it in enumerate(order):
         group = by_iter[it]
