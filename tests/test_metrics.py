@@ -154,6 +154,6 @@ def test_records_are_plain_dicts_and_dataframe_is_optional() -> None:
 def test_indexed_window_queries_match_the_plain_algebra(a: list[M.Interval], w: tuple[int, int]) -> None:
     # iteration_metrics clips the whole timeline once per iteration through a bisect index
     window = (float(min(w)), float(max(w)))
-    index = M._Disjoint(a)
+    index = M.Disjoint(a)
     assert index.clip(window) == M.clip(a, window)
     assert index.overlap(a[:3]) == pytest.approx(M.length(M.intersect(a, a[:3])))
