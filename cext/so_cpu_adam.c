@@ -4,18 +4,23 @@
  * Threads: the total element count of all tensors is split into T contiguous ranges
  * (aligned to 64 elements, one cache line of fp32 x 4), and each thread walks its range
  * across tensor boundaries. Peers (torch fused, DeepSpeed) start a parallel region per
- * tensor; with ~200 tensors that is ~200 fork/joins per step, here it is one.
- * Every result is a pure function of the element and its global index, so the thread
- * count never changes a bit. grad_stats reduces in fixed blocks (SO_STATS_BLOCK) summed in
+ * tensor; with ~200 tensors that is ~200 fork/joins per step, here it is one. That static
+ * split is the default; so_exec.schedule = SO_SCHED_DYNAMIC hands out chunks on demand
+ * instead (measured, not faster with the data in DRAM: docs/kernel.md).
+ * Every result is a pure function of the element and its global index, so neither the
+ * thread count nor the split changes a bit. grad_stats reduces in fixed blocks (SO_STATS_BLOCK) summed in
  * block order, for the same reason.
  */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "so_internal.h"
 
 /* Below this many elements per thread, extra threads cost more than they bring. */
 #define SO_MIN_ELEMS_PER_THREAD 32768
 #define SO_ALIGN_ELEMS 64
+/* Up to this many tensors the per-call offsets live on the stack (no malloc). */
+#define SO_STACK_TENSORS 512
 
 int so_kernel_abi_version(void) { return SO_KERNEL_ABI_VERSION; }
 
@@ -66,14 +71,19 @@ static int so_tensors_check(const so_adam_tensors *t) {
     return SO_OK;
 }
 
-static int64_t so_total(const int64_t *numels, int64_t count) {
+/* offsets[i] = global index of tensor i's first element, offsets[count] = total. */
+static int64_t so_offsets(const int64_t *numels, int64_t count, int64_t *offsets) {
     int64_t total = 0;
-    for (int64_t i = 0; i < count; ++i) total += numels[i];
+    for (int64_t i = 0; i < count; ++i) {
+        offsets[i] = total;
+        total += numels[i];
+    }
+    offsets[count] = total;
     return total;
 }
 
-/* Start of thread k's range out of T over total elements (overflow-free, aligned). */
-static int64_t so_split(int64_t total, int T, int k) {
+/* Start of part k out of T of [0, total) (overflow-free, aligned). */
+static int64_t so_split(int64_t total, int64_t T, int64_t k) {
     if (k >= T) return total;
     int64_t q = total / T, r = total % T;
     int64_t at = q * k + (r * k) / T;
@@ -87,14 +97,35 @@ static int so_team_size(int threads, int64_t work) {
     return threads < cap ? threads : (int)cap;
 }
 
+/* Elements per chunk of a dynamic schedule: the requested size, but at least 4 chunks per
+ * thread so a small call still spreads over the team (aligned, >= 64). */
+static int64_t so_chunk(int64_t requested, int64_t total, int team) {
+    int64_t fair = (total + 4 * (int64_t)team - 1) / (4 * (int64_t)team);
+    int64_t chunk = requested < fair ? requested : fair;
+    chunk += (SO_ALIGN_ELEMS - chunk % SO_ALIGN_ELEMS) % SO_ALIGN_ELEMS;
+    return chunk < SO_ALIGN_ELEMS ? SO_ALIGN_ELEMS : chunk;
+}
+
+/* The tensor holding global element lo: the last i with offsets[i] <= lo (binary search,
+ * so a chunk of a call over thousands of tensors finds its start in O(log n)). */
+static int64_t so_tensor_at(const int64_t *offsets, int64_t count, int64_t lo) {
+    int64_t a = 0, b = count;
+    while (b - a > 1) {
+        int64_t mid = a + (b - a) / 2;
+        if (offsets[mid] <= lo) a = mid;
+        else b = mid;
+    }
+    return a;
+}
+
 /* Visit the pieces of global range [lo, hi): one so_seg per (tensor, 2^32-index window).
  * mode 0: Adam loop; 1: finiteness check (returns the OR of the masks); 2: probe. */
-static uint32_t so_walk(const so_adam_tensors *t, const so_kernels *k, const so_coeffs *c,
-                        uint64_t seed, int variant, int mode, int64_t lo, int64_t hi) {
+static uint32_t so_walk(const so_adam_tensors *t, const int64_t *offsets, const so_kernels *k,
+                        const so_coeffs *c, uint64_t seed, int variant, int mode, int64_t lo,
+                        int64_t hi) {
     uint32_t mask = 0;
-    int64_t off = 0;
-    for (int64_t i = 0; i < t->count && off < hi; off += t->numels[i], ++i) {
-        int64_t n = t->numels[i];
+    for (int64_t i = so_tensor_at(offsets, t->count, lo); i < t->count && offsets[i] < hi; ++i) {
+        int64_t off = offsets[i], n = t->numels[i];
         if (off + n <= lo || n == 0) continue;
         int64_t a = (lo > off ? lo : off) - off;
         int64_t b = (hi < off + n ? hi : off + n) - off;
@@ -118,58 +149,90 @@ static uint32_t so_walk(const so_adam_tensors *t, const so_kernels *k, const so_
     return mask;
 }
 
-static int so_adam_common(const so_adam_tensors *t, const so_adam_hparams *h, int threads,
-                          int simd, int rollback) {
+/* Run so_walk over [0, total) with `team` threads in ONE parallel region (issue 2 §2) and
+ * return the OR of the masks. SO_SCHED_STATIC: one contiguous range per thread;
+ * SO_SCHED_DYNAMIC: chunks handed out on demand, so a thread the OS preempts does not
+ * stretch the call by its whole share (issue 11 §4). */
+static uint32_t so_parallel_walk(const so_adam_tensors *t, const int64_t *offsets,
+                                 const so_kernels *k, const so_coeffs *c, uint64_t seed,
+                                 int variant, int mode, int64_t total, int team, int sched,
+                                 int64_t chunk) {
+    uint32_t mask = 0;
+    if (sched == SO_SCHED_STATIC || team == 1) {
+#pragma omp parallel num_threads(team) reduction(| : mask)
+        {
+            int T = omp_get_num_threads(), me = omp_get_thread_num();
+            mask |= so_walk(t, offsets, k, c, seed, variant, mode, so_split(total, T, me),
+                            so_split(total, T, me + 1));
+        }
+    } else {
+        int64_t chunks = (total + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1) reduction(| : mask)
+        for (int64_t j = 0; j < chunks; ++j) {
+            int64_t lo = j * chunk, hi = lo + chunk < total ? lo + chunk : total;
+            mask |= so_walk(t, offsets, k, c, seed, variant, mode, lo, hi);
+        }
+    }
+    return mask;
+}
+
+static int so_exec_check(const so_exec *x) {
+    if (x == NULL) return SO_ERR_NULL;
+    if (x->threads < 1) return SO_ERR_THREADS;
+    if (x->schedule != SO_SCHED_STATIC && x->schedule != SO_SCHED_DYNAMIC) return SO_ERR_THREADS;
+    if (x->schedule == SO_SCHED_DYNAMIC && x->chunk_elems < SO_ALIGN_ELEMS) return SO_ERR_THREADS;
+    return SO_OK;
+}
+
+static int so_adam_common(const so_adam_tensors *t, const so_adam_hparams *h,
+                          const so_exec *x, int rollback) {
     if (h == NULL) return SO_ERR_NULL;
-    if (threads < 1) return SO_ERR_THREADS;
-    int rc = so_tensors_check(t);
+    int rc = so_exec_check(x);
+    if (rc != SO_OK) return rc;
+    rc = so_tensors_check(t);
     if (rc != SO_OK) return rc;
     so_coeffs c;
     rc = so_coeffs_make(h, rollback, &c);
     if (rc != SO_OK) return rc;
-    int path = so_simd_resolve(simd);
+    int path = so_simd_resolve(x->simd);
     const so_kernels *k = path < 0 ? NULL : so_kernels_for(path);
     if (k == NULL) return SO_ERR_SIMD;
 
     int lp_code = t->lp_dtype == SO_DTYPE_NONE ? 0 : t->lp_dtype;
     int l2 = !h->adamw_mode && h->weight_decay != 0.0;
     int variant = rollback << 5 | l2 << 4 | lp_code << 2 | t->moment_dtype << 1 | t->grad_dtype;
-    int64_t total = so_total(t->numels, t->count);
-    if (total == 0) return SO_OK;
-    int team = so_team_size(threads, total);
-
-    if (rollback) {
+    int64_t stack_offsets[SO_STACK_TENSORS + 1];
+    int64_t *offsets = t->count <= SO_STACK_TENSORS
+                           ? stack_offsets
+                           : (int64_t *)malloc(sizeof(int64_t) * (size_t)(t->count + 1));
+    if (offsets == NULL) return SO_ERR_SCRATCH;
+    int64_t total = so_offsets(t->numels, t->count, offsets);
+    int team = so_team_size(x->threads, total);
+    int64_t chunk = so_chunk(x->chunk_elems, total, team);
+    rc = SO_OK;
+    if (total > 0 && rollback) {
         /* refuse non-finite input before writing anything (DESIGN.md §4: never zero it) */
-        uint32_t mask = 0;
-#pragma omp parallel num_threads(team) reduction(| : mask)
-        {
-            int T = omp_get_num_threads(), me = omp_get_thread_num();
-            mask |= so_walk(t, k, &c, h->sr_seed, variant, 1, so_split(total, T, me),
-                            so_split(total, T, me + 1));
-        }
-        if (mask & 1u) return SO_ERR_NONFINITE_PARAM;
-        if (mask & 2u) return SO_ERR_NONFINITE_EXP_AVG;
-        if (mask & 4u) return SO_ERR_NONFINITE_EXP_AVG_SQ;
-        if (mask & 8u) return SO_ERR_NONFINITE_GRAD;
+        uint32_t mask = so_parallel_walk(t, offsets, k, &c, h->sr_seed, variant, 1, total, team,
+                                         x->schedule, chunk);
+        if (mask & 1u) rc = SO_ERR_NONFINITE_PARAM;
+        else if (mask & 2u) rc = SO_ERR_NONFINITE_EXP_AVG;
+        else if (mask & 4u) rc = SO_ERR_NONFINITE_EXP_AVG_SQ;
+        else if (mask & 8u) rc = SO_ERR_NONFINITE_GRAD;
     }
-
-#pragma omp parallel num_threads(team)
-    {
-        int T = omp_get_num_threads(), me = omp_get_thread_num();
-        so_walk(t, k, &c, h->sr_seed, variant, 0, so_split(total, T, me),
-                so_split(total, T, me + 1));
-    }
-    return SO_OK;
+    if (total > 0 && rc == SO_OK)
+        so_parallel_walk(t, offsets, k, &c, h->sr_seed, variant, 0, total, team, x->schedule,
+                         chunk);
+    if (offsets != stack_offsets) free(offsets);
+    return rc;
 }
 
-int so_adam_step_multi(const so_adam_tensors *t, const so_adam_hparams *h, int threads,
-                       int simd) {
-    return so_adam_common(t, h, threads, simd, 0);
+int so_adam_step_multi(const so_adam_tensors *t, const so_adam_hparams *h, const so_exec *x) {
+    return so_adam_common(t, h, x, 0);
 }
 
-int so_adam_rollback_multi(const so_adam_tensors *t, const so_adam_hparams *h, int threads,
-                           int simd) {
-    return so_adam_common(t, h, threads, simd, 1);
+int so_adam_rollback_multi(const so_adam_tensors *t, const so_adam_hparams *h,
+                           const so_exec *x) {
+    return so_adam_common(t, h, x, 1);
 }
 
 int so_bandwidth_probe(const so_adam_tensors *t, int threads, int simd) {
@@ -180,14 +243,16 @@ int so_bandwidth_probe(const so_adam_tensors *t, int threads, int simd) {
     int path = so_simd_resolve(simd);
     const so_kernels *k = path < 0 ? NULL : so_kernels_for(path);
     if (k == NULL) return SO_ERR_SIMD;
-    int64_t total = so_total(t->numels, t->count);
-    if (total == 0) return SO_OK;
-    int team = so_team_size(threads, total);
-#pragma omp parallel num_threads(team)
-    {
-        int T = omp_get_num_threads(), me = omp_get_thread_num();
-        so_walk(t, k, NULL, 0, 0, 2, so_split(total, T, me), so_split(total, T, me + 1));
-    }
+    int64_t stack_offsets[SO_STACK_TENSORS + 1];
+    int64_t *offsets = t->count <= SO_STACK_TENSORS
+                           ? stack_offsets
+                           : (int64_t *)malloc(sizeof(int64_t) * (size_t)(t->count + 1));
+    if (offsets == NULL) return SO_ERR_SCRATCH;
+    int64_t total = so_offsets(t->numels, t->count, offsets);
+    if (total > 0)
+        so_parallel_walk(t, offsets, k, NULL, 0, 0, 2, total, so_team_size(threads, total),
+                         SO_SCHED_STATIC, 0);
+    if (offsets != stack_offsets) free(offsets);
     return SO_OK;
 }
 

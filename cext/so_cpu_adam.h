@@ -19,7 +19,7 @@
 
 /* CDEF-BEGIN */
 /* Bumped whenever a declaration below changes; the wrapper refuses a stale build. */
-#define SO_KERNEL_ABI_VERSION 4
+#define SO_KERNEL_ABI_VERSION 5
 
 /* element types */
 #define SO_DTYPE_NONE -1
@@ -34,6 +34,10 @@
 #define SO_SIMD_AVX512 3
 #define SO_SIMD_NEON 4
 #define SO_SIMD_SVE 5
+
+/* how the element range is split among threads (so_exec.schedule) */
+#define SO_SCHED_STATIC 0
+#define SO_SCHED_DYNAMIC 1
 
 /* return codes (0 = success); the wrapper maps each to an exception */
 #define SO_OK 0
@@ -81,19 +85,27 @@ typedef struct so_adam_tensors {
     int lp_dtype;            /* SO_DTYPE_NONE, SO_DTYPE_BF16 or SO_DTYPE_F16 */
 } so_adam_tensors;
 
+/* How one call runs: none of these changes a result bit (every result is a pure function
+ * of the element and its global index). */
+typedef struct so_exec {
+    int threads;             /* >= 1 OpenMP threads */
+    int simd;                /* SO_SIMD_* */
+    int schedule;            /* SO_SCHED_*: one range per thread, or chunks on demand */
+    int64_t chunk_elems;     /* elements per chunk of the dynamic schedule (>= 64) */
+} so_exec;
+
 int so_kernel_abi_version(void);
 
 /* The path a request resolves to on this CPU (AUTO -> best), or SO_ERR_SIMD. */
 int so_simd_resolve(int requested);
 
 /* One Adam step over all tensors in ONE OpenMP parallel region. */
-int so_adam_step_multi(const so_adam_tensors *t, const so_adam_hparams *h, int threads,
-                       int simd);
+int so_adam_step_multi(const so_adam_tensors *t, const so_adam_hparams *h, const so_exec *x);
 
 /* The inverse of so_adam_step_multi with the same arguments (DESIGN.md §4). Refuses
  * non-finite p, m, v or grad with SO_ERR_NONFINITE_* and then writes nothing. */
-int so_adam_rollback_multi(const so_adam_tensors *t, const so_adam_hparams *h, int threads,
-                           int simd);
+int so_adam_rollback_multi(const so_adam_tensors *t, const so_adam_hparams *h,
+                           const so_exec *x);
 
 /* Benchmark probe with Adam's memory traffic and (almost) no arithmetic: reads p, g, m, v
  * and writes p, m, v in place (p += g, m += g, v += g; 28 B/param), with the same threads

@@ -104,11 +104,13 @@ def rollback_tolerances(post: State, pre: State, kw: dict, eps_rel: float) -> di
 
 
 def _call_for(s: State, kw: dict):
-    from superoffload.kernels.validate import check_adam_call
+    from superoffload.kernels.hyper import AdamHyper
+    from superoffload.kernels.validate import check_call, check_tensors
 
-    args = {k: kw[k] for k in ("step", "lr", "beta1", "beta2", "eps")}
-    return check_adam_call([s.p], [s.g], [s.m], [s.v], None, None, rollback=False,
-                           weight_decay=kw.get("weight_decay", 0.0),
-                           adamw_mode=kw.get("adamw_mode", True),
-                           bias_correction=kw.get("bias_correction", True),
-                           grad_scale=kw.get("grad_scale", 1.0), sr_seed=0, **args)
+    hyper = AdamHyper(lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"], eps=kw["eps"],
+                      weight_decay=kw.get("weight_decay", 0.0),
+                      adamw_mode=kw.get("adamw_mode", True),
+                      bias_correction=kw.get("bias_correction", True))
+    return check_call(check_tensors([s.p], [s.g], [s.m], [s.v]), hyper, step=kw["step"],
+                      grad_scale=kw.get("grad_scale", 1.0), sr_seed=0, threads=None,
+                      rollback=False, where="test")

@@ -1,6 +1,16 @@
 """CPU Adam/AdamW kernels: the compiled CFFI module when built, else a pure-torch fallback.
 
-Public API (DESIGN.md §4, issue 2; docs/kernel.md):
+Public API (DESIGN.md §4, issues 2 and 11; docs/kernel.md):
+    AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode=True, bias_correction=True)
+    AdamHyper.from_group(param_group)                         # the one hyper-parameter type
+    prepare_adam(params, grads, exp_avgs, exp_avg_sqs, params_lp=None) -> PreparedAdam
+        .step(hyper, *, step, grad_scale=1.0, threads=None, sr_seed=0, grads=None,
+              options=None)
+        .rollback(hyper, *, step, grad_scale=1.0, threads=None, sr_seed=0, grads=None,
+                  options=None)
+    ExecOptions(schedule="static", chunk_elems=65536)    # how a call runs, never its bits
+        # tensors checked and the C descriptor built ONCE; each call checks its numbers
+    prepare_grad_stats(grads) -> PreparedGradStats; (threads=None) -> (sum_sq, nonfinite)
     adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
               weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
               param_lp=None, threads=None, sr_seed=0)         # in place
@@ -8,20 +18,30 @@ Public API (DESIGN.md §4, issue 2; docs/kernel.md):
     adam_step_multi / adam_rollback_multi(params, grads, exp_avgs, exp_avg_sqs, *, ...,
               params_lp=None, ...)                            # lists, ONE parallel region
     grad_stats(grad) -> (sum_sq, nonfinite); grad_stats_multi(grads)
+    device_adam_multi(...)                                    # the GPU tail step (torch ops)
     simd_path() -> "avx512" | "avx2" | "portable" | "neon" | "sve" | "torch"
     backend() -> "cffi" | "torch"
+    wait_policy() -> WaitPolicy; openmp_library() -> path   # the process's OpenMP runtime
 
+``threads=None`` means the one thread rule (``superoffload.threads``: the affinity mask).
 SUPEROFFLOAD_KERNEL=torch forces the fallback (read at import); a missing build falls back
 with one warning; a stale build (ABI version mismatch) raises ImportError.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-from types import ModuleType
+# First, before torch loads libgomp (ours is bound to torch's copy): a passive OpenMP wait
+# policy unless the user chose one (kernels/openmp.py, issue 11 §4).
+from superoffload.kernels.openmp import choose_wait_policy, openmp_library, wait_policy
 
-import torch
+choose_wait_policy()
+
+import os  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from types import ModuleType  # noqa: E402
+
+import torch  # noqa: E402
 
 KERNEL_ENV = "SUPEROFFLOAD_KERNEL"
 
@@ -79,6 +99,27 @@ adam_rollback_multi = _impl.adam_rollback_multi
 
 from superoffload.kernels.device_adam import device_adam_multi  # noqa: E402
 from superoffload.kernels.hyper import AdamHyper  # noqa: E402
+from superoffload.kernels.prepared import (  # noqa: E402
+    PreparedAdam,
+    PreparedGradStats,
+    StalePreparedCall,
+    prepare,
+)
+from superoffload.kernels.validate import ExecOptions  # noqa: E402
+
+
+def prepare_adam(params: list[torch.Tensor], grads: list[torch.Tensor] | None,
+                 exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+                 params_lp: Sequence[torch.Tensor | None] | None = None) -> PreparedAdam:
+    """Validate a multi-tensor call's tensors once (dtype, device, contiguity, lengths,
+    memory overlap) and build its kernel descriptor; see kernels/prepared.py for the
+    contract (tensors stay allocated and are not resized; ``grads=None``: per call)."""
+    return prepare(_impl, params, grads, exp_avgs, exp_avg_sqs, params_lp)  # type: ignore[arg-type]
+
+
+def prepare_grad_stats(grads: list[torch.Tensor]) -> PreparedGradStats:
+    """``grad_stats_multi`` over fixed gradient tensors, checked once."""
+    return PreparedGradStats(grads, _impl)  # type: ignore[arg-type]
 
 
 def grad_stats_multi(grads: list[torch.Tensor], threads: int | None = None) -> tuple[float, int]:
@@ -100,6 +141,7 @@ def backend() -> str:
     return _BACKEND
 
 
-__all__ = ["AdamHyper", "adam_rollback", "adam_rollback_multi", "adam_step", "adam_step_multi",
-           "backend", "device_adam_multi",
-           "grad_stats", "grad_stats_multi", "simd_path"]
+__all__ = ["AdamHyper", "ExecOptions", "PreparedAdam", "PreparedGradStats", "StalePreparedCall",
+           "adam_rollback", "adam_rollback_multi", "adam_step", "adam_step_multi", "backend",
+           "device_adam_multi", "grad_stats", "grad_stats_multi", "prepare_adam",
+           "openmp_library", "prepare_grad_stats", "simd_path", "wait_policy"]

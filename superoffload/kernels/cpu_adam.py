@@ -12,16 +12,20 @@ SUPEROFFLOAD_SIMD=auto|portable|avx2|avx512|neon|sve picks the SIMD path per cal
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from superoffload.kernels.prepared import multi_entry_points
 from superoffload.kernels.validate import (
     AdamCall,
-    check_adam_call,
+    AdamTensors,
     check_grads,
+    check_tensors,
     check_threads,
-    multi_entry_points,
 )
 
 try:
@@ -31,7 +35,7 @@ except ImportError as exc:  # missing build: the package falls back to torch_ref
                       "`pip install -e .` (or `make install`)") from exc
 
 # Must equal SO_KERNEL_ABI_VERSION in cext/so_cpu_adam.h.
-EXPECTED_ABI_VERSION = 4
+EXPECTED_ABI_VERSION = 5
 
 
 class StaleBuildError(ImportError):
@@ -51,6 +55,7 @@ _SIMD_CODES = {"auto": lib.SO_SIMD_AUTO, "portable": lib.SO_SIMD_PORTABLE,
 _SIMD_NAMES = {code: name for name, code in _SIMD_CODES.items()}
 _DTYPE_CODES = {torch.float32: lib.SO_DTYPE_F32, torch.bfloat16: lib.SO_DTYPE_BF16,
                 torch.float16: lib.SO_DTYPE_F16, None: lib.SO_DTYPE_NONE}
+_SCHEDULES = {"static": lib.SO_SCHED_STATIC, "dynamic": lib.SO_SCHED_DYNAMIC}
 _NONFINITE = {lib.SO_ERR_NONFINITE_PARAM: "param", lib.SO_ERR_NONFINITE_EXP_AVG: "exp_avg",
               lib.SO_ERR_NONFINITE_EXP_AVG_SQ: "exp_avg_sq", lib.SO_ERR_NONFINITE_GRAD: "grad"}
 
@@ -84,82 +89,120 @@ def _raise_for(rc: int, what: str) -> None:
                          "from a snapshot)")
     if rc == lib.SO_ERR_HPARAM:
         raise ValueError(f"{what}: hyper-parameters rejected by the kernel (out of range in fp32)")
+    if rc == lib.SO_ERR_SCRATCH:
+        raise MemoryError(f"{what}: the kernel could not allocate its per-call offsets")
     if rc == lib.SO_ERR_SIMD:
         raise RuntimeError(f"{what}: SIMD path unavailable; unset {SIMD_ENV}")
     raise RuntimeError(f"{what}: kernel returned error code {rc}")
 
 
-def _ptrs(ctype: str, tensors: list[Any]) -> Any:
+def _ptrs(ctype: str, tensors: Sequence[Any]) -> tuple[Any, Any]:
     """A C array of data pointers (NULL for None). Built as uintptr_t and reinterpreted:
     one cffi call instead of one ffi.cast per tensor (a 200-tensor step stays cheap)."""
     addrs = ffi.new("uintptr_t[]", [0 if t is None else t.data_ptr() for t in tensors])
     return addrs, ffi.cast(f"{ctype}*", addrs)
 
 
-def _tensors(call: AdamCall) -> tuple[Any, dict[str, Any]]:
-    """The so_adam_tensors struct of a call, and the cdata arrays it points into."""
-    n = len(call.params)
-    keep = {
-        "params": _ptrs("float *", call.params),
-        "grads": _ptrs("void *", call.grads),
-        "exp_avgs": _ptrs("void *", call.exp_avgs),
-        "exp_avg_sqs": _ptrs("void *", call.exp_avg_sqs),
-        "numels": ffi.new("int64_t[]", call.numels),
-    }
-    t = ffi.new("so_adam_tensors *")
-    t.params, t.grads = keep["params"][1], keep["grads"][1]
-    t.exp_avgs, t.exp_avg_sqs = keep["exp_avgs"][1], keep["exp_avg_sqs"][1]
-    t.numels = keep["numels"]
-    if call.params_lp is not None and call.lp_dtype is not None:
-        keep["params_lp"] = _ptrs("void *", call.params_lp)
-        t.params_lp = keep["params_lp"][1]
-    t.count = n
-    t.grad_dtype = _DTYPE_CODES[call.grad_dtype]
-    t.moment_dtype = _DTYPE_CODES[call.moment_dtype]
-    t.lp_dtype = _DTYPE_CODES[call.lp_dtype]
-    return t, keep
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """The so_adam_tensors struct of a call and the cdata arrays it points into (they
+    must outlive every C call that uses the struct: a prepared call holds this)."""
+
+    struct: Any
+    keep: tuple[Any, ...]
 
 
-def run(call: AdamCall, rollback: bool) -> None:
-    """Apply a validated call in one parallel region (used by the public functions below)."""
-    t, _keep = _tensors(call)  # _keep: the arrays must outlive the C call
-    hp = call.hp
-    h = ffi.new("so_adam_hparams *", {
-        "lr": hp.lr, "beta1": hp.beta1, "beta2": hp.beta2, "eps": hp.eps,
-        "weight_decay": hp.weight_decay, "grad_scale": hp.grad_scale, "step": hp.step,
-        "adamw_mode": int(hp.adamw_mode), "bias_correction": int(hp.bias_correction),
-        "sr_seed": hp.sr_seed})
-    simd = _requested_simd()
-    if rollback:
-        _raise_for(lib.so_adam_rollback_multi(t, h, call.threads, simd), "adam_rollback")
+def describe(t: AdamTensors) -> Descriptor:
+    """Build the C descriptor of validated tensors (once per prepared call)."""
+    params, exp_avgs = _ptrs("float *", t.params), _ptrs("void *", t.exp_avgs)
+    exp_avg_sqs, grads = _ptrs("void *", t.exp_avg_sqs), _ptrs("void *", t.grads)
+    numels = ffi.new("int64_t[]", list(t.numels))
+    s = ffi.new("so_adam_tensors *")
+    s.params, s.grads, s.exp_avgs, s.exp_avg_sqs = params[1], grads[1], exp_avgs[1], exp_avg_sqs[1]
+    s.numels = numels
+    keep: tuple[Any, ...] = (params, grads, exp_avgs, exp_avg_sqs, numels)
+    if t.params_lp is not None and t.lp_dtype is not None:
+        lps = _ptrs("void *", t.params_lp)
+        s.params_lp = lps[1]
+        keep += (lps,)
+    s.count = len(t.params)
+    s.grad_dtype = _DTYPE_CODES[t.grad_dtype]
+    s.moment_dtype = _DTYPE_CODES[t.moment_dtype]
+    s.lp_dtype = _DTYPE_CODES[t.lp_dtype]
+    return Descriptor(s, keep)
+
+
+def describe_grads(desc: Descriptor, t: AdamTensors) -> Descriptor:
+    """A copy of ``desc`` pointing at other gradients (validated in ``t``): one array."""
+    s = ffi.new("so_adam_tensors *", desc.struct[0])
+    if t.grad_ptrs is not None:
+        addrs = ffi.new("uintptr_t[]", t.grad_ptrs)
+        grads = (addrs, ffi.cast("void **", addrs))
     else:
-        _raise_for(lib.so_adam_step_multi(t, h, call.threads, simd), "adam_step")
+        grads = _ptrs("void *", t.grads)
+    s.grads = grads[1]
+    s.grad_dtype = _DTYPE_CODES[t.grad_dtype]
+    return Descriptor(s, (*desc.keep, grads))
 
 
-adam_step_multi, adam_rollback_multi = multi_entry_points(run)
+def run(desc: Descriptor, call: AdamCall, rollback: bool) -> None:
+    """Apply a validated call in one parallel region."""
+    hp, hy = call, call.hyper
+    h = ffi.new("so_adam_hparams *", {
+        "lr": hy.lr, "beta1": hy.beta1, "beta2": hy.beta2, "eps": hy.eps,
+        "weight_decay": hy.weight_decay, "grad_scale": hp.grad_scale, "step": hp.step,
+        "adamw_mode": int(hy.adamw_mode), "bias_correction": int(hy.bias_correction),
+        "sr_seed": hp.sr_seed})
+    opt = call.options
+    x = ffi.new("so_exec *", {"threads": call.threads, "simd": _requested_simd(),
+                              "schedule": _SCHEDULES[opt.schedule],
+                              "chunk_elems": opt.chunk_elems})
+    if rollback:
+        _raise_for(lib.so_adam_rollback_multi(desc.struct, h, x), "adam_rollback")
+    else:
+        _raise_for(lib.so_adam_step_multi(desc.struct, h, x), "adam_step")
+
+
+adam_step_multi, adam_rollback_multi = multi_entry_points(sys.modules[__name__])  # type: ignore[arg-type]
 
 
 def bandwidth_probe(params, grads, exp_avgs, exp_avg_sqs, *, threads=None) -> None:
     """Benchmark probe: the fp32 step's memory traffic (28 B/param) with no Adam maths:
     p += g, m += g, v += g in one parallel region. Its speed is the step's floor."""
-    call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, None, threads, rollback=False,
-                           step=1, lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0,
-                           adamw_mode=True, bias_correction=True, grad_scale=1.0, sr_seed=0)
-    t, _keep = _tensors(call)
-    _raise_for(lib.so_bandwidth_probe(t, call.threads, _requested_simd()), "bandwidth_probe")
+    desc = describe(check_tensors(params, grads, exp_avgs, exp_avg_sqs))
+    _raise_for(lib.so_bandwidth_probe(desc.struct, check_threads(threads), _requested_simd()),
+               "bandwidth_probe")
+
+
+@dataclass(frozen=True, slots=True)
+class StatsDescriptor:
+    """The arrays of one grad_stats call (pointers, lengths, per-block scratch)."""
+
+    addrs: Any
+    numels: Any
+    count: int
+    dtype: int
+    blocks: int
+    scratch: Any
+
+
+def grad_stats_describe(gs: list[torch.Tensor]) -> StatsDescriptor:
+    numels = ffi.new("int64_t[]", [g.numel() for g in gs])
+    blocks = int(lib.so_grad_stats_blocks(numels, len(gs)))
+    dtype = _DTYPE_CODES[gs[0].dtype] if gs else lib.SO_DTYPE_F32
+    return StatsDescriptor(_ptrs("void *", gs), numels, len(gs), dtype, blocks,
+                           ffi.new("double[]", max(blocks, 1)))
+
+
+def grad_stats_run(d: StatsDescriptor, threads: int) -> tuple[float, int]:
+    sum_sq = ffi.new("double *")
+    nonfinite = ffi.new("int64_t *")
+    rc = lib.so_grad_stats_multi(d.addrs[1], d.numels, d.count, d.dtype, threads,
+                                 _requested_simd(), d.scratch, d.blocks, sum_sq, nonfinite)
+    _raise_for(rc, "grad_stats")
+    return float(sum_sq[0]), int(nonfinite[0])
 
 
 def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
     gs = check_grads(grads)
-    n_threads = check_threads(threads)
-    numels = ffi.new("int64_t[]", [g.numel() for g in gs])
-    blocks = int(lib.so_grad_stats_blocks(numels, len(gs)))
-    scratch = ffi.new("double[]", max(blocks, 1))
-    sum_sq = ffi.new("double *")
-    nonfinite = ffi.new("int64_t *")
-    dtype = _DTYPE_CODES[gs[0].dtype] if gs else lib.SO_DTYPE_F32
-    addrs = _ptrs("void *", gs)
-    rc = lib.so_grad_stats_multi(addrs[1], numels, len(gs), dtype, n_threads,
-                                 _requested_simd(), scratch, blocks, sum_sq, nonfinite)
-    _raise_for(rc, "grad_stats")
-    return float(sum_sq[0]), int(nonfinite[0])
+    return grad_stats_run(grad_stats_describe(gs), check_threads(threads))

@@ -77,6 +77,21 @@ class AdamHyper:
                              "be positive); lower lr or weight_decay")
 
     @classmethod
+    def checked(cls, where: str, *, lr: Any, beta1: Any, beta2: Any, eps: Any,
+                weight_decay: Any, adamw_mode: Any = True, bias_correction: Any = True
+                ) -> AdamHyper:
+        """From keyword values (the kernels' signature), each real converted to ``float``;
+        errors name ``where[key]`` (``where`` = the function called, for example)."""
+        hyper = cls.__new__(cls)
+        for key, value in (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps),
+                           ("weight_decay", weight_decay)):
+            object.__setattr__(hyper, key, _real(where, key, value))
+        object.__setattr__(hyper, "adamw_mode", adamw_mode)
+        object.__setattr__(hyper, "bias_correction", bias_correction)
+        hyper.check(where)
+        return hyper
+
+    @classmethod
     def from_group(cls, group: Mapping[str, Any], where: str = "optimizer") -> AdamHyper:
         """From a torch-style param group (``lr``, ``betas``, ``eps``, ``weight_decay``,
         ``adamw_mode``, ``bias_correction``; missing keys take ``DEFAULTS``)."""

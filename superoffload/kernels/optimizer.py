@@ -5,60 +5,108 @@ NOTE: it subclasses torch.optim.Optimizer (as torchao's CPUOffloadOptimizer does
 torch.save) work as with torch.optim.AdamW; the per-parameter state uses AdamW's keys
 (`step` as a float tensor, `exp_avg`, `exp_avg_sq`), so the two load each other's state.
 
-step() makes ONE multi-tensor kernel call per param group (per distinct step count and grad
-dtype inside the group), so all tensors are updated in one OpenMP parallel region.
-rollback() undoes the last step exactly (to a few ulps, DESIGN.md §4) using the gradients
-still in .grad; call it before scheduler.step() changes the learning rate.
+Parameters may be fp32, bf16 or fp16 (issue 14: a drop-in where people use DeepSpeed's
+CPUAdam or torch AdamW on a bf16 model). A bf16/fp16 parameter gets an fp32 master in
+`state[p]["master_param"]`; the kernel steps the master and writes the rounded parameter in
+the same pass (its fused low-precision copy, DESIGN.md §4), so updates smaller than half a
+bf16 ulp of the weight are kept, not rounded away as when a bf16 tensor is stepped directly.
+`moment_dtype=torch.bfloat16` (DeepSpeed's `fp32_optimizer_states=False`) stores the moments
+in bf16 with stochastic rounding (20 instead of 28 B/param; accuracy in docs/kernel.md).
+
+step() makes ONE prepared kernel call per param group (per distinct step count, grad dtype
+and low-precision dtype inside the group), built once and reused until the group's
+tensors change (kernels/optimizer_batches.py). rollback() undoes the last step exactly (to a
+few ulps, DESIGN.md §4) using the gradients still in .grad; call it before
+scheduler.step() changes the learning rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
+from itertools import chain
 from typing import Any
 
 import torch
 
-from superoffload import kernels
-from superoffload.kernels.validate import check_threads
+from superoffload.kernels.hyper import AdamHyper
+from superoffload.kernels.optimizer_batches import (
+    LOW_PRECISION,
+    MASTER_KEY,
+    Batch,
+    GroupCache,
+    current_batches,
+)
+from superoffload.kernels.validate import MOMENT_DTYPES, check_threads
+
+PARAM_DTYPES = (torch.float32, *LOW_PRECISION)
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def _sr_seed(step: int, group: int, batch: int) -> int:
+    """A distinct stochastic-rounding stream per (step, group, batch), reproducible."""
+    return (step * 0x9E3779B97F4A7C15 + group * 0xBF58476D1CE4E5B9
+            + batch * 0x94D049BB133111EB) % 2**64
+
+
+def _moment_dtype(moment_dtype: torch.dtype | None, fp32_optimizer_states: bool | None
+                  ) -> torch.dtype:
+    if fp32_optimizer_states is not None:  # DeepSpeedCPUAdam's name for the same switch
+        implied = torch.float32 if fp32_optimizer_states else torch.bfloat16
+        if moment_dtype is not None and moment_dtype != implied:
+            raise ValueError(f"fp32_optimizer_states={fp32_optimizer_states} contradicts "
+                             f"moment_dtype={moment_dtype}; pass one of them")
+        return implied
+    moment_dtype = torch.float32 if moment_dtype is None else moment_dtype
+    if moment_dtype not in MOMENT_DTYPES:
+        raise TypeError(f"moment_dtype must be torch.float32 or torch.bfloat16, got {moment_dtype}")
+    return moment_dtype
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam / AdamW for fp32 CPU parameters, backed by superoffload.kernels."""
+    """Adam / AdamW for fp32, bf16 or fp16 CPU parameters, backed by superoffload.kernels."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, threads: int | None = None,
-                 bias_correction: bool = True, amsgrad: bool = False) -> None:
+                 bias_correction: bool = True, amsgrad: bool = False, *,
+                 moment_dtype: torch.dtype | None = None,
+                 fp32_optimizer_states: bool | None = None) -> None:
         if amsgrad:
             raise ValueError("CPUAdam does not support amsgrad=True; use torch.optim.AdamW "
                              "(amsgrad=True) instead")
-        if not isinstance(lr, torch.Tensor) and not float(lr) >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        self.threads = check_threads(threads)
+        self.threads = None if threads is None else check_threads(threads)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "adamw_mode": adamw_mode, "bias_correction": bias_correction,
-                    "amsgrad": False}
+                    "amsgrad": False,
+                    "moment_dtype": _moment_dtype(moment_dtype, fp32_optimizer_states)}
+        self._hyper(defaults, "CPUAdam")  # refuse bad defaults before any group
+        self._cache: dict[int, GroupCache] = {}
+        # (group, batch index, batch, step number taken) of each kernel call of the last step()
+        self._last_stepped: list[tuple[int, int, Batch, int]] = []
         super().__init__(params, defaults)
-        # (group index, step number taken, params) of each kernel call of the last step()
-        self._last_stepped: list[tuple[int, int, list[torch.Tensor]]] = []
+
+    @staticmethod
+    def _hyper(group: dict[str, Any], where: str) -> AdamHyper:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):  # torch.optim accepts a tensor lr
+            group = {**group, "lr": float(lr)}
+        return AdamHyper.from_group(group, where)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if param_group.get("amsgrad", False):
             raise ValueError("CPUAdam does not support amsgrad=True in a param group")
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
+        group = self.param_groups[-1]
+        self._hyper(group, f"CPUAdam.param_groups[{len(self.param_groups) - 1}]")
+        group["moment_dtype"] = _moment_dtype(group["moment_dtype"], None)
+        for p in group["params"]:
             if p.device.type != "cpu":
                 raise ValueError(f"CPUAdam updates CPU parameters only, got one on {p.device}; "
                                  "use torch.optim.AdamW on the device or superoffload's engine")
-            if p.dtype != torch.float32:
-                raise TypeError(f"CPUAdam needs torch.float32 parameters (the fp32 master "
-                                f"copy), got {p.dtype}")
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(f"CPUAdam needs torch.float32, bfloat16 or float16 parameters "
+                                f"(bf16/fp16 ones get an fp32 master), got {p.dtype}")
             if not p.is_contiguous():
                 raise ValueError("CPUAdam needs contiguous parameters; pass p.data = "
                                  "p.data.contiguous() first")
@@ -67,43 +115,21 @@ class CPUAdam(torch.optim.Optimizer):
         # load_state_dict() lands here: groups saved by torch.optim.AdamW lack our keys
         super().__setstate__(state)
         for group in self.param_groups:
-            for key in ("adamw_mode", "bias_correction", "amsgrad"):
-                group.setdefault(key, self.defaults[key])
+            for key in ("adamw_mode", "bias_correction", "amsgrad", "moment_dtype"):
+                group.setdefault(key, self.defaults.get(key, torch.float32))
             if group["amsgrad"]:
                 raise ValueError("CPUAdam does not support amsgrad=True in a param group")
-        self.__dict__.setdefault("_last_stepped", [])
+        self.__dict__.setdefault("threads", None)  # not pickled by Optimizer.__getstate__
+        self.__dict__["_cache"] = {}
+        self.__dict__["_last_stepped"] = []
 
-    def _batches(self, group: dict[str, Any]) -> dict[tuple[int, torch.dtype], list[torch.Tensor]]:
-        """The group's params with a grad, keyed by (step count, grad dtype)."""
-        batches: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse:
-                raise TypeError("CPUAdam does not support sparse gradients; use "
-                                "torch.optim.SparseAdam")
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            key = (int(state["step"].item()), p.grad.dtype)
-            batches.setdefault(key, []).append(p)
-        return batches
-
-    def _call(self, group: dict[str, Any], step: int, ps: list[torch.Tensor],
+    def _call(self, gi: int, bi: int, batch: Batch, step: int, grads: list[torch.Tensor],
               rollback: bool) -> None:
-        beta1, beta2 = group["betas"]
-        fn = kernels.adam_rollback_multi if rollback else kernels.adam_step_multi
-        grads = [p.grad for p in ps]
-        if any(g is None for g in grads):
-            raise RuntimeError("CPUAdam: a parameter lost its .grad between step() and rollback()")
-        fn(ps, [g.contiguous() for g in grads if g is not None],
-           [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps],
-           step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-           eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-           adamw_mode=bool(group["adamw_mode"]), bias_correction=bool(group["bias_correction"]),
-           threads=self.threads)
+        group = self.param_groups[gi]
+        hyper = self._hyper(group, f"CPUAdam.param_groups[{gi}]")
+        run = batch.prepared.rollback if rollback else batch.prepared.step
+        run(hyper, step=step, grads=batch.grads(grads), threads=self.threads,
+            sr_seed=_sr_seed(step, gi, bi))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -111,13 +137,18 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped: list[tuple[int, int, list[torch.Tensor]]] = []
+        stepped: list[tuple[int, int, Batch, int]] = []
         for gi, group in enumerate(self.param_groups):
-            for (count, _dtype), ps in self._batches(group).items():
-                self._call(group, count + 1, ps, rollback=False)
-                for p in ps:
-                    self.state[p]["step"] += 1.0
-                stepped.append((gi, count + 1, ps))
+            params = group["params"]
+            grads = [p.grad for p in params]
+            batches = current_batches(self._cache.get(gi), params, grads, self.state,
+                                      group["moment_dtype"], partial(self._cache.__setitem__, gi))
+            for bi, batch in enumerate(batches):
+                count = batch.count()
+                assert count is not None  # current_batches rebuilt the batch otherwise
+                self._call(gi, bi, batch, count + 1, grads, rollback=False)
+                batch.steps.add_(1.0)
+                stepped.append((gi, bi, batch, count + 1))
         self._last_stepped = stepped
         return loss
 
@@ -127,11 +158,40 @@ class CPUAdam(torch.optim.Optimizer):
         if not self._last_stepped:
             raise RuntimeError("CPUAdam.rollback(): no step to undo (rollback undoes only the "
                                "most recent step, once)")
-        if any(p.grad is None for _, _, ps in self._last_stepped for p in ps):
+        if any(p.grad is None for _, _, b, _ in self._last_stepped for p in b.params):
             raise RuntimeError("CPUAdam.rollback() needs the gradients of the step it undoes; "
                                "a .grad was cleared (call it before zero_grad)")
-        for gi, step, ps in reversed(self._last_stepped):
-            self._call(self.param_groups[gi], step, ps, rollback=True)
-            for p in ps:
-                self.state[p]["step"] -= 1.0
+        for gi, bi, batch, step in reversed(self._last_stepped):
+            grads = [p.grad for p in self.param_groups[gi]["params"]]
+            self._call(gi, bi, batch, step, grads, rollback=True)
+            batch.steps.sub_(1.0)
+        self._last_stepped = []
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch.optim's load, but moments keep this optimizer's ``moment_dtype`` and masters
+        stay fp32 (torch casts every floating state tensor to its parameter's dtype, which
+        would round an fp32 master of a bf16 parameter to bf16). A torch AdamW state of a
+        bf16 model (no master) loads too: the master starts as the parameter, widened."""
+        saved = state_dict["state"]
+        held = {pid: {k: st[k] for k in (*MOMENT_KEYS, MASTER_KEY) if k in st}
+                for pid, st in saved.items()}
+        stripped = {**state_dict, "state": {
+            pid: {k: v for k, v in st.items() if k not in held[pid]} for pid, st in saved.items()}}
+        super().load_state_dict(stripped)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable([(p, g["moment_dtype"]) for p in g["params"]]
+                                     for g in self.param_groups)
+        for pid, (p, moment_dtype) in zip(saved_ids, params):
+            if pid not in held:
+                continue
+            st = self.state[p]
+            for k in MOMENT_KEYS:
+                if k in held[pid]:
+                    st[k] = held[pid][k].to(device="cpu", dtype=moment_dtype,
+                                            copy=True).reshape(p.shape).contiguous()
+            if p.dtype in LOW_PRECISION:
+                master = held[pid].get(MASTER_KEY, p.detach())
+                st[MASTER_KEY] = master.to(device="cpu", dtype=torch.float32,
+                                           copy=True).reshape(p.shape).contiguous()
+        self._cache = {}
         self._last_stepped = []

@@ -13,10 +13,12 @@ stochastic rounding, bc bias correction.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
-from superoffload.kernels.validate import AdamCall, check_grads, multi_entry_points
+from superoffload.kernels.prepared import multi_entry_points
+from superoffload.kernels.validate import AdamCall, AdamTensors, check_grads
 
 SIMD_PATH = "torch"
 STATS_BLOCK = 4096  # = SO_STATS_BLOCK in cext/so_cpu_adam.h
@@ -43,13 +45,13 @@ def _f32(x: float) -> torch.Tensor:
 
 def coefficients(call: AdamCall) -> dict[str, torch.Tensor]:
     """The fp32 coefficients of cext/so_cpu_adam.c so_coeffs_make(), from the same doubles."""
-    hp = call.hp
-    bc1 = 1.0 - hp.beta1**hp.step if hp.bias_correction else 1.0
-    bc2 = 1.0 - hp.beta2**hp.step if hp.bias_correction else 1.0
+    hp, t = call.hyper, call.step
+    bc1 = 1.0 - hp.beta1**t if hp.bias_correction else 1.0
+    bc2 = 1.0 - hp.beta2**t if hp.bias_correction else 1.0
     return {
         "b1": _f32(hp.beta1), "b2": _f32(hp.beta2),
         "omb1": _f32(1.0 - hp.beta1), "omb2": _f32(1.0 - hp.beta2),
-        "eps": _f32(hp.eps), "gs": _f32(hp.grad_scale), "wd": _f32(hp.weight_decay),
+        "eps": _f32(hp.eps), "gs": _f32(call.grad_scale), "wd": _f32(hp.weight_decay),
         "decay": _f32(1.0 - hp.lr * hp.weight_decay) if hp.adamw_mode else _f32(1.0),
         "step_size": _f32(hp.lr / bc1), "bc2_sqrt": _f32(math.sqrt(bc2)),
     }
@@ -124,10 +126,11 @@ def f16_rne_bits(x: torch.Tensor) -> torch.Tensor:
 # ---- the step and its inverse ------------------------------------------------------------
 
 def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollback: bool) -> None:
-    p, m_t, v_t = call.params[i], call.exp_avgs[i], call.exp_avg_sqs[i]
-    lp = None if call.params_lp is None else call.params_lp[i]
-    l2 = not call.hp.adamw_mode and call.hp.weight_decay != 0.0
-    g = call.grads[i].float() * c["gs"]
+    t = call.tensors
+    p, m_t, v_t = t.params[i], t.exp_avgs[i], t.exp_avg_sqs[i]
+    lp = None if t.params_lp is None else t.params_lp[i]
+    l2 = not call.hyper.adamw_mode and call.hyper.weight_decay != 0.0
+    g = t.grads[i].float() * c["gs"]
     m, v, w = m_t.float(), v_t.float(), p.clone()
     if not rollback:
         if l2:
@@ -147,8 +150,8 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
         v = _div(v - c["omb2"] * (g * g), c["b2"])
         v = torch.where(v > 0.0, v, _f32(0.0))  # fp32 cancellation can leave v < 0
     p.copy_(w)
-    if call.moment_dtype == torch.bfloat16:
-        r = sr_bits(call.hp.sr_seed, torch.arange(index0, index0 + p.numel(), dtype=torch.int64))
+    if t.moment_dtype == torch.bfloat16:
+        r = sr_bits(call.sr_seed, torch.arange(index0, index0 + p.numel(), dtype=torch.int64))
         _store16(m_t, bf16_sr_bits(m.reshape(-1), r & 0xFFFF).view(m_t.shape))
         _store16(v_t, bf16_sr_bits(v.reshape(-1), r >> 16).view(v_t.shape))
     else:
@@ -158,30 +161,48 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
         _store16(lp, (bf16_rne_bits(w) if lp.dtype == torch.bfloat16 else f16_rne_bits(w)))
 
 
-def _check_finite_for_rollback(call: AdamCall) -> None:
-    for name, seq in (("param", call.params), ("exp_avg", call.exp_avgs),
-                      ("exp_avg_sq", call.exp_avg_sqs), ("grad", call.grads)):
-        for t in seq:
-            if not bool(torch.isfinite(t).all()):
+def _check_finite_for_rollback(t: AdamTensors) -> None:
+    for name, seq in (("param", t.params), ("exp_avg", t.exp_avgs),
+                      ("exp_avg_sq", t.exp_avg_sqs), ("grad", t.grads)):
+        for x in seq:
+            if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"adam_rollback: {name} holds non-finite values, so the step "
                                  "cannot be inverted; nothing was modified (skip the rollback "
                                  "and restore from a snapshot)")
 
 
-def run(call: AdamCall, rollback: bool) -> None:
+def describe(tensors: AdamTensors) -> None:
+    """The fallback needs no descriptor (the prepared-call protocol, kernels/prepared.py)."""
+    return None
+
+
+def describe_grads(desc: None, tensors: AdamTensors) -> None:
+    return None
+
+
+def run(desc: None, call: AdamCall, rollback: bool) -> None:
     """Apply a validated call (used by the public functions below and by tests)."""
+    t = call.tensors
     if rollback:
-        _check_finite_for_rollback(call)
+        _check_finite_for_rollback(t)
     c = coefficients(call)
     index0 = 0  # global element index across the list, as the C side counts it
     with torch.no_grad():
-        for i in range(len(call.params)):
-            if call.params[i].numel():
+        for i in range(len(t.params)):
+            if t.numels[i]:
                 _one(c, call, i, index0, rollback)
-            index0 += call.params[i].numel()
+            index0 += t.numels[i]
 
 
-adam_step_multi, adam_rollback_multi = multi_entry_points(run)
+adam_step_multi, adam_rollback_multi = multi_entry_points(sys.modules[__name__])  # type: ignore[arg-type]
+
+
+def grad_stats_describe(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return grads
+
+
+def grad_stats_run(grads: list[torch.Tensor], threads: int) -> tuple[float, int]:
+    return grad_stats_multi(grads)
 
 
 def grad_stats_multi(grads, threads=None) -> tuple[float, int]:

@@ -1,59 +1,146 @@
 """Argument checks of the CPU Adam kernels, shared by the C wrapper and the torch fallback.
 
+Two stages, so a prepared call (kernels/prepared.py) pays for the expensive one once:
+
+* ``check_tensors`` — types, dtypes, device, contiguity, lengths and memory overlap of the
+  tensor lists (O(n log n), kernels/overlap.py): once per prepared call, giving a frozen
+  ``AdamTensors``;
+* ``check_call`` — the per-call numbers: the hyper-parameters (one ``AdamHyper``,
+  kernels/hyper.py: the one hyper-parameter type), step, grad_scale, sr_seed and threads,
+  in a few microseconds, giving a frozen ``AdamCall`` that both backends consume.
+
 Every check runs BEFORE any memory is touched, and a failure raises TypeError (wrong type
-or dtype) or ValueError (wrong value, device, layout or length) naming the argument and the
-fix (STYLE.md §7). The result is a frozen `AdamCall` both backends consume.
+or dtype) or ValueError (wrong value, device, layout, length or overlap) naming the argument
+and the fix (STYLE.md §7).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import torch
+
+from superoffload.kernels.hyper import AdamHyper
+from superoffload.kernels.overlap import WrittenRanges, check_read_only_ranges, written_ranges
+from superoffload.threads import optimizer_threads, usable_cores
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 LP_DTYPES = (torch.bfloat16, torch.float16)
+FLT_MAX = 3.4028234663852886e38  # the largest finite fp32: grad_scale is used as (float)
+_P, _G, _M = frozenset({torch.float32}), frozenset(GRAD_DTYPES), frozenset(MOMENT_DTYPES)
+_LP = frozenset(LP_DTYPES)
+# unbound C methods: map() over them keeps the per-tensor loops of per-call checks in C
+_dtype_of = attrgetter("dtype")
+_numel = torch.Tensor.numel
+_is_cpu = attrgetter("is_cpu")
+_is_contiguous = torch.Tensor.is_contiguous
+_data_ptr = torch.Tensor.data_ptr
 
 
 @dataclass(frozen=True, slots=True)
-class AdamHParams:
-    """Hyper-parameters of one step (DESIGN.md §4), already range-checked."""
+class AdamTensors:
+    """The tensors of one multi-tensor call, validated: equal-length lists of CPU,
+    contiguous tensors of the accepted dtypes whose written memory does not overlap."""
 
-    step: int
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
-    bias_correction: bool
-    grad_scale: float
-    sr_seed: int
+    params: tuple[torch.Tensor, ...]
+    grads: tuple[torch.Tensor, ...]
+    exp_avgs: tuple[torch.Tensor, ...]
+    exp_avg_sqs: tuple[torch.Tensor, ...]
+    params_lp: tuple[torch.Tensor | None, ...] | None
+    numels: tuple[int, ...]
+    grad_dtype: torch.dtype
+    moment_dtype: torch.dtype
+    lp_dtype: torch.dtype | None
+    written: WrittenRanges
+    """Byte ranges of params, exp_avgs, exp_avg_sqs and params_lp (checked disjoint)."""
+    grad_ptrs: tuple[int, ...] | None = None
+    """``data_ptr()`` of each grad when ``with_grads`` read them already (else None)."""
+
+    def with_grads(self, grads: object) -> AdamTensors:
+        """The same call with other gradient tensors (checked: same lengths, one accepted
+        dtype, contiguous CPU, not overlapping anything written). Cheap, O(n log n): five
+        C-level reads per tensor on the common path (this runs on every CPUAdam step), the
+        per-tensor messages on the slow one."""
+        gs = grads if type(grads) is list else _as_list("grads", grads)
+        if len(gs) != len(self.params):
+            raise ValueError(f"grads has {len(gs)} entries but the prepared call has "
+                             f"{len(self.params)} params")
+        try:
+            dtypes = set(map(_dtype_of, gs))
+            numels = tuple(map(_numel, gs))
+            # is_contiguous() is False for a sparse COO tensor and raises for CSR
+            ok = (len(dtypes) <= 1 and dtypes <= _G and numels == self.numels
+                  and all(map(_is_cpu, gs)) and all(map(_is_contiguous, gs)))
+        except (AttributeError, RuntimeError, TypeError):  # not tensors, or sparse
+            ok = False
+        if not ok:  # find the culprit for the message
+            for i, g in enumerate(gs):
+                _check_tensor(f"grads[{i}]", g, GRAD_DTYPES)
+                if g.numel() != self.numels[i]:
+                    raise ValueError(f"grads[{i}] has {g.numel()} elements but params[{i}] "
+                                     f"has {self.numels[i]}")
+            _same_dtype("grads", gs)
+        grad_dtype = next(iter(dtypes)) if gs else torch.float32
+        ptrs = tuple(map(_data_ptr, gs))
+        check_read_only_ranges(self.written, "grads", ptrs, numels,
+                               2 if grad_dtype == torch.bfloat16 else 4)
+        return replace(self, grads=tuple(gs), grad_dtype=grad_dtype, grad_ptrs=ptrs)
+
+
+SCHEDULES = ("static", "dynamic")
+
+
+@dataclass(frozen=True, slots=True)
+class ExecOptions:
+    """How a kernel call runs, never what it computes: every result is a pure function of
+    the element and its global index, so all options give the same bits (tests check it).
+    The defaults are the measured choice (docs/kernel.md, "Threads")."""
+
+    schedule: str = "static"
+    """"static": one contiguous range per thread; "dynamic": chunks handed out on demand, so
+    one preempted thread does not stretch the call (issue 11 §4). Static is the default:
+    dynamic measured 0.86-1.02x of it with the data in DRAM (docs/kernel.md)."""
+    chunk_elems: int = 65536
+    """Elements per chunk of the dynamic schedule (a multiple of 64; the kernel makes chunks
+    smaller when a call has fewer than 4 per thread)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"ExecOptions.schedule={self.schedule!r}: use one of {SCHEDULES}")
+        if (isinstance(self.chunk_elems, bool) or not isinstance(self.chunk_elems, int)
+                or self.chunk_elems < 64 or self.chunk_elems % 64):
+            raise ValueError(f"ExecOptions.chunk_elems={self.chunk_elems!r}: use a multiple "
+                             "of 64 (one cache line of fp32 x 4 arrays)")
+
+
+DEFAULT_EXEC = ExecOptions()
 
 
 @dataclass(frozen=True, slots=True)
 class AdamCall:
-    """One validated multi-tensor call: equal-length lists of CPU, contiguous tensors."""
+    """One validated call: the tensors, one ``AdamHyper`` and the per-call numbers."""
 
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
-    params_lp: list[torch.Tensor | None] | None
-    hp: AdamHParams
+    tensors: AdamTensors
+    hyper: AdamHyper
+    step: int
+    """The step t >= 1 being taken (or undone): bias corrections use t."""
+    grad_scale: float
+    """g = grad * grad_scale (unscale and clip fused in)."""
+    sr_seed: int
+    """Stochastic-rounding stream of bf16 moments."""
     threads: int
-    grad_dtype: torch.dtype
-    moment_dtype: torch.dtype
-    lp_dtype: torch.dtype | None
-    numels: list[int]
+    options: ExecOptions = DEFAULT_EXEC
 
 
 def default_threads() -> int:
-    """Threads when the caller says None: what torch would use for its own CPU ops."""
-    return max(1, torch.get_num_threads())
+    """Threads when the caller says None: the one thread rule (superoffload.threads, the
+    affinity mask, DESIGN.md §6), not torch.get_num_threads()."""
+    return optimizer_threads(usable_cores(), 1.0)
 
 
 def check_threads(threads: object) -> int:
@@ -62,53 +149,51 @@ def check_threads(threads: object) -> int:
     if isinstance(threads, bool) or not isinstance(threads, int):
         raise TypeError(f"threads must be an int >= 1 or None, got {type(threads).__name__}")
     if threads < 1:
-        raise ValueError(f"threads must be >= 1 (or None for torch.get_num_threads()), got {threads}")
+        raise ValueError(f"threads must be >= 1 (or None for the usable cores), got {threads}")
     return threads
 
 
-def _real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    out = float(value)
-    if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {out}")
-    return out
+def _f32(x: float) -> float:
+    """x rounded to fp32 (the C side's `(float)x`), without a torch op."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
-def check_hparams(*, step: object, lr: object, beta1: object, beta2: object, eps: object,
-                  weight_decay: object, adamw_mode: object, bias_correction: object,
-                  grad_scale: object, sr_seed: object, rollback: bool) -> AdamHParams:
+def check_call(tensors: AdamTensors, hyper: object, *, step: object, grad_scale: object,
+               sr_seed: object, threads: object, rollback: bool, where: str,
+               options: object = None) -> AdamCall:
+    """The per-call numbers of a call over already validated tensors (a few microseconds)."""
+    if options is None:
+        options = DEFAULT_EXEC
+    elif not isinstance(options, ExecOptions):
+        raise TypeError(f"{where}: options must be a superoffload.kernels.ExecOptions or "
+                        f"None, got {type(options).__name__}")
+    if not isinstance(hyper, AdamHyper):
+        raise TypeError(f"{where}: hyper must be a superoffload.kernels.AdamHyper, got "
+                        f"{type(hyper).__name__}; build one with AdamHyper(...) or "
+                        "AdamHyper.from_group(group)")
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int (the step number t >= 1), got {type(step).__name__}")
     if step < 1:
         raise ValueError(f"step must be >= 1 (the first step is 1), got {step}")
-    lr_f, b1, b2 = _real("lr", lr), _real("beta1", beta1), _real("beta2", beta2)
-    eps_f, wd, gs = _real("eps", eps), _real("weight_decay", weight_decay), _real("grad_scale", grad_scale)
-    if lr_f < 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr_f}")
-    for name, beta in (("beta1", b1), ("beta2", b2)):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta}")
-        # the inverse divides by beta (in fp32): a rollback needs it representable and > 0
-        if rollback and float(torch.tensor(beta, dtype=torch.float32)) <= 0.0:
-            raise ValueError(f"adam_rollback cannot invert a step with {name}={beta}: use {name} > 0")
-    if eps_f < 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps_f}")
-    if wd < 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {wd}")
-    if gs < 0.0:
-        raise ValueError(f"grad_scale must be >= 0, got {gs}")
-    if not isinstance(adamw_mode, bool):
-        raise TypeError(f"adamw_mode must be a bool, got {type(adamw_mode).__name__}")
-    if not isinstance(bias_correction, bool):
-        raise TypeError(f"bias_correction must be a bool, got {type(bias_correction).__name__}")
-    if adamw_mode and float(torch.tensor(1.0 - lr_f * wd, dtype=torch.float32)) <= 0.0:
-        raise ValueError(f"lr * weight_decay must be < 1 in AdamW mode, got {lr_f * wd}")
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)):
+        raise TypeError(f"grad_scale must be a real number, got {type(grad_scale).__name__}")
+    gs = float(grad_scale)
+    if not 0.0 <= gs <= FLT_MAX:  # NaN fails too
+        raise ValueError(f"grad_scale must be finite (in fp32) and >= 0, got {gs}")
     if isinstance(sr_seed, bool) or not isinstance(sr_seed, int):
         raise TypeError(f"sr_seed must be an int, got {type(sr_seed).__name__}")
     if not 0 <= sr_seed < 2**64:
         raise ValueError(f"sr_seed must be in [0, 2**64), got {sr_seed}")
-    return AdamHParams(step, lr_f, b1, b2, eps_f, wd, adamw_mode, bias_correction, gs, sr_seed)
+    if rollback:
+        # the inverse divides by beta in fp32: it must be representable and > 0 there
+        for name, beta in (("beta1", hyper.beta1), ("beta2", hyper.beta2)):
+            if _f32(beta) <= 0.0:
+                raise ValueError(f"adam_rollback cannot invert a step with {name}={beta}: "
+                                 f"use {name} > 0")
+    return AdamCall(tensors, hyper, step, gs, sr_seed, check_threads(threads), options)
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -140,58 +225,84 @@ def _same_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype | Non
 
 
 def _fast_ok(t: object, dtypes: frozenset) -> bool:
-    """The common case in a few cheap attribute reads (~0.3 us/tensor: a 200-tensor step
-    validates in well under a millisecond); any failure is re-checked by _check_tensor for
-    the message."""
+    """The common case in a few cheap attribute reads; any failure is re-checked by
+    _check_tensor for the message."""
     return (isinstance(t, torch.Tensor) and t.layout is torch.strided and t.dtype in dtypes
             and t.is_cpu and t.is_contiguous())
 
 
-_P, _G, _M = frozenset({torch.float32}), frozenset(GRAD_DTYPES), frozenset(MOMENT_DTYPES)
-_LP = frozenset(LP_DTYPES)
 
 
-def check_adam_call(params: object, grads: object, exp_avgs: object, exp_avg_sqs: object,
-                    params_lp: object, threads: object, *, rollback: bool,
-                    **hparams: object) -> AdamCall:
-    """Validate a multi-tensor call; raises before anything is modified."""
-    hp = check_hparams(rollback=rollback, **hparams)  # type: ignore[arg-type]
-    ps, gs = _as_list("params", params), _as_list("grads", grads)
+def _scan(seq: list, allowed: frozenset) -> tuple[tuple[int, ...], tuple[int, ...], set] | None:
+    """(numels, data pointers, dtypes) of a list of acceptable tensors in a few C-level
+    passes, or None when any entry needs the per-tensor check (for its message)."""
+    try:
+        dtypes = set(map(_dtype_of, seq))
+        if not (dtypes <= allowed and all(map(_is_cpu, seq)) and all(map(_is_contiguous, seq))):
+            return None
+        return tuple(map(_numel, seq)), tuple(map(_data_ptr, seq)), dtypes
+    except (AttributeError, RuntimeError, TypeError):  # not tensors, or sparse
+        return None
+
+
+def _checked(name: str, seq: list, dtypes: tuple[torch.dtype, ...]
+             ) -> tuple[tuple[int, ...], tuple[int, ...], set]:
+    scanned = _scan(seq, frozenset(dtypes))
+    if scanned is None:
+        for i, t in enumerate(seq):
+            _check_tensor(f"{name}[{i}]", t, dtypes)
+        scanned = _scan(seq, frozenset(dtypes))
+        assert scanned is not None
+    if len(scanned[2]) > 1:
+        _same_dtype(name, seq)
+    return scanned
+
+
+def check_tensors(params: object, grads: object, exp_avgs: object, exp_avg_sqs: object,
+                  params_lp: object = None) -> AdamTensors:
+    """Validate the tensor lists of a multi-tensor call; raises before anything is touched.
+    ``grads=None``: the gradients come with each call (``AdamTensors.with_grads``)."""
+    ps = _as_list("params", params)
+    gs = None if grads is None else _as_list("grads", grads)
     ms, vs = _as_list("exp_avgs", exp_avgs), _as_list("exp_avg_sqs", exp_avg_sqs)
     lps = None if params_lp is None else _as_list("params_lp", params_lp)
     n = len(ps)
     for name, seq in (("grads", gs), ("exp_avgs", ms), ("exp_avg_sqs", vs), ("params_lp", lps)):
         if seq is not None and len(seq) != n:
             raise ValueError(f"{name} has {len(seq)} entries but params has {n}")
-    numels: list[int] = []
-    for i in range(n):
-        p, g, m, v = ps[i], gs[i], ms[i], vs[i]
-        lp = None if lps is None else lps[i]
-        if not (_fast_ok(p, _P) and _fast_ok(g, _G) and _fast_ok(m, _M) and _fast_ok(v, _M)
-                and (lp is None or _fast_ok(lp, _LP))):
-            _check_tensor(f"params[{i}]", p, (torch.float32,))
-            _check_tensor(f"grads[{i}]", g, GRAD_DTYPES)
-            _check_tensor(f"exp_avgs[{i}]", m, MOMENT_DTYPES)
-            _check_tensor(f"exp_avg_sqs[{i}]", v, MOMENT_DTYPES)
-            if lp is not None:
-                _check_tensor(f"params_lp[{i}]", lp, LP_DTYPES)
-        numel = p.numel()
-        numels.append(numel)
-        named = [("grads", g), ("exp_avgs", m), ("exp_avg_sqs", v)]
-        if lp is not None:
-            named.append(("params_lp", lp))
-        for name, t in named:
-            if t.shape != p.shape and t.numel() != numel:
-                raise ValueError(f"{name}[{i}] has {t.numel()} elements but params[{i}] has {numel}")
-        if numel > 0:
-            ptrs = {p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()}
-            if len(ptrs) != 4 or (lp is not None and lp.data_ptr() in ptrs):
-                raise ValueError(f"params[{i}], grads[{i}], exp_avgs[{i}], exp_avg_sqs[{i}] (and params_lp[{i}]) must not share memory")
-    grad_dtype = _same_dtype("grads", gs) or torch.float32
-    moment_dtype = _same_dtype("exp_avgs and exp_avg_sqs", ms + vs) or torch.float32
-    lp_dtype = None if lps is None else _same_dtype("params_lp", [t for t in lps if t is not None])
-    return AdamCall(ps, gs, ms, vs, lps, hp, check_threads(threads), grad_dtype, moment_dtype,
-                    lp_dtype, numels)
+    p_n, p_ptr, _ = _checked("params", ps, (torch.float32,))
+    m_n, m_ptr, m_dt = _checked("exp_avgs", ms, MOMENT_DTYPES)
+    v_n, v_ptr, v_dt = _checked("exp_avg_sqs", vs, MOMENT_DTYPES)
+    g_n, g_ptr, g_dt = _checked("grads", gs, GRAD_DTYPES) if gs is not None else (p_n, (), set())
+    lp_idx = [] if lps is None else [i for i, t in enumerate(lps) if t is not None]
+    lp_list = [lps[i] for i in lp_idx] if lps is not None else []
+    lp_n, lp_ptr, lp_dt = _checked("params_lp", lp_list, LP_DTYPES)
+    for name, numels, idx in (("grads", g_n, None), ("exp_avgs", m_n, None),
+                              ("exp_avg_sqs", v_n, None), ("params_lp", lp_n, lp_idx)):
+        want = p_n if idx is None else tuple(p_n[i] for i in idx)
+        if numels != want:
+            j = next(k for k, (a, b) in enumerate(zip(numels, want)) if a != b)
+            i = j if idx is None else idx[j]
+            raise ValueError(f"{name}[{i}] has {numels[j]} elements but params[{i}] has {p_n[i]}")
+    if m_dt != v_dt:
+        _same_dtype("exp_avgs and exp_avg_sqs", ms + vs)
+    moment_dtype = next(iter(m_dt), torch.float32)
+    lp_dtype = next(iter(lp_dt), None)
+    mom_size = 2 if moment_dtype == torch.bfloat16 else 4
+    lp_ptrs = [0] * n
+    for k, i in enumerate(lp_idx):
+        lp_ptrs[i] = lp_ptr[k]
+    written = written_ranges([("params", p_ptr, p_n, 4), ("exp_avgs", m_ptr, m_n, mom_size),
+                              ("exp_avg_sqs", v_ptr, v_n, mom_size),
+                              ("params_lp", lp_ptrs, [p_n[i] if lp_ptrs[i] else 0
+                                                      for i in range(n)], 2)])
+    grad_dtype = next(iter(g_dt), torch.float32)
+    if gs is not None:
+        check_read_only_ranges(written, "grads", g_ptr, g_n,
+                               2 if grad_dtype == torch.bfloat16 else 4)
+    return AdamTensors(tuple(ps), tuple(gs or ()), tuple(ms), tuple(vs),
+                       None if lps is None else tuple(lps), p_n, grad_dtype, moment_dtype,
+                       lp_dtype, written, g_ptr if gs is not None else None)
 
 
 def check_grads(grads: object) -> list[torch.Tensor]:
@@ -200,31 +311,3 @@ def check_grads(grads: object) -> list[torch.Tensor]:
         _check_tensor(f"grads[{i}]", g, GRAD_DTYPES)
     _same_dtype("grads", gs)
     return gs
-
-
-AdamMulti = Callable[..., None]
-
-
-def multi_entry_points(run: Callable[[AdamCall, bool], None]) -> tuple[AdamMulti, AdamMulti]:
-    """The public `adam_step_multi` and `adam_rollback_multi` of a backend whose `run(call,
-    rollback)` applies a validated call: both backends share one signature and one check."""
-
-    def entry(rollback: bool) -> AdamMulti:
-        def multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
-                  weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                  params_lp=None, threads=None, sr_seed=0) -> None:
-            call = check_adam_call(params, grads, exp_avgs, exp_avg_sqs, params_lp, threads,
-                                   rollback=rollback, step=step, lr=lr, beta1=beta1,
-                                   beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                   adamw_mode=adamw_mode, bias_correction=bias_correction,
-                                   grad_scale=grad_scale, sr_seed=sr_seed)
-            run(call, rollback)
-
-        multi.__name__ = "adam_rollback_multi" if rollback else "adam_step_multi"
-        multi.__doc__ = ("Undo adam_step_multi with the same arguments, in place."
-                         if rollback else
-                         "One Adam(W) step over a list of tensors in one parallel region.")
-        return multi
-
-    return entry(False), entry(True)
-

@@ -1,0 +1,160 @@
+"""CPUAdam's kernel calls, built once per param group and reused while nothing changes.
+
+A param group's parameters that have a gradient are split into BATCHES, one kernel call each
+(one OpenMP region, DESIGN.md §4): same step count, same gradient dtype, same low-precision
+dtype. Each batch holds a ``PreparedAdam`` (kernels/prepared.py) over the fp32 masters (the
+parameters themselves when they are fp32), the moments and the low-precision parameters
+(written by the kernel's fused copy), so ``step()`` validates only the new gradients
+(issue 11 §3: per-call validation was ~10% of a 180-tensor step).
+
+The step counts keep torch.optim.AdamW's layout (``state[p]["step"]``, a float32 scalar
+tensor per parameter) but each is a VIEW into one float32 vector per batch, so one
+``add_`` advances a whole batch (a per-parameter ``+= 1`` costs ~3 us x 180 tensors).
+
+A batch is rebuilt when its key changes (other parameters with gradients, other grad
+dtypes), when a state entry it captured is replaced (``load_state_dict``, a user assigning
+``state[p][...]``), or when a prepared tensor moved (``p.data = ...``): every step checks
+identities, which costs ~0.2 us per tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from operator import is_
+from typing import Any
+
+import torch
+
+from superoffload import kernels
+from superoffload.kernels.prepared import PreparedAdam
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_data_ptr = torch.Tensor.data_ptr
+MASTER_KEY = "master_param"
+"""State key of the fp32 master of a bf16/fp16 parameter (TransformerEngine's FusedAdam
+uses the same name)."""
+
+
+def kernel_grads(grads: list[torch.Tensor], widen: bool) -> list[torch.Tensor]:
+    """Gradients as the kernel reads them: fp32 or bf16, contiguous (fp16 is widened: the
+    kernel has no fp16 gradient path, and the exact widening costs one extra pass)."""
+    if widen:
+        return [g.float() for g in grads]
+    # (a sparse grad passes through: the kernel's check refuses it with its message)
+    return [g if g.is_contiguous() or g.layout is not torch.strided else g.contiguous()
+            for g in grads]
+
+
+@dataclass(slots=True)
+class Batch:
+    """The parameters of one kernel call and what was captured when it was built."""
+
+    index: tuple[int, ...] | None
+    """Positions in the group's ``params`` list; None: all of them, in order."""
+    params: tuple[torch.Tensor, ...]
+    prepared: PreparedAdam
+    steps: torch.Tensor
+    """float32 vector; ``state[params[i]]["step"]`` is ``steps[i]``."""
+    dicts: tuple[dict[str, Any], ...]
+    """``state[params[i]]`` when the batch was built."""
+    captured: tuple[tuple[dict[str, Any], ...], tuple[str, ...], tuple[torch.Tensor, ...]]
+    """(state dicts, keys, tensors): ``dicts[i][keys[i]] is tensors[i]`` must still hold."""
+    param_ptrs: list[int]
+    widen: bool
+    """fp16 gradients: widened to fp32 per step."""
+
+    def intact(self, state: Any) -> bool:
+        """True while the optimizer state still holds what this batch captured and no
+        parameter was re-pointed (``p.data = ...``): checked before any batch of the group
+        is stepped, so a stale batch is rebuilt instead of half-stepping the group."""
+        # map/operator.is_ keep the loops in C: this runs on every step (~0.1 us/entry)
+        return (all(map(is_, map(state.get, self.params), self.dicts))
+                and all(map(is_, map(dict.get, self.captured[0], self.captured[1]),
+                            self.captured[2]))
+                and list(map(_data_ptr, self.params)) == self.param_ptrs)
+
+    def count(self) -> int | None:
+        """The batch's step count, or None when the step views disagree (edited by hand)."""
+        lo, hi = torch.aminmax(self.steps)
+        return int(lo) if float(lo) == float(hi) else None
+
+    def grads(self, group_grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        gs = group_grads if self.index is None else [group_grads[i] for i in self.index]
+        return kernel_grads(gs, self.widen)
+
+
+def init_state(state: dict[str, Any], p: torch.Tensor, moment_dtype: torch.dtype) -> None:
+    """AdamW's state keys (``step``, ``exp_avg``, ``exp_avg_sq``), the moments in
+    ``moment_dtype``, plus an fp32 master for a bf16/fp16 parameter."""
+    if state:
+        return
+    state["step"] = torch.tensor(0.0)
+    state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.contiguous_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.contiguous_format)
+    if p.dtype in LOW_PRECISION:
+        state[MASTER_KEY] = p.detach().float().contiguous()
+
+
+def _build_batch(index: list[int], ps: list[torch.Tensor], state: Any, count: int,
+                 grad_dtype: torch.dtype, lp_dtype: torch.dtype | None, all_params: int) -> Batch:
+    sts = [state[p] for p in ps]
+    steps = torch.full((len(ps),), float(count), dtype=torch.float32)
+    captured: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for st, view in zip(sts, steps.unbind()):
+        st["step"] = view
+        captured += [(st, "step", view), (st, "exp_avg", st["exp_avg"]),
+                     (st, "exp_avg_sq", st["exp_avg_sq"])]
+        if lp_dtype is not None:
+            captured.append((st, MASTER_KEY, st[MASTER_KEY]))
+    masters = [st[MASTER_KEY] if lp_dtype is not None else p for p, st in zip(ps, sts)]
+    prepared = kernels.prepare_adam(
+        masters, None, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
+        params_lp=None if lp_dtype is None else ps)
+    whole = len(index) == all_params and index == list(range(all_params))
+    return Batch(None if whole else tuple(index), tuple(ps), prepared, steps, tuple(sts),
+                 (tuple(c[0] for c in captured), tuple(c[1] for c in captured),
+                  tuple(c[2] for c in captured)),
+                 [p.data_ptr() for p in ps], grad_dtype == torch.float16)
+
+
+def build_batches(params: list[torch.Tensor], state: Any,
+                  moment_dtype: torch.dtype) -> list[Batch]:
+    """Batches of a group's parameters that have a gradient, state created as needed: one
+    per (step count, gradient dtype, low-precision dtype)."""
+    keyed: dict[tuple[int, torch.dtype, torch.dtype | None], list[int]] = {}
+    for i, p in enumerate(params):
+        if p.grad is None:
+            continue
+        st = state[p]
+        init_state(st, p, moment_dtype)
+        lp = p.dtype if p.dtype in LOW_PRECISION else None
+        keyed.setdefault((int(st["step"]), p.grad.dtype, lp), []).append(i)
+    return [_build_batch(idx, [params[i] for i in idx], state, count, gdt, lp, len(params))
+            for (count, gdt, lp), idx in sorted(keyed.items(), key=lambda kv: kv[0][0])]
+
+
+@dataclass(slots=True)
+class GroupCache:
+    """The batches of one param group and what they were built for."""
+
+    params: tuple[torch.Tensor, ...]
+    grad_key: tuple[torch.dtype | None, ...]
+    batches: list[Batch]
+
+    def valid(self, params: list[torch.Tensor], grad_key: tuple[torch.dtype | None, ...],
+              state: Any) -> bool:
+        return (self.grad_key == grad_key and self.params == tuple(params)
+                and all(b.intact(state) and b.count() is not None for b in self.batches))
+
+
+def current_batches(cache: GroupCache | None, params: list[torch.Tensor],
+                    grads: list[torch.Tensor | None], state: Any, moment_dtype: torch.dtype,
+                    keep: Callable[[GroupCache], None]) -> list[Batch]:
+    """The group's batches, rebuilt (and handed to ``keep``) when anything changed."""
+    grad_key = tuple(None if g is None else g.dtype for g in grads)
+    if cache is not None and cache.valid(params, grad_key, state):
+        return cache.batches
+    fresh = GroupCache(tuple(params), grad_key, build_batches(params, state, moment_dtype))
+    keep(fresh)
+    return fresh.batches
