@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# libgomp reads its wait policy once, when torch loads it: set it before `import torch`.
+# The default spins idle OpenMP threads, which on a busy 2-core machine makes OpenMP work
+# 20-70x slower (docs/kernel.md, "OpenMP wait policy"); superoffload's CLI sets the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Iterator
 
 import pytest

@@ -18,7 +18,6 @@ docs/img/ (linked from docs/jupyter.md); a failure leaves artifacts/browser/.
 from __future__ import annotations
 
 import os
-
 import re
 import shutil
 import time

@@ -110,12 +110,13 @@ def _run_20(engine: Any, model: torch.nn.Module, data: list, nan_step: int) -> N
         engine.zero_grad()
 
 
-@pytest.mark.parametrize("rollback", ["inverse", "snapshot"])
-def test_zero_at_world_size_one_is_bit_identical_over_20_steps(rollback: str,
+@pytest.mark.parametrize(("rollback", "moments"),
+                         [("inverse", "fp32"), ("snapshot", "fp32"), ("snapshot", "bf16")])
+def test_zero_at_world_size_one_is_bit_identical_over_20_steps(rollback: str, moments: str,
                                                                gloo_world: None) -> None:
     cfg = OffloadConfig(device="cpu", bucket_bytes=4096, ratio=0.7, max_grad_norm=0.3,
                         grad_accum_steps=2, rollback=rollback, speculation="on",
-                        cpu_threads=1, telemetry=False)
+                        cpu_threads=1, telemetry=False, optimizer_state_dtype=moments)
     data = batches(40, seed=3, batch=4, seq=12)
     out = []
     for build in (so.initialize, _zero):

@@ -174,9 +174,10 @@ class OffloadEngine:
         self.cast: CastPolicy = cast_policy(schedule, self.model_dtype)
         st.schedule = schedule
         st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
-        st.buffers = self.transport.build(schedule.bucket_plan, states, self.cast,
-                                          flow=schedule.weights == "flow",
-                                          snapshot=self.config.rollback == "snapshot")
+        st.buffers = self.transport.build(
+            schedule.bucket_plan, states, self.cast, flow=schedule.weights == "flow",
+            snapshot=self.config.rollback == "snapshot",
+            moments=torch.bfloat16 if self.config.optimizer_state_dtype == "bf16" else torch.float32)
         for i in st.trainable:
             st.steps[i] = states[i].step
         self.scheduler.reset()

@@ -57,7 +57,8 @@ class LocalTransport:
         return self._lanes
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
-              flow: bool, snapshot: bool) -> list[BucketBuffers]:
+              flow: bool, snapshot: bool,
+              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
         st, be = self.ctx.state, self.ctx.backend
         self.buffers, self._pos = [], {}
         for bucket in plan.buckets:
@@ -66,7 +67,7 @@ class LocalTransport:
                 bucket, params, [states[i] for i in bucket.param_indices],
                 alloc_host=be.alloc_host, alloc_device=be.alloc_device,
                 grad_host_dtype=cast.grad_host_dtype,
-                lp_host=cast.low_precision and cast.param_on_host))
+                lp_host=cast.low_precision and cast.param_on_host, moment_dtype=moments))
             self._pos.update((i, pos) for pos, i in enumerate(bucket.param_indices))
         return self.buffers
 

@@ -264,7 +264,7 @@ class IterationScheduler:
             bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
             calls=calls, grad_scale=scale, threads=self.threads, after=after,
             skip_nonfinite=speculative, snapshot=speculative and cfg.rollback == "snapshot",
-            replay=replay, recorder=self.recorder, watchdog_s=cfg.watchdog_s)
+            replay=replay, recorder=self.recorder, watchdog_s=cfg.watchdog_s, seed=cfg.seed)
 
     def rollback(self, fl: Flight) -> Future[Any]:
         """Undo ``fl``'s speculative step (if it ran) on the worker."""
@@ -274,7 +274,7 @@ class IterationScheduler:
             bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
             calls=fl.calls, grad_scale=fl.spec_scale, threads=self.threads,
             step_future=fl.spec, mode=cfg.rollback, recorder=self.recorder,
-            watchdog_s=cfg.watchdog_s), fl.bucket, after=(fl.spec,))
+            watchdog_s=cfg.watchdog_s, seed=cfg.seed), fl.bucket, after=(fl.spec,))
         fut.add_done_callback(self.counter("rollbacks"))
         return fut
 

@@ -57,6 +57,8 @@ class BucketBuffers:
     """Host buckets of a low-precision model with host-side param casting."""
     snapshot: list[torch.Tensor] | None = None
     """Snapshot rollback: pre-step copies [p, m, v] per parameter (12 B/param)."""
+    prepared: dict[Any, Any] = field(default_factory=dict)
+    """Kernel calls prepared once (``kernels.prepare_adam``), by (members, grads given)."""
     flat: list[torch.Tensor] = field(default_factory=list)
     """The underlying allocations (kept alive; counted in memory reports)."""
 
@@ -99,6 +101,7 @@ def build_buffers(
     alloc_device: Alloc,
     grad_host_dtype: torch.dtype,
     lp_host: bool,
+    moment_dtype: torch.dtype = torch.float32,
 ) -> BucketBuffers:
     """Allocate a bucket's buffers and fill them from ``states`` (placement-free)."""
     shapes = [p.shape for p in params]
@@ -112,7 +115,10 @@ def build_buffers(
         flat_master = alloc(numel, torch.float32)
         flats.append(flat_master)
         master = _views(flat_master, shapes)
-    flat_m, flat_v = alloc(numel, torch.float32), alloc(numel, torch.float32)
+    # host buckets may keep bf16 moments (OffloadConfig.optimizer_state_dtype); tail buckets
+    # are stepped on the device by torch's fused Adam, with fp32 moments
+    mdt = torch.float32 if bucket.on_device else moment_dtype
+    flat_m, flat_v = alloc(numel, mdt), alloc(numel, mdt)
     flats += [flat_m, flat_v]
     exp_avg, exp_avg_sq = _views(flat_m, shapes), _views(flat_v, shapes)
     with torch.no_grad():
@@ -144,8 +150,8 @@ def export_state(buffers: BucketBuffers, steps: Sequence[int]) -> list[ParamStat
         out.append(
             ParamState(
                 buffers.master[i].detach().to("cpu", torch.float32, copy=True),
-                buffers.exp_avg[i].detach().to("cpu", copy=True),
-                buffers.exp_avg_sq[i].detach().to("cpu", copy=True),
+                buffers.exp_avg[i].detach().to("cpu", torch.float32, copy=True),
+                buffers.exp_avg_sq[i].detach().to("cpu", torch.float32, copy=True),
                 int(steps[i]),
             )
         )

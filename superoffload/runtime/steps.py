@@ -13,7 +13,7 @@ copies of p, m, v taken just before the speculative step (bit-exact, 12 B/param)
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,13 @@ class KernelCall:
     hyper: AdamHyper
 
 
+def sr_seed(seed: int, bucket: int, step: int, call: int) -> int:
+    """The stochastic-rounding stream of one kernel call (bf16 moments, docs/kernel.md):
+    distinct per (seed, bucket, step, call) and the same for a step and its rollback."""
+    return (seed * 0xD6E8FEB86659FD93 + bucket * 0x9E3779B97F4A7C15
+            + step * 0xBF58476D1CE4E5B9 + call * 0x94D049BB133111EB) % 2**64
+
+
 def run_calls(
     buffers: BucketBuffers,
     calls: tuple[KernelCall, ...],
@@ -52,16 +59,20 @@ def run_calls(
     grad_scale: float,
     threads: int | None,
     rollback: bool = False,
+    seed: int = 0,
 ) -> None:
-    """Run the kernel (or its inverse) over ``calls``; ``grads`` indexed by bucket position."""
+    """Run the kernel (or its inverse) over ``calls``; ``grads`` indexed by bucket position.
+
+    On the CPU each call is prepared once (``kernels.prepare_adam``: tensors validated and
+    the C descriptor built when first used, kept on the bucket's buffers, which never move;
+    issue 11 item 3) and then only its numbers are checked per step. A host bucket's
+    gradient buffers are part of the prepared call; the tail of the CPU backend passes its
+    ``.grad`` tensors per call (they are new every iteration)."""
     on_cpu = buffers.master[0].device.type == "cpu" if buffers.master else True
-    if rollback:
-        if not on_cpu:
-            raise RuntimeError("device buckets are never speculated, so never rolled back")
-        fn: Callable[..., None] = kernels.adam_rollback_multi
-    else:
-        fn = kernels.adam_step_multi if on_cpu else kernels.device_adam_multi
-    for call in calls:
+    if rollback and not on_cpu:
+        raise RuntimeError("device buckets are never speculated, so never rolled back")
+    fixed = grads is buffers.grad_host  # host buckets: the buffers never move
+    for k, call in enumerate(calls):
         idx = call.members
         lp: list[torch.Tensor] | None = None
         if buffers.lp_host is not None:
@@ -69,16 +80,26 @@ def run_calls(
         elif buffers.on_device and buffers.master[idx[0]].data_ptr() != buffers.params[idx[0]].data_ptr():
             lp = [buffers.params[i].data for i in idx]  # tail bucket of a bf16 model
         h = call.hyper
-        fn(
-            [buffers.master[i] for i in idx],
-            [grads[i] for i in idx],
-            [buffers.exp_avg[i] for i in idx],
-            [buffers.exp_avg_sq[i] for i in idx],
-            step=call.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
-            weight_decay=h.weight_decay, adamw_mode=h.adamw_mode,
-            bias_correction=h.bias_correction, grad_scale=grad_scale, params_lp=lp,
-            threads=threads,
-        )
+        if not on_cpu:  # a GPU tail bucket: torch's fused Adam (kernels/device_adam.py)
+            kernels.device_adam_multi(
+                [buffers.master[i] for i in idx], [grads[i] for i in idx],
+                [buffers.exp_avg[i] for i in idx], [buffers.exp_avg_sq[i] for i in idx],
+                step=call.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
+                weight_decay=h.weight_decay, adamw_mode=h.adamw_mode,
+                bias_correction=h.bias_correction, grad_scale=grad_scale, params_lp=lp)
+            continue
+        key = (idx, fixed)
+        prep = buffers.prepared.get(key)
+        if prep is None or prep.stale() is not None:  # first use, or a tensor was re-pointed
+            prep = buffers.prepared[key] = kernels.prepare_adam(
+                [buffers.master[i] for i in idx],
+                [grads[i] for i in idx] if fixed else None,
+                [buffers.exp_avg[i] for i in idx], [buffers.exp_avg_sq[i] for i in idx],
+                params_lp=lp)
+        run = prep.rollback if rollback else prep.step
+        run(h, step=call.step, grad_scale=grad_scale, threads=threads,
+            sr_seed=sr_seed(seed, buffers.bucket.id, call.step, k),
+            grads=None if fixed else [grads[i] for i in idx])
 
 
 def make_calls(buffers: BucketBuffers, present: frozenset[int] | set[int],
@@ -120,6 +141,8 @@ class StepTask:
     replay: bool
     recorder: Recorder
     watchdog_s: float
+    seed: int = 0
+    """``OffloadConfig.seed``: the stochastic rounding of bf16 moments (``sr_seed``)."""
 
     def run(self) -> bool:
         if self.after is not None:
@@ -142,7 +165,7 @@ class StepTask:
                 nbytes=28 * sum(buf.master[i].numel() for i in members_of(self.calls)),
             ):
                 run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
-                          threads=self.threads)
+                          threads=self.threads, seed=self.seed)
         return True
 
 
@@ -161,6 +184,8 @@ class RollbackTask:
     mode: str
     recorder: Recorder
     watchdog_s: float
+    seed: int = 0
+    """``OffloadConfig.seed``: the stochastic rounding of bf16 moments (``sr_seed``)."""
 
     def run(self) -> bool:
         stepped = wait_for(self.step_future, self.watchdog_s, f"CPU step of bucket {self.bucket}")
@@ -182,7 +207,7 @@ class RollbackTask:
                         buf.lp_host[i].copy_(buf.master[i])
             else:
                 run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
-                          threads=self.threads, rollback=True)
+                          threads=self.threads, rollback=True, seed=self.seed)
         return True
 
 

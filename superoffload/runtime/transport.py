@@ -89,9 +89,11 @@ class Transport(Protocol):
         ...
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
-              flow: bool, snapshot: bool) -> list[BucketBuffers]:
+              flow: bool, snapshot: bool,
+              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
         """Allocate every bucket of ``plan`` from full per-parameter ``states`` (each rank
-        keeping its part); returns, per bucket id, the buffers the optimizer steps."""
+        keeping its part); returns, per bucket id, the buffers the optimizer steps.
+        ``moments``: the host buckets' moment dtype (``optimizer_state_dtype``)."""
         ...
 
     def launch(self, b: int, present: tuple[int, ...], iteration: int,

@@ -90,9 +90,11 @@ def check_host_budget(budget: HostBudget) -> None:
         raise HostMemoryError(budget_message(budget))
 
 
-def shard_host_bytes(shard_numel: int, *, grad_bytes: int, lp_bytes: int, snapshot: bool) -> int:
-    """Host bytes of one rank's shard of one bucket: fp32 master + two fp32 moments (12 B),
-    the gradient shard (``grad_bytes`` per element), the low-precision weight shard
-    (``lp_bytes``, 0 for an fp32 model) and the optional snapshot (12 B)."""
-    per_elem = 12 + grad_bytes + lp_bytes + (12 if snapshot else 0)
+def shard_host_bytes(shard_numel: int, *, grad_bytes: int, lp_bytes: int, snapshot: bool,
+                     moment_bytes: int = 8) -> int:
+    """Host bytes of one rank's shard of one bucket: fp32 master (4 B) + both moments
+    (``moment_bytes``: 8 fp32, 4 bf16), the gradient shard (``grad_bytes`` per element), the
+    low-precision weight shard (``lp_bytes``, 0 for an fp32 model) and the optional
+    snapshot (12 B)."""
+    per_elem = 4 + moment_bytes + grad_bytes + lp_bytes + (12 if snapshot else 0)
     return shard_numel * per_elem

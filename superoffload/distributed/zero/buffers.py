@@ -66,10 +66,12 @@ def _flat_views(flat: torch.Tensor, layout: ShardLayout,
 
 def build_shard_bucket(bucket: Bucket, params: Sequence[torch.nn.Parameter],
                        states: Sequence[ParamState], layout: ShardLayout, *, backend: Backend,
-                       model_dtype: torch.dtype, reduce_mode: str) -> ShardBucket:
+                       model_dtype: torch.dtype, reduce_mode: str,
+                       moment_dtype: torch.dtype = torch.float32) -> ShardBucket:
     """Allocate the shard's buffers and fill them from full per-parameter ``states``."""
     n = layout.shard_numel
-    master, m, v = (backend.alloc_host(n, torch.float32) for _ in range(3))
+    master = backend.alloc_host(n, torch.float32)
+    m, v = (backend.alloc_host(n, moment_dtype) for _ in range(2))
     grad_host = backend.alloc_host(n, torch.float32)
     flats = [master, m, v, grad_host]
     for t in flats:
@@ -135,6 +137,6 @@ def export_segments(sb: ShardBucket) -> list[tuple[int, int, torch.Tensor, torch
     for k, s in enumerate(sb.layout.segments):
         out.append((sb.bucket.param_indices[s.pos], s.param_offset,
                     st.master[k].detach().to("cpu", copy=True),
-                    st.exp_avg[k].detach().to("cpu", copy=True),
-                    st.exp_avg_sq[k].detach().to("cpu", copy=True)))
+                    st.exp_avg[k].detach().to("cpu", torch.float32, copy=True),
+                    st.exp_avg_sq[k].detach().to("cpu", torch.float32, copy=True)))
     return out

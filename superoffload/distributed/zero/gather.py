@@ -43,7 +43,8 @@ def gather_full_states(shards: Mapping[int, ShardBucket], tails: Mapping[int, Bu
             continue
         sb = shards[b]
         lay = sb.layout
-        fulls = [all_gather_host(t, lay.padded_numel, device, group) for t in sb.state.flat[:3]]
+        fulls = [all_gather_host(t.float(), lay.padded_numel, device, group)  # bf16 moments too
+                 for t in sb.state.flat[:3]]
         for pos, i in enumerate(sb.bucket.param_indices):
             lo, hi = lay.param_offsets[pos], lay.param_offsets[pos] + lay.param_numels[pos]
             m, a, s = (f[lo:hi].clone().view(shapes[i]) for f in fulls)  # shape: flow releases

@@ -145,13 +145,13 @@ class ZeroTransport:
         return self._lanes
 
     def _check_budget(self, plan: BucketPlan, cast: CastPolicy, flow: bool,
-                      snapshot: bool) -> None:
+                      snapshot: bool, moments: torch.dtype) -> None:
         """This rank's host bytes (its shards), checked by all ranks before allocating."""
         dtype = self.ctx.state.model_dtype
         lp_bytes = 0 if dtype == torch.float32 else dtype.itemsize
         rank_bytes = sum(
             shard_host_bytes(-(-b.numel // self.world_size), grad_bytes=4, lp_bytes=lp_bytes,
-                             snapshot=snapshot)
+                             snapshot=snapshot, moment_bytes=2 * moments.itemsize)
             for b in plan.buckets if not b.on_device)
         if flow:  # the gathered homes: every weight, model dtype
             rank_bytes += sum(b.numel for b in plan.buckets) * dtype.itemsize
@@ -161,10 +161,11 @@ class ZeroTransport:
                           self.shard_rank)
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
-              flow: bool, snapshot: bool) -> list[BucketBuffers]:
+              flow: bool, snapshot: bool,
+              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
         """Every rank allocates its slice of each bucket from full ``states``; the resident
         parameters are set to the masters' values (a resharded load needs it)."""
-        self._check_budget(plan, cast, flow, snapshot)  # before anything is allocated
+        self._check_budget(plan, cast, flow, snapshot, moments)  # before anything is allocated
         st, be = self.ctx.state, self.ctx.backend
         self.shards, self.tails, self.homes = {}, {}, {}
         with torch.no_grad():
@@ -186,7 +187,7 @@ class ZeroTransport:
             layout = shard_layout(numels, rank=self.shard_rank, world_size=self.world_size)
             sb = self.shards[bucket.id] = build_shard_bucket(
                 bucket, params, sts, layout, backend=be, model_dtype=st.model_dtype,
-                reduce_mode=self.reduce_mode)
+                reduce_mode=self.reduce_mode, moment_dtype=moments)
             if flow:
                 homes = alloc_homes(sb, be)
                 fill_homes(sb, homes, [s.master for s in sts])
