@@ -1,4 +1,4 @@
-"""`python -m superoffload <command>`: train, bench, simulate, tune.
+"""`python -m superoffload <command>`: train, bench, simulate, tune, plan (a Hugging Face config).
 
 Each command lives in its own module under `superoffload.commands` and exposes
 `add_parser(subparsers)` (which sets `func` on its parser) so this file stays a dispatcher.

@@ -138,7 +138,7 @@ def _private_reads(path: Path) -> list[str]:
             if isinstance(base, ast.Name) and base.id in ("self", "cls"):
                 continue
             bad.append(f"{path.name}:{node.lineno}: .{node.attr}")
-        elif isinstance(node, ast.ImportFrom):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("superoffload"):
             for alias in node.names:
                 own_module = f"{node.module}.{alias.name}" in MODULES and \
                     node.module == _package_of(path)  # a package's private module, inside it

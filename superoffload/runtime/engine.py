@@ -262,7 +262,7 @@ class OffloadEngine:
         now = time.perf_counter()
         self.telemetry.scalar("iteration_s", n, now - self._last_step_end)
         self._last_step_end = now
-        self.scheduler.current = Iteration()
+        self.scheduler.end_iteration()
         self.raise_if_failed()
 
     def _interrupted(self, exc: BaseException, where: str) -> None:

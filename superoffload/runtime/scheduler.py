@@ -133,6 +133,12 @@ class IterationScheduler:
         schedule = self.state.schedule
         return schedule.threads if schedule is not None else 1
 
+    def end_iteration(self) -> None:
+        """A new iteration starts: forget what finished (``outstanding`` keeps only futures
+        still running, so a run that never synchronizes does not accumulate them)."""
+        self.current = Iteration()
+        self.outstanding = [f for f in self.outstanding if not f.done()]
+
     def reset(self) -> None:
         """Forget a partial iteration (after a load or a rebuild)."""
         self.current = Iteration()
