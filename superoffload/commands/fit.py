@@ -16,8 +16,9 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import Any
+
+from superoffload.commands.plan import load_profile
 
 ROWS = (
     ("plain (GPU only)", "gpu", None),
@@ -56,17 +57,6 @@ def _shipped() -> list[str]:
     from superoffload.plan import hf_config
 
     return hf_config.shipped()
-
-
-def _profile(name: str) -> Any:
-    from superoffload import plan
-
-    if name == "local":
-        return plan.measure_local()
-    path = Path(name)
-    if path.suffix == ".json" and path.exists():
-        return plan.HardwareProfile.from_dict(json.loads(path.read_text()))
-    return plan.profiles.get(name)
 
 
 def schedule_rows(shape: Any, prof: Any, constraints: Any = None) -> list[dict[str, Any]]:
@@ -118,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             raw, seq=args.seq, micro_batch=args.micro_batch,
             activation_checkpointing=not args.no_checkpointing, dp=args.dp,
             ranks_per_host=args.ranks_per_host)
-        prof = _profile(args.profile)
+        prof = load_profile(args.profile)
         cons = plan.Constraints(
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,

@@ -121,7 +121,8 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def _profile(name: str) -> Any:
+def load_profile(name: str) -> Any:
+    """A preset name, "local" (measure this machine) or a profile JSON file."""
     from superoffload import plan
 
     if name == "local":
@@ -158,7 +159,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.facts:
         return _facts(args)
     try:
-        prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
+        prof, shape = _with_collective(load_profile(args.profile), args), _shape(args)
         changes: dict[str, Any] = {}
         for name in ("ratio", "speculation", "grad_cast", "param_cast", "weights", "cpu_threads",
                      "optimizer_state_dtype"):
@@ -238,7 +239,7 @@ def _tune(args: argparse.Namespace) -> int:
     from superoffload import plan
 
     try:
-        prof, shape = _with_collective(_profile(args.profile), args), _shape(args)
+        prof, shape = _with_collective(load_profile(args.profile), args), _shape(args)
         extra = {} if args.rollback_rate is None else {"rollback_rate": args.rollback_rate}
         fixed = {**_parse_fix(args.fix), **_step_order(args)}
         ordered = OffloadConfig().replace(**{k: v for k, v in fixed.items() if k == "step_order"})

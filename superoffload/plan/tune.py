@@ -361,10 +361,10 @@ def _bucket_choices(shape: ModelShape, cons: Constraints) -> list[int]:
 
 
 def format_count(n: float) -> str:
-    """"121K", "1.21B": a parameter count for people."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
+    """120576 -> "121K", 1.3e9 -> "1.3B" (3 significant digits): a count for people."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{suffix}"
     return f"{n:.0f}"
 
 

@@ -12,6 +12,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from superoffload.plan.tune import format_count  # one formatter (plan/tune.py)
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileChoice:
@@ -64,14 +66,6 @@ def to_shape(shape_or_model: Any, *, seq: int | None = None, micro_batch: int = 
                              "needs the sequence length to count FLOPs and activations)")
         return ModelShape.from_module(shape_or_model, seq=seq, micro_batch=micro_batch)
     raise TypeError(f"{type(shape_or_model).__name__}: pass a plan.ModelShape or an nn.Module")
-
-
-def format_count(n: float) -> str:
-    """120576 -> "121K", 1.3e9 -> "1.3B" (3 significant digits)."""
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= div:
-            return f"{n / div:.3g}{suffix}"
-    return f"{n:.0f}"
 
 
 def describe(shape: Any, choice: ProfileChoice) -> str:
