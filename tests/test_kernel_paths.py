@@ -210,8 +210,9 @@ def _compile(cc: str, tmp_path: Path, extra: list[str],
     return "\n".join(outputs)
 
 
-@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None,
-                    reason="needs Debian's gcc-aarch64-linux-gnu")
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None
+                    or not Path("/usr/aarch64-linux-gnu/include/stdlib.h").exists(),
+                    reason="needs Debian's gcc-aarch64-linux-gnu and libc6-dev-arm64-cross")
 def test_aarch64_build_compiles_neon_and_sve(tmp_path):
     """The Grace build (NEON baseline + SVE chosen by getauxval) compiles and vectorises.
     Debian's cross compiler may come without arm64 libc headers; the sources need only the
