@@ -25,7 +25,7 @@ import argparse
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -226,23 +226,24 @@ def _process_gone(pid: int) -> bool:
     return False
 
 
-def stopped_peers(ranks: list[int]) -> list[int]:
-    """Ranks among `ranks` on this host whose process is stopped (SIGSTOP, a debugger)."""
+def _local_peers(ranks: list[int], test: Callable[[int], bool]) -> list[int]:
+    """Ranks among `ranks` on this host, not this one, whose process pid passes `test`
+    (remote ranks are never listed: we cannot see them)."""
     if _STATE is None or len(_STATE.processes) != _STATE.info.world_size:
         return []
-    host = socket.gethostname()
-    return [r for r in ranks if _STATE.processes[r].host == host and r != _STATE.info.rank
-            and _proc_state(_STATE.processes[r].pid) in ("T", "t")]
+    host, procs = socket.gethostname(), _STATE.processes
+    return [r for r in ranks
+            if procs[r].host == host and r != _STATE.info.rank and test(procs[r].pid)]
+
+
+def stopped_peers(ranks: list[int]) -> list[int]:
+    """Ranks among `ranks` on this host whose process is stopped (SIGSTOP, a debugger)."""
+    return _local_peers(ranks, lambda pid: _proc_state(pid) in ("T", "t"))
 
 
 def exited_peers(ranks: list[int]) -> list[int]:
-    """Ranks among `ranks` on this host whose process has exited (remote ranks are never
-    listed: we cannot see them)."""
-    if _STATE is None or len(_STATE.processes) != _STATE.info.world_size:
-        return []
-    host = socket.gethostname()
-    return [r for r in ranks if _STATE.processes[r].host == host
-            and r != _STATE.info.rank and _process_gone(_STATE.processes[r].pid)]
+    """Ranks among `ranks` on this host whose process has exited."""
+    return _local_peers(ranks, _process_gone)
 
 
 def collective_timeout_s() -> float:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from superoffload.config import NUMERICS_FIELDS, OffloadConfig
-from superoffload.runtime.ckpt_files import file_sha256, read_verified, write_atomic
+from superoffload.runtime.ckpt_files import read_verified, write_atomic
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.scheduler import EngineStats
 from superoffload.runtime.state import EngineState, ParamState
@@ -242,13 +241,9 @@ def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     file = os.path.join(path, FILENAME)
     if not os.path.exists(file):
         raise FileNotFoundError(f"no checkpoint at {file}")
-    payload = read_verified(file)  # the sealed checksum: a corrupt file is refused
-    recorded = _recorded_sha256(path)
-    if recorded is not None and recorded != file_sha256(file):
-        # the sealed checksum passed, so the file is whole: meta.json is from an older save
-        # (a save killed between writing engine.pt and meta.json)
-        warnings.warn(f"{os.path.join(path, META)} is older than {file} (their checksums "
-                      "differ; the checkpoint itself checks out)", RuntimeWarning, stacklevel=3)
+    # the sealed checksum refuses a corrupt file; meta.json is written after engine.pt, so
+    # a save killed between the two leaves it older: that only warns
+    payload = read_verified(file, sha256=_recorded_sha256(path), stale_ok=True)
     load_engine_state_dict(engine, payload)
     set_rng_state(payload["rng"])
     if lr_scheduler is not None:

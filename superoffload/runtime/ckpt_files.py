@@ -21,6 +21,7 @@ import hashlib
 import io
 import os
 import pickle
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,14 +115,18 @@ def write_atomic(payload: dict[str, Any], final: str) -> FileDigest:
     return FileDigest(writer.h.hexdigest(), writer.n)
 
 
-def read_verified(file: str, *, sha256: str | None = None) -> dict[str, Any]:
+def read_verified(file: str, *, sha256: str | None = None,
+                  stale_ok: bool = False) -> dict[str, Any]:
     """Load ``file`` (tensors and plain data only: ``weights_only=True``); check the file's
-    SHA-256 against ``sha256`` when given and the sealed checksum always."""
+    SHA-256 against ``sha256`` when given and the sealed checksum always. ``stale_ok``: a
+    SHA-256 that differs while the sealed checksum passes only warns (one file whose
+    manifest is written after it, and may be from the previous save)."""
     if not os.path.exists(file):
         raise FileNotFoundError(f"no checkpoint file at {file}")
     with open(file, "rb") as f:
         data = f.read()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+    digest_ok = sha256 is None or hashlib.sha256(data).hexdigest() == sha256
+    if not digest_ok and not stale_ok:
         raise CheckpointCorrupt(
             f"checkpoint file {file} does not match the SHA-256 its manifest records: it is "
             "corrupt, or it belongs to another save (a save killed midway leaves a mix). Load "
@@ -134,15 +139,11 @@ def read_verified(file: str, *, sha256: str | None = None) -> dict[str, Any]:
         raise CheckpointCorrupt(f"checkpoint file {file} cannot be read ({exc}); it is corrupt "
                                 "or truncated: load an older checkpoint") from exc
     check_seal(payload, file)
+    if not digest_ok:  # the file is whole: its manifest is from an older save
+        warnings.warn(f"the manifest beside {file} is older than the file (a save killed "
+                      "between writing the two; their checksums differ, the checkpoint itself "
+                      "checks out)", RuntimeWarning, stacklevel=3)
     return dict(payload)
-
-
-def file_sha256(file: str) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _pid_alive(pid: int) -> bool:

@@ -347,8 +347,10 @@ class IterationScheduler:
             except Exception as exc:
                 self.failures.raise_if_failed()
                 raise type(exc)(f"{describe(lane)}: {exc}") from exc
-        while self.outstanding:  # chained tasks are queued late: wait for each future itself
-            self.wait(self.outstanding.pop(0), "a task submitted before synchronize()")
+        # chained tasks are queued late (worker.py): wait for each future itself
+        outstanding, self.outstanding = self.outstanding, []
+        for fut in outstanding:
+            self.wait(fut, "a task submitted before synchronize()")
         for b, fut in list(self.pending.items()):
             self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
         self.pending.clear()

@@ -92,6 +92,8 @@ class WeightFlow:
         self.params = block_params(model, blocks, streamable)
         self.indices = [[st.index[id(p)] for p in ps] for ps in self.params]
         self._streamed = {id(p) for ps in self.params for p in ps}
+        self.streamed_indices: frozenset[int] = frozenset(i for ids in self.indices for i in ids)
+        """Parameter indices of every streamed parameter (fixed: read per bucket launch)."""
         # full shapes, read while every block is resident (released parameters hold 0 elements)
         self.shapes = [[p.shape for p in ps] for ps in self.params]
         self.numel = [sum(p.numel() for p in ps) for ps in self.params]
@@ -111,11 +113,6 @@ class WeightFlow:
 
     def is_streamed(self, param: torch.Tensor) -> bool:
         return id(param) in self._streamed
-
-    @property
-    def streamed_indices(self) -> frozenset[int]:
-        """Parameter indices of every streamed parameter."""
-        return frozenset(i for ids in self.indices for i in ids)
 
     # ------------------------------------------------------------------ lifetime
     @property

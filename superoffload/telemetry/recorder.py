@@ -150,9 +150,12 @@ class Recorder:
         """Record the device span between two marks (now, or when the device reaches them)."""
         if not self.enabled:
             return
+        t0, t1 = self.clock.seconds(start), self.clock.seconds(end)
+        if t0 is not None and t1 is not None:  # already reached (always, on the host clock)
+            self.record(Span(lane, kind, t0, max(t0, t1), iteration, bucket, nbytes, self.rank))
+            return
         with self._lock:
             self._pending.append((lane, kind, start, end, iteration, bucket, nbytes))
-        self.flush()
 
     @contextlib.contextmanager
     def device_span(self, lane: str, kind: str, *, stream: Any = None, iteration: int,

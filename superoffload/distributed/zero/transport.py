@@ -117,6 +117,8 @@ class ZeroTransport:
         self._tail_grads: dict[int, torch.Tensor] = {}
         self._tail_work: dict[int, Any] = {}
         self._gather_stream: Any = None
+        self._slot: dict[int, int] = {}
+        """Trainable parameter index -> its slot in the validation all-reduce."""
 
     # ------------------------------------------------------------------ set-up
     def start(self, ctx: TransportContext) -> None:
@@ -251,15 +253,14 @@ class ZeroTransport:
                     work.wait()
 
     def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
-        st = self.ctx.state
-        trainable = st.trainable
-        pos = {i: k for k, i in enumerate(trainable)}
-        totals = torch.zeros(2 + len(trainable), dtype=torch.float64, device=self.ctx.backend.device)
-        flags = torch.zeros(2 + len(trainable), dtype=torch.float64)
-        flags[0], flags[1] = local.sum_sq, float(local.nonfinite)
+        trainable = self.ctx.state.trainable
+        if len(self._slot) != len(trainable):  # the trainable set is fixed: build once
+            self._slot = {i: 2 + k for k, i in enumerate(trainable)}
+        values = [0.0] * (2 + len(trainable))
+        values[0], values[1] = local.sum_sq, float(local.nonfinite)
         for i in present:
-            flags[2 + pos[i]] = 1.0
-        totals.copy_(flags)
+            values[self._slot[i]] = 1.0
+        totals = torch.tensor(values, dtype=torch.float64, device=self.ctx.backend.device)
         with collective_guard("all_reduce (validation)", self.grad_group):
             dist.all_reduce(totals, group=self.grad_group)
         host = totals.cpu()
