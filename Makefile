@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.superoffload-installed
 SRC    := pyproject.toml setup.py $(wildcard cext/*.c cext/*.h cext/*.py)
 
-.PHONY: demo test lint typecheck pytest bench install clean
+.PHONY: demo test lint typecheck pytest bench install clean mutants
 
 $(STAMP): $(SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(PY) -m superoffload bench adam
+
+# Mutation check (slow, not part of `make test`; docs/testing.md): one bug at a time in a
+# temporary copy of the tree, never in this one. Needs the venv (`make install`).
+mutants:
+	@test -x $(PY) || { echo "make mutants: no $(VENV); run 'make install' first"; exit 2; }
+	$(PY) scripts/mutants.py
 
 clean:
 	rm -rf build *.egg-info superoffload/kernels/_cpu_adam_cffi*.so

@@ -20,7 +20,7 @@ from cffi import FFI
 
 CEXT_DIR = Path(__file__).resolve().parent
 HEADER = CEXT_DIR / "so_cpu_adam.h"
-SOURCES = ["so_cpu_adam.c", "so_simd.c"]
+SOURCES = ["so_cpu_adam.c", "so_simd.c", "so_guard.c"]
 COMPILE_FLAGS = [
     "-O3",
     "-fno-math-errno",

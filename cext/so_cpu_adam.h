@@ -19,7 +19,7 @@
 
 /* CDEF-BEGIN */
 /* Bumped whenever a declaration below changes; the wrapper refuses a stale build. */
-#define SO_KERNEL_ABI_VERSION 5
+#define SO_KERNEL_ABI_VERSION 6
 
 /* element types */
 #define SO_DTYPE_NONE -1
@@ -121,6 +121,12 @@ int64_t so_grad_stats_blocks(const int64_t *numels, int64_t count);
 int so_grad_stats_multi(void **grads, const int64_t *numels, int64_t count, int grad_dtype,
                         int threads, int simd, double *scratch, int64_t scratch_len,
                         double *sum_sq, int64_t *nonfinite);
+/* Rollback guard (cext/so_guard.c): the number of elements with (grad*grad_scale)^2 >
+ * c_v * exp_avg_sq, over count tensors, in one parallel region. fp32 or bf16 gradients,
+ * fp32 moments. Used before a speculative step (runtime/rollback_guard.py). */
+int so_rollback_risk_multi(void **grads, void **exp_avg_sqs, const int64_t *numels,
+                           int64_t count, int grad_dtype, double grad_scale, double c_v,
+                           int threads, int64_t *risky);
 /* CDEF-END */
 
 #endif /* SO_CPU_ADAM_H */

@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # threads) and each part can be imported without the others.
 _LAZY: dict[str, tuple[str, str | None]] = {
     "CPUAdam": ("superoffload.kernels.optimizer", "CPUAdam"),
-    "initialize": ("superoffload.runtime.engine", "initialize"),
+    "initialize": ("superoffload.runtime.initialize", "initialize"),
     "OffloadEngine": ("superoffload.runtime.engine", "OffloadEngine"),
     "from_deepspeed": ("superoffload.ds_config", "from_deepspeed"),
     "presets": ("superoffload.presets", None),

@@ -30,7 +30,7 @@ MIN_BUCKET_BYTES = 4096
 gradients. Smaller buckets only add per-bucket overhead (paper §4.2 uses 64 MiB)."""
 
 Speculation = Literal["on", "off", "adaptive"]
-RollbackMode = Literal["inverse", "snapshot"]
+RollbackMode = Literal["auto", "inverse", "snapshot"]
 CastSide = Literal["device", "host", "auto"]
 WeightPolicy = Literal["stationary", "flow", "auto"]
 LossScale = Literal["dynamic", "none"]
@@ -84,9 +84,12 @@ class OffloadConfig:
     overflow; "off" steps after validation (ZeRO-Offload-like); "adaptive" stops speculating while
     clipping fires often and resumes when it calms down."""
 
-    rollback: RollbackMode = _field("inverse", live="live")
-    """How speculative steps are undone: "inverse" (algebraic inverse, a few ulps, no memory) or
-    "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param of host memory)."""
+    rollback: RollbackMode = _field("auto", live="live")
+    """How speculative steps are undone: "auto" (the algebraic inverse where its error bound is
+    below 1e-6 of an update, exact copies of the few elements beyond it, and no speculation for a
+    bucket certain to clip: matches AdamW + clipping to ~1e-7; runtime/rollback_guard.py),
+    "inverse" (unguarded: a few ulps only while the rejected gradient does not dwarf the moments'
+    history, docs/engine.md) or "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param)."""
 
     adaptive_window: int = _field(20, live="live")
     """Adaptive STV: number of recent iterations over which the clipping rate is measured."""
@@ -199,7 +202,7 @@ class OffloadConfig:
             "use a positive number, or None/0 to disable clipping",
         )
         _check_choice("speculation", self.speculation, ("on", "off", "adaptive"))
-        _check_choice("rollback", self.rollback, ("inverse", "snapshot"))
+        _check_choice("rollback", self.rollback, ("auto", "inverse", "snapshot"))
         _check_choice("grad_cast", self.grad_cast, ("device", "host", "auto"))
         _check_choice("param_cast", self.param_cast, ("device", "host", "auto"))
         _check_choice("loss_scale", self.loss_scale, ("dynamic", "none"))

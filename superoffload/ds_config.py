@@ -1,6 +1,9 @@
 """DeepSpeed-style config dicts -> (OffloadConfig, optimizer kwargs), converted once at the edge.
 
-Accepted (DeepSpeed's names and meanings, docs: deepspeed.ai/docs/config-json):
+A dict or a JSON file path. Trainer-style JSON (``"auto"`` values, communication buckets,
+logging keys, a ``scheduler`` section) is prepared by superoffload/ds_keys.py: what does not
+change one process's results is accepted and listed once, what would is refused by name.
+Converted (DeepSpeed's names and meanings, docs: deepspeed.ai/docs/config-json):
 ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``
 (checked: micro x accumulation, one process), ``gradient_clipping``,
 ``bf16``/``fp16`` (``enabled``, ``loss_scale`` (0 = dynamic), ``initial_scale_power``,
@@ -34,18 +37,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from superoffload import ds_keys
 from superoffload.config import ConfigError, OffloadConfig
 
 _TOP = {
     "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
     "gradient_clipping", "bf16", "fp16", "optimizer", "zero_optimization", "superoffload",
-    "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
 }
-_ZERO = {"stage", "offload_optimizer", "reduce_bucket_size", "overlap_comm", "contiguous_gradients"}
-_OFFLOAD = {"device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc", "buffer_count"}
+_ZERO = {"stage", "offload_optimizer", "reduce_bucket_size"}
+_OFFLOAD = {"device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc"}
 _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
          "min_loss_scale", "auto_cast"}
 _BF16 = {"enabled"}
@@ -104,6 +109,7 @@ def _stage(zero: Mapping[str, Any], offloads: bool) -> int | None:
 
 
 def _unknown(d: Mapping[str, Any], known: set[str], path: str) -> None:
+    known = known | ds_keys.harmless_under(path)
     for key in d:
         if key not in known:
             raise ConfigError(
@@ -111,10 +117,28 @@ def _unknown(d: Mapping[str, Any], known: set[str], path: str) -> None:
             )
 
 
-def from_deepspeed(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]]:
-    """Convert a DeepSpeed config dict; returns (validated OffloadConfig, optimizer kwargs)."""
-    if not isinstance(ds, Mapping):
-        raise ConfigError(f"DeepSpeed config: expected a dict, got {type(ds).__name__}")
+def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str], *,
+                   auto: Mapping[str, Any] | None = None
+                   ) -> tuple[OffloadConfig, dict[str, Any]]:
+    """Convert a DeepSpeed config (a dict or a JSON file path, as Trainer's ``deepspeed=``
+    takes it); returns (validated OffloadConfig, optimizer kwargs). ``auto``: dotted key ->
+    value for "auto" entries (``ds_keys.auto_values(training_args)``); without one they are
+    dropped (the engine's defaults). What is accepted without effect, "auto" and a dropped
+    scheduler are said once, as a ``DeepSpeedNotice`` warning, and kept in
+    ``config.extra["deepspeed"]`` (superoffload/ds_keys.py)."""
+    raw, where = ds_keys.read(source)
+    ds, notes = ds_keys.prepare(raw, auto)
+    config, opt = _convert(ds)
+    text = ds_keys.notice(notes, where)
+    if text:
+        warnings.warn(text, ds_keys.DeepSpeedNotice, stacklevel=2)
+        config = config.replace(extra={**config.extra, "deepspeed": {
+            k: list(v) for k, v in notes.items() if v}})
+    return config, opt
+
+
+def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]]:
+    """The conversion proper, on a dict ``ds_keys.prepare`` has cleaned."""
     _unknown(ds, _TOP, "")
     fields: dict[str, Any] = {}
 

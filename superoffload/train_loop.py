@@ -151,6 +151,9 @@ class TrainResult:
     """Steps already done when this call began (a resumed run); `steps` counts them too."""
     stopped: bool = False
     """`should_stop` ended the run before `TrainSettings.steps`; no evaluation was run."""
+    calibration: Any = None
+    """The planner's calibration on this run (`plan.autocal.CalibrationReport`) when a
+    `calibrator` was given and the run was long enough; else None."""
 
     def progress(self) -> Progress:
         """The history as a `Progress` (what a checkpoint of this point saves)."""
@@ -161,6 +164,7 @@ class TrainResult:
         out = {k: getattr(self, k) for k in ("steps", "first_loss", "final_loss", "val_loss",
                                              "tokens", "elapsed_s", "tokens_per_s")}
         out["summary"] = self.summary.to_dict() if self.summary else None
+        out["planner"] = self.calibration.to_dict() if self.calibration is not None else None
         return out
 
 
@@ -239,6 +243,7 @@ def train(
     checkpoint_every: int = 0,
     on_checkpoint: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    calibrator: Any = None,
 ) -> TrainResult:
     """Train until `settings.steps` optimizer steps are done; return losses, throughput and a
     telemetry summary. The learning rate follows `lr_factor` via `make_scheduler` on
@@ -251,7 +256,11 @@ def train(
     run. `on_checkpoint(progress)` runs after every `checkpoint_every`-th step, then
     `should_stop()` after every step but the last: when it answers True the loop ends there
     with `stopped=True` and no evaluation. Under data parallel every rank calls both at the
-    same steps (they may be collectives)."""
+    same steps (they may be collectives).
+
+    `calibrator`: a `runtime.autocal.AutoCalibrator` on `engine`; started here, it fits the
+    planner to the first iterations by itself (issue 18) and its report is the result's
+    `calibration`."""
     settings.validate()
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every={checkpoint_every!r}: use a whole number >= 0")
@@ -263,6 +272,8 @@ def train(
         raise ValueError(f"progress.step={done.step} is past TrainSettings.steps="
                          f"{settings.steps}: nothing left to train")
     recorder = _recorder_of(engine)
+    if calibrator is not None:
+        calibrator.start()
     live = _LiveMetrics(recorder)
     first_seq = recorder.last_seq if recorder is not None else -1
     model.train()
@@ -307,6 +318,8 @@ def train(
             break
     engine.synchronize()
     end = time.perf_counter()
+    if calibrator is not None:
+        calibrator.stop()
     timed_tokens = tokens - warm_tokens
     run_tokens = tokens - done.tokens
     tokens_per_s = (timed_tokens / (end - warm_start) if timed_tokens
@@ -335,4 +348,5 @@ def train(
         spans=spans,
         start_step=done.step,
         stopped=stopped,
+        calibration=calibrator.report if calibrator is not None else None,
     )

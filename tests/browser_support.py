@@ -162,6 +162,38 @@ JS_RUN_ALL = """async () => {
   return true;
 }"""
 
+JS_START_RUN_ALL = """() => {
+  // does not wait: run-all resolves only when the last cell ends (a cell that trains holds it)
+  window.jupyterapp.commands.execute('notebook:run-all-cells');
+  return true;
+}"""
+
+JS_EXECUTE = """async (code) => {
+  // run code in the notebook's kernel (no cell): its stdout comes back
+  const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+  const future = k.requestExecute({code, silent: false, store_history: false});
+  let out = '';
+  future.onIOPub = (msg) => {
+    if (msg.header.msg_type === 'stream') out += msg.content.text;
+    if (msg.header.msg_type === 'error') out += 'ERROR ' + msg.content.ename + ': ' + msg.content.evalue;
+  };
+  await future.done;
+  return out;
+}"""
+
+JS_SAVE_AND_SHUT_DOWN = """async () => {
+  const app = window.jupyterapp, w = app.shell.currentWidget;
+  await app.commands.execute('docmanager:save');
+  await w.sessionContext.shutdown();
+  return w.context.path;
+}"""
+
+JS_CELL_RUNNING = """(index) => {
+  const w = window.jupyterapp.shell.currentWidget;
+  const cell = w.content.widgets[index];
+  return !!cell && cell.node.querySelector('.jp-InputPrompt').textContent.includes('*');
+}"""
+
 JS_KERNEL_STATUS = """() => {
   const w = window.jupyterapp.shell.currentWidget;
   return w.sessionContext.session.kernel.status;
@@ -200,7 +232,7 @@ JS_DASHBOARD = """() => {
     status: status ? status.innerText : '',
     trainer: trainer ? trainer.innerText : '',
     title: gd && gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
-    measured: trace('measured'),
+    measured: trace('iteration time'),
     compute: trace('compute'),
     shapes: gd && gd.layout && gd.layout.shapes ? gd.layout.shapes.map(s => ({xref: s.xref, x0: s.x0})) : [],
     annotations: gd && gd.layout && gd.layout.annotations ? gd.layout.annotations.map(a => a.text || '') : [],
@@ -211,6 +243,23 @@ JS_STATIC_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot
   .filter(gd => !gd.closest('.so-dashboard'))
   .map(gd => ({title: gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
                traces: (gd.data || []).length}))"""
+
+JS_HISTORY = """(live) => {
+  // the whole-run series of the dashboard's figure (live or static): the iteration-time and
+  // loss lines and their min..max bands, as drawn (_fullData)
+  const plots = Array.from(document.querySelectorAll('.js-plotly-plot'))
+    .filter(gd => live ? !!gd.closest('.so-dashboard') : !gd.closest('.so-dashboard'))
+    .filter(gd => gd._fullData && gd._fullData.some(t => t.name === 'iteration time'));
+  if (!plots.length) return null;
+  const gd = plots[plots.length - 1];
+  const pick = (name, band) => {
+    const t = gd._fullData.find(d => d.name === name && (band ? d.fill === 'toself' : d.fill !== 'toself'));
+    return t ? {x: Array.from(t.x || [], Number), y: Array.from(t.y || [], Number)} : null;
+  };
+  return {title: gd.layout.title.text || '', line: pick('iteration time', false),
+          band: pick('iteration time', true), loss: pick('loss', false),
+          lossBand: pick('loss', true)};
+}"""
 
 JS_LAYOUT_PROBLEMS = """() => {
   // every plotly figure fits its output area; legends, axis titles, tick labels and
@@ -240,10 +289,28 @@ JS_LAYOUT_PROBLEMS = """() => {
   }
   for (const e of document.querySelectorAll('.so-tuner .widget-html-content, .so-tuner .widget-label'))
     if (e.scrollWidth > e.clientWidth + 1) out.push(`tuner text clipped: '${e.textContent.slice(0, 60)}'`);
+  // every view fits its output area: no container wider than it, no horizontal scrollbar
+  for (const c of document.querySelectorAll('.so-dashboard, .so-tuner, .so-trainer')) {
+    const area = c.closest('.jp-OutputArea-output');
+    if (!area) continue;
+    const a = area.getBoundingClientRect(), r = c.getBoundingClientRect();
+    const cls = c.className.split(' ').find(k => k.startsWith('so-'));
+    if (r.right > a.right + 1 || r.width > a.width + 1)
+      out.push(`${cls} is ${Math.round(r.width)} px wide, ${Math.round(r.right - a.right)} px past its output area (${Math.round(a.width)} px)`);
+    for (const [what, e] of [['output area', area], ['box', c]])
+      if (e.scrollWidth > e.clientWidth + 1)
+        out.push(`${cls}'s ${what} scrolls sideways: ${e.scrollWidth} px of content in ${e.clientWidth} px`);
+    let right = 0;  // a child wider than the box (a 100 % widget plus its margins) overflows it
+    for (const e of c.querySelectorAll('.jupyter-widgets')) right = Math.max(right, e.getBoundingClientRect().right);
+    if (right > a.right + 1) out.push(`${cls} holds a widget ${Math.round(right - a.right)} px past its output area`);
+  }
   return out;
 }"""
 
 JS_WIDGET_ERRORS = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
   .map(e => e.innerText || '')
-  .filter(t => t.includes('Error displaying widget') || t.includes('Traceback'))
+  .filter(t => t.includes('Error displaying widget') || t.includes('model not found') || t.includes('Traceback'))
   .map(t => t.slice(0, 500))"""
+
+JS_OUTPUT_TEXT = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
+  .map(e => e.innerText || '').join('\\n')"""

@@ -1,18 +1,29 @@
 """End to end in a real browser: JupyterLab + Debian's chromium driven by Playwright.
 
-Runs the quick-start tutorial as a person would (Run All, the notebook unchanged, its live
-path), then checks in the page itself that
-  1. the tuner is shown before the dashboard, and the dashboard updates at least 10 times
-     while training runs;
-  2. moving the tuner's ratio slider (keyboard) and pressing "Apply to engine" changes the
-     engine's ratio on a later iteration (the status line reports the engine's own
-     per-iteration "ratio" scalar) and puts a reconfigure marker on the charts;
-  3. "Stop training" stops the run: the trainer and the dashboard say "stopped", and the live
-     figure is replaced by a static one of the last state;
-  4. no figure is wider than its output area, no legend, axis title, tick label or
-     annotation is clipped, no tuner label is cut, and no output shows a widget error.
-Screenshots of the dashboard while training and of the tuner after Apply are written to
-docs/img/ (linked from docs/jupyter.md); a failure leaves artifacts/browser/.
+1. The quick-start tutorial as a person runs it (Run All, the notebook unchanged, its live
+   path); checked in the page itself:
+   a. the tuner is shown before the dashboard, and the dashboard updates at least 10 times
+      while training runs;
+   b. moving the tuner's ratio slider (keyboard) and pressing "Apply to engine" changes the
+      engine's ratio on a later iteration, measured as an interleaved A/B whose result the
+      dashboard shows, and puts the A/B band and its label on the charts;
+   c. the layout at 1366x768, 1400x1000 and 1920x1080: no figure or view wider than its
+      output area, no horizontal scrollbar, no legend, axis title, tick label or annotation
+      clipped, no tuner label cut, no widget error;
+   d. a long run, past the 600-point bound of the series (1,300 iterations): the history still
+      starts at iteration 0 and ends at the newest one, and a one-iteration stall and loss
+      spike (injected into the running kernel) stay visible in the binned lines' bands;
+   e. "Stop training" stops the run: the trainer, the dashboard and the tuner say so, and
+      every live widget is replaced in place by a static snapshot (the figure of the whole
+      run, drawn again from the recorder, with the spike);
+   f. the notebook saved, its kernel shut down and reopened: no "Error displaying widget",
+      the figure and the run's final state are there.
+2. Tutorial 08: the dashboard redraws at least 5 times while `trainer.train()` holds its cell.
+3. `superoffload train`'s report.html copied alone into an empty folder and opened from
+   disk: every chart drawn, no console error (plotly.js is inside the file).
+Screenshots of the dashboard during the long run, of the tuner after Apply and of the report
+are written to docs/img/ when asked (SUPEROFFLOAD_UPDATE_DOC_IMAGES=1), else to
+artifacts/browser/ with a failure's screenshot and JupyterLab log.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,16 +45,37 @@ from tests import browser_support as bs
 # One retry: an end-to-end run through JupyterLab and chromium on a loaded 2-core machine can
 # lose a render race that has nothing to do with our code; a real defect fails twice (the
 # failing attempt's screenshot and JupyterLab log are kept in artifacts/browser/).
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(420), pytest.mark.flaky(reruns=1)]
+pytestmark = [pytest.mark.browser, pytest.mark.flaky(reruns=1)]
 
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOK = REPO / "tutorials" / "01_quick_start.ipynb"
+QUICK_START = REPO / "tutorials" / "01_quick_start.ipynb"
+TUTORIAL_08 = REPO / "tutorials" / "08_hf_trainer_and_fit.ipynb"
 ARTIFACTS = REPO / "artifacts" / "browser"
 # the screenshots linked from docs/jupyter.md are refreshed only when asked
 # (SUPEROFFLOAD_UPDATE_DOC_IMAGES=1 make pytest); otherwise they go to artifacts/ with the rest
 IMAGES = (REPO / "docs" / "img" if os.environ.get("SUPEROFFLOAD_UPDATE_DOC_IMAGES") == "1"
           else ARTIFACTS)
 MIN_UPDATES = 10
+LONG_RUN = 1300  # iterations: past the series' 600-point bound twice (bins of 4)
+SIZES = ((1366, 768), (1400, 1000), (1920, 1080))
+STALL_S = 0.4  # the injected one-iteration stall
+SPIKE_CODE = f"""
+import time as _time
+import torch as _torch
+_at = engine.iteration
+_batch = batches.next_batch
+def _noise():  # one batch of random tokens: a one-iteration loss spike
+    batches.next_batch = _batch
+    x, y = _batch()
+    return _torch.randint(0, 256, x.shape), _torch.randint(0, 256, y.shape)
+batches.next_batch = _noise
+_hooks = []
+def _stall(*_a, **_k):  # once, after a step: a one-iteration stall
+    _hooks.pop().remove()
+    _time.sleep({STALL_S})
+_hooks.append(engine.optimizer.register_step_post_hook(_stall))
+print(_at)
+"""
 
 
 def _require_browser() -> None:
@@ -57,50 +91,76 @@ def _iteration(status: str) -> int:
     return int(match.group(1)) if match else -1
 
 
-def test_quick_start_live_dashboard_and_tuner_in_chromium(tmp_path: Path) -> None:
+class Session:
+    """JupyterLab on a copy of one notebook, chromium on it; artifacts kept on failure."""
+
+    def __init__(self, pw: Any, url: str, name: str) -> None:
+        self.name = name
+        self.browser = pw.chromium.launch(executable_path=bs.CHROMIUM, args=bs.CHROMIUM_ARGS,
+                                          timeout=60_000)
+        self.page = self.browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page.set_default_timeout(120_000)
+        self.url = url
+        self.t0 = time.monotonic()
+
+    def phase(self, what: str) -> None:  # where the time goes, shown with `pytest -s`
+        print(f"[browser test] {time.monotonic() - self.t0:6.1f} s  {what}", flush=True)
+
+    def open(self, notebook: str) -> None:
+        self.page.goto(f"{self.url}/lab/tree/{notebook}")
+        self.page.wait_for_function(bs.JS_APP_READY)
+
+    def fail_artifacts(self) -> None:
+        self.page.screenshot(path=str(ARTIFACTS / f"{self.name}_failure.png"), full_page=True)
+        print("cell errors / stderr:", *self.page.evaluate(bs.JS_CELL_ERRORS), sep="\n")
+
+    def close(self) -> None:
+        self.browser.close()
+
+
+def _run(tmp_path: Path, notebook: Path, name: str, check: Callable[[Session], None], *,
+         parameters: dict[str, Any] | None = None) -> None:
     _require_browser()
     from playwright.sync_api import sync_playwright
 
     root = tmp_path / "root"
     root.mkdir()
-    bs.prepare_notebook(NOTEBOOK, root / NOTEBOOK.name)  # unchanged: what a person opens
+    bs.prepare_notebook(notebook, root / notebook.name, parameters=parameters)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     IMAGES.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-
-    def phase(name: str) -> None:  # where the time goes, shown with `pytest -s`
-        print(f"[browser test] {time.monotonic() - t0:6.1f} s  {name}")
-
     with bs.jupyter_lab(root) as url, sync_playwright() as pw:
-        phase("jupyter lab up")
-        browser = pw.chromium.launch(executable_path=bs.CHROMIUM, args=bs.CHROMIUM_ARGS, timeout=60_000)
+        s = Session(pw, url, name)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(120_000)
-            page.goto(f"{url}/lab/tree/{NOTEBOOK.name}")
-            page.wait_for_function(bs.JS_APP_READY)
-            phase("notebook open, kernel connected")
-            page.evaluate(bs.JS_RUN_ALL)
-            phase("Run All returned (training goes on in its thread)")
+            s.open(notebook.name)
+            s.phase("notebook open, kernel connected")
             try:
-                _check(page, phase)
-                phase("checks passed")
+                check(s)
+                s.phase("checks passed")
             except BaseException:
-                page.screenshot(path=str(ARTIFACTS / "quick_start_failure.png"), full_page=True)
-                print("cell errors / stderr:", *page.evaluate(bs.JS_CELL_ERRORS), sep="\n")
+                s.fail_artifacts()
                 raise
             finally:
                 # never leave the kernel training: press Stop if a check failed before it
-                stop = page.locator(".so-trainer-stop")
+                stop = s.page.locator(".so-trainer-stop")
                 if stop.count() and stop.first.is_enabled():
                     stop.first.click()
         finally:
-            browser.close()
+            s.close()
     if (tmp_path / "jupyter.log").exists():
-        shutil.copy(tmp_path / "jupyter.log", ARTIFACTS / "jupyter.log")
+        shutil.copy(tmp_path / "jupyter.log", ARTIFACTS / f"{name}_jupyter.log")
 
 
-def _check(page: Any, phase: Callable[[str], None]) -> None:
+@pytest.mark.timeout(900)
+def test_quick_start_live_long_run_stop_and_reopen_in_chromium(tmp_path: Path) -> None:
+    # the notebook as a person opens it; only its time limit is raised, so a loaded machine
+    # still reaches the long run's iterations before the run stops by itself
+    _run(tmp_path, QUICK_START, "quick_start", _quick_start, parameters={"MINUTES": 12})
+
+
+def _quick_start(s: Session) -> None:
+    page = s.page
+    page.evaluate(bs.JS_RUN_ALL)
+    s.phase("Run All returned (training goes on in its thread)")
     page.wait_for_selector(".so-tuner-apply")
     page.wait_for_selector(".so-dashboard .js-plotly-plot")
     order = page.evaluate("""() => {
@@ -110,9 +170,27 @@ def _check(page: Any, phase: Callable[[str], None]) -> None:
     assert order == "tuner first", "the tuner is shown before training starts"
     assert page.locator(".so-tuner-ratio .widget-readout").inner_text().strip() == "0.50", \
         "Run All leaves the ratio slider where the engine's config put it"
-    phase("tuner and dashboard rendered")
+    assert "measuring this machine" not in page.evaluate(bs.JS_OUTPUT_TEXT), \
+        "the placeholder gave its place to the tuner"
+    assert page.locator(".so-trainer-live").count() == 1, "the check cell has a live status line"
+    s.phase("tuner and dashboard rendered")
+    _live_updates(s)
+    _apply(s)
+    for width, height in SIZES:
+        page.set_viewport_size({"width": width, "height": height})
+        page.wait_for_timeout(800)  # the figure follows the resize
+        problems = page.evaluate(bs.JS_LAYOUT_PROBLEMS)
+        assert problems == [], f"clipped or overflowing at {width}x{height}:\n" + "\n".join(problems)
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    assert page.evaluate(bs.JS_WIDGET_ERRORS) == []
+    s.phase(f"layout clean at {', '.join(f'{w}x{h}' for w, h in SIZES)}")
+    spike_at = _long_run(s)
+    _stop(s, spike_at)
+    _reopen(s, spike_at)
 
-    # 1. live: the figure is redrawn with new iterations while the trainer says "running"
+
+def _live_updates(s: Session) -> None:
+    page = s.page
     first = page.evaluate(bs.JS_DASHBOARD)
     states: set[tuple[int, int]] = set()
     deadline = time.monotonic() + 150
@@ -124,14 +202,17 @@ def _check(page: Any, phase: Callable[[str], None]) -> None:
         assert time.monotonic() < deadline, f"only {len(states)} dashboard updates seen: {d}"
         page.wait_for_timeout(300)
     d = page.evaluate(bs.JS_DASHBOARD)
-    assert d["draws"] - first["draws"] >= MIN_UPDATES - 1, (first["draws"], d["draws"])
+    # each distinct state above was read from the drawn figure; the browser may fold several
+    # figures that arrive during one draw into the next (liveplot.py), so fewer draws is fine
+    assert d["draws"] - first["draws"] >= MIN_UPDATES // 2, (first["draws"], d["draws"])
     assert d["compute"]["n"] > 0, "the timeline draws device-compute spans"
     assert "ratio 0.50" in d["status"], d["status"]
-    phase(f"{len(states)} distinct dashboard states while training ({d['draws']} figures drawn, "
-          f"the last in {d['drawMs']} ms)")
-    _screenshot(page, ".so-dashboard", IMAGES / "quick_start_dashboard.png")
+    s.phase(f"{len(states)} distinct dashboard states while training ({d['draws']} figures drawn, "
+            f"the last in {d['drawMs']} ms)")
 
-    # 2. move the slider with the keyboard, as a user would; apply
+
+def _apply(s: Session) -> None:
+    page = s.page
     handle = page.locator(".so-tuner-ratio .noUi-handle")
     handle.scroll_into_view_if_needed()
     handle.focus()
@@ -139,42 +220,179 @@ def _check(page: Any, phase: Callable[[str], None]) -> None:
         handle.press("ArrowRight")
     page.wait_for_function(
         "() => document.querySelector('.so-tuner-ratio .widget-readout').textContent.trim() === '0.80'")
-    phase("slider moved in the page")
     # the kernel got the last value and re-ran the planner (debounced, off the UI thread)
     page.wait_for_function(
         "() => document.querySelector('.so-tuner-prediction').textContent.includes('ratio 0.80,')")
     page.wait_for_function("() => !document.querySelector('.so-tuner-apply').disabled")
-    phase("slider at 0.80 in the kernel, Apply enabled")
+    s.phase("slider at 0.80 in the kernel, Apply enabled")
     before = _iteration(page.evaluate(bs.JS_DASHBOARD)["status"])
     page.click(".so-tuner-apply")
     page.wait_for_function(
         "() => document.querySelector('.so-tuner-status').textContent.includes('applied ratio=0.8')")
-    phase("applied")
-    after = _wait(page, lambda d: "ratio 0.80 (since it." in d["status"]
-                  and any("ratio 0.5→0.8" in a for a in d["annotations"]), timeout_s=90)
+    # the tuner measures the change as an interleaved A/B (issue 18); the dashboard shows its
+    # result line as the engine wrote it, and the ratio in force at the end is the new one
+    after = _wait(page, lambda d: "A/B measured: ratio 0.5 -> 0.8" in d["status"]
+                  and "ratio 0.80 (since it." in d["status"]
+                  and any("A/B ratio 0.5→0.8" in a for a in d["annotations"]), timeout_s=150)
     since = int(re.search(r"ratio 0\.80 \(since it\. (\d+)\)", after["status"]).group(1))  # type: ignore[union-attr]
     assert since > before, f"the new ratio holds from iteration {since}, after {before}"
-    assert any(s["xref"] == "x2" and int(s["x0"]) == since for s in after["shapes"]), after["shapes"]
-    phase("the engine's ratio changed; the marker is on the charts")
+    assert any(sh["xref"] == "x2" and int(sh["x0"]) >= before - 1 for sh in after["shapes"]), after["shapes"]
+    s.phase("applied and measured; the A/B band and its label are on the charts")
     _screenshot(page, ".so-tuner", IMAGES / "quick_start_tuner.png")
 
-    problems = page.evaluate(bs.JS_LAYOUT_PROBLEMS)
-    assert problems == [], "clipped or overflowing:\n" + "\n".join(problems)
-    assert page.evaluate(bs.JS_WIDGET_ERRORS) == []
 
-    # 3. stop: the states say so and the live figure becomes a static one
+def _long_run(s: Session) -> int:
+    """Train past the series bound, inject a stall and a loss spike, check they survive."""
+    page = s.page
+    _wait(page, lambda d: _iteration(d["status"]) >= LONG_RUN - 200, timeout_s=420)
+    out = page.evaluate(bs.JS_EXECUTE, SPIKE_CODE)
+    assert out.strip().isdigit(), f"the spike was not injected: {out!r}"
+    spike_at = int(out)
+    s.phase(f"stall and loss spike injected at iteration {spike_at}")
+    d = _wait(page, lambda d: _iteration(d["status"]) >= max(LONG_RUN, spike_at + 100), timeout_s=300)
+    newest = _iteration(d["status"])
+    h = page.evaluate(bs.JS_HISTORY, True)
+    _check_history(h, spike_at, newest, "live")
+    assert "history: iterations 0-" in d["status"] and "in bins of" in d["status"], d["status"]
+    s.phase(f"long run: iteration {newest}, history {h['line']['x'][0]}..{h['line']['x'][-1]} in "
+            f"{len(h['line']['x'])} bins, the spike kept")
+    _screenshot(page, ".so-dashboard", IMAGES / "quick_start_dashboard.png")
+    return spike_at
+
+
+def _check_history(h: dict | None, spike_at: int, newest: int, which: str) -> None:
+    assert h is not None and h["line"] and h["band"] and h["lossBand"], f"{which}: no history drawn: {h}"
+    xs = h["line"]["x"]
+    step = xs[1] - xs[0]
+    assert xs[0] <= step, f"{which}: the history starts at iteration 0 (first bin at {xs[0]})"
+    assert xs[-1] >= newest - 2 * step - 5, f"{which}: it ends at the newest iteration ({xs[-1]} vs {newest})"
+    assert len(xs) <= 1000 and step >= 2, f"{which}: binned past the bound ({len(xs)} bins of {step})"
+
+    def band_max(band: dict, lo: float, hi: float) -> float:
+        half = len(band["x"]) // 2  # the polygon: maxima forward, minima back
+        return max((y for x, y in zip(band["x"][:half], band["y"][:half]) if lo <= x <= hi),
+                   default=float("nan"))
+
+    near = (spike_at - 3 * step, spike_at + 3 * step)
+    typical = sorted(h["line"]["y"])[len(xs) // 2]
+    stall = band_max(h["band"], *near)
+    assert stall >= 0.8 * STALL_S * 1e3 and stall > 3 * typical, \
+        f"{which}: the one-iteration stall stays visible ({stall:.0f} ms vs {typical:.0f} ms typical)"
+    spike = band_max(h["lossBand"], *near)
+    before = band_max(h["lossBand"], spike_at - 300, spike_at - 50)
+    assert spike > before + 1.0, f"{which}: the loss spike stays visible ({spike:.2f} vs {before:.2f} before)"
+
+
+def _stop(s: Session, spike_at: int) -> None:
+    page = s.page
+    newest = _iteration(page.evaluate(bs.JS_DASHBOARD)["status"])
     page.click(".so-trainer-stop")
+    # a loaded machine delays the click (the kernel's main thread shares the GIL with the
+    # training thread) and the static figure (drawn again from the recorder) by seconds
     page.wait_for_function(
-        "() => document.querySelector('.so-trainer-status').textContent.includes('stopped')")
-    page.wait_for_function("() => !document.querySelector('.so-dashboard')", timeout=60_000)
-    static = _wait_static(page, lambda p: "stopped" in p["title"])
+        "() => document.body.innerText.includes('superoffload-train: stopped')", timeout=120_000)
+    page.wait_for_function("() => !document.querySelector('.so-dashboard')", timeout=120_000)
+    static = _wait_static(page, lambda p: "stopped" in p["title"], timeout_s=120)
     assert static["traces"] > 0
-    phase("stopped; the static figure replaced the live one")
+    page.wait_for_function("() => !document.querySelector('.so-trainer, .so-tuner, .so-trainer-live')",
+                           timeout=120_000)
+    text = page.evaluate(bs.JS_OUTPUT_TEXT)
+    assert page.locator(".so-tuner-snapshot").count() == 1 and "offload tuner (static snapshot)" in text, \
+        "the tuner's snapshot replaced its controls"
+    _check_history(page.evaluate(bs.JS_HISTORY, False), spike_at, newest, "static")
+    s.phase("stopped; static snapshots replaced every live widget")
     page.wait_for_timeout(500)
     problems = page.evaluate(bs.JS_LAYOUT_PROBLEMS)
     assert problems == [], "clipped or overflowing after the stop:\n" + "\n".join(problems)
     assert page.evaluate(bs.JS_WIDGET_ERRORS) == []
-    assert "training stopped" in page.locator(".so-tuner-status").inner_text()
+
+
+def _reopen(s: Session, spike_at: int) -> None:
+    page = s.page
+    final = re.search(r"superoffload-train: stopped, step (\d+)", page.evaluate(bs.JS_OUTPUT_TEXT))
+    assert final, "the trainer's final state is in the notebook"
+    path = page.evaluate(bs.JS_SAVE_AND_SHUT_DOWN)
+    s.phase(f"{path} saved, kernel shut down")
+    page.reload()
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
+                           "&& window.jupyterapp.shell.currentWidget.content")
+    figure = page.locator(".jp-RenderedPlotly").first
+    figure.wait_for(state="attached", timeout=60_000)
+    figure.scroll_into_view_if_needed()
+    # JupyterLab's plotly renderer saves a PNG of each figure it drew into the notebook and
+    # shows that PNG when the notebook is reopened (its renderModel), or draws the figure
+    page.wait_for_selector(".jp-RenderedPlotly img, .jp-RenderedPlotly .js-plotly-plot", timeout=60_000)
+    page.wait_for_timeout(1500)
+    assert page.evaluate(bs.JS_WIDGET_ERRORS) == [], "a reopened notebook shows no widget error"
+    text = page.evaluate(bs.JS_OUTPUT_TEXT)
+    assert f"superoffload-train: stopped, step {final.group(1)}" in text, "the run's final state survives"
+    box = page.locator(".jp-RenderedPlotly img, .jp-RenderedPlotly .js-plotly-plot").first.bounding_box()
+    assert box and box["width"] > 600 and box["height"] > 600, ("the figure of the whole run survives", box)
+    s.phase("reopened: the figure and the final state, no widget error")
+
+
+@pytest.mark.timeout(600)
+def test_tutorial_08_redraws_while_trainer_train_holds_the_cell(tmp_path: Path) -> None:
+    _run(tmp_path, TUTORIAL_08, "tutorial_08", _tutorial_08, parameters={"STEPS": 150})
+
+
+def _tutorial_08(s: Session) -> None:
+    page = s.page
+    page.evaluate(bs.JS_START_RUN_ALL)
+    s.phase("Run All started")
+    page.wait_for_selector(".so-dashboard .js-plotly-plot", timeout=240_000)
+    draws: set[int] = set()
+    deadline = time.monotonic() + 240
+    train_cell = 8
+    while time.monotonic() < deadline:
+        d = page.evaluate(bs.JS_DASHBOARD)
+        if not d["live"]:
+            break
+        if "running" in d["status"] and page.evaluate(bs.JS_CELL_RUNNING, train_cell):
+            draws.add(d["draws"])
+        page.wait_for_timeout(250)
+    s.phase(f"{len(draws)} different draw counts while trainer.train() ran")
+    assert len(draws) >= 5, f"the dashboard redrew only {len(draws)} times during trainer.train()"
+    page.wait_for_function("() => document.body.innerText.includes('held-out loss')", timeout=240_000)
+
+
+@pytest.mark.timeout(300)
+def test_the_report_opens_alone_with_every_chart_drawn(tmp_path: Path) -> None:
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "superoffload", "train", "--steps", "12", "--out", str(run)],
+                   check=True, timeout=240, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    alone = tmp_path / "copied"
+    alone.mkdir()
+    shutil.copy(run / "report.html", alone / "report.html")  # nothing else: no plotly.min.js
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=bs.CHROMIUM, args=bs.CHROMIUM_ARGS)
+        try:
+            for width in (1366, 1920):
+                page = browser.new_page(viewport={"width": width, "height": 900})
+                errors: list[str] = []
+                page.on("console", lambda m, errors=errors: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                page.goto((alone / "report.html").as_uri())
+                page.wait_for_function("() => document.querySelectorAll('.so-report-chart').length > 0")
+                page.wait_for_timeout(1500)
+                charts = page.evaluate("""() => Array.from(document.querySelectorAll('.so-report-chart')).map(c => {
+                  const gd = c.querySelector('.js-plotly-plot');
+                  const svg = gd && gd.querySelector('svg.main-svg');
+                  return {drawn: !!(gd && gd._fullLayout && svg), width: svg ? svg.getBoundingClientRect().width : 0,
+                          traces: gd ? gd.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length : 0};
+                })""")
+                assert errors == [], f"console errors at {width} px: {errors}"
+                assert charts and all(c["drawn"] and c["traces"] > 0 for c in charts), charts
+                body = page.evaluate("() => document.body.getBoundingClientRect().width")
+                assert all(c["width"] >= 0.9 * body for c in charts), (width, body, charts)
+                if width == 1920:
+                    page.screenshot(path=str(IMAGES / "report.png"))
+                page.close()
+        finally:
+            browser.close()
 
 
 def _screenshot(page: Any, selector: str, path: Path) -> None:
@@ -208,3 +426,90 @@ def _wait_static(page: Any, ok: Callable[[dict], bool], timeout_s: float = 60.0)
         if time.monotonic() > deadline:
             raise AssertionError(f"no static figure of the stopped run: {page.evaluate(bs.JS_STATIC_PLOTS)}")
         page.wait_for_timeout(250)
+
+
+@pytest.mark.timeout(300)
+def test_the_layout_check_catches_a_view_wider_than_its_output_area(tmp_path: Path) -> None:
+    """The check that guards the tutorials must see what a person saw: a widget at width
+    100 % plus its 2 px margins is 4 px wider than its box, which scrolls sideways; the tuner
+    (a what-if one: no engine, quick) must pass it."""
+    import json
+
+    # the dashboard's box as it was: a status line at width 100 % inside a 100 % box
+    cell = ("import ipywidgets as w\n"
+            "wide = w.VBox([w.HTML('a status line', layout=w.Layout(width='100%'))],\n"
+            "              layout=w.Layout(width='100%'))\n"
+            "wide.add_class('so-dashboard')\n"
+            "fits = w.VBox([w.HTML('a status line', layout=w.Layout(width='auto'))],\n"
+            "              layout=w.Layout(width='auto'))\n"
+            "fits.add_class('so-trainer')\n"
+            "display(wide, fits)\n"
+            "from superoffload import plan\n"
+            "from superoffload.widgets import OffloadTuner\n"
+            "OffloadTuner(plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32), 'gh200')")
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
+                     "outputs": [], "source": cell}],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    source = tmp_path / "layout_check.ipynb"
+    source.write_text(json.dumps(nb))
+
+    def check(s: Session) -> None:
+        s.page.evaluate(bs.JS_RUN_ALL)
+        s.page.wait_for_selector(".so-tuner-apply")
+        s.page.wait_for_timeout(500)
+        problems = s.page.evaluate(bs.JS_LAYOUT_PROBLEMS)
+        assert any(p.startswith("so-dashboard") and ("past its output area" in p or "sideways" in p)
+                   for p in problems), problems
+        assert not any(p.startswith(("so-trainer", "so-tuner")) for p in problems), problems
+
+    _run(tmp_path, source, "layout_check", check)
+
+
+@pytest.mark.timeout(300)
+def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path: Path) -> None:
+    """The kernel shut down while training: the exit hook freezes every live view, so the
+    notebook saved afterwards reopens without "Error displaying widget"."""
+    import json
+
+    cell = (f"import sys, time\nsys.path.insert(0, {str(REPO)!r})\n"
+            "from superoffload.telemetry.recorder import Recorder\n"
+            "from superoffload.widgets import BackgroundTrainer, LiveDashboard\n"
+            "from tests.widgets_support import record_iteration\n"
+            "rec, clock = Recorder(), [0.0]\n"
+            "dash = LiveDashboard(rec)\n"
+            "display(dash)\n"
+            "def step(i):\n"
+            "    clock[0] = record_iteration(rec, i, clock[0], loss=3.0) + 0.001\n"
+            "    time.sleep(0.02)\n"
+            "    return 3.0\n"
+            "trainer = BackgroundTrainer(step, dashboard=dash)\n"
+            "display(trainer)\n"
+            "trainer.start()")
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
+                     "outputs": [], "source": cell}],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    source = tmp_path / "shutdown.ipynb"
+    source.write_text(json.dumps(nb))
+
+    def check(s: Session) -> None:
+        page = s.page
+        page.evaluate(bs.JS_RUN_ALL)
+        page.wait_for_selector(".so-dashboard .js-plotly-plot")
+        page.wait_for_function("() => /iteration [1-9]/.test(document.body.innerText)")
+        page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); }")
+        page.wait_for_function("() => !document.querySelector('.so-dashboard, .so-trainer')", timeout=30_000)
+        s.phase("kernel shut down mid-run: every live view frozen")
+        page.evaluate("async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
+        page.reload()
+        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
+                               "&& window.jupyterapp.shell.currentWidget.content")
+        page.wait_for_selector(".jp-RenderedPlotly", state="attached", timeout=60_000)
+        page.wait_for_timeout(1500)
+        assert page.evaluate(bs.JS_WIDGET_ERRORS) == [], "a reopened notebook shows no widget error"
+        text = page.evaluate(bs.JS_OUTPUT_TEXT)
+        assert re.search(r"superoffload-train: running, step [1-9]", text) and \
+            "(frozen here when the kernel shut down)" in text, text[-500:]
+
+    _run(tmp_path, source, "kernel_shutdown", check)

@@ -60,6 +60,12 @@ def _assert_one_error(code: int, lines: list[str], prefix: str, *fragments: str)
     (["--keep-checkpoints", "0"], ["argument --keep-checkpoints", ">= 1"]),
     (["--sample-temperature", "-1"], ["argument --sample-temperature", "negative"]),
     (["--sample-top-k", "-3"], ["argument --sample-top-k", "negative"]),
+    # issue 17: accepted by one process, a raw C++ traceback under torchrun
+    (["--dist-timeout-s", "0"], ["argument --dist-timeout-s", "seconds >= 1"]),
+    (["--dist-timeout-s", "1e-9"], ["argument --dist-timeout-s", "seconds >= 1"]),
+    (["--dist-timeout-s", "-5"], ["argument --dist-timeout-s", "seconds >= 1"]),
+    (["--dist-timeout-s", "inf"], ["argument --dist-timeout-s", "not finite"]),
+    (["--dist-timeout-s", "soon"], ["argument --dist-timeout-s", "not a number"]),
 ])
 def test_bad_train_values_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
                                        fragments: list[str]) -> None:
@@ -130,6 +136,29 @@ def test_unwritable_out_is_refused(capsys: pytest.CaptureFixture[str], tmp_path:
 def test_cuda_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     code, lines = _cli(capsys, "train", "--device", "cuda")
     _assert_one_error(code, lines, TRAIN, "--device cuda", "use --device cpu")
+
+
+def test_an_absurd_shape_is_refused_with_the_estimate(capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    """Issue 17: `train --seq 100000` raised GPT small's position table silently and its first
+    step did not end in 10 minutes (2 cores, 24 GB): refused at once with the estimates."""
+    from superoffload.commands import run_budget
+
+    monkeypatch.setattr(run_budget, "usable_cores", lambda: 2)  # this project's CI machine
+    monkeypatch.setattr(run_budget, "host_memory_bytes", lambda: 24e9)
+    code, lines = _cli(capsys, "train", "--seq", "100000", "--device", "cpu")
+    _assert_one_error(code, lines, TRAIN, "--seq 100000 x --batch 16 is too large for this "
+                      "machine", "needs at least 50.0 GB of host memory", "24.0 GB per rank",
+                      "6.2e+14 FLOPs, over 21 min per step", "GPT small has 128 positions",
+                      "--checkpointing")
+    # what the machine can do passes the check (and fails next, at the unwritable --out):
+    # GPT-2's own shape, and a longer --seq for GPT small
+    (tmp_path / "file").write_text("")
+    for argv in (["--model", "gpt2", "--seq", "1024"], ["--seq", "4096", "--batch", "4"]):
+        code, lines = _cli(capsys, "train", *argv, "--device", "cpu",
+                           "--out", str(tmp_path / "file" / "run"))
+        _assert_one_error(code, lines, TRAIN, "cannot write there")
 
 
 def test_resume_errors_name_the_folder(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

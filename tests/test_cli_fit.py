@@ -71,3 +71,39 @@ def test_errors_name_the_input(capsys):
 
 def test_listed_in_help():
     assert "plan" in cli.build_parser().format_help()
+
+
+def test_bad_config_files_name_the_file(tmp_path, capsys):
+    # issue 17: a JSON list gave a raw traceback; a broken file's error did not name it
+    listed, broken = tmp_path / "list.json", tmp_path / "broken.json"
+    listed.write_text("[1, 2, 3]")
+    broken.write_text('{"model_type": "llama",')
+    assert cli.main(["plan", "--hf-config", str(listed)]) == 2
+    err = capsys.readouterr().err
+    assert str(listed) in err and "JSON list, not an object" in err and "Traceback" not in err
+    assert cli.main(["plan", "--hf-config", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert str(broken) in err and "not valid JSON" in err and "line 1" in err
+
+
+def test_json_errors_are_json(tmp_path, capsys):
+    # issue 18 item 3: with --json, a script reading stdout gets JSON for errors too
+    assert cli.main(["plan", "--hf-config", "no-such-model", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert "no-such-model" in out["error"]
+    assert cli.main(["plan", "--hf-config", "gpt2", "--profile", "nope", "--json"]) == 2
+    assert "nope" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_host_bound_models_fit_at_a_lower_ratio(capsys):
+    # issue 18 item 1: host memory binds, so the search walks the ratio down from 1
+    out = run_json(capsys, "--hf-config", "llama-3-8b", "--profile", "h200-pcie-measured",
+                   "--seq", "4096")
+    rows = {r["schedule"]: r for r in out["rows"]}
+    stat = rows["superoffload stationary"]
+    assert stat["fits"] and stat["config"]["ratio"] < 0.5, stat
+    assert stat["host_bytes"] <= 125 * 2**30 * 0.9 and stat["device_bytes"] <= 141e9 * 0.95
+    assert out["best"] == "superoffload stationary"
+    assert out["calibrated"] is True  # h200-pcie-measured's compute is fitted to a run
+    out = run_json(capsys, "--hf-config", "llama-3-8b", "--profile", "h200-pcie", "--seq", "4096")
+    assert out["calibrated"] is False and "not calibrated" in out["calibration"]

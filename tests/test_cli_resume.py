@@ -164,6 +164,43 @@ def test_a_killed_run_resumes_from_its_latest_periodic_checkpoint(reference: Pat
     _assert_same_result(reference, out)
 
 
+def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(tmp_path: Path) -> None:
+    """Issue 17: `--resume RUN` whose newest checkpoint is corrupt printed a 32-line traceback.
+    It falls back to the newest complete, verified checkpoint with one warning line naming
+    both, and the run ends exactly as the uninterrupted one; naming the damaged checkpoint
+    itself is one error line."""
+    short = [*SINGLE[:SINGLE.index("--steps")], "--steps", "12", "--eval-batches", "1",
+             "--device", "cpu", "--quiet", "--json", "--no-report"]
+    out = tmp_path / "run"
+    first = _run(tmp_path, *short, "--checkpoint-every", "4", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    want = json.loads((out / "result.json").read_text())
+    # killed after its last periodic checkpoint, before result.json; that checkpoint torn
+    (out / "result.json").unlink()
+    folder = out / "checkpoints"
+    newest, older = folder / "step-000012", folder / "step-000008"
+    assert (folder / LATEST).read_text().strip() == newest.name and older.is_dir()
+    torn = newest / "engine.pt"
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+
+    named = _run(tmp_path, "--resume", str(newest), "--quiet", "--json")
+    assert named.returncode == 2 and "Traceback" not in named.stderr, named.stderr[-3000:]
+    assert named.stderr.strip().splitlines()[-1].startswith(
+        f"python -m superoffload train: error: --resume {newest}: this checkpoint is damaged")
+
+    resumed = _run(tmp_path, "--resume", str(out), "--quiet", "--json", "--no-report")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr
+    warnings = [x for x in resumed.stderr.splitlines() if x.startswith("train: warning:")]
+    assert len(warnings) == 1, resumed.stderr[-3000:]
+    assert f"the newest checkpoint {newest} is damaged" in warnings[0]
+    assert f"resuming from {older} (step 8)" in warnings[0]
+    got = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert got["resumed_from"] == str(older) and got["start_step"] == 8
+    for key in ("steps", "first_loss", "final_loss", "val_loss", "sample", "engine_stats"):
+        assert got[key] == want[key], key  # the same numbers as the run that was not cut
+
+
 def test_trace_flag_writes_a_valid_chrome_trace(reference: Path) -> None:
     from superoffload.telemetry.trace import check_chrome_trace
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
+
 import pytest
 import torch
 from _tiny_models import batches, make_model
 
 import superoffload as so
+from superoffload import ds_keys
 from superoffload.config import ConfigError
 
 PAPER = {  # the SuperOffload tutorial's shape of a DeepSpeed config
@@ -164,3 +168,102 @@ def test_precision_is_the_typed_field(ds, precision):
     assert "deepspeed_precision" not in config.extra  # the typed field replaced it
     same, _ = so.from_deepspeed({**ds, "superoffload": {"precision": precision}})
     assert same.precision == precision  # an agreeing override is no contradiction
+
+
+# ---------------------------------------------------------------- Trainer JSON (issue 18, 4)
+HF_ZERO2 = {  # the ZeRO-2 + CPU offload example of the Hugging Face DeepSpeed guide
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                 "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True,
+                          "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def test_trainer_zero2_json_is_accepted_and_listed_once():
+    with pytest.warns(ds_keys.DeepSpeedNotice) as caught:
+        config, opt = so.from_deepspeed(HF_ZERO2)
+    assert len(caught) == 1  # said once, at the start
+    text = str(caught[0].message)
+    for key in ("zero_optimization.allgather_partitions", "zero_optimization.overlap_comm",
+                "steps_per_print", "wall_clock_breakdown", "optimizer.params.lr",
+                "gradient_clipping"):
+        assert key in text, key
+    # the dropped scheduler: which schedule runs instead
+    assert "scheduler 'WarmupLR' is not run" in text and "lr_scheduler_type" in text
+    assert config.bucket_bytes == 8 * 10**8 and config.pin_memory and config.precision == "fp32"
+    assert config.max_grad_norm is None and opt == {"adamw_mode": True}  # "auto": defaults
+    assert config.extra["deepspeed"]["scheduler"] and "steps_per_print" in \
+        config.extra["deepspeed"]["ignored"]
+
+
+def test_a_path_string_is_read(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(HF_ZERO2))
+    with pytest.warns(ds_keys.DeepSpeedNotice, match=str(path)):
+        from_path, _ = so.from_deepspeed(str(path))
+    with pytest.warns(ds_keys.DeepSpeedNotice):
+        from_dict, _ = so.from_deepspeed(HF_ZERO2)
+    assert from_path.replace(extra={}) == from_dict.replace(extra={})
+    assert so.from_deepspeed(path)[0].replace(extra={}) == from_dict.replace(extra={})
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ConfigError, match="broken.json: not valid JSON"):
+        so.from_deepspeed(tmp_path / "broken.json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        so.from_deepspeed(tmp_path / "missing.json")
+
+
+def test_auto_values_come_from_training_arguments():
+    args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                           max_grad_norm=1.0, learning_rate=5e-5, adam_beta1=0.9,
+                           adam_beta2=0.98, adam_epsilon=1e-6, weight_decay=0.01, bf16=True,
+                           fp16=False)
+    with pytest.warns(ds_keys.DeepSpeedNotice, match="optimizer.params.lr=5e-05"):
+        config, opt = so.from_deepspeed(HF_ZERO2, auto=ds_keys.auto_values(args))
+    assert config.max_grad_norm == 1.0 and config.grad_accum_steps == 2
+    assert opt == {"lr": 5e-5, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.01,
+                   "adamw_mode": True}
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.offload_param"),
+    ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+    ({"amp": {"enabled": True}}, "amp"),
+    ({"sparse_gradients": True}, "sparse_gradients"),  # flags, not sections, are refused too
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+     "fp16.fp16_master_weights_and_grads"),
+])
+def test_keys_that_change_results_are_refused_by_name(section, key):
+    with pytest.raises(ConfigError, match=f"DeepSpeed key {key} would change"):
+        so.from_deepspeed(section)
+    off = {k: ({kk: ({"device": "none"} if kk == "offload_param" else vv)
+                    for kk, vv in v.items()} if isinstance(v, dict) else v)
+           for k, v in section.items()}
+    if key == "zero_optimization.offload_param":  # switched off: harmless, listed
+        with pytest.warns(ds_keys.DeepSpeedNotice, match="offload_param"):
+            so.from_deepspeed(off)
+
+
+def test_initialize_takes_trainer_json():
+    model = make_model()
+    zero = {**HF_ZERO2["zero_optimization"], "reduce_bucket_size": 1024,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False}}
+    ds = {**HF_ZERO2, "zero_optimization": zero, "superoffload": {"device": "cpu",
+                                                                  "cpu_threads": 1}}
+    with pytest.warns(ds_keys.DeepSpeedNotice), so.initialize(
+            model, optimizer={"lr": 1e-3}, config=ds) as engine:
+        for x, y in batches(2):
+            engine.backward(model(x, y))
+            engine.step()
+            engine.zero_grad()
+        assert engine.iteration == 2 and engine.config.bucket_bytes == 4096

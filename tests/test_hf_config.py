@@ -23,7 +23,13 @@ PUBLISHED = {
     "qwen2.5-0.5b": 494_032_768,    # Qwen/Qwen2.5-0.5B ("0.49B"; tied embeddings)
     "qwen2.5-7b": 7_615_616_512,    # Qwen/Qwen2.5-7B ("7.61B")
     "qwen2.5-14b": 14_770_033_664,  # Qwen/Qwen2.5-14B ("14.7B")
+    # read on the meta device through transformers (plan/hf_meta.py)
+    "gemma-2-9b": 9_241_705_984,    # google/gemma-2-9b ("9.24B")
+    "falcon-7b": 6_921_720_704,     # tiiuae/falcon-7b ("6.92B")
+    "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1 ("46.7B")
+    "phi-3-mini-4k": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct ("3.82B")
 }
+META = {"gemma-2-9b", "falcon-7b", "mixtral-8x7b", "phi-3-mini-4k"}
 
 # Small variants of the shipped configs, plus the switches each family has.
 SMALL = {
@@ -52,9 +58,12 @@ def small(name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_shipped_configs_match_published_parameter_counts(name):
+    if name in META:
+        pytest.importorskip("transformers", reason="needs the 'hf' extra")
     shape = ModelShape.from_hf_config(name, seq=4096)
     assert shape.params == PUBLISHED[name]
-    assert hf_config.parameter_count(hf_config.describe(hf_config.load(name))) == PUBLISHED[name]
+    if name not in META:
+        assert hf_config.parameter_count(hf_config.describe(hf_config.load(name))) == PUBLISHED[name]
 
 
 def test_every_shipped_config_is_covered():
@@ -81,7 +90,7 @@ def test_parameters_match_the_instantiated_model(name):
     assert shape.tied_embeddings == bool(model.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(set(PUBLISHED) - META))
 def test_defaults_agree_with_transformers_config_classes(name):
     transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
     raw = hf_config.load(name)
@@ -131,7 +140,7 @@ def test_config_sources(tmp_path):
 def test_errors_name_the_problem():
     with pytest.raises(FileNotFoundError, match="shipped: .*llama-2-7b"):
         ModelShape.from_hf_config("llama-9000")
-    with pytest.raises(ValueError, match="model_type='t5' is not supported"):
+    with pytest.raises(ValueError, match="model_type='t5'"):
         ModelShape.from_hf_config({"model_type": "t5"})
     with pytest.raises(ValueError, match="missing 'hidden_size'"):
         ModelShape.from_hf_config({"model_type": "llama", "num_attention_heads": 4})

@@ -1,6 +1,7 @@
-"""The process's OpenMP wait policy (kernels/openmp.py, issue 11 §4): passive when
-superoffload is imported before torch and the user chose nothing; the user's choice always
-wins; nothing can change once torch (which loads libgomp) was imported first."""
+"""The process's OpenMP wait policy (kernels/openmp.py, issues 11 §4 and 20 §6): passive
+when superoffload is imported before torch and the user chose nothing; the user's choice
+always wins; when torch (which loads libgomp) came first, libgomp's spinning is throttled
+by a parked pool, measured here by the CPU time idle workers burn between regions."""
 
 from __future__ import annotations
 
@@ -9,28 +10,72 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(),
+                                reason="reads /proc/self/maps (Linux)")
+# source, OMP_WAIT_POLICY, and whether exactly one OpenMP runtime is mapped: the libgomp
+# openmp_library() names (torch's copy, which our kernel binds to; never a second one)
 PROBE = ("import os, sys; {first}; import superoffload.kernels as K; "
+         "maps = {{l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}}; "
+         "lib = K.openmp_library(); "
          "print(K.wait_policy().source, os.environ.get('OMP_WAIT_POLICY'), "
-         "K.openmp_library() is None or 'gomp' in K.openmp_library())")
+         "lib is not None and os.path.basename(lib).startswith('libgomp') and maps == {{lib}}, "
+         "K.wait_policy().value.replace(' ', '_'))")
+# CPU time (ms) the OpenMP workers use per 2-thread kernel region followed by a 20 ms
+# pause: spinning workers burn the pause, sleeping ones almost nothing
+IDLE = """
+import time, torch
+import superoffload.kernels as K
+stats = K.prepare_grad_stats([torch.zeros(2 * 32768)])  # a team of 2 (32 Ki per thread)
+for _ in range(5):
+    stats(threads=2)
+n = 40
+cpu0, main0 = time.process_time(), time.thread_time()
+for _ in range(n):
+    stats(threads=2)
+    time.sleep(0.02)
+cpu1, main1 = time.process_time(), time.thread_time()
+print(((cpu1 - cpu0) - (main1 - main0)) / n * 1e3)
+"""
+
+
+def _python(code: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "SUPEROFFLOAD_OMP_THROTTLE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**clean, **env}, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def _run(first: str, **env: str) -> list[str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], capture_output=True,
-                         text=True, env={**clean, **env}, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()
+    return _python(PROBE.format(first=first), **env).split()
 
 
 def test_passive_when_superoffload_comes_first():
-    assert _run("pass") == ["superoffload", "PASSIVE", "True"]
+    assert _run("pass")[:3] == ["superoffload", "PASSIVE", "True"]
 
 
 def test_the_users_choice_wins():
-    assert _run("pass", OMP_WAIT_POLICY="ACTIVE") == ["user", "ACTIVE", "True"]
+    assert _run("pass", OMP_WAIT_POLICY="ACTIVE")[:3] == ["user", "ACTIVE", "True"]
     assert _run("pass", GOMP_SPINCOUNT="1000")[:2] == ["user", "None"]
+    # also after torch: the user's setting is never overridden by the throttle
+    assert _run("import torch", OMP_WAIT_POLICY="ACTIVE")[:3] == ["user", "ACTIVE", "True"]
 
 
-def test_nothing_is_changed_after_torch_loaded_libgomp():
-    assert _run("import torch") == ["default", "None", "True"]
+def test_torch_first_throttles_spinning_unless_opted_out():
+    source, env, one_runtime, value = _run("import torch")
+    assert (source, env, one_runtime) == ("superoffload", "None", "True")
+    assert value.startswith("libgomp_throttled"), value
+    assert _run("import torch", SUPEROFFLOAD_OMP_THROTTLE="0")[:3] == ["default", "None", "True"]
+
+
+def test_idle_openmp_workers_sleep_even_when_torch_came_first():
+    """Without the throttle libgomp's default (~300,000 spins) burns ~7 ms of a worker's CPU
+    after every region here; throttled (<= 100 spins) it is ~0.04 ms, as with PASSIVE."""
+    throttled = float(_python("import torch\n" + IDLE))
+    spinning = float(_python("import torch\n" + IDLE, SUPEROFFLOAD_OMP_THROTTLE="0"))
+    assert throttled < 1.0, f"idle workers used {throttled:.2f} ms of CPU per region"
+    assert spinning > 3 * throttled, (spinning, throttled)  # the measurement can see spinning

@@ -227,3 +227,20 @@ def test_issue_11_targets_predicted_for_the_engine_now() -> None:
     fast = plan.simulate(facts.H200_SHAPE, quicker, config=r07_bf16.config,
                          techniques=plan.Techniques(rollback_rate=0.0))
     assert fast.iteration_s * 1e3 < r07.predicted_ms * 0.8
+
+
+def test_out_of_sample_from_the_raw_measured_profile(capsys) -> None:
+    """Issue 18, item 2: from the profile measure_local wrote on the H200 (the 708 TFLOP/s
+    square-matmul probe, nothing fitted) plain PyTorch came out 22% too fast; the element-wise
+    passes at the device bandwidth measured there halve that, without fitting anything."""
+    old = facts.calibration_table(facts.raw_profile(elementwise=False))
+    new = facts.calibration_table(facts.raw_profile())
+    assert [round(r.error, 3) for r in old][:4] == [-0.224, -0.020, -0.008, -0.159]
+    assert [round(r.error, 3) for r in new][:4] == [-0.096, -0.006, 0.007, -0.067]
+    assert all(abs(b.error) <= abs(a.error) + 0.03 for a, b in zip(old, new))
+    assert not facts.raw_profile().is_estimate("device_mem_bw_gbps")
+    from superoffload.cli import main
+
+    assert main(["simulate", "--facts", "h200-raw"]) == 0
+    out = capsys.readouterr().out
+    assert "-22.4%" in out and "-9.6%" in out and "nothing fitted" in out

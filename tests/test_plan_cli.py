@@ -125,3 +125,11 @@ def test_tune_bf16_moments_flag(capsys) -> None:
     assert allowed["config"]["optimizer_state_dtype"] == "bf16"
     assert "CHANGES THE NUMERICS" in allowed["explanation"]
     assert allowed["prediction"]["iteration_s"] < plain["prediction"]["iteration_s"] * 0.98
+
+
+def test_json_errors_are_json(capsys) -> None:
+    assert main(["tune", "--profile", "h100-pcie", "--layers", "96", "--hidden", "12288",
+                 "--heads", "96", "--json"]) == 2
+    assert "host memory" in json.loads(capsys.readouterr().out)["error"]
+    assert main(["simulate", "--profile", "tpu", "--json"]) == 2
+    assert "known profiles" in json.loads(capsys.readouterr().out)["error"]

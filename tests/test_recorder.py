@@ -39,6 +39,18 @@ def test_ring_buffer_is_bounded_and_spans_since_is_incremental() -> None:
     assert last == 24
 
 
+def test_spans_since_reads_only_the_tail_and_matches_a_full_scan() -> None:
+    rec = Recorder(max_events=100)
+    for i in range(250):
+        rec.add(LANE_D2H, "d2h", i, i + 1, iteration=i)
+    held = [(q, s) for q, s in enumerate(range(250))][-100:]
+    for seq in (-1, 0, 149, 150, 151, 200, 248, 249, 300):
+        new, last = rec.spans_since(seq)
+        assert [s.iteration for s in new] == [i for q, i in held if q > seq], seq
+        assert last == 249
+    assert Recorder().spans_since(-1) == ([], -1)
+
+
 def test_disabled_recorder_records_nothing_but_keeps_notes() -> None:
     rec = Recorder(enabled=False)
     with rec.span(LANE_CPU, KIND_CPU_STEP, iteration=0):

@@ -1,16 +1,23 @@
-"""The static HTML report: written from a Recorder or a list of spans, with and without plotly."""
+"""The static HTML report: one self-contained page (plotly embedded) that draws the dashboard's
+own figure, in its palette and words, summary and charts first, settings last; tables only
+without plotly."""
 
 from __future__ import annotations
 
+import base64
 import builtins
 import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from superoffload.telemetry import Recorder, Span
-from superoffload.telemetry.report import PLOTLY_JS, write_html_report
+from superoffload.telemetry.report import write_html_report as old_name
+from superoffload.widgets import layout as L
+from superoffload.widgets.report import PLOTLY_JS, write_html_report
+from superoffload.widgets.traces import SPECS
 
 
 def _recorder() -> Recorder:
@@ -23,45 +30,68 @@ def _recorder() -> Recorder:
         rec.record(Span("cpu_optimizer", "cpu_step", t + 0.5, t + 0.8, it, bucket=0))
         rec.record(Span("h2d", "h2d", t + 0.8, t + 0.9, it, bucket=0, nbytes=2_000_000))
         rec.scalar("loss", it, 5.0 - it)
+        rec.scalar("speculating", it, float(it % 2))
     rec.record(Span("cpu_optimizer", "rollback", 3.8, 3.85, 3, bucket=0))
     rec.note(3, "adaptive STV: speculation off")
     return rec
 
 
-def _figure_data(text: str) -> list[list[dict]]:
-    """The `data` arrays of every Plotly.newPlot call in the page."""
-    calls = re.findall(r'Plotly\.newPlot\(\s*"[^"]+",\s*(\[.*?\]),\s*\{', text, flags=re.S)
-    return [json.loads(c) for c in calls]
+def _values(array: list | dict) -> np.ndarray:
+    """A plotly JSON array: a list, or numpy's base64 typed-array form ({"dtype", "bdata"})."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=np.dtype(array["dtype"]))
+    return np.asarray(array, dtype=float)
 
 
-def test_report_with_plotly_holds_the_traces(tmp_path: Path) -> None:
+def _figures(text: str) -> list[tuple[list[dict], dict]]:
+    """(data, layout) of every Plotly.newPlot call in the page."""
+    calls = re.findall(r'Plotly\.newPlot\(\s*"[^"]+",\s*(\[.*?\]),\s*(\{.*?\}),\s*\{"responsive"',
+                       text, flags=re.S)
+    return [(json.loads(d), json.loads(lay)) for d, lay in calls]
+
+
+def test_the_report_is_one_offline_file_in_the_dashboards_words_and_colours(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
     out = write_html_report(_recorder(), tmp_path / "run" / "report.html", title="unit <test>",
-                            extra={"model": "tiny"})
+                            extra={"model": "tiny"}, scalars={"lr": [(0, 1e-3), (1, 2e-3)]})
     text = out.read_text()
-    assert out.parent.joinpath(PLOTLY_JS).stat().st_size > 1_000_000  # offline plotly.js beside
-    assert f"src='{PLOTLY_JS}'" in text and "cdn" not in text.lower()
+    assert not (out.parent / PLOTLY_JS).exists(), "nothing beside it: plotly.js is inside"
+    page = text.split("</script>", 1)[1]  # all but the embedded plotly.js
+    assert out.stat().st_size > 1_000_000 and "<script src=" not in page and "cdn" not in page.lower()
     assert "unit &lt;test&gt;" in text  # the title is escaped
     assert "adaptive STV: speculation off" in text
-    figures = _figure_data(text)
-    names = {trace.get("name") for data in figures for trace in data}
-    assert {"forward", "backward", "d2h", "cpu_step", "h2d", "rollback"} <= names
-    assert "rollback/replay" in names  # rollbacks marked on the timeline
-    loss = next(t for data in figures for t in data if t.get("name") == "loss")
-    assert loss["y"] == [5.0, 4.0, 3.0, 2.0]
-    # timeline bars: a forward starts at 0 ms and lasts 300 ms in iteration 0
-    fwd = next(t for data in figures for t in data if t.get("name") == "forward")
-    assert fwd["base"][0] == pytest.approx(0.0) and fwd["x"][0] == pytest.approx(300.0)
-    # a second report in the same folder reuses plotly.min.js
-    again = write_html_report(_recorder().spans(), tmp_path / "run" / "b.html", title="b")
-    assert again.exists() and len(list(out.parent.glob("*.js"))) == 1
+    # summary and charts first, the settings table last; full width
+    assert page.index("<div class='so-report-summary'>") < page.index("Plotly.newPlot") \
+        < page.index("<h2>Settings</h2>")
+    assert "max-width" not in page
+    assert "iteration time" in text and "D2H while moving" in text, "the vocabulary's words"
+    figures = _figures(text)
+    (dash_data, dash_layout) = figures[0]
+    # the dashboard's own traces, in its colours: D2H red, H2D blue, as on screen
+    assert [t["name"] for t in dash_data] == [s.name for s in SPECS]
+    colours = {t["name"]: t.get("line", {}).get("color") for t in dash_data if t.get("type") == "scatter"}
+    assert colours["D2H"] == L.METRIC_COLORS["d2h"] and colours["H2D"] == L.METRIC_COLORS["h2d"]
+    loss = next(t for t in dash_data if t["name"] == "loss" and t.get("mode") == "lines" and "fill" not in t)
+    assert list(_values(loss["y"])) == [5.0, 4.0, 3.0, 2.0], "the loss of every iteration"
+    assert dash_layout["yaxis2"]["title"]["text"] == "ms"
+    # the other recorded series get vocabulary titles and a y axis title, never a raw key
+    titles = [lay["title"]["text"] for _, lay in figures[1:]]
+    assert any(t.startswith("learning rate") for t in titles)
+    assert any(t.startswith("speculating") for t in titles) and "iteration_s" not in titles
+    for _, lay in figures[1:]:
+        assert lay["yaxis"]["title"]["text"], lay["title"]["text"]
+    bw = next(data for data, lay in figures if lay["title"]["text"].startswith("link traffic"))
+    assert [t["line"]["color"] for t in bw] == [L.METRIC_COLORS["d2h"], L.METRIC_COLORS["h2d"]]
+    assert old_name is not None and PLOTLY_JS == "plotly.min.js"
 
 
-def test_report_inline_js_is_self_contained(tmp_path: Path) -> None:
+def test_report_can_share_plotly_js_beside_it(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
-    out = write_html_report(_recorder().spans(), tmp_path / "r.html", title="inline", inline_js=True)
-    assert not (tmp_path / PLOTLY_JS).exists()
-    assert out.stat().st_size > 1_000_000
+    a = write_html_report(_recorder().spans(), tmp_path / "a.html", title="a", inline_js=False)
+    b = old_name(_recorder().spans(), tmp_path / "b.html", title="b", inline_js=False)
+    assert (tmp_path / PLOTLY_JS).stat().st_size > 1_000_000
+    assert f"src='{PLOTLY_JS}'" in a.read_text() and b.stat().st_size < 1_000_000
+    assert len(list(tmp_path.glob("*.js"))) == 1
 
 
 def test_report_without_plotly_writes_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

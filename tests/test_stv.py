@@ -33,6 +33,15 @@ def test_verdict_matches_clip_grad_norm():
     p.grad = clipped
     torch.nn.utils.clip_grad_norm_([p], 1.0)
     assert torch.allclose(g * 8 * v.grad_scale, p.grad, rtol=1e-6)
+    # clip_grad_norm_ divides by norm + 1e-6: at norm 5 that moves the coefficient by 2e-7,
+    # below what rtol 1e-6 sees; at norm 5e-6 the coefficient is 1/6 instead of 1/5. Budget
+    # rtol 1e-6, atol 0: two fp32 roundings (one product each side) are ~1e-7 relative
+    tiny = torch.tensor([3e-6, 4e-6])
+    v = verdict(float((tiny * 8).square().sum()), 0, loss_scale=8.0, max_grad_norm=1e-6)
+    p.grad = tiny.clone()
+    torch.nn.utils.clip_grad_norm_([p], 1e-6)
+    assert v.action is Action.CLIP
+    assert torch.allclose(tiny * 8 * v.grad_scale, p.grad, rtol=1e-6, atol=0.0)
     assert verdict(25.0, 0, loss_scale=1.0, max_grad_norm=10.0).action is Action.COMMIT
     assert verdict(25.0, 0, loss_scale=1.0, max_grad_norm=None).grad_scale == 1.0
     assert verdict(1.0, 3, loss_scale=1.0, max_grad_norm=1.0).action is Action.SKIP
@@ -116,13 +125,25 @@ def test_injected_nan_rolls_back_and_matches_reference(dtype):
 
 
 def test_forced_clipping_replays_and_matches_reference():
-    config = cfg(max_grad_norm=0.05)
+    # the rollback machinery itself: rollback="auto" would not speculate these buckets at all
+    # (each alone is above max_grad_norm: clipping is certain; tests/test_rollback_guard.py)
+    config = cfg(max_grad_norm=0.05, rollback="inverse")
     ref, _ = run(config, reference=True)
     got, st = run(config)
     assert max_diff(ref, got) < 1e-5
     n_host = len(so.initialize(make_model(), {}, config, inline=True).bucket_plan.host_buckets)
     assert st.clipped_steps == STEPS
     assert st.rollbacks == st.replays == STEPS * n_host
+
+
+def test_auto_does_not_speculate_buckets_certain_to_clip():
+    """Each bucket alone exceeds max_grad_norm=0.05: stepping it before the verdict could only
+    be undone, so "auto" steps it once after the verdict (no rollback, no replay)."""
+    off, _ = run(cfg(max_grad_norm=0.05, speculation="off"), bad=BAD_STEPS)
+    auto, st = run(cfg(max_grad_norm=0.05, speculation="on"), bad=BAD_STEPS)
+    assert st.rollbacks == 0 and st.replays == 0 and st.clipped_steps == STEPS - len(BAD_STEPS)
+    for k in off:
+        assert torch.equal(off[k], auto[k]), k
 
 
 @pytest.mark.parametrize("bad", [(), BAD_STEPS])
@@ -136,7 +157,7 @@ def test_snapshot_rollback_is_bit_exact(bad):
 
 def test_inverse_rollback_close_to_non_speculative():
     off, _ = run(cfg(max_grad_norm=0.05, speculation="off"), bad=BAD_STEPS)
-    inv, st = run(cfg(max_grad_norm=0.05, speculation="on"), bad=BAD_STEPS)
+    inv, st = run(cfg(max_grad_norm=0.05, speculation="on", rollback="inverse"), bad=BAD_STEPS)
     assert st.rollbacks > 0 and max_diff(off, inv) < 1e-5
 
 
@@ -148,7 +169,7 @@ def test_adaptive_mode_switches_off_then_back_on():
         return norm
 
     config = cfg(speculation="adaptive", adaptive_window=4, adaptive_threshold=0.25,
-                 max_grad_norm=0.05)
+                 max_grad_norm=0.05, rollback="inverse")  # "auto" would not speculate: certain
     ref, _ = run(config, reference=True, during=during)
     model = make_model()
     data = batches(STEPS)

@@ -113,10 +113,10 @@ def test_dashboard_draws_per_rank_lanes_and_keeps_per_rank_points() -> None:
     for rank, rec in ((0, r0), (1, r1)):
         expected = metrics.iteration_metrics(rec.spans())
         got = dash.state.series(rank)
-        assert list(got["wall_ms"]) == pytest.approx([m.wall_s * 1e3 for m in expected])
+        assert list(got["iteration_ms"]) == pytest.approx([m.wall_s * 1e3 for m in expected])
         assert list(got["d2h_gbps_wall"]) == pytest.approx([m.d2h_gbps_wall for m in expected])
         assert list(got["d2h_gbps_busy"]) == pytest.approx([m.d2h_gbps_busy for m in expected])
-    assert list(fig.data[TRACE["d2h_gbps"]].y) == pytest.approx(list(dash.state.series(0)["d2h_gbps_busy"]))
+    assert list(fig.data[TRACE["d2h_gbps_busy"]].y) == pytest.approx(list(dash.state.series(0)["d2h_gbps_busy"]))
     assert "rank 1:" in dash.summary()
     with pytest.raises(ValueError, match="ranks seen"):
         dash.state.series(7)
@@ -139,16 +139,18 @@ def _figure_data(text: str) -> list[list[dict]]:
 
 def test_report_has_per_rank_lanes_and_a_per_rank_table(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
-    from superoffload.telemetry.report import write_html_report
+    from superoffload.widgets.report import write_html_report
 
     r0, r1 = two_ranks()
     out = write_html_report(ranks.merge_rank_spans([r0, r1]), tmp_path / "r.html", title="dp2")
     text = out.read_text()
     assert "Per-rank medians" in text
-    timeline, bandwidth = _figure_data(text)[:2]
-    rows = {y for trace in timeline for y in trace["y"]}
-    assert {"r0 d2h", "r1 d2h", "r0 cpu_optimizer", "r1 device_compute"} <= rows
-    assert {t["name"] for t in bandwidth} == {"r0 d2h", "r0 h2d", "r1 d2h", "r1 h2d"}
+    dashboard, bandwidth = _figure_data(text)[:2]
+    layout = json.loads(re.search(r'Plotly\.newPlot\(\s*"[^"]+",\s*\[.*?\],\s*(\{.*?\}),\s*\{"responsive"',
+                                  text, flags=re.S).group(1))  # type: ignore[union-attr]
+    rows = set(layout["yaxis"]["ticktext"])  # the dashboard's timeline: a lane group per rank
+    assert {"r0 D2H (grads out)", "r1 D2H (grads out)", "r0 CPU optimizer", "r1 device compute"} <= rows
+    assert {t["name"] for t in bandwidth} == {"r0 D2H", "r0 H2D", "r1 D2H", "r1 H2D"}
     single = write_html_report(r0, tmp_path / "one.html", title="one").read_text()
     assert "Per-rank medians" not in single
-    assert "d2h" in {y for trace in _figure_data(single)[0] for y in trace["y"]}
+    assert "D2H" in {t["name"] for t in _figure_data(single)[1]}

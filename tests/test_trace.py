@@ -19,6 +19,8 @@ from superoffload.telemetry.trace import (
     assign_tracks,
     check_chrome_trace,
     chrome_trace,
+    prepare_chrome_trace,
+    sample_iterations,
     write_chrome_trace,
 )
 from tests.widgets_support import filled_recorder
@@ -60,24 +62,31 @@ def test_recorder_trace_has_lanes_flows_counters_and_notes(tmp_path: Path) -> No
     assert data["displayTimeUnit"] == "ms"
     names = thread_names(data)
     assert set(names.values()) >= LANE_THREADS and names[0] == "iterations"
-    # 3 iterations x 2 buckets, each D2H -> CPU step -> H2D: two arrows per bucket
+    # 3 iterations x 2 buckets, each backward -> D2H -> CPU step -> H2D: three arrows per bucket
     pairs = flows(data)
-    assert len(pairs) == 3 * 2 * 2
+    assert len(pairs) == 3 * 2 * 3
     kinds = []
     for pair in pairs.values():
         src = slice_at(data, 0, pair["s"]["tid"], pair["s"]["ts"])
         dst = slice_at(data, 0, pair["f"]["tid"], pair["f"]["ts"])
-        assert src["args"]["bucket"] == dst["args"]["bucket"]
         assert src["args"]["iteration"] == dst["args"]["iteration"]
-        assert src["ts"] <= dst["ts"], "arrows point forward in time"
+        if src["name"] == "backward":  # where the bucket's gradients were complete
+            assert pair["s"]["ts"] == pytest.approx(dst["ts"]), "at the copy's start"
+        else:
+            assert src["args"]["bucket"] == dst["args"]["bucket"]
+        assert pair["s"]["ts"] <= pair["f"]["ts"], "arrows point forward in time"
         kinds.append((names[pair["s"]["tid"]], names[pair["f"]["tid"]]))
-    assert set(kinds) == {("D2H (grads out)", "CPU optimizer"), ("CPU optimizer", "H2D (weights in)")}
-    counters = {e["name"] for e in data["traceEvents"] if e["ph"] == "C"}
-    assert {"loss", "ratio", "link GB/s while moving", "overlap and idle %"} <= counters
+    assert set(kinds) == {("device compute", "D2H (grads out)"), ("D2H (grads out)", "CPU optimizer"),
+                          ("CPU optimizer", "H2D (weights in)")}
+    # counters and args in the metric vocabulary: names, units (ms, not s) and titles
+    counters = {e["name"]: e["args"] for e in data["traceEvents"] if e["ph"] == "C"}
+    assert {"loss (nats)", "ratio", "D2H while moving (GB/s)", "CPU step hidden (%)"} <= set(counters)
+    assert set(counters["D2H while moving (GB/s)"]) == {"d2h_gbps_busy"}
     (note,) = [e for e in data["traceEvents"] if e["ph"] == "i"]
     assert note["name"].startswith("reconfigure applied") and note["s"] == "g"
     its = [e for e in data["traceEvents"] if e["ph"] == "X" and e["cat"] == "iteration"]
     assert [e["name"] for e in its] == ["iteration 0", "iteration 1", "iteration 2"]
+    assert its[0]["args"]["iteration_ms"] == pytest.approx(its[0]["dur"] / 1e3), "ms, as on screen"
     d2h = [e for e in data["traceEvents"] if e["ph"] == "X" and e["cat"] == "d2h"]
     assert d2h[0]["ts"] == pytest.approx(12_000) and d2h[0]["dur"] == pytest.approx(2_000)  # us
 
@@ -91,7 +100,7 @@ def test_several_ranks_get_one_process_each(tmp_path: Path) -> None:
              if e["ph"] == "M" and e["name"] == "process_name"}
     assert procs == {0: "superoffload rank 0", 1: "superoffload rank 1"}
     pairs = flows(data)
-    assert len(pairs) == 2 and {p["s"]["pid"] for p in pairs.values()} == {0, 1}
+    assert len(pairs) == 4 and {p["s"]["pid"] for p in pairs.values()} == {0, 1}
 
 
 def test_partially_overlapping_spans_spill_onto_a_second_track() -> None:
@@ -125,7 +134,10 @@ def test_a_real_engine_run_exports_a_loadable_trace(tmp_path: Path, one_thread: 
     names = set(thread_names(data).values())
     assert {"device compute", "D2H (grads out)", "CPU optimizer", "H2D (weights in)"} <= names
     host_buckets = len(engine.bucket_plan.host_buckets)
-    assert len(flows(data)) >= 2 * host_buckets * 3 - 2 * host_buckets  # late last iteration
+    assert len(flows(data)) >= 3 * host_buckets * 3 - 3 * host_buckets  # late last iteration
+    from_backward = [p for p in flows(data).values()
+                     if thread_names(data)[p["s"]["tid"]] == "device compute"]
+    assert len(from_backward) == host_buckets * 3, "one backward -> D2H arrow per bucket"
 
 
 def test_a_simulated_timeline_exports_too(tmp_path: Path) -> None:
@@ -133,6 +145,25 @@ def test_a_simulated_timeline_exports_too(tmp_path: Path) -> None:
     res = plan.simulate(shape, plan.profiles.get("gh200"))
     data = load(write_chrome_trace(res.timeline, tmp_path / "sim.json"))
     assert flows(data)
+
+
+def test_a_long_run_can_be_sampled_and_says_its_size_before_writing(tmp_path: Path) -> None:
+    rec = filled_recorder(40, buckets=2, loss=4.0)
+    full = prepare_chrome_trace(rec)
+    tenth = prepare_chrome_trace(rec, every=10)
+    recent = prepare_chrome_trace(rec, last=5)
+    assert (full.iterations, tenth.iterations, recent.iterations) == (40, 4, 5)
+    assert tenth.describe().startswith("trace of 4 of 40 iterations (every 10th iteration): ")
+    assert 0.05 < tenth.nbytes / full.nbytes < 0.2, "the size follows the iterations kept"
+    data = load(tenth.write(tmp_path / "t.json"))
+    kept = sorted({e["args"]["iteration"] for e in data["traceEvents"] if e["ph"] == "X"
+                   and e["cat"] != "iteration"})
+    assert kept == [0, 10, 20, 30]
+    assert sample_iterations(range(100), every=3, last=10) == {90, 93, 96, 99}
+    with pytest.raises(ValueError, match="every=0"):
+        prepare_chrome_trace(rec, every=0)
+    with pytest.raises(ValueError, match="last=0"):
+        write_chrome_trace(rec, tmp_path / "x.json", last=0)
 
 
 def test_bad_sources_say_what_to_pass(tmp_path: Path) -> None:

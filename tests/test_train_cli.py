@@ -185,7 +185,7 @@ def test_train_command_prints_json_last_and_writes_the_report(tmp_path: Path) ->
     assert math.isfinite(result["final_loss"]) and result["tokens_per_s"] > 0
     assert "report:" in proc.stdout  # the human summary comes before the JSON line
     report = Path(result["report"])
-    assert report.exists() and "device_compute" in report.read_text()
+    assert report.exists() and "device compute" in report.read_text()  # the dashboard's lane names
     saved = json.loads((out / "result.json").read_text())
     assert len(saved["iterations"]) == 4 and saved["final_loss"] == result["final_loss"]
     assert "train" in proc.stderr  # the progress bar goes to stderr
@@ -237,3 +237,58 @@ def test_gpu_check_script_is_valid_bash() -> None:
     proc = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- issue 17: the run budget
+@pytest.mark.usefixtures("one_thread")
+def test_the_run_budget_is_a_lower_bound_of_a_real_step() -> None:
+    """`run_budget` refuses a shape only when even a lower bound is absurd, so its bounds must
+    stay below a real step (GPT small, fp32, seq 1024 x batch 2, one thread): the bytes of
+    the tensors autograd saves for backward (the step's memory peak is higher still), and
+    the time of forward + backward against its FLOPs at one core's peak."""
+    import time
+
+    from superoffload.cli import build_parser
+    from superoffload.commands import run_budget
+    from superoffload.commands.train_args import resolve
+    from superoffload.models import gpt_small
+
+    seq, batch = 1024, 2
+    settings = resolve(build_parser().parse_args(["train", "--seq", str(seq), "--batch",
+                                                  str(batch)]), "cpu")
+    est = run_budget.estimate(settings, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = GPT(gpt_small(block_size=seq))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in weights:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randint(0, 256, (batch, seq))
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x, x)
+    loss.backward()
+    seconds = time.perf_counter() - t0
+    assert est.activation_bytes <= sum(saved.values()) <= 1.5 * est.activation_bytes, saved
+    assert est.flops / run_budget.CPU_PEAK_FLOPS_PER_CORE["fp32"] <= seconds
+
+
+def test_a_longer_seq_than_the_model_has_positions_is_said(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    """Issue 17: --seq above the preset's position table raised it without a word."""
+    from superoffload.cli import main
+
+    code = main(["train", "--model", "tiny", "--seq", "96", "--batch", "2", "--steps", "1",
+                 "--eval-batches", "0", "--device", "cpu", "--no-report",
+                 "--out", str(tmp_path / "run")])
+    assert code == 0
+    start = [x for x in capsys.readouterr().out.splitlines() if x.startswith("training GPT")]
+    assert len(start) == 1 and "positions 64 -> 96 (--seq; the new ones start untrained)" \
+        in start[0], start
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["block_size"] == 96

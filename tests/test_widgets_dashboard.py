@@ -14,7 +14,7 @@ from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets import _env
 from superoffload.widgets import layout as L
 from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.figure import TRACE
+from superoffload.widgets.figure import TRACE, WAITING
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState
 from superoffload.widgets.simfigure import sim_figures, sim_panels
@@ -47,8 +47,8 @@ def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None
         assert len(fig.data[TRACE[f"lane:{lane}"]].x) == 3 * n
     assert fig.data[TRACE["lane:device_compute"]].x[0] == 0.0, "ms since the window's start"
     # iterations 0..5 are complete (6 and 7 may still get late spans)
-    assert list(fig.data[TRACE["d2h_gbps"]].x) == list(range(6))
-    assert list(fig.data[TRACE["iteration_ms"]].y) == pytest.approx(list(dash.state.series()["wall_ms"]))
+    assert list(fig.data[TRACE["d2h_gbps_busy"]].x) == list(range(6))
+    assert list(fig.data[TRACE["iteration_ms"]].y) == pytest.approx(list(dash.state.series()["iteration_ms"]))
     assert list(fig.data[TRACE["loss"]].y) == pytest.approx([5.0 - 0.1 * i for i in range(8)])
     assert visible_panels(fig)[:4] == ["timeline", "speed", "link", "percent"]
     assert fig.layout.xaxis3.matches == "x2" and fig.layout.xaxis4.matches == "x2"
@@ -59,17 +59,33 @@ def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None
     assert "<" not in dash.summary(), "no markup in text output"
 
 
+def test_until_the_first_complete_iteration_the_figure_says_it_is_waiting() -> None:
+    rec = Recorder()
+    dash = LiveDashboard(rec)
+    record_iteration(rec, 0, 0.0)  # one iteration: not complete until the one after next starts
+    dash.refresh()
+    texts = [a.text for a in dash.figure.layout.annotations]
+    assert WAITING in texts, "not empty axes: the figure says what it waits for"
+    assert any(line.startswith("waiting for the first complete iteration") for line in dash.status_lines())
+    for it in (1, 2):
+        record_iteration(rec, it, 0.034 * it)
+    dash.refresh()
+    assert WAITING not in [a.text for a in dash.figure.layout.annotations]
+    assert visible_panels(dash.figure)[:2] == ["timeline", "speed"]
+
+
 def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
     engine = FakeEngine(iteration=6)
     for it in range(6):
         record_iteration(engine.telemetry, it, it * 0.034, loss=3.0)
     dash = LiveDashboard(engine, shape=SHAPE, profile="gh200")
     dash.refresh(final=True)
-    peak = dash.figure.data[TRACE["link_peak"]]
-    assert set(np.asarray(peak.y, dtype=float)[~np.isnan(np.asarray(peak.y, dtype=float))]) == {450.0}
+    for d in ("d2h", "h2d"):  # one line per direction, its own legend entry
+        peak = dash.figure.data[TRACE[f"{d}_peak"]]
+        assert set(np.asarray(peak.y, dtype=float)) == {450.0} and peak.name == f"{d.upper()} peak"
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
     assert dash.figure.data[TRACE["predicted_ms"]].y[0] == pytest.approx(res.iteration_s * 1e3)
-    assert "on profile gh200 (preset)" in dash.summary()
+    assert "on profile gh200 (not calibrated; preset)" in dash.summary()
     # a reconfiguration: a new prediction step from its iteration, a marker on every panel
     engine.config = engine.config.replace(ratio=0.2)
     engine.telemetry.note(6, "reconfigure applied: ratio 0.9 -> 0.2")
@@ -83,7 +99,7 @@ def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
     shapes = dash.figure.layout.shapes
     assert {s.xref for s in shapes} >= {"x2", "x3", "x4"} and all(s.x0 in (6, 6.0) or s.xref == "x" for s in shapes)
     assert any("ratio 0.9→0.2" in a.text for a in dash.figure.layout.annotations)
-    assert "it. 6: reconfigure applied: ratio 0.9 -> 0.2 · iteration time" in dash.summary()
+    assert "it. 6: reconfigure applied: ratio 0.9 -> 0.2" in dash.summary()
 
 
 def test_run_states_and_the_static_snapshot_at_the_end() -> None:
@@ -111,9 +127,21 @@ def test_rollbacks_replays_and_skipped_steps_are_marked_separately() -> None:
     fig = dash.figure
     (rb,) = [s for s in rec.spans() if s.kind == "rollback"]
     assert list(fig.data[TRACE["rollback"]].x) == [pytest.approx((rb.start_s + rb.end_s) / 2 * 1e3)]
-    assert list(fig.data[TRACE["rollback"]].y) == [LANES.index("cpu_optimizer")]
-    assert len(fig.data[TRACE["replay"]].x) == 1 and len(fig.data[TRACE["skipped"]].x) == 1
+    # on the CPU lane's row, the rollback above its middle and the replay below: never on
+    # top of each other
+    row = LANES.index("cpu_optimizer")
+    assert list(fig.data[TRACE["rollback"]].y) == [pytest.approx(row - 0.22)]
+    assert list(fig.data[TRACE["replay"]].y) == [pytest.approx(row + 0.22)]
+    assert len(fig.data[TRACE["skipped"]].x) == 1
     assert list(fig.data[TRACE["speed_rollback"]].x) == [2] and list(fig.data[TRACE["speed_skipped"]].x) == [3]
+    # on the iteration-time panel the events sit in a strip at the top, one row each, and
+    # are the timeline legend's entries (one click hides an event everywhere)
+    ys = {k: fig.data[TRACE[f"speed_{k}"]].y[0] for k in ("rollback", "replay", "skipped")}
+    assert ys["rollback"] > ys["replay"] > ys["skipped"] > max(dash.state.series()["iteration_ms"])
+    for k in ("rollback", "replay", "skipped"):
+        speed, timeline = fig.data[TRACE[f"speed_{k}"]], fig.data[TRACE[k]]
+        assert speed.legend == "legend" and speed.showlegend and not timeline.showlegend
+        assert speed.legendgroup == timeline.legendgroup == k
     assert "1 bucket rollbacks · 1 replays · 1 skipped steps" in dash.summary()
 
 
@@ -236,3 +264,55 @@ def test_the_live_view_is_a_one_way_widget_with_the_figure_in_one_trait() -> Non
     assert dash.plot.figure is sent
     bundle = dash._static_bundle()  # what replaces the widget when the run ends
     assert bundle["application/vnd.plotly.v1+json"]["data"][TRACE["loss"]]["y"]
+
+
+def test_labels_and_legends_do_not_cover_one_another() -> None:
+    """Issue 19 item 8: per-direction peaks, no invisible link-use lines, the change label on
+    an opaque box at the panel's bottom (spikes never reach it), an A/B as one band."""
+    engine = FakeEngine(iteration=30)
+    t = 0.0
+    for it in range(30):
+        t = record_iteration(engine.telemetry, it, t, loss=3.0) + 0.001
+    engine.telemetry.note(10, "A/B started: ratio 0.5 -> 0.8, 6 pairs of 4 iterations (+1 settling per switch)")
+    engine.telemetry.note(15, "reconfigure applied: ratio 0.5 -> 0.8")
+    engine.telemetry.note(25, "A/B measured: ratio 0.5 -> 0.8: 33.00 -> 32.00 ms, change -3.0% "
+                              "[-5.0%, -1.0%] (90% CI, 6 pairs of 4 iterations): faster")
+    dash = LiveDashboard(engine, shape=SHAPE, profile="gh200")
+    dash.refresh(final=True)
+    fig = dash.figure
+    percent = {s.name for s in fig.data if s.xaxis == "x4"}
+    assert percent == {"CPU step hidden", "device idle"}, "no 0.01 % lines on a 0-100 % axis"
+    assert {s.name for s in fig.data if s.xaxis == "x3" and s.showlegend} == {"D2H", "H2D", "D2H peak", "H2D peak"}
+    (label,) = [a for a in fig.layout.annotations if a.text.startswith("A/B ")]
+    assert label.text == "A/B ratio 0.5→0.8" and label.yref == "y2 domain" and label.y < 0.1
+    assert label.yanchor == "bottom" and label.bgcolor == "#FFFFFF", "opaque, at the bottom"
+    bands = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert {s.xref for s in bands} >= {"x2", "x3", "x4"} and {(s.x0, s.x1) for s in bands} == {(10, 25)}
+    assert not [s for s in fig.layout.shapes if s.type == "line"], "the switches inside the A/B are not lines"
+
+
+def test_close_iteration_labels_and_link_numbers_stay_readable_in_the_simulated_layout() -> None:
+    from superoffload.widgets.simfigure import build_sim_figure
+    from superoffload.widgets.timeline import spaced_labels
+
+    assert spaced_labels({1: 0.0, 2: 3.0, 3: 40.0, 4: 41.0}, (0.0, 100.0)) == {1: 0.0, 3: 40.0}
+    res = plan.simulate(SHAPE, plan.profiles.get("gh200"))
+    fig = build_sim_figure(sim_figures(res))
+    bars = [t for t in fig.data if t.type == "bar" and t.xaxis == "x3"]
+    assert [b.x[0].split(" · ")[0] for b in bars] == ["D2H", "H2D"]
+    assert all("GB/s" in b.x[0] and not b.text for b in bars), "numbers under the axis, not on the bar"
+    peaks = [t.name for t in fig.data if t.xaxis == "x3" and t.type == "scatter"]
+    assert peaks == ["D2H peak", "H2D peak"]
+
+
+def test_the_log_link_axis_spans_whole_decades_so_a_flat_rate_stays_flat() -> None:
+    from superoffload.widgets.figure import log_decades
+
+    assert log_decades([np.array([2.0, 2.0000001])]) == [0.0, 1.0], "not its last digits blown up"
+    assert log_decades([np.array([0.3, np.nan])], also=(23.1, None)) == [-1.0, 2.0]
+    assert log_decades([np.array([np.nan])]) is None
+    dash = LiveDashboard(filled_recorder(8), profile="gh200")
+    dash.refresh(final=True)
+    lo, hi = dash.figure.layout.yaxis3.range
+    rates = dash.state.series()["d2h_gbps_busy"]
+    assert 10 ** lo <= rates.min() and max(rates.max(), 450.0) <= 10 ** hi and hi - lo >= 1

@@ -11,17 +11,18 @@ import pytest
 from superoffload.telemetry import metrics
 from superoffload.telemetry.events import LANES, Span
 from superoffload.widgets import layout as L
+from superoffload.widgets import snapshot as snap
 from superoffload.widgets.panels import (
     Expected,
     Workload,
     measured_arrays,
     predicted_at,
-    reconfigure_delta,
+    prediction_gap,
     robust_top,
     status_lines,
 )
 from superoffload.widgets.runstate import RunState
-from superoffload.widgets.series import DashboardState, thin
+from superoffload.widgets.series import DashboardState, IterationPoint
 from superoffload.widgets.timeline import span_segments, timeline_view, vlines
 from tests.widgets_support import MB, filled_recorder, record_iteration
 
@@ -51,22 +52,22 @@ def test_link_rate_is_bytes_over_time_moving_per_direction() -> None:
 def test_utilisation_is_wall_rate_over_peak_in_percent() -> None:
     state = fed(4, final=True)
     a = measured_arrays(state, Workload(d2h_peak_gbps=10.0, h2d_peak_gbps=5.0))
-    assert a["d2h_util_pct"] == pytest.approx(100 * state.series()["d2h_gbps_wall"] / 10.0)
-    assert a["h2d_util_pct"] == pytest.approx(100 * state.series()["h2d_gbps_wall"] / 5.0)
+    assert a["d2h_link_use_pct"] == pytest.approx(100 * state.series()["d2h_gbps_wall"] / 10.0)
+    assert a["h2d_link_use_pct"] == pytest.approx(100 * state.series()["h2d_gbps_wall"] / 5.0)
     assert metrics.link_utilisation_pct(3.0, None) != metrics.link_utilisation_pct(3.0, None)  # NaN
-    assert math.isnan(measured_arrays(state, Workload())["d2h_util_pct"][0])
+    assert math.isnan(measured_arrays(state, Workload())["d2h_link_use_pct"][0])
 
 
 def test_overlap_and_idle_are_percent_and_overlap_is_a_gap_without_cpu_work() -> None:
     state = fed(3, final=True)
     s = state.series()
     m = metrics.iteration_metrics(filled_recorder(3).spans())
-    assert s["overlap_pct"] == pytest.approx([100 * x.cpu_overlap_frac for x in m])
-    assert s["idle_pct"] == pytest.approx([100 * x.device_idle_frac for x in m])
+    assert s["cpu_step_hidden_pct"] == pytest.approx([100 * x.cpu_overlap_frac for x in m])
+    assert s["device_idle_pct"] == pytest.approx([100 * x.device_idle_frac for x in m])
     no_cpu = DashboardState()
     no_cpu.add_spans([Span("device_compute", "forward", 0.0, 0.01, 0),
                       Span("device_compute", "forward", 0.02, 0.03, 1)], final=True)
-    assert math.isnan(no_cpu.series()["overlap_pct"][0])  # not "100 % hidden"
+    assert math.isnan(no_cpu.series()["cpu_step_hidden_pct"][0])  # not "100 % hidden"
     assert "link" not in no_cpu.available()
 
 
@@ -75,8 +76,8 @@ def test_tokens_and_tflops_per_second_and_the_prediction_step() -> None:
     work = Workload(tokens_per_iteration=512, flops_per_iteration=2e12)
     expected = [Expected(0, 0.020, 50.0), Expected(3, 0.010, 100.0)]
     a = measured_arrays(state, work, expected)
-    assert a["tokens_per_s"] == pytest.approx(512 / (a["wall_ms"] / 1e3))
-    assert a["tflops"] == pytest.approx(2.0 / (a["wall_ms"] / 1e3))
+    assert a["tokens_per_s"] == pytest.approx(512 / (a["iteration_ms"] / 1e3))
+    assert a["tflops"] == pytest.approx(2.0 / (a["iteration_ms"] / 1e3))
     assert list(a["predicted_ms"]) == pytest.approx([20, 20, 20, 10, 10])
     assert math.isnan(predicted_at([Expected(2, 1.0, 1.0)], np.array([0.0, 2.0]))[0])
 
@@ -92,20 +93,19 @@ def test_only_complete_iterations_get_points() -> None:
     late = Span("cpu_optimizer", "cpu_step", 0.2, 0.3, 4, bucket=9, nbytes=0)
     record_iteration(rec, 6, 0.231)
     state.add_spans([late, *[s for s in rec.spans() if s.iteration == 6]])
-    assert 4 in state.points and state.points[4].iteration == 4
+    assert list(state.series()["iteration"]) == [0, 1, 2, 3, 4]
     state.add_spans([], final=True)
     assert list(state.series()["iteration"]) == [0, 1, 2, 3, 4, 5, 6]
 
 
-def test_long_runs_keep_their_history_at_a_coarser_step() -> None:
-    assert thin(list(range(10)), 10) == []
-    drop = thin(list(range(40)), 30)
-    kept = sorted(set(range(40)) - set(drop))
-    assert len(kept) <= 30 and kept[-20:] == list(range(20, 40)) and kept[0] == 0
+def test_long_runs_keep_their_whole_history_at_an_even_coarser_step() -> None:
     state = DashboardState(max_points=10)
     state.add_spans(filled_recorder(40).spans(), final=True)
-    its = state.series()["iteration"]
-    assert len(its) <= 10 and its[-1] == 39 and its[0] == 0
+    s = state.series()
+    # 40 iterations in <= 10 bins: the stride doubled twice (1 -> 4), every bin 4 wide
+    assert state.stride() == 4 and len(s["iteration"]) == 10
+    assert list(s["first"]) == list(range(0, 40, 4)) and list(s["last"]) == list(range(3, 40, 4))
+    assert state.coverage() == (0, 39, 40)
 
 
 def test_one_stall_does_not_flatten_the_iteration_time_axis() -> None:
@@ -116,12 +116,22 @@ def test_one_stall_does_not_flatten_the_iteration_time_axis() -> None:
     assert robust_top(np.array([np.nan])) is None
 
 
-def test_reconfigure_delta_compares_medians_and_skips_the_rebuild_iteration() -> None:
-    its = np.arange(20, dtype=float)
-    ms = np.where(its < 10, 30.0, 20.0)
-    ms[10] = 500.0  # the iteration that rebuilt the buckets
-    assert reconfigure_delta(its, ms, 10, n=5) == (30.0, 20.0, 5, 5)
-    assert reconfigure_delta(its, ms, 19, n=5) is None  # nothing after yet
+def test_an_ab_trial_is_one_event_and_its_result_is_shown_as_the_engine_wrote_it() -> None:
+    state = fed(30, final=True)
+    result = ("A/B measured: ratio 0.5 -> 0.8: 33.10 -> 31.90 ms, change -3.6% [-5.0%, -2.1%] "
+              "(90% CI, 6 pairs of 4 iterations): faster; predicted -0.3% (outside the interval)")
+    notes = [(10, "A/B started: ratio 0.5 -> 0.8, 6 pairs of 4 iterations (+1 settling per switch)"),
+             *[(15 + 5 * k, f"reconfigure applied: ratio {a} -> {b}")
+               for k, (a, b) in enumerate([(0.5, 0.8), (0.8, 0.5)] * 2)]]
+    state.add_notes(notes)
+    running = status_lines(state, Workload(), [], run_state=RunState.RUNNING, iteration=30)
+    assert running[-1].startswith("A/B running since it. 10: ratio 0.5 -> 0.8")
+    state.add_notes([*notes, (29, result)])
+    assert state.reconfigures == [], "the switches inside a trial are not reconfigurations"
+    (trial,) = state.ab_trials
+    assert (trial.start, trial.end, trial.switches, trial.result) == (10, 29, 4, result)
+    assert status_lines(state, Workload(), [], run_state=RunState.STOPPED, iteration=30)[-1] == \
+        f"it. 10-29: {result}"
 
 
 # ------------------------------------------------------------------ events and status
@@ -149,16 +159,50 @@ def test_rollbacks_replays_and_skipped_steps_are_counted_apart() -> None:
 def test_status_says_measured_vs_predicted_and_which_profile() -> None:
     state = fed(8, final=True, ratio=0.5)
     work = Workload(tokens_per_iteration=512, flops_per_iteration=1e9, d2h_peak_gbps=40.0,
-                    h2d_peak_gbps=40.0, profile_name="local-vm", profile_note="measured here")
+                    h2d_peak_gbps=40.0, profile_name="local-vm", profile_note="measured here",
+                    micro_batches=2)
     lines = status_lines(state, work, [Expected(0, 0.030, 0.1)], run_state=RunState.RUNNING,
                          iteration=8)
     assert lines[0] == "superoffload · running · iteration 8 · ratio 0.50 (since it. 0)"
-    assert "predicted: 30.00 ms" in lines[1] and "profile local-vm (measured here)" in lines[1]
+    assert "predicted for 2 micro-batches: iteration time 30 ms" in lines[1]
+    assert "profile local-vm (not calibrated; measured here)" in lines[1]
+    assert "engine time 32 ms" in lines[1], "the measurement the prediction is compared with"
     assert "tokens/s" in lines[1] and "TFLOP/s" in lines[1]
-    assert "link use" in lines[2] and "of 40 GB/s peak" in lines[2]
-    assert not any(line.startswith("warning") for line in lines)  # 33 ms vs 30: close enough
-    far = status_lines(state, work, [Expected(0, 0.001, 0.1)], run_state=None, iteration=8)
-    assert any(line.startswith("warning: measured is 33.0x the prediction") for line in far)
+    assert "D2H link use" in lines[2] and "of 40 GB/s peak" in lines[2]
+    assert not any(line.startswith("warning") for line in lines)  # 32 ms vs 30: close enough
+
+
+def _steady(state: DashboardState, its: range, engine_ms: float) -> None:
+    for it in its:
+        state.add_point(IterationPoint(it, {"iteration_ms": engine_ms + 2.0,
+                                            "engine_ms": engine_ms}, 0))
+
+
+def test_the_prediction_gap_is_warned_only_after_warm_up_when_sustained_and_while_running() -> None:
+    pred = [Expected(0, 0.010, 1.0)]  # 10 ms predicted
+    state = DashboardState()
+    _steady(state, range(0, 25), 50.0)  # 5x slower, but only 15 iterations after warm-up
+    assert prediction_gap(state.recent()["iteration"], state.recent()["engine_ms"], pred) is None
+    _steady(state, range(25, 30), 50.0)  # 20 after the warm-up's 10: two windows of 10
+    gap = prediction_gap(state.recent()["iteration"], state.recent()["engine_ms"], pred)
+    assert gap is not None and gap.factor == pytest.approx(5.0) and gap.iterations == 20
+    running = status_lines(state, Workload(), pred, run_state=RunState.RUNNING, iteration=30)
+    (warning,) = [line for line in running if line.startswith("warning:")]
+    assert "5.0x the prediction for 20 iterations" in warning and "dash.calibrate()" in warning
+    html = snap.html_lines(running)
+    assert f"<span class='so-warning' style='{snap.WARNING_STYLE}'>warning:" in html  # coloured
+    # after Stop the live warning is gone (it described a run that no longer goes)
+    stopped = status_lines(state, Workload(), pred, run_state=RunState.STOPPED, iteration=30)
+    assert not any(line.startswith("warning") for line in stopped)
+    # a warm-up stall that came and went is not a gap: the older window is within the factor
+    flicker = DashboardState()
+    _steady(flicker, range(0, 20), 11.0)
+    _steady(flicker, range(20, 30), 50.0)
+    its, ms = flicker.recent()["iteration"], flicker.recent()["engine_ms"]
+    assert prediction_gap(its, ms, pred) is None
+    # a new prediction (a reconfiguration at 30) starts a new warm-up
+    assert prediction_gap(state.recent()["iteration"], state.recent()["engine_ms"],
+                          [*pred, Expected(30, 0.010, 1.0)]) is None
 
 
 # ------------------------------------------------------------------ timeline

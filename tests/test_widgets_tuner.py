@@ -14,6 +14,7 @@ import torch
 import superoffload as so
 from superoffload import plan
 from superoffload.config import ConfigError, MiB
+from superoffload.telemetry.abtest import latest_result
 from superoffload.widgets import _env
 from superoffload.widgets.dashboard import LiveDashboard
 from superoffload.widgets.debounce import Inline, LatestOnly
@@ -212,7 +213,7 @@ def test_apply_reconfigures_a_real_engine_on_a_later_iteration() -> None:
 
         one_step()
         tuner.set(ratio=1.0)
-        assert tuner.apply() == {"ratio": 1.0}
+        assert tuner.apply(measure=False) == {"ratio": 1.0}
         assert engine.config.ratio == 0.5, "applied at the next iteration boundary, not now"
         applied_at = engine.iteration
         one_step()
@@ -224,3 +225,69 @@ def test_apply_reconfigures_a_real_engine_on_a_later_iteration() -> None:
         dash.refresh()
         assert f"ratio 1.00 (since it. {applied_at})" in dash.summary()
         assert dash.state.reconfigures[-1][0] == applied_at
+
+
+def test_apply_measures_the_change_as_an_interleaved_ab() -> None:
+    """Issue 18, item 5: Apply alternates old and new settings, reports the median change with
+    its interval and verdict beside the predicted change, keeps it in the run's telemetry, and
+    leaves the new settings in force."""
+    from superoffload.data import BatchSampler, load_tokens
+    from superoffload.models.gpt import GPT, gpt_tiny
+
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny())
+    config = so.presets.tiny_cpu().replace(bucket_bytes=64 * 1024, ratio=0.5)
+    batches = BatchSampler(load_tokens()[:20000], batch_size=2, seq_len=16, seed=0)
+    with so.initialize(model, optimizer={"lr": 1e-3}, config=config) as engine:
+        tuner = OffloadTuner(model, engine=engine, micro_batch=2, compare_baseline=False,
+                             ab_block=2, ab_pairs=5)
+        tuner.set(ratio=1.0)
+        assert [r.field for r in tuner.changes] == ["ratio"]  # change vs in force
+        assert tuner.apply() == {"ratio": 1.0} and "measuring it as an A/B" in tuner.status_line
+        ratios = []
+        for _ in range(40):
+            x, y = batches.next_batch()
+            engine.backward(model(x, y))
+            engine.step()
+            engine.zero_grad()
+            ratios.append(engine.config.ratio)
+        assert tuner.trial.done and len(tuner.ab_results) == 1
+        res = tuner.ab_results[0]
+        assert res.changes == {"ratio": (0.5, 1.0)} and res.pairs == 5 and res.block == 2
+        assert res.ci[0] <= res.change <= res.ci[1] and res.predicted_change is not None
+        assert tuner.status_line == f"measured: {res.line()}"
+        assert 0.5 in ratios[:12] and 1.0 in ratios[:12] and ratios[-1] == 1.0
+        notes = [(n.iteration, n.text) for n in engine.telemetry.notes()]
+        assert latest_result(notes) == res.line()  # kept in the run's record
+        # the run ends during a second trial: the new settings stay, the trial says why
+        tuner.set(ratio=0.25)
+        tuner.apply()
+        tuner.set_run_state(RunState.STOPPED)
+        assert tuner.trial.done and "stopped" in tuner.trial.error
+        x, y = batches.next_batch()
+        engine.backward(model(x, y))
+        engine.step()
+        assert engine.config.ratio == 0.25
+
+
+def test_comparison_table_curve_and_calibration_are_shown() -> None:
+    engine = FakeEngine(iteration=3)
+    tuner = OffloadTuner(SHAPE, "gh200", engine=engine, debounce_s=0)
+    assert tuner.changes == [] and "match the settings in force" in tuner.render_prediction(
+        tuner.prediction, tuner.prediction_line)
+    tuner.set(ratio=0.5, bucket_bytes=8 * MiB)
+    rows = {r.field: r for r in tuner.changes}
+    assert set(rows) == {"ratio", "bucket_bytes", "all"}
+    only_ratio = simulated_s(engine.config.replace(ratio=0.5)) / simulated_s(engine.config) - 1
+    assert rows["ratio"].change == pytest.approx(only_ratio)
+    assert [r for r, _ in tuner.curve] == [i / 10 for i in range(11)]
+    assert tuner.curve[5][1] == pytest.approx(simulated_s(tuner.config.replace(ratio=0.5)))
+    page = tuner.render_prediction(tuner.prediction, tuner.prediction_line)
+    assert "so-tuner-curve" in page and "over ratio 0-1 the predicted time moves" in page
+    assert "predicted change vs in force" in page
+    # gh200 is a preset: not calibrated, and the table says so
+    assert tuner.prediction.calibrated is False
+    assert ("calibrated", "no: expect it within 2x until the engine has run (docs/planner.md)",
+            None) in prediction_rows(tuner.prediction)
+    measured = OffloadTuner(SHAPE, "h200-pcie-measured", debounce_s=0)
+    assert measured.prediction.calibrated is True  # its compute rate is fitted to a run

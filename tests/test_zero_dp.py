@@ -7,7 +7,8 @@ every global batch (tests/_zero_worker.py). Tolerances:
     difference is the order of the fp32 gradient sums, mean of halves vs mean of all);
   * bf16 / fp16: the ranks' gradients are rounded to 16 bits on half batches before they are
     summed, so single elements may take a different Adam step (|update| <= lr per step):
-    max |diff| <= lr * steps, and the mean |diff| is checked tighter (measured ~1e-5).
+    max |diff| <= lr * steps, and the mean |diff| and the share of elements beyond 1e-4
+    are checked tighter (measured 2.7e-5 and 2.4%).
 Subprocess waits are bounded (tests/_dist_support.py); the five launches take ~45 s on an
 idle 2-core machine.
 """
@@ -172,11 +173,22 @@ def test_dp_exercises_speculation_rollback_and_the_fallback(trained: dict) -> No
     assert trained["clip"]["threads"] == optimizer_threads(usable_cores(), 0.9, local_ranks=2)
 
 
+def _share_beyond(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
+                  atol: float) -> float:
+    """Share of the elements differing by more than ``atol``. bf16 DP budget: rounding the
+    half-batch gradients to 16 bits flips single elements' Adam steps (up to lr each, hence
+    max <= lr * steps); the rest agree to 1e-4. Measured 2.4% beyond 1e-4 (bound 10%); a
+    reference without clipping is 54% off, one with a step fewer 95%: both pass the max."""
+    beyond = sum(int(((ref[k] - got[k]).abs() > atol).sum()) for k in ref)
+    return beyond / sum(v.numel() for v in ref.values())
+
+
 def test_dp_bf16_within_rounding_of_single_process(trained: dict) -> None:
     ref, got = _reference(RUNS["bf16"]), trained["bf16"]["weights"]
     assert max_diff(ref, got) <= HYPER["lr"] * STEPS
     mean = sum(float((ref[k] - got[k]).abs().sum()) for k in ref) / sum(v.numel() for v in ref.values())
     assert mean < 2e-4
+    assert _share_beyond(ref, got, 1e-4) < 0.1  # budget: see _share_beyond
     params = trained["bf16"]["params"]
     assert all(torch.equal(params[k], got[k].to(torch.bfloat16)) for k in got)
 
@@ -198,9 +210,11 @@ def test_dp_with_weight_flow_matches_single_process_and_stationary(trained: dict
     bf16 = trained["flow_bf16"]
     ref = _reference(RUNS["bf16"])
     assert max_diff(ref, bf16["weights"]) <= HYPER["lr"] * STEPS
-    # identical to the stationary bf16 run up to the plan (ratio 1 vs 0.8: GPU tail on the
-    # device vs the CPU kernel, the same maths in another order)
-    assert max_diff(trained["bf16"]["weights"], bf16["weights"]) <= HYPER["lr"] * STEPS
+    assert _share_beyond(ref, bf16["weights"], 1e-4) < 0.1  # budget: see _share_beyond
+    # identical to the stationary bf16 run up to the plan (ratio 1 vs 0.8): on the CPU both
+    # step with the same kernel on the same reduced gradients, so only fp32 last bits differ
+    # (measured 3.0e-8; was <= lr * steps = 0.012, which untrained weights miss by only 8%)
+    assert max_diff(trained["bf16"]["weights"], bf16["weights"]) < 1e-6
     assert all(torch.equal(bf16["params"][k], bf16["weights"][k].to(torch.bfloat16))
                for k in bf16["weights"])
 
@@ -319,7 +333,8 @@ def test_train_command_under_torchrun(tmp_path: Path) -> None:
     assert result["tokens"] == 3 * 4 * 32
     # rank 0's report draws both ranks' lanes, gathered over the process group
     html = Path(result["report"]).read_text()
-    assert '"r0 d2h"' in html and '"r1 d2h"' in html and '"r1 cpu_optimizer"' in html
+    assert '"r0 D2H (grads out)"' in html and '"r1 D2H (grads out)"' in html
+    assert '"r1 CPU optimizer"' in html
 
 
 # ---------------------------------------------------------------- one rank, in this process

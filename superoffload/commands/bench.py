@@ -24,11 +24,13 @@ def add_adam_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=2,
                    help="threads for every method (default 2)")
     p.add_argument("--repeats", type=positive_int, default=15,
-                   help="interleaved rounds; medians are reported (default 15)")
+                   help="interleaved rounds, the method order rotated each round; medians "
+                        "are reported (default 15)")
     p.add_argument("--layout", choices=["flat", "195", "both"], default="both",
                    help="one flat tensor, ~195 transformer-like tensors, or both")
     p.add_argument("--no-deepspeed", action="store_true",
-                   help="skip DeepSpeed's CPUAdam even when deepspeed is importable")
+                   help="skip DeepSpeed's DeepSpeedCPUAdam even when deepspeed is importable "
+                        "(pip install 'superoffload[deepspeed]'; its op is JIT-built once)")
 
 
 def run_adam(args: argparse.Namespace) -> int:

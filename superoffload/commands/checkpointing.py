@@ -29,14 +29,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from superoffload.commands.signals import signal_name
 from superoffload.commands.train_args import UsageError, check_out, make_out
 from superoffload.train_loop import Progress
 
@@ -175,12 +173,53 @@ class ResumePoint:
     """The settings of the run that wrote it (train_args.RunSettings.to_dict())."""
     run_folder: Path | None
     """The run folder it belongs to (<run>/checkpoints/step-N or <run>/checkpoint)."""
+    skipped: tuple[tuple[Path, str], ...] = ()
+    """Newer checkpoints passed over because they are damaged: (folder, why)."""
+
+    def fallback_warning(self, arg: Path) -> str | None:
+        """The one line saying that a newer checkpoint was damaged, naming both; or None."""
+        if not self.skipped:
+            return None
+        newest, why = self.skipped[0]
+        more = f" (and {len(self.skipped) - 1} more)" if len(self.skipped) > 1 else ""
+        return (f"train: warning: --resume {arg}: the newest checkpoint {newest} is damaged "
+                f"({why}){more}; resuming from {self.path} (step {self.step}), the newest "
+                "complete verified one")
+
+
+def damaged(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed, in a few words; None when it is
+    complete and its files match the SHA-256 their manifest recorded (read once more here,
+    before anything is built: a torn or flipped checkpoint is passed over, not loaded)."""
+    try:
+        meta = json.loads((path / TRAIN_JSON).read_text())
+        if meta.get("format") != RUN_FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}")
+        int(meta["step"]), dict(meta["run"])
+    except FileNotFoundError:
+        return f"no {TRAIN_JSON}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its {TRAIN_JSON} is damaged: {exc}"
+    if checkpoint_kind(path) == "single":
+        from superoffload.runtime.checkpoint import damaged as engine_damaged
+
+        return engine_damaged(str(path))
+    from superoffload.runtime.ckpt_files import check_digests
+
+    try:  # the sharded format (distributed/zero/checkpoint.py): every rank file's SHA-256
+        manifest = json.loads((path / "manifest.json").read_text())
+        digests = {name: str(manifest["sha256"][name]) for name in manifest["files"]}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its manifest.json is damaged: {exc!r}"
+    return check_digests(str(path), digests)
 
 
 def find_resume_point(arg: Path) -> ResumePoint:
-    """Resolve --resume DIR: a run folder (its latest checkpoint, else its final one), its
-    checkpoints/ folder, or a checkpoint folder. UsageError when nothing usable is there."""
-    path = _locate(arg)
+    """Resolve --resume DIR: a run folder (its newest complete, verified checkpoint among
+    `latest`, the step-N ones and the final one), its checkpoints/ folder, or a checkpoint
+    folder. UsageError when nothing usable is there; a damaged newest checkpoint is passed
+    over (``ResumePoint.skipped``; the caller warns)."""
+    path, skipped = _locate(arg)
     meta_file = path / TRAIN_JSON
     if not meta_file.is_file():
         raise UsageError(f"--resume {arg}: {path} holds an engine checkpoint but no "
@@ -200,35 +239,56 @@ def find_resume_point(arg: Path) -> ResumePoint:
         run_folder = path.parent
     else:
         run_folder = None
-    return ResumePoint(path, checkpoint_kind(path), step, run, run_folder)
+    return ResumePoint(path, checkpoint_kind(path), step, run, run_folder, skipped)
 
 
-def _locate(arg: Path) -> Path:
-    """The checkpoint --resume names: the folder itself, else the newest of its periodic
-    checkpoints (`latest`, else the highest step-N) and its final one."""
+def _locate(arg: Path) -> tuple[Path, tuple[tuple[Path, str], ...]]:
+    """The checkpoint --resume names: the folder itself (refused when damaged), else the
+    newest complete and verified one of its periodic checkpoints (`latest` first among
+    equals) and its final one; with the newer ones it passed over and why."""
     if not arg.is_dir():
         raise UsageError(f"--resume {arg}: no such folder; give a run folder (runs/<name>) "
                          "or a checkpoint folder")
     if is_checkpoint(arg):
-        return arg
-    found = [p for p in (_newest_periodic(arg / "checkpoints"), _newest_periodic(arg),
-                         arg / "checkpoint") if p is not None and is_checkpoint(p)]
-    if found:
-        return max(found, key=_step_of)
-    raise UsageError(f"--resume {arg}: no complete checkpoint there (expected "
-                     "checkpoints/step-N/, checkpoint/, or a folder holding engine.pt or "
-                     "manifest.json); train with --checkpoint-every N to write them")
+        why = damaged(arg) if (arg / TRAIN_JSON).is_file() else None  # no train.json: below
+        if why is not None:
+            raise UsageError(f"--resume {arg}: this checkpoint is damaged ({why}); resume "
+                             "from an older one, or give the run folder to use its newest "
+                             "complete one")
+        return arg, ()
+    found = _periodic(arg / "checkpoints") + _periodic(arg) + (
+        [arg / "checkpoint"] if is_checkpoint(arg / "checkpoint") else [])
+    if not found:
+        raise UsageError(f"--resume {arg}: no complete checkpoint there (expected "
+                         "checkpoints/step-N/, checkpoint/, or a folder holding engine.pt or "
+                         "manifest.json); train with --checkpoint-every N to write them")
+    skipped: list[tuple[Path, str]] = []
+    # newest first; the stable sort keeps `latest` ahead of an equal step
+    for path in sorted(found, key=_step_of, reverse=True):
+        why = damaged(path)
+        if why is None:
+            return path, tuple(skipped)
+        skipped.append((path, why))
+    newest, why = skipped[0]
+    if why == f"no {TRAIN_JSON}":  # saved from Python: find_resume_point explains that
+        return newest, ()
+    raise UsageError(f"--resume {arg}: every checkpoint there is damaged (the newest, {newest}: "
+                     f"{why}); start a new run without --resume")
 
 
-def _newest_periodic(folder: Path) -> Path | None:
+def _periodic(folder: Path) -> list[Path]:
+    """The complete step-N checkpoints in ``folder``, the one `latest` names first."""
     if not folder.is_dir():
-        return None
+        return []
+    steps = [p for p in sorted(folder.glob("step-*"), reverse=True)
+             if _STEP.match(p.name) and is_checkpoint(p)]
     pointer = folder / LATEST
-    if pointer.is_file() and is_checkpoint(named := folder / pointer.read_text().strip()):
-        return named
-    steps = sorted((int(m.group(1)), p) for p in folder.glob("step-*")
-                   if (m := _STEP.match(p.name)) and is_checkpoint(p))
-    return steps[-1][1] if steps else None
+    if pointer.is_file():
+        named = folder / pointer.read_text().strip()
+        if named in steps:
+            steps.remove(named)
+            steps.insert(0, named)
+    return steps
 
 
 def _step_of(path: Path) -> int:
@@ -247,44 +307,6 @@ def run_extra(extra: Any, path: Path) -> tuple[Progress, list[Any]]:
 
 
 # ---------------------------------------------------------------- SIGINT / SIGTERM
-class StopSignals:
-    """SIGINT and SIGTERM ask the loop to stop at the next step boundary (and write a
-    checkpoint there) instead of killing the process mid-iteration. The handler only records
-    the signal; it then restores the previous handlers, so a second signal acts at once (a
-    second Ctrl-C raises KeyboardInterrupt). Installed only from the main thread."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signum = signum
-        self.restore()
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 def checkpoint_on_stop(ckpts: RunCheckpoints, engine: Any, *, step: int, steps: int, signum: int,
                        saved_step: int | None, extra: Callable[[], dict[str, Any]],
                        scheduler: Any, launch: str) -> dict[str, Any]:

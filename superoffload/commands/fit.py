@@ -34,8 +34,14 @@ CONFIG_KEYS = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="will a Hugging Face model fit a machine? (memory, time, settings)")
     p.add_argument("--hf-config", required=True, metavar="CONFIG",
-                   help="config.json (or its directory) of a Llama/Mistral/Qwen2/GPT-2/GPT-NeoX "
-                        "model, or a shipped name: " + ", ".join(_shipped()))
+                   help="config.json (or its directory) of a causal LM, or a shipped name: "
+                        + ", ".join(_shipped()) + ". Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX "
+                        "are counted by formula; any other architecture transformers knows "
+                        "(Mixtral, Gemma-2, Phi-3, Falcon, ...) is built on the meta device "
+                        "(needs the hf extra)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                   help="training dtype of the weights (default bfloat16, whatever the config's "
+                        "torch_dtype says: Gemma-2 ships float32 weights)")
     p.add_argument("--profile", default="gh200",
                    help="hardware preset (gh200, gb200, mi300a, h100-pcie, h200-pcie, ...), "
                         "'local' (measure this machine) or a profile JSON file")
@@ -100,44 +106,73 @@ def _row(label: str, schedule: str, weights: str | None, shape: Any, prof: Any,
 def run(args: argparse.Namespace) -> int:
     from superoffload import plan
     from superoffload.plan import hf_config
+    from superoffload.plan.calibrate import calibration_state
 
     try:
         raw = hf_config.load(args.hf_config)
-        arch = hf_config.describe(raw)
         shape = plan.ModelShape.from_hf_config(
             raw, seq=args.seq, micro_batch=args.micro_batch,
             activation_checkpointing=not args.no_checkpointing, dp=args.dp,
-            ranks_per_host=args.ranks_per_host)
+            ranks_per_host=args.ranks_per_host, **({"dtype": args.dtype} if args.dtype else {}))
+        model = _model(raw, shape)
         prof = load_profile(args.profile)
         cons = plan.Constraints(
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
             max_grad_norm=args.max_grad_norm)
         rows = schedule_rows(shape, prof, cons)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
+        return _error(str(exc), args.json)
     best = best_row(rows)
-    model = {"name": arch.name, "family": arch.family, "params": shape.params,
-             "layers": arch.layers, "hidden": arch.hidden, "heads": arch.heads,
-             "kv_heads": arch.kv_heads, "ffn": arch.ffn, "vocab": arch.vocab,
-             "tied_embeddings": arch.tied, "seq": shape.seq, "micro_batch": shape.micro_batch}
+    calibrated = calibration_state(prof)
     if args.json:
-        print(json.dumps({"model": model, "profile": prof.name, "rows": rows,
+        print(json.dumps({"model": model, "profile": prof.name, "calibrated": calibrated.calibrated,
+                          "calibration": calibrated.text, "rows": rows,
                           "best": None if best is None else best["schedule"]},
                          indent=1, default=float))
         return 0
     print(_report(model, prof, shape, rows, best))
+    print(f"\npredictions: {calibrated.text}")
     return 0
+
+
+def _error(message: str, as_json: bool) -> int:
+    """Exit code 2 with the reason: one line on stderr, or a JSON object on stdout (--json:
+    a script reading the output gets JSON either way)."""
+    if as_json:
+        print(json.dumps({"error": message}))
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _model(raw: dict[str, Any], shape: Any) -> dict[str, Any]:
+    """What the report says about the model: its config's numbers and the shape's counts."""
+    from superoffload.plan import hf_config, hf_meta
+
+    if str(raw.get("model_type", "")) in hf_config.FAMILIES:
+        arch = hf_config.describe(raw)
+        model = {"name": arch.name, "family": arch.family, "layers": arch.layers,
+                 "hidden": arch.hidden, "heads": arch.heads, "kv_heads": arch.kv_heads,
+                 "ffn": arch.ffn, "vocab": arch.vocab, "experts": 0, "experts_per_token": 0}
+    else:
+        model = hf_meta.describe_model(raw, shape.to_dict())
+    return {**model, "params": shape.params, "active_params": shape.active_params,
+            "tied_embeddings": shape.tied_embeddings, "seq": shape.seq,
+            "micro_batch": shape.micro_batch, "dtype": shape.dtype}
 
 
 def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, Any]],
             best: dict[str, Any] | None) -> str:
     gqa = f"{model['heads']} heads" + (f" ({model['kv_heads']} KV)" if model["kv_heads"] != model["heads"] else "")
+    moe = (f"; MoE, {model['experts_per_token']} of {model['experts']} experts per token: "
+           f"{model['active_params'] / 1e9:.2f}B active parameters (FLOPs), all "
+           f"{model['params'] / 1e9:.2f}B in memory" if model["experts"] else "")
     lines = [
         f"{model['name']} ({model['family']}): {model['params'] / 1e9:.2f}B parameters "
         f"({model['params']:,}); {model['layers']} layers x {model['hidden']}, {gqa}, FFN "
-        f"{model['ffn']}, vocab {model['vocab']}, {'tied' if model['tied_embeddings'] else 'untied'} head",
+        f"{model['ffn']}, vocab {model['vocab']}, {'tied' if model['tied_embeddings'] else 'untied'} "
+        f"head, {model['dtype']}{moe}",
         f"{prof.name}: {prof.device_name} ({prof.device_memory_bytes / 1e9:.0f} GB) + {prof.cpu_name} "
         f"({prof.host_memory_bytes / 1e9:.0f} GB); seq {shape.seq} x micro-batch "
         f"{shape.micro_batch}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}"

@@ -43,9 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="switch a SuperOffload technique off (repeatable)")
     sim.add_argument("--ablation", action="store_true", help="also print the ablation table")
     _engine_args(sim)
-    sim.add_argument("--facts", choices=["h200"],
+    sim.add_argument("--facts", choices=["h200", "h200-raw"],
                      help="print the planner's prediction next to the measured table of "
-                          "FACTS.md for that machine (plan/facts.py) and exit")
+                          "FACTS.md for that machine (plan/facts.py) and exit; h200-raw: "
+                          "from the raw measured profile, nothing fitted (out of sample)")
     sim.set_defaults(func=_simulate)
 
     tune = sub.add_parser("tune", help="search the best OffloadConfig for a hardware profile")
@@ -129,7 +130,15 @@ def load_profile(name: str) -> Any:
         return plan.measure_local()
     path = Path(name)
     if path.suffix == ".json" and path.exists():
-        return plan.HardwareProfile.from_dict(json.loads(path.read_text()))
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"profile {path}: not valid JSON ({exc.msg} at line {exc.lineno})"
+                             "; write one with plan.measure_local() or HardwareProfile.to_dict()"
+                             ) from None
+        if not isinstance(data, dict):
+            raise ValueError(f"profile {path}: holds a JSON {type(data).__name__}, not an object")
+        return plan.HardwareProfile.from_dict(data)
     return plan.profiles.get(name)
 
 
@@ -148,8 +157,12 @@ def _with_collective(prof: Any, args: argparse.Namespace) -> Any:
     return prof.replace(collective_gbps=args.collective_gbps)
 
 
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+def _fail(msg: str, as_json: bool = False) -> int:
+    """Exit code 2 with the reason: on stderr, or as {"error": ...} on stdout with --json."""
+    if as_json:
+        print(json.dumps({"error": msg}))
+    else:
+        print(f"error: {msg}", file=sys.stderr)
     return 2
 
 
@@ -177,14 +190,18 @@ def _simulate(args: argparse.Namespace) -> int:
         results = [plan.simulate(shape, prof, s, cfg, tech) for s in schedules]
         abl = plan.ablation.ablation(shape, prof, cfg, tech.rollback_rate) if args.ablation else None
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(str(exc), args.json)
+    from superoffload.plan.calibrate import calibration_state
+
+    state = calibration_state(prof)
     if args.json:
-        out: dict[str, Any] = {"results": [r.summary() for r in results]}
+        out: dict[str, Any] = {"results": [r.summary() for r in results],
+                               "calibrated": state.calibrated}
         if abl is not None:
             out["ablation"] = abl.to_dict()
         print(json.dumps(out, indent=1, default=float))
         return 0
-    print(f"{prof.name}: {prof.device_name} + {prof.cpu_name}")
+    print(f"{prof.name}: {prof.device_name} + {prof.cpu_name}; predictions {state.text}")
     for flag in prof.flags:
         print(f"note: {flag}")
     print(f"model: {shape.params / 1e9:.2f}B params, {shape.layers} x {shape.hidden}, seq "
@@ -251,18 +268,23 @@ def _tune(args: argparse.Namespace) -> int:
             allow_bf16_moments=args.allow_bf16_moments, **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
     except ValueError as exc:
-        return _fail(str(exc))
+        return _fail(str(exc), args.json)
     if args.out is not None:
         try:
             args.out.write_text(json.dumps(cfg.to_dict(), indent=1, default=float))
         except OSError as exc:  # checked at parse time; the folder may change meanwhile
             return _fail(f"--out {args.out}: cannot write ({exc.strerror or exc}); choose "
                          "another path")
+    from superoffload.plan.calibrate import calibration_state
+
+    state = calibration_state(prof)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "explanation": why,
-                          "prediction": pred.summary()}, indent=1, default=float))
+                          "prediction": pred.summary(), "calibrated": state.calibrated},
+                         indent=1, default=float))
         return 0
     print(why)
+    print(f"predictions: {state.text}")
     if shape.dp > 1:
         print(_dp_line(shape, prof, [pred]))
     print()
@@ -281,6 +303,11 @@ def _facts(args: argparse.Namespace) -> int:
     from superoffload.plan import facts
     from superoffload.plan.schedule import ENGINE
 
+    if args.facts == "h200-raw":
+        print("FACTS.md's H200 rows predicted from the raw measured profile (the 708 TFLOP/s "
+              "matmul probe, nothing fitted), with the engine they were measured with")
+        print(facts.out_of_sample_table())
+        return 0
     then = facts.calibration_table()
     now = facts.calibration_table(engine=ENGINE)
     if args.json:

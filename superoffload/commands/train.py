@@ -21,12 +21,14 @@ from typing import Any
 
 import torch
 
+from superoffload.commands import calibration, run_budget, train_dist
 from superoffload.commands import checkpointing as ck
-from superoffload.commands import train_dist
 from superoffload.commands.checkpointing import CheckpointFailed, prepare_run_folder
+from superoffload.commands.signals import StopSignals
 from superoffload.commands.train_args import PROG, RunSettings, UsageError, add_arguments, resolve
 from superoffload.commands.train_output import one_line, print_summary, sample_text, write_report
 from superoffload.config import OffloadConfig
+from superoffload.telemetry import vocabulary as vocab
 
 MiB = 1 << 20
 
@@ -62,7 +64,7 @@ def _build_model(s: RunSettings) -> torch.nn.Module:
 
     torch.manual_seed(s.seed)
     cfg = PRESETS[s.model](checkpointing=s.checkpointing)
-    if s.seq > cfg.block_size:
+    if s.seq > cfg.block_size:  # said in the start line (_train); run_budget bounded it
         cfg.block_size = s.seq
     return GPT(cfg)
 
@@ -172,7 +174,11 @@ def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> 
     s = resolve(args, device.type, dp=dp.dp if dp else 1, sp=dp.sp if dp else 1,
                 saved=resume.run if resume is not None else None)
     _check_resume_and_tools(args, s, resume, dp)
+    run_budget.check(s, device)  # an absurd --seq/--batch for this machine: refused, with why
     rank, world = (dp.rank, dp.dp * dp.sp) if dp is not None else (0, 1)
+    warning = resume.fallback_warning(args.resume) if resume is not None else None
+    if warning is not None and rank == 0:  # a damaged newest checkpoint was passed over
+        print(warning, file=sys.stderr, flush=True)
     if dp is None:  # the folder before the model: a bad --out costs nothing
         out = prepare_run_folder(args.out, resume)
     else:  # rank 0 makes the folder; a failure ends every rank with the same line
@@ -204,7 +210,8 @@ def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> 
             "max_grad_norm": config.max_grad_norm, "weights": config.weights,
             "weight_decay": s.weight_decay, "warmup": s.warmup, "seed": s.seed,
             "torch_threads": torch.get_num_threads(), "dp": s.dp, "sp": s.sp,
-            "batch_per_rank": batch, "seq_per_rank": s.seq // s.sp}
+            "batch_per_rank": batch, "seq_per_rank": s.seq // s.sp,
+            "block_size": getattr(getattr(model, "config", None), "block_size", s.seq)}
     return _Job(s, dp, resume, device, out, model, batches, val, config, info, rank, world)
 
 
@@ -250,9 +257,10 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
         start = progress.step if progress is not None else 0
         if not args.json and not quiet:
             what = f"from step {start} of {job.resume.path}, " if job.resume is not None else ""
+            grown = run_budget.grown_positions(s)
             print(f"training {job.info['model']}: {job.info['params'] / 1e6:.2f} M params on "
                   f"{job.device} ({s.dtype}), batch {job.info['batch_per_rank']} x {s.seq} "
-                  f"tokens, {s.steps} steps; {what}output in {job.out}", flush=True)
+                  f"tokens, {s.steps} steps; {what}{grown}output in {job.out}", flush=True)
 
         def extra_at(p: Any) -> dict[str, Any]:
             state = job.batches.state_dict()
@@ -282,11 +290,11 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
         def on_step(i: Any) -> None:
             if bar is not None:
                 bar.update(1)
-                overlap = "-" if i.overlap != i.overlap else f"{i.overlap:.0%}"
-                bar.set_postfix_str(f"loss {i.loss:.3f} | {i.tokens_per_s:,.0f} tok/s | link "
-                                    f"{i.link_gbps:.2f} GB/s | overlap {overlap}", refresh=False)
+                bar.set_postfix_str(f"loss {i.loss:.3f} | {vocab.METRICS['tokens_per_s'].show(i.tokens_per_s)}"
+                                    f" | {vocab.METRICS['cpu_step_hidden_pct'].show(100 * i.overlap)}",
+                                    refresh=False)  # the dashboard's words (telemetry.vocabulary)
 
-        with ck.StopSignals() as signals:
+        with StopSignals(announce=job.lead) as signals:
             def should_stop() -> bool:
                 asked = signals.signum != 0
                 return train_dist.any_rank(asked) if dp is not None else asked
@@ -296,7 +304,8 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
                                on_step=on_step, loss_reduce=train_dist.global_mean
                                if dp is not None else None, scheduler=scheduler,
                                progress=progress, checkpoint_every=args.checkpoint_every,
-                               on_checkpoint=on_checkpoint, should_stop=should_stop)
+                               on_checkpoint=on_checkpoint, should_stop=should_stop,
+                               calibrator=calibration.auto_calibrator(job, engine))
             finally:
                 if bar is not None:
                     bar.close()

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,20 +122,41 @@ def shared_out_dir(out: Path | None, error: str | None) -> Path:
     return Path(box[0])
 
 
-def gather_rank_spans(spans: list[Any], recorder: Any) -> list[Any]:
-    """Every rank's spans on rank 0, on rank 0's clock (other ranks get their own back).
+@dataclass(frozen=True, slots=True)
+class RankClock:
+    """Where a rank's recorder started: its host, on that host's perf_counter and on the
+    wall clock (time.time at the same instant)."""
 
-    Clocks are aligned by the recorders' perf_counter origins, which is exact for ranks on
-    one host (perf_counter is system-wide there)."""
+    host: str
+    origin_perf_s: float
+    origin_wall_s: float
+
+    @classmethod
+    def of(cls, recorder: Any) -> RankClock:
+        now_perf, now_wall = time.perf_counter(), time.time()
+        origin = recorder.origin_perf_counter_s
+        return cls(socket.gethostname(), origin, now_wall - (now_perf - origin))
+
+
+def clock_offsets(clocks: list[RankClock], lead: RankClock) -> list[float]:
+    """Seconds from ``lead``'s origin to each rank's: by perf_counter on the lead's host
+    (exact: one system-wide clock there), by the wall clock across hosts (perf_counter
+    epochs of two hosts are unrelated; NTP keeps wall clocks within milliseconds)."""
+    return [c.origin_perf_s - lead.origin_perf_s if c.host == lead.host
+            else c.origin_wall_s - lead.origin_wall_s for c in clocks]
+
+
+def gather_rank_spans(spans: list[Any], recorder: Any) -> list[Any]:
+    """Every rank's spans on rank 0, on rank 0's clock (other ranks get their own back);
+    clocks aligned by ``clock_offsets`` (several hosts: by their wall clocks)."""
     import torch.distributed as dist
 
     from superoffload.telemetry.ranks import merge_rank_spans
 
-    mine = (dist.get_rank(), recorder.origin_perf_counter_s, spans)
+    mine = (dist.get_rank(), RankClock.of(recorder), spans)
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return spans
-    origin0 = recorder.origin_perf_counter_s
     return merge_rank_spans([g[2] for g in gathered], ranks=[g[0] for g in gathered],
-                            offsets_s=[g[1] - origin0 for g in gathered])
+                            offsets_s=clock_offsets([g[1] for g in gathered], mine[1]))

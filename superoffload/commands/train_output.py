@@ -10,6 +10,14 @@ from typing import Any
 
 import torch
 
+from superoffload.telemetry import vocabulary as vocab
+from superoffload.telemetry.metrics import Summary
+
+SUMMARY_METRICS = ("iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_wall",
+                   "h2d_gbps_wall", "cpu_step_hidden_pct", "device_idle_pct",
+                   "exposed_optimizer_ms")
+"""What the summary line shows, in this order (names from telemetry.vocabulary)."""
+
 
 def one_line(exc: BaseException) -> str:
     """An exception as one line: its type and its message with newlines folded."""
@@ -20,7 +28,7 @@ def one_line(exc: BaseException) -> str:
 def write_report(out: Path, spans: list[Any], recorder: Any, result: Any, info: dict[str, Any],
                  stats: dict[str, Any], label: str, device: torch.device) -> Path:
     """<out>/report.html: the run's settings, per-iteration medians, timeline and scalars."""
-    from superoffload.telemetry.report import write_html_report
+    from superoffload.widgets.report import write_html_report
 
     extra = {**info, "first_loss": result.first_loss, "final_loss": result.final_loss,
              "val_loss": result.val_loss, "tokens_per_s": round(result.tokens_per_s), **stats}
@@ -55,13 +63,11 @@ def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (mean of the last steps)"
           + (f", held-out {r['val_loss']:.3f}" if r.get("val_loss") is not None else ""))
     resumed = f", resumed at step {r['start_step']}" if r.get("start_step") else ""
-    print(f"{r['tokens_per_s']:,.0f} tokens/s over {r['steps'] - r['start_step']} steps "
+    print(f"{vocab.METRICS['tokens_per_s'].show(r['tokens_per_s'])} over {r['steps'] - r['start_step']} steps "
           f"({r['elapsed_s']:.1f} s{resumed})")
-    if s:
-        print(f"per iteration (median): {s['wall_s'] * 1e3:.1f} ms, device idle "
-              f"{s['device_idle_frac']:.0%}, CPU optimizer overlapped {s['cpu_overlap_frac']:.0%}, "
-              f"exposed optimizer {s['exposed_optimizer_s'] * 1e3:.1f} ms, link "
-              f"{(s['d2h_gbps_wall'] + s['h2d_gbps_wall']):.2f} GB/s")
+    if s:  # the dashboard's words and units (telemetry.vocabulary)
+        values = vocab.summary_values(Summary(**s))
+        print("per iteration (median): " + vocab.describe(values, SUMMARY_METRICS))
     st = r["engine_stats"]
     print(f"engine: {st['clipped_steps']} clipped steps, {st['rollbacks']} bucket rollbacks, "
           f"{st['replays']} replays, {st['skipped_steps']} skipped")
@@ -69,6 +75,8 @@ def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
         how = (f"temperature {args.sample_temperature:g}, top-k {args.sample_top_k or 'all'}"
                if args.sample_temperature else "greedy")
         print(f"sample ({how}): " + repr(r["sample"]))
+    if r.get("planner"):  # the planner calibrated on this run (issue 18)
+        print(r["planner"]["line"])
     for key in ("report", "trace"):
         if r.get(key):
             print(f"{key}: {os.path.abspath(r[key])}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -41,6 +42,10 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 DEFAULT_TIMEOUT_S = 300.0
 """Collective timeout: long enough for a slow first step (model build, kernel compilation on
 one rank), short enough that a stuck job fails within minutes instead of torch's 30 min."""
+MIN_TIMEOUT_S = 1.0
+"""The shortest collective timeout accepted (``init_distributed`` and ``--dist-timeout-s``):
+below it the rendezvous of a healthy job can time out, and a value that rounds to 0 in a
+``timedelta`` (1e-9) made torch fail with a raw C++ error."""
 
 
 class DistributedError(EngineError):
@@ -126,8 +131,10 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
     """
     global _STATE
     env = dict(os.environ) if env is None else env
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s!r} is invalid: use a number of seconds > 0")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
+            or not math.isfinite(timeout_s) or timeout_s < MIN_TIMEOUT_S:
+        raise ValueError(f"timeout_s={timeout_s!r} is invalid: use a finite number of seconds "
+                         f">= {MIN_TIMEOUT_S:g}")
     if _STATE is not None:
         if (dp not in (None, _STATE.info.dp)) or sp != _STATE.info.sp:
             raise ValueError(
@@ -319,9 +326,24 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        "sequence length")
     group.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto",
                        help="auto: nccl with CUDA, gloo on the CPU")
-    group.add_argument("--dist-timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+    group.add_argument("--dist-timeout-s", type=timeout_arg, default=DEFAULT_TIMEOUT_S,
                        help="collective timeout in seconds: a dead or stuck rank fails the job "
-                       "after at most this long")
+                       f"after at most this long (at least {MIN_TIMEOUT_S:g}; default "
+                       f"{DEFAULT_TIMEOUT_S:g})")
+
+
+def timeout_arg(text: str) -> float:
+    """``--dist-timeout-s``: checked where argparse parses it, so a single process refuses it
+    too and torchrun's ranks never reach torch with it (argparse prints the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < MIN_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"{text} is too short or not finite: use a finite number of seconds >= "
+            f"{MIN_TIMEOUT_S:g} (the default is {DEFAULT_TIMEOUT_S:g})")
+    return value
 
 
 def init_from_args(args: argparse.Namespace) -> DistInfo:

@@ -11,30 +11,35 @@
   again (DeepSpeed semantics; `Trainer` passes `scale_wrt_gas=False` to DeepSpeed for the same
   reason). Multiplying back by a power of two is exact; in general the gradient seed
   `fp32(1/k) * k` rounds to 1.0, so gradients equal a plain `loss.backward()`.
-* `EngineMetrics`: the engine's telemetry since the previous call as a flat dict of floats
-  (tokens/s, link GB/s, overlap, exposed optimizer time, rollbacks...), for a logger.
+* `EngineMetrics`: the engine's telemetry since the previous call as a flat dict of floats,
+  named, scaled and defined by `telemetry.vocabulary` (the names the dashboard, the CLI,
+  TensorBoard and the trace use): `superoffload/tokens_per_s`, `iteration_ms`,
+  `d2h_gbps_busy` / `h2d_gbps_busy` (while moving), `d2h_gbps_wall` / `h2d_gbps_wall` (per
+  iteration), `cpu_step_hidden_pct`, `device_idle_pct`, `exposed_optimizer_ms`, `rollbacks`...
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from superoffload.config import ConfigError, OffloadConfig
+from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.events import Span
-from superoffload.telemetry.metrics import iteration_metrics
+from superoffload.telemetry.metrics import IterationMetrics, iteration_metrics
 
 PREFIX = "superoffload/"
-"""Key prefix of every logged engine metric (TensorBoard groups them under one heading)."""
+"""Key prefix of every logged engine metric (TensorBoard groups them under one heading);
+after it, a `telemetry.vocabulary` name."""
 
 
 def engine_config(
-    config: OffloadConfig | Mapping[str, Any] | None,
+    config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None,
     *,
     max_grad_norm: float | None,
     grad_accum_steps: int,
@@ -48,9 +53,12 @@ def engine_config(
         base = OffloadConfig()
     elif isinstance(config, OffloadConfig):
         base = config
-    elif isinstance(config, Mapping):
+    elif isinstance(config, Mapping | str | os.PathLike):
+        from superoffload import ds_keys
         from superoffload.ds_config import from_deepspeed
 
+        if not isinstance(config, Mapping):  # a DeepSpeed JSON file
+            config = ds_keys.read(config)[0]
         if "optimizer" in config:
             raise ConfigError(
                 "DeepSpeed config key 'optimizer': the training framework's own arguments set "
@@ -96,29 +104,26 @@ class EngineMetrics:
     """The engine's metrics over the iterations completed since the previous `collect()`.
 
     Reads only public telemetry (`Recorder.spans_since`, `iteration_metrics`; the same
-    definitions as `superoffload.train_loop` and the HTML report) and `engine.stats`. An
-    iteration is reported once the next one has started (its window ends there), so a
-    value lags one optimizer step."""
+    definitions as the dashboard, the CLI and the HTML report, named by
+    `telemetry.vocabulary`) and `engine.stats`. An iteration is reported once the next one
+    has started (its window ends there), so a value lags one optimizer step. Over several
+    iterations a rate is total bytes (or tokens) over total time, a share the mean."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._seq = engine.telemetry.last_seq
         self._spans: list[Span] = []
         self._reported = -1
-        self._tokens = 0
-        self._t0 = time.perf_counter()
+        self._tokens: dict[int, int] = {}
 
     def add_tokens(self, n: int) -> None:
-        """Count the tokens of one micro-batch (for tokens/s)."""
-        self._tokens += int(n)
+        """Count the tokens of one micro-batch, for the iteration it trains (tokens/s)."""
+        it = int(getattr(self.engine, "iteration", 0))
+        self._tokens[it] = self._tokens.get(it, 0) + int(n)
 
     def collect(self) -> dict[str, float]:
-        """Flat dict of floats, keys prefixed with `PREFIX`."""
-        now = time.perf_counter()
+        """Flat dict of floats, keys `PREFIX` + a vocabulary name."""
         out: dict[str, float] = {}
-        if self._tokens:
-            out["tokens_per_s"] = self._tokens / max(now - self._t0, 1e-9)
-        self._tokens, self._t0 = 0, now
         new, self._seq = self.engine.telemetry.spans_since(self._seq)
         self._spans.extend(new)
         if self._spans:
@@ -129,16 +134,9 @@ class EngineMetrics:
             self._spans = [s for s in self._spans if s.iteration >= newest - 1]
             if done:
                 self._reported = done[-1].iteration
-                wall = sum(m.wall_s for m in done)
-                moved = sum(m.d2h_bytes + m.h2d_bytes for m in done)
-                out["iteration_s"] = wall / len(done)
-                out["link_gbps"] = moved / wall / 1e9 if wall > 0 else 0.0
-                out["d2h_gbps"] = sum(m.d2h_bytes for m in done) / wall / 1e9 if wall > 0 else 0.0
-                out["h2d_gbps"] = sum(m.h2d_bytes for m in done) / wall / 1e9 if wall > 0 else 0.0
-                out["overlap"] = statistics.fmean(m.cpu_overlap_frac for m in done)
-                out["exposed_optimizer_ms"] = 1e3 * statistics.fmean(
-                    m.exposed_optimizer_s for m in done)
-                out["device_idle"] = statistics.fmean(m.device_idle_frac for m in done)
+                out.update(aggregate(done, {it: n for it, n in self._tokens.items()
+                                            if done[0].iteration <= it <= done[-1].iteration}))
+                self._tokens = {it: n for it, n in self._tokens.items() if it > self._reported}
         stats = self.engine.stats
         for name in ("rollbacks", "replays", "clipped_steps", "skipped_steps"):
             out[name] = float(getattr(stats, name))
@@ -146,9 +144,31 @@ class EngineMetrics:
             last = self.last_scalar(name)
             if last is not None and math.isfinite(last):
                 out[name] = last
-        return {PREFIX + k: v for k, v in out.items()}
+        return {PREFIX + vocab.metric(k).name: v for k, v in out.items()}  # names: the vocabulary's
 
     def last_scalar(self, name: str) -> float | None:
         """The newest value of an engine scalar (`grad_norm`, `loss_scale`...), or None."""
         values = self.engine.telemetry.scalars(name)
         return float(values[-1].value) if values else None
+
+
+def aggregate(done: list[IterationMetrics], tokens: Mapping[int, int]) -> dict[str, float]:
+    """The vocabulary's figures over several complete iterations: rates as totals over total
+    time (bytes / busy or wall seconds, tokens / wall seconds), shares and times as means."""
+    wall = sum(m.wall_s for m in done)
+    out = {"iteration_ms": 1e3 * wall / len(done),
+           "outside_engine_ms": 1e3 * statistics.fmean(m.outside_engine_s for m in done),
+           "exposed_optimizer_ms": 1e3 * statistics.fmean(m.exposed_optimizer_s for m in done),
+           "device_idle_pct": 100.0 * statistics.fmean(m.device_idle_frac for m in done)}
+    if sum(tokens.values()) and wall > 0:
+        out["tokens_per_s"] = sum(tokens.values()) / wall
+    for d in ("d2h", "h2d"):
+        moved = sum(getattr(m, f"{d}_bytes") for m in done)
+        busy = sum(getattr(m, f"{d}_busy_s") for m in done)
+        if moved and busy > 0:
+            out[f"{d}_gbps_busy"] = moved / busy / 1e9
+        out[f"{d}_gbps_wall"] = moved / wall / 1e9 if wall > 0 else 0.0
+    with_cpu = [m for m in done if m.cpu_step_s > 0]
+    if with_cpu:  # no value for iterations without CPU work (not "100 % hidden")
+        out["cpu_step_hidden_pct"] = 100.0 * statistics.fmean(m.cpu_overlap_frac for m in with_cpu)
+    return out

@@ -26,12 +26,14 @@ transformers/integrations/deepspeed.py, accelerate/accelerator.py), nothing else
   engine keeps fp32 masters on the host (DeepSpeed's behaviour; the point of offloading);
   accelerate's autocast stays on (fp32 softmax / norms / loss, as in Trainer's AMP).
   `low_precision_weights=False` keeps fp32 weights under autocast (bf16 only).
-* `log` adds the engine's metrics (`superoffload/tokens_per_s`, `link_gbps`, `overlap`,
-  `rollbacks`, ...) to every training log, so TensorBoard / W&B callbacks receive them.
+* `log` adds the engine's metrics (`superoffload/tokens_per_s`, `d2h_gbps_busy`,
+  `cpu_step_hidden_pct`, `rollbacks`, ...: `telemetry.vocabulary`) to every training log, so
+  TensorBoard / W&B callbacks receive them.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,7 +82,10 @@ def deepspeed_for_trainer(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
             raise ConfigError(
                 f"DeepSpeed {section}.params.{key}={value!r}: under Trainer these come from "
                 f"TrainingArguments ({where}); set them there and write \"auto\" here")
-        out.pop(section, None)
+        if section == "optimizer":
+            out.pop(section, None)
+        # a scheduler section stays: from_deepspeed drops it with a notice naming the
+        # schedule that runs instead (Trainer's lr_scheduler_type), never silently
     zero = out.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("reduce_bucket_size") == "auto":
         zero.pop("reduce_bucket_size")
@@ -221,6 +226,10 @@ class SuperOffloadTrainer(Trainer):
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0, **hyper},
         ) if g["params"]]
         offload = self.offload_config
+        if isinstance(offload, str | os.PathLike):  # a JSON path, as Trainer's deepspeed= takes
+            from superoffload import ds_keys
+
+            offload = ds_keys.read(offload)[0]
         if isinstance(offload, Mapping):
             offload = deepspeed_for_trainer(offload, self.args)
         config = engine_config(

@@ -13,9 +13,13 @@ schedulers see, and its groups' lr / betas / eps / weight_decay are copied into 
 before every backward and step, so any scheduler drives the engine. Its own `step` is never
 called (it holds no state). What it takes over:
 * `backward` -> `engine.backward` (Lightning's `on_before_backward` / `on_after_backward`
-  hooks still run); `optimizer_step` runs the closure, the `on_before_optimizer_step` hooks
-  and `engine.step()`. Lightning never clips `p.grad`: `gradient_clip_val` (norm) is the
-  engine's `max_grad_norm`, `accumulate_grad_batches` its `grad_accum_steps`.
+  hooks still run); `optimizer_step` runs the closure, the `on_before_optimizer_step` hooks,
+  `configure_gradient_clipping` and `engine.step()`. Lightning never clips `p.grad`:
+  `gradient_clip_val` (norm) is the engine's `max_grad_norm`, `accumulate_grad_batches` its
+  `grad_accum_steps`, and the precision plugin's `clip_grad_by_norm` (what the default
+  `configure_gradient_clipping`, an override of it and `self.clip_gradients` call) is
+  `engine.clip_grad_norm_`. Editing `p.grad` in a hook (a manual `clip_grad_norm_`) raises:
+  the buckets have left; use `self.clip_gradients` or `configure_gradient_clipping`.
 * Precision: "32-true", "bf16-mixed" (autocast over fp32 weights), "bf16-true" and "16-true"
   (16-bit weights, fp32 masters in the engine; fp16 with the engine's dynamic loss scale).
   "16-mixed" is refused: its GradScaler scales `p.grad`, which the engine replaces.
@@ -23,7 +27,7 @@ called (it holds no state). What it takes over:
   groups and the torch RNG state; the model's state dict is read after `synchronize()`.
   Resuming with `fit(ckpt_path=...)` at an epoch boundary continues bit-identically
   (mid-epoch, Lightning restarts the epoch's data loader, engine or not).
-* The engine's metrics (`superoffload/tokens_per_s`, `link_gbps`, `overlap`, `rollbacks`...)
+* The engine's metrics (`superoffload/tokens_per_s`, `d2h_gbps_busy`, `cpu_step_hidden_pct`...)
   go to every logger (`logger.log_metrics`) each `log_every_n_steps` optimizer steps.
 * Validation forwards are kept out of the engine's timeline. The engine lives for one
   `fit()`: `teardown` closes it (the module keeps its trained weights).
@@ -122,6 +126,11 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             if params:
                 groups.append({"params": params, **adam_hyper(group, adamw=adamw)})
         self.engine = so.initialize(self.lightning_module, groups, config, **self.engine_kwargs)
+        # Lightning's clipping (the default configure_gradient_clipping, a user's override,
+        # self.clip_gradients in manual optimization) ends in the precision plugin's
+        # clip_grad_by_norm: route it to the engine, which clips every bucket under STV
+        self.precision_plugin.clip_grad_by_norm = self._clip_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = self._clip_by_value  # type: ignore[method-assign]
         # indices, not the dicts: Optimizer.load_state_dict replaces the group dicts
         trained = [i for i, g in enumerate(opt.param_groups) if any(p.requires_grad for p in g["params"])]
         self._engine_groups = list(enumerate(trained))
@@ -165,6 +174,11 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._sync_hyper()
+        if self.lightning_module.automatic_optimization:  # Lightning's order: hooks, then clip
+            call._call_lightning_module_hook(
+                trainer, "configure_gradient_clipping", optimizer,
+                gradient_clip_val=trainer.gradient_clip_val,
+                gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         engine.step()
         # NOTE: the engine stepped on the module optimizer's behalf; tell its LR scheduler
         # (torch/optim/lr_scheduler.py `patch_track_step_called` sets the same flag), or
@@ -177,6 +191,15 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         return loss
+
+    def _clip_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        self._engine_or_raise().clip_grad_norm_(float(clip_val))
+
+    def _clip_by_value(self, optimizer: Any, clip_val: float) -> None:
+        raise ConfigError(
+            "clipping by value (gradient_clip_algorithm='value' or clip_gradients(..., "
+            "gradient_clip_algorithm='value')): the engine clips by the global norm only, inside "
+            "its step; use gradient_clip_algorithm='norm'")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.engine_metrics is not None:

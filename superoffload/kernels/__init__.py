@@ -32,7 +32,12 @@ from __future__ import annotations
 
 # First, before torch loads libgomp (ours is bound to torch's copy): a passive OpenMP wait
 # policy unless the user chose one (kernels/openmp.py, issue 11 §4).
-from superoffload.kernels.openmp import choose_wait_policy, openmp_library, wait_policy
+from superoffload.kernels.openmp import (
+    choose_wait_policy,
+    openmp_library,
+    throttle_spinning,
+    wait_policy,
+)
 
 choose_wait_policy()
 
@@ -63,6 +68,16 @@ def _load_backend() -> tuple[ModuleType, str]:
 
 
 _impl, _BACKEND = _load_backend()
+
+
+def _park_openmp_pool(threads: int) -> None:
+    """One kernel region of exactly `threads` threads (grad_stats gives a thread at least
+    32 Ki elements: SO_MIN_ELEMS_PER_THREAD), for the spin throttle of kernels/openmp.py."""
+    _impl.grad_stats_multi([torch.zeros(threads * 32768, dtype=torch.bfloat16)], threads)
+
+
+if _BACKEND == "cffi":  # torch imported first: throttle libgomp's spinning (issue 20 §6)
+    throttle_spinning(_park_openmp_pool)
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -127,6 +142,14 @@ def grad_stats_multi(grads: list[torch.Tensor], threads: int | None = None) -> t
     return _impl.grad_stats_multi(grads, threads)  # type: ignore[no-any-return]
 
 
+def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                        grad_scale: float, c_v: float, threads: int | None = None) -> int:
+    """How many elements have (g * grad_scale)^2 > c_v * v: the rollback guard's pre-check
+    (runtime/rollback_guard.py). fp32 or bf16 gradients, fp32 moments."""
+    return _impl.rollback_risk_multi(grads, exp_avg_sqs, grad_scale=grad_scale,  # type: ignore[no-any-return]
+                                     c_v=c_v, threads=threads)
+
+
 def grad_stats(grad: torch.Tensor, threads: int | None = None) -> tuple[float, int]:
     return grad_stats_multi([grad], threads)
 
@@ -143,5 +166,6 @@ def backend() -> str:
 
 __all__ = ["AdamHyper", "ExecOptions", "PreparedAdam", "PreparedGradStats", "StalePreparedCall",
            "adam_rollback", "adam_rollback_multi", "adam_step", "adam_step_multi", "backend",
+           "rollback_risk_multi",
            "device_adam_multi", "grad_stats", "grad_stats_multi", "prepare_adam",
            "openmp_library", "prepare_grad_stats", "simd_path", "wait_policy"]

@@ -1,10 +1,22 @@
-"""CPU Adam benchmark: our kernel vs torch AdamW (for-loop, foreach, fused) vs DeepSpeed.
+"""CPU Adam benchmark: our kernel vs torch AdamW (for-loop, foreach, fused) vs DeepSpeed's
+DeepSpeedCPUAdam (when importable), beside the machine's measured memory floor.
 
-ONE process, methods interleaved round by round (the machine is shared: separate runs
-differ by ±10%, FACTS.md), medians of `repeats` steps, on `numel` fp32 parameters laid out
-as one flat tensor and as ~200 tensors of transformer-like sizes. The floor is measured,
-not assumed: a probe with the step's exact memory traffic (read p, g, m, v; write p, m, v
-in place, 28 B/param) in the same parallel region (DESIGN.md §4).
+ONE process; every round runs every method once, in an order rotated by one each round
+(so no method always follows the same neighbour, or always runs first on a warm cache);
+medians of `repeats` rounds; ratios taken within the run (the machine may be shared:
+separate runs differ by ±10%, FACTS.md). `numel` fp32 parameters, laid out as one flat
+tensor and as ~200 tensors of transformer-like sizes, in two cases:
+
+* fp32: parameters, gradients and moments fp32 (28 B/param: read p, g, m, v; write p, m, v);
+* bf16 parameters with fp32 masters: bf16 gradients in, the fp32 master stepped, the bf16
+  parameter written. Ours does it in one pass (28 B/param); the peers widen the gradients,
+  step the masters and copy back (40 B/param), which is what a bf16 model costs them.
+
+The floor is measured, not assumed: a probe with the fp32 step's exact memory traffic
+(read p, g, m, v; write p, m, v IN PLACE) in the same parallel region (DESIGN.md §4). A
+STREAM triad (a = b + s*c) is printed beside it: it writes a separate array, whose lines
+the CPU first reads (write-allocate) without STREAM counting them, so it underestimates
+what an in-place optimizer can reach (FACTS.md: fused optimizers at 136-186% of it).
 
     python -m superoffload bench adam [--numel N] [--threads T] [--repeats R]
     python benchmarks/bench_cpu_adam.py ...same options...
@@ -25,16 +37,31 @@ import torch
 
 import superoffload.kernels as K
 
+FP32, MIXED, FLOOR = "fp32", "bf16 params + fp32 masters", "memory floor"
 # bytes moved per parameter by each method (reads + writes)
 FP32_BYTES = 28  # p, g, m, v read (16) + p, m, v written (12)
 MIXED_BYTES = 28  # p 4+4, bf16 g 2, m 4+4, v 4+4, bf16 copy 2
 BF16_MOMENT_BYTES = 20  # p 4+4, bf16 g 2, bf16 m 2+2, bf16 v 2+2, bf16 copy 2
-SEPARATE_CAST_BYTES = FP32_BYTES + 6  # + read p (4) + write bf16 copy (2)
+PIPELINE_BYTES = 6 + FP32_BYTES + 6  # widen g (2 + 4), the fp32 step, copy back (4 + 2)
+TRIAD_BYTES = 12  # STREAM's count for a = b + s*c: read b, c, write a (4 each)
+TORCH_FUSED = {FP32: "torch AdamW(fused=True)", MIXED: "torch fused: widen, step, copy back"}
+DEEPSPEED = {FP32: "DeepSpeed CPUAdam", MIXED: "DeepSpeed CPUAdam: widen, step, copy back"}
+PROBE = "in-place probe (Adam's 28 B/param)"
+TRIAD = "STREAM triad a = b + s*c (12 B counted)"
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    case: str
+    name: str
+    bytes_per_param: int
+    run: Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
     layout: str
+    case: str
     method: str
     median_s: float
     bytes_per_param: int
@@ -61,9 +88,15 @@ def transformer_sizes(numel: int, layers: int = 16) -> list[int]:
     return [*sizes, rest]  # the token embedding takes what is left
 
 
+def rotated(items: list, round_index: int) -> list:
+    """`items` rotated left by `round_index` (the order of one round)."""
+    k = round_index % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 class _State:
     """One shared set of tensors per layout; every method steps the same p, g, m, v (torch
-    optimizers get their state pre-filled with our m, v) so memory stays ~1.5 GB at 2^26."""
+    optimizers get their state pre-filled with our m, v) so memory stays ~2 GB at 2^26."""
 
     def __init__(self, sizes: list[int], seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -77,6 +110,8 @@ class _State:
         self.v16 = [torch.full((n,), 1e-6, dtype=torch.bfloat16) for n in sizes]
         for p, g in zip(self.p, self.g):
             p.grad = g
+        total = sum(sizes)  # the triad's three arrays: as large as the state, so in DRAM
+        self.triad = [torch.zeros(total), torch.full((total,), 1e-3), torch.full((total,), 2e-3)]
         self.step = 1
 
     def torch_optimizer(self, **kw) -> torch.optim.Optimizer:
@@ -85,10 +120,18 @@ class _State:
             opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": m, "exp_avg_sq": v}
         return opt
 
+    def widen_grads(self) -> None:
+        """bf16 gradients into the fp32 buffers the peers step from (the values stay those
+        of g16 after the first round: the timing does not depend on them)."""
+        torch._foreach_copy_(self.g, self.g16)
 
-def _deepspeed_step(state: _State) -> Callable[[], None] | None:
-    """DeepSpeed's CPUAdam on the same tensors, or None when deepspeed is not importable
-    (or its CPU op cannot be JIT-built)."""
+    def copy_back(self) -> None:
+        torch._foreach_copy_(self.lp, [p.detach() for p in self.p])
+
+
+def _deepspeed_optimizer(state: _State) -> torch.optim.Optimizer | None:
+    """DeepSpeed's DeepSpeedCPUAdam on the same tensors, or None when deepspeed is not
+    importable or its CPU op cannot be JIT-built (the reason is printed)."""
     # build DeepSpeed's op once, into the project's git-ignored cache (FACTS.md)
     repo = Path(__file__).resolve().parents[2]
     root = repo if (repo / "pyproject.toml").exists() else Path.cwd()
@@ -102,17 +145,16 @@ def _deepspeed_step(state: _State) -> Callable[[], None] | None:
         return None
     for p, m, v in zip(state.p, state.m, state.v):
         opt.state[p] = {"step": 1, "exp_avg": m, "exp_avg_sq": v}
-    return lambda: opt.step()
+    return opt
 
 
-def _methods(state: _State, threads: int, with_deepspeed: bool
-             ) -> list[tuple[str, int, Callable[[], None]]]:
+def _methods(state: _State, threads: int, with_deepspeed: bool) -> list[Method]:
     hp = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, threads=threads)
 
     def ours() -> None:
         K.adam_step_multi(state.p, state.g, state.m, state.v, step=state.step, **hp)
 
-    def ours_mixed() -> None:  # bf16 grads in, fused bf16 copy out
+    def ours_mixed() -> None:  # bf16 grads in, fp32 master stepped, bf16 parameter out
         K.adam_step_multi(state.p, state.g16, state.m, state.v, step=state.step,
                           params_lp=state.lp, **hp)
 
@@ -120,78 +162,95 @@ def _methods(state: _State, threads: int, with_deepspeed: bool
         K.adam_step_multi(state.p, state.g16, state.m16, state.v16, step=state.step,
                           params_lp=state.lp, sr_seed=state.step, **hp)
 
+    def pipeline(opt: torch.optim.Optimizer) -> Callable[[], None]:
+        def run() -> None:
+            state.widen_grads()
+            opt.step()
+            state.copy_back()
+        return run
+
+    def triad() -> None:
+        a, b, c = state.triad
+        torch.add(b, c, alpha=3.0, out=a)
+
     loop, foreach = state.torch_optimizer(foreach=False), state.torch_optimizer(foreach=True)
     fused = state.torch_optimizer(fused=True)
-
-    def fused_then_cast() -> None:
-        fused.step()
-        torch._foreach_copy_(state.lp, [p.detach() for p in state.p])
-
     methods = [
-        ("ours fp32", FP32_BYTES, ours),
-        ("torch AdamW() default (for-loop)", FP32_BYTES, lambda: loop.step()),
-        ("torch AdamW(foreach=True)", FP32_BYTES, lambda: foreach.step()),
-        ("torch AdamW(fused=True)", FP32_BYTES, lambda: fused.step()),
-        ("ours bf16 grad + fused bf16 copy", MIXED_BYTES, ours_mixed),
-        ("torch fused + separate bf16 copy", SEPARATE_CAST_BYTES, fused_then_cast),
-        ("ours bf16 moments (SR) + bf16 grad/copy", BF16_MOMENT_BYTES, ours_bf16_moments),
+        Method(FP32, "ours", FP32_BYTES, ours),
+        Method(FP32, "torch AdamW() default (for-loop)", FP32_BYTES, lambda: loop.step()),
+        Method(FP32, "torch AdamW(foreach=True)", FP32_BYTES, lambda: foreach.step()),
+        Method(FP32, TORCH_FUSED[FP32], FP32_BYTES, lambda: fused.step()),
+        Method(MIXED, "ours: bf16 grad in, fused bf16 copy out", MIXED_BYTES, ours_mixed),
+        Method(MIXED, TORCH_FUSED[MIXED], PIPELINE_BYTES, pipeline(fused)),
+        Method(MIXED, "ours + bf16 moments (stochastic rounding)", BF16_MOMENT_BYTES,
+               ours_bf16_moments),
+        Method(FLOOR, TRIAD, TRIAD_BYTES, triad),
     ]
     if K.backend() == "cffi":
         from superoffload.kernels.cpu_adam import bandwidth_probe
 
-        methods.append(("floor probe (Adam-shaped traffic)", FP32_BYTES,
-                        lambda: bandwidth_probe(state.p, state.g, state.m, state.v,
-                                                threads=threads)))
-    if with_deepspeed:
-        ds = _deepspeed_step(state)
-        if ds is not None:
-            methods.insert(4, ("DeepSpeed CPUAdam fp32", FP32_BYTES, ds))
+        methods.append(Method(FLOOR, PROBE, FP32_BYTES, lambda: bandwidth_probe(
+            state.p, state.g, state.m, state.v, threads=threads)))
+    ds = _deepspeed_optimizer(state) if with_deepspeed else None
+    if ds is not None:
+        methods.insert(4, Method(FP32, DEEPSPEED[FP32], FP32_BYTES, lambda: ds.step()))
+        methods.insert(7, Method(MIXED, DEEPSPEED[MIXED], PIPELINE_BYTES, pipeline(ds)))
     return methods
 
 
 def run_layout(layout: str, sizes: list[int], threads: int, repeats: int,
                with_deepspeed: bool) -> list[Result]:
-    """All methods on one layout, interleaved: round r times each method once."""
+    """All methods on one layout, interleaved: round r runs every method once, in the
+    order rotated by r; round 0 warms up (page faults, JIT, thread pools)."""
     state = _State(sizes)
     methods = _methods(state, threads, with_deepspeed)
-    times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
     torch.set_num_threads(threads)
     with torch.no_grad():
-        for rnd in range(repeats + 1):  # round 0 warms up (page faults, JIT, thread pools)
-            for name, _, fn in methods:
+        for rnd in range(repeats + 1):
+            for m in rotated(methods, rnd):
                 t0 = time.perf_counter()
-                fn()
+                m.run()
                 dt = time.perf_counter() - t0
                 if rnd > 0:
-                    times[name].append(dt)
+                    times[m.name].append(dt)
             state.step += 1
     numel = sum(sizes)
-    out = [Result(layout, name, statistics.median(times[name]), nbytes, numel)
-           for name, nbytes, _ in methods]
+    out = [Result(layout, m.case, m.name, statistics.median(times[m.name]), m.bytes_per_param,
+                  numel) for m in methods]
     del state, methods
     gc.collect()
     return out
 
 
+def _ratio(r: Result, base: Result | None) -> str:
+    return f"{r.params_per_s / base.params_per_s:.2f}x" if base is not None else "n/a"
+
+
 def format_table(results: list[Result], threads: int) -> str:
-    """Markdown table: params/s, ratio to torch fused (and to fused + cast for the mixed
-    pass), ratio to DeepSpeed, % of the measured floor (by bytes moved)."""
-    lines = [f"threads={threads}, simd={K.simd_path()}, backend={K.backend()}", "",
-             "| layout | method | M params/s | vs torch fused | vs DeepSpeed | GB/s | % of floor |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    """Markdown: per layout the floor line, then each case's methods with their speed,
+    ratios to torch fused and to DeepSpeed in the same case, and % of the in-place floor
+    (by bytes moved)."""
+    lines = [f"threads={threads}, simd={K.simd_path()}, backend={K.backend()}, OpenMP wait "
+             f"policy: {K.wait_policy().value}", ""]
     for layout in dict.fromkeys(r.layout for r in results):
         rows = {r.method: r for r in results if r.layout == layout}
-        fused = rows["torch AdamW(fused=True)"]
-        cast = rows["torch fused + separate bf16 copy"]
-        ds = rows.get("DeepSpeed CPUAdam fp32")
-        floor = rows.get("floor probe (Adam-shaped traffic)")
+        probe, triad = rows.get(PROBE), rows[TRIAD]
+        floor = (f"in-place {probe.gbps:.1f} GB/s = {probe.params_per_s / 1e6:,.0f} M params/s "
+                 f"at 28 B/param; " if probe else "in-place probe: needs the compiled kernel; ")
+        lines.append(f"memory floor, {layout}: {floor}STREAM triad {triad.gbps:.1f} GB/s "
+                     "(underestimates it: write-allocate traffic is not counted)")
+    lines += ["", "| layout | case | method | M params/s | vs torch fused | vs DeepSpeed | GB/s "
+              "| % of floor |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for layout in dict.fromkeys(r.layout for r in results):
+        rows = {r.method: r for r in results if r.layout == layout}
+        probe = rows.get(PROBE)
         for r in rows.values():
-            base = cast if r.method.startswith("ours bf16") else fused
-            vs = f"{r.params_per_s / base.params_per_s:.2f}x" + (" (vs fused+copy)" if base is cast else "")
-            vs_ds = f"{r.params_per_s / ds.params_per_s:.2f}x" if ds else "n/a"
-            pct = f"{100 * r.gbps / floor.gbps:.0f}%" if floor else "n/a"
-            lines.append(f"| {layout} | {r.method} | {r.params_per_s / 1e6:,.0f} | {vs} | "
-                         f"{vs_ds} | {r.gbps:.1f} | {pct} |")
+            fused = rows.get(TORCH_FUSED.get(r.case, ""))
+            ds = rows.get(DEEPSPEED.get(r.case, ""))
+            pct = f"{100 * r.gbps / probe.gbps:.0f}%" if probe else "n/a"
+            lines.append(f"| {layout} | {r.case} | {r.method} | {r.params_per_s / 1e6:,.0f} | "
+                         f"{_ratio(r, fused)} | {_ratio(r, ds)} | {r.gbps:.1f} | {pct} |")
     return "\n".join(lines)
 
 

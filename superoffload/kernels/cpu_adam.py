@@ -35,7 +35,7 @@ except ImportError as exc:  # missing build: the package falls back to torch_ref
                       "`pip install -e .` (or `make install`)") from exc
 
 # Must equal SO_KERNEL_ABI_VERSION in cext/so_cpu_adam.h.
-EXPECTED_ABI_VERSION = 5
+EXPECTED_ABI_VERSION = 6
 
 
 class StaleBuildError(ImportError):
@@ -206,3 +206,24 @@ def grad_stats_run(d: StatsDescriptor, threads: int) -> tuple[float, int]:
 def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
     gs = check_grads(grads)
     return grad_stats_run(grad_stats_describe(gs), check_threads(threads))
+
+
+def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                        grad_scale: float, c_v: float, threads: int | None = None) -> int:
+    """Elements with (g * grad_scale)^2 > c_v * v (cext/so_guard.c; the rollback guard)."""
+    gs = check_grads(grads)
+    if len(exp_avg_sqs) != len(gs) or any(
+            v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu"
+            or v.numel() != g.numel() for v, g in zip(exp_avg_sqs, gs)):
+        raise ValueError("rollback_risk_multi: one contiguous fp32 CPU exp_avg_sq per "
+                         "gradient, of the same length")
+    numels = ffi.new("int64_t[]", [g.numel() for g in gs])
+    out = ffi.new("int64_t *")
+    dtype = _DTYPE_CODES[gs[0].dtype] if gs else lib.SO_DTYPE_F32
+    g_keep, g_ptrs = _ptrs("void *", gs)  # the arrays stay alive through the call
+    v_keep, v_ptrs = _ptrs("void *", exp_avg_sqs)
+    rc = lib.so_rollback_risk_multi(g_ptrs, v_ptrs, numels, len(gs), dtype, float(grad_scale),
+                                    float(c_v), check_threads(threads), out)
+    del g_keep, v_keep
+    _raise_for(rc, "rollback_risk")
+    return int(out[0])

@@ -18,6 +18,15 @@ and low-precision dtype inside the group), built once and reused until the group
 tensors change (kernels/optimizer_batches.py). rollback() undoes the last step exactly (to a
 few ulps, DESIGN.md §4) using the gradients still in .grad; call it before
 scheduler.step() changes the learning rate.
+
+FSDP2 (issue 21; docs/distributed.md, "FSDP2"): ``DTensor`` parameters are stepped on their
+local shards (uneven and empty ones included) and the state is DTensors in the layout
+``torch.distributed.checkpoint`` saves and reshards. A DTensor parameter must live on the
+CPU: on a GPU that means ``fully_shard(..., offload_policy=CPUOffloadPolicy())``. Without it
+the shards live on the device and CPUAdam refuses them (naming the policy) instead of
+stepping a host copy: a hidden copy would hold a second fp32 shard plus moments on the host
+and add a blocking D2H of every gradient and H2D of every shard to each step, which FSDP2's
+policy already overlaps with its own collectives.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ from superoffload.kernels.optimizer_batches import (
     Batch,
     GroupCache,
     current_batches,
+    is_dtensor,
+    local_shard,
+    state_like,
 )
 from superoffload.kernels.validate import MOMENT_DTYPES, check_threads
 
@@ -61,6 +73,17 @@ def _moment_dtype(moment_dtype: torch.dtype | None, fp32_optimizer_states: bool 
     if moment_dtype not in MOMENT_DTYPES:
         raise TypeError(f"moment_dtype must be torch.float32 or torch.bfloat16, got {moment_dtype}")
     return moment_dtype
+
+
+def _device_shard_refusal(where: str, device: torch.device) -> str:
+    """Why a DTensor shard off the CPU is refused, and the fixes (module docstring)."""
+    if device.type == "meta":
+        return (f"{where} is a DTensor on the meta device (not materialized): build CPUAdam "
+                "after model.to_empty(device=...) and weight initialization")
+    return (f"{where} is a DTensor shard on {device}, but CPUAdam steps CPU memory: shard with "
+            "fully_shard(module, offload_policy=CPUOffloadPolicy()) so FSDP2 keeps parameters, "
+            "gradients and optimizer state on the CPU (docs/distributed.md, \"FSDP2\"), or "
+            "step on the device with torch.optim.AdamW(fused=True)")
 
 
 class CPUAdam(torch.optim.Optimizer):
@@ -98,16 +121,24 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError("CPUAdam does not support amsgrad=True in a param group")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        self._hyper(group, f"CPUAdam.param_groups[{len(self.param_groups) - 1}]")
+        where = f"CPUAdam.param_groups[{len(self.param_groups) - 1}]"
+        self._hyper(group, where)
         group["moment_dtype"] = _moment_dtype(group["moment_dtype"], None)
-        for p in group["params"]:
+        for k, p in enumerate(group["params"]):
+            sharded = is_dtensor(p)
+            if p.device.type != "cpu" and sharded:
+                raise ValueError(_device_shard_refusal(f"{where}['params'][{k}]", p.device))
             if p.device.type != "cpu":
                 raise ValueError(f"CPUAdam updates CPU parameters only, got one on {p.device}; "
                                  "use torch.optim.AdamW on the device or superoffload's engine")
             if p.dtype not in PARAM_DTYPES:
                 raise TypeError(f"CPUAdam needs torch.float32, bfloat16 or float16 parameters "
                                 f"(bf16/fp16 ones get an fp32 master), got {p.dtype}")
-            if not p.is_contiguous():
+            if sharded and not local_shard(p).is_contiguous():
+                raise ValueError(f"{where}['params'][{k}]: CPUAdam steps a DTensor's local "
+                                 "shard in place and needs it contiguous (FSDP2's dim-0 shards "
+                                 "are); shard on dim 0 (fully_shard's default placement)")
+            if not sharded and not p.is_contiguous():
                 raise ValueError("CPUAdam needs contiguous parameters; pass p.data = "
                                  "p.data.contiguous() first")
 
@@ -187,11 +218,9 @@ class CPUAdam(torch.optim.Optimizer):
             st = self.state[p]
             for k in MOMENT_KEYS:
                 if k in held[pid]:
-                    st[k] = held[pid][k].to(device="cpu", dtype=moment_dtype,
-                                            copy=True).reshape(p.shape).contiguous()
+                    st[k] = state_like(held[pid][k], p, moment_dtype)
             if p.dtype in LOW_PRECISION:
                 master = held[pid].get(MASTER_KEY, p.detach())
-                st[MASTER_KEY] = master.to(device="cpu", dtype=torch.float32,
-                                           copy=True).reshape(p.shape).contiguous()
+                st[MASTER_KEY] = state_like(master, p, torch.float32)
         self._cache = {}
         self._last_stepped = []

@@ -15,10 +15,20 @@ A batch is rebuilt when its key changes (other parameters with gradients, other 
 dtypes), when a state entry it captured is replaced (``load_state_dict``, a user assigning
 ``state[p][...]``), or when a prepared tensor moved (``p.data = ...``): every step checks
 identities, which costs ~0.2 us per tensor.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``, issue 21) hands the optimizer ``DTensor``
+parameters and gradients: the kernel steps each rank's LOCAL shard (``DTensor.to_local()``,
+a contiguous view into FSDP2's padded shard buffer; it may be empty on a rank when a dim-0
+shard has fewer rows than ranks). The state keeps AdamW's layout as DTensors of the
+parameter's mesh and placements, which is what ``torch.distributed.checkpoint`` saves and
+reshards (``get_optimizer_state_dict``); the step count stays a plain scalar tensor, as
+torch.optim.AdamW keeps it. A batch that holds a DTensor is "sharded": its pointer check and
+its gradients go through the local shards (``local_shard``, ``shard_grads``).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import is_
@@ -34,6 +44,48 @@ _data_ptr = torch.Tensor.data_ptr
 MASTER_KEY = "master_param"
 """State key of the fp32 master of a bf16/fp16 parameter (TransformerEngine's FusedAdam
 uses the same name)."""
+
+
+def dtensor_type() -> type | None:
+    """torch's ``DTensor`` class, or None while ``torch.distributed.tensor`` was never imported
+    (then no tensor can be one): the common, unsharded path pays no import and no isinstance."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(t: object) -> bool:
+    dt = dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (FSDP2: its shard, possibly empty), else ``t``.
+    ``to_local()`` without autograd returns the DTensor's own local tensor (or, for a
+    Parameter, a view of it): the kernel writes the memory FSDP2 all-gathers from."""
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()  # type: ignore[attr-defined,no-any-return]
+
+
+def shard_grads(params: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The local shards of a sharded batch's gradients, each checked against its parameter:
+    a DTensor parameter needs a DTensor gradient of the same placements (FSDP2 writes them
+    so), otherwise the local shapes could match while the elements do not."""
+    out = []
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p_dt, g_dt = is_dtensor(p), is_dtensor(g)
+        if p_dt != g_dt or (p_dt and g.placements != p.placements):  # type: ignore[attr-defined]
+            what = (f"a DTensor with placements {g.placements}" if g_dt  # type: ignore[attr-defined]
+                    else "a plain tensor")
+            want = (f"a DTensor with the parameter's placements {p.placements}" if p_dt  # type: ignore[attr-defined]
+                    else "a plain tensor")
+            raise ValueError(f"CPUAdam: the gradient of parameter {i} of a batch is {what}, "
+                             f"but it must be {want}: let FSDP2 (fully_shard) produce the "
+                             "gradients, or assign p.grad in the parameter's layout")
+        out.append(g.to_local() if g_dt else g)  # type: ignore[attr-defined]
+    return out
 
 
 def kernel_grads(grads: list[torch.Tensor], widen: bool) -> list[torch.Tensor]:
@@ -63,6 +115,13 @@ class Batch:
     param_ptrs: list[int]
     widen: bool
     """fp16 gradients: widened to fp32 per step."""
+    sharded: bool = False
+    """Holds a DTensor parameter: pointers and gradients are read from the local shards."""
+
+    def _ptrs(self) -> list[int]:
+        if self.sharded:
+            return [local_shard(p).data_ptr() for p in self.params]
+        return list(map(_data_ptr, self.params))
 
     def intact(self, state: Any) -> bool:
         """True while the optimizer state still holds what this batch captured and no
@@ -72,7 +131,7 @@ class Batch:
         return (all(map(is_, map(state.get, self.params), self.dicts))
                 and all(map(is_, map(dict.get, self.captured[0], self.captured[1]),
                             self.captured[2]))
-                and list(map(_data_ptr, self.params)) == self.param_ptrs)
+                and self._ptrs() == self.param_ptrs)
 
     def count(self) -> int | None:
         """The batch's step count, or None when the step views disagree (edited by hand)."""
@@ -81,12 +140,16 @@ class Batch:
 
     def grads(self, group_grads: list[torch.Tensor]) -> list[torch.Tensor]:
         gs = group_grads if self.index is None else [group_grads[i] for i in self.index]
+        if self.sharded:
+            gs = shard_grads(self.params, gs)
         return kernel_grads(gs, self.widen)
 
 
 def init_state(state: dict[str, Any], p: torch.Tensor, moment_dtype: torch.dtype) -> None:
     """AdamW's state keys (``step``, ``exp_avg``, ``exp_avg_sq``), the moments in
-    ``moment_dtype``, plus an fp32 master for a bf16/fp16 parameter."""
+    ``moment_dtype``, plus an fp32 master for a bf16/fp16 parameter. For a DTensor parameter
+    ``zeros_like`` / ``float()`` give DTensors of its mesh and placements with contiguous local
+    shards (torch.optim.AdamW's ``zeros_like(p)`` does the same), ``step`` a plain tensor."""
     if state:
         return
     state["step"] = torch.tensor(0.0)
@@ -107,15 +170,20 @@ def _build_batch(index: list[int], ps: list[torch.Tensor], state: Any, count: in
                      (st, "exp_avg_sq", st["exp_avg_sq"])]
         if lp_dtype is not None:
             captured.append((st, MASTER_KEY, st[MASTER_KEY]))
-    masters = [st[MASTER_KEY] if lp_dtype is not None else p for p, st in zip(ps, sts)]
+    sharded = any(map(is_dtensor, ps))
+    # the kernel steps local shards (DTensor parameters and states) or the tensors themselves
+    local = [local_shard(p) for p in ps] if sharded else ps
+    masters = [local_shard(st[MASTER_KEY]) if lp_dtype is not None else p
+               for p, st in zip(local, sts)]
     prepared = kernels.prepare_adam(
-        masters, None, [st["exp_avg"] for st in sts], [st["exp_avg_sq"] for st in sts],
-        params_lp=None if lp_dtype is None else ps)
+        masters, None, [local_shard(st["exp_avg"]) for st in sts],
+        [local_shard(st["exp_avg_sq"]) for st in sts],
+        params_lp=None if lp_dtype is None else local)
     whole = len(index) == all_params and index == list(range(all_params))
     return Batch(None if whole else tuple(index), tuple(ps), prepared, steps, tuple(sts),
                  (tuple(c[0] for c in captured), tuple(c[1] for c in captured),
                   tuple(c[2] for c in captured)),
-                 [p.data_ptr() for p in ps], grad_dtype == torch.float16)
+                 [p.data_ptr() for p in local], grad_dtype == torch.float16, sharded)
 
 
 def build_batches(params: list[torch.Tensor], state: Any,
@@ -158,3 +226,24 @@ def current_batches(cache: GroupCache | None, params: list[torch.Tensor],
     fresh = GroupCache(tuple(params), grad_key, build_batches(params, state, moment_dtype))
     keep(fresh)
     return fresh.batches
+
+
+def state_like(src: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A loaded state tensor (moment or master) in ``dtype`` and ``p``'s layout, a copy owned
+    by the optimizer. For a DTensor parameter: a DTensor of its mesh and placements; ``src``
+    may be one in the same layout (what ``set_optimizer_state_dict`` passes after DCP loaded
+    it, already resharded), one in another layout (gathered, collective: every rank loads the
+    same state dict), or a full plain tensor (a single-process ``state_dict()``; each rank
+    keeps its piece without communication, ``distribute_tensor(src_data_rank=None)``)."""
+    if not is_dtensor(p):
+        return src.to(device="cpu", dtype=dtype, copy=True).reshape(p.shape).contiguous()
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh, placements = p.device_mesh, p.placements  # type: ignore[attr-defined]
+    if isinstance(src, DTensor) and (src.device_mesh != mesh or src.placements != placements):
+        src = src.full_tensor()
+    if not isinstance(src, DTensor):
+        src = distribute_tensor(src.reshape(p.shape), mesh, placements, src_data_rank=None)
+    local = src.to_local().to(device="cpu", dtype=dtype, copy=True).contiguous()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape,
+                              stride=p.stride())

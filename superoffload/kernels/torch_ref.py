@@ -234,3 +234,15 @@ def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
     for s in partials:
         total += s
     return total, nonfinite
+
+
+def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                        grad_scale: float, c_v: float, threads: int | None = None) -> int:
+    """Elements with (g * grad_scale)^2 > c_v * v, in fp32 as cext/so_guard.c computes it."""
+    gs = check_grads(grads)
+    total = 0
+    gsc, cv = torch.tensor(grad_scale, dtype=torch.float32), torch.tensor(c_v, dtype=torch.float32)
+    for g, v in zip(gs, exp_avg_sqs):
+        x = g.detach().reshape(-1).float() * gsc
+        total += int(((x * x) > cv * v.detach().reshape(-1)).sum())
+    return total

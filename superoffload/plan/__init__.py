@@ -1,7 +1,7 @@
 """The planner: hardware profiles, model shapes, cost model, simulator, tuner (DESIGN.md §5).
 
 Pure code: no threads, no devices, no torch state (torch only to describe a module and, in
-`measure_local`, to time microbenchmarks).
+`measure_local` and `probe.probe_model`, to time microbenchmarks).
 
     from superoffload import plan
     prof = plan.profiles.get("gh200")
@@ -18,10 +18,21 @@ the config's ``step_order``, as the engine resolves it; ``Techniques(engine=...)
 
 from __future__ import annotations
 
-from superoffload.plan import ablation, cost, facts, parallel, profiles, schedule
+from superoffload.plan import (
+    ablation,
+    compute,
+    cost,
+    facts,
+    feasible,
+    parallel,
+    probe,
+    profiles,
+    schedule,
+)
 from superoffload.plan.calibrate import (
     Measurements,
     calibrate,
+    calibration_state,
     fit_compute,
     measurements_from_spans,
 )
@@ -61,6 +72,10 @@ __all__ = [
     "Techniques",
     "WeightChoice",
     "calibrate",
+    "calibration_state",
+    "compute",
+    "feasible",
+    "probe",
     "choose_weights",
     "cost",
     "fit_problems",

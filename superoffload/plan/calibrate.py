@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from superoffload.plan import compute
 from superoffload.plan.cost import (
     FUSED_TAIL_LAUNCHES,
     UNFUSED_TAIL_LAUNCHES,
@@ -133,7 +134,14 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
     threads = m.cpu_threads or cpu_threads or profile.cpu_cores
     changes: dict[str, object] = {}
     sources = dict(profile.sources)
-    if m.compute:
+    if m.compute and shape is not None:
+        # the compute lane's whole model (matmuls, element-wise, dispatch: plan/compute.py)
+        # scaled by one factor to the measured busy time, so its measured split is kept
+        busy = statistics.median(t for _, t in m.compute)
+        factor = compute.iteration_compute_s(shape, profile) / busy
+        profile = compute.scaled(profile, factor, "calibrated from engine spans")
+        sources["device_achieved_tflops"] = "calibrated from engine spans"
+    elif m.compute:
         tflops = statistics.median(f / t for f, t in m.compute) / 1e12
         changes["device_achieved_tflops"] = tflops
         changes["device_peak_tflops"] = max(profile.device_peak_tflops, tflops)
@@ -166,6 +174,35 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
     return profile.replace(**changes)
 
 
+@dataclass(frozen=True, slots=True)
+class CalibrationState:
+    """Whether a profile's predictions rest on a measured run of the engine (issue 18)."""
+
+    calibrated: bool
+    """True when the compute rate was fitted to a measured run (``calibrate`` on engine
+    spans, ``fit_compute`` on a plain iteration); False for presets and microbenchmarks."""
+    text: str
+    """One plain line for a view: which, and what to do about it."""
+
+
+CALIBRATED_PREFIXES = ("calibrated", "fitted")
+"""How ``HardwareProfile.sources`` marks a compute rate fitted to a run (here and in
+plan/profiles_measured.py)."""
+
+
+def calibration_state(profile: HardwareProfile) -> CalibrationState:
+    """Is `profile` calibrated (``CalibrationState``)? Read from its sources."""
+    src = dict(profile.sources).get("device_achieved_tflops", "")
+    if src.startswith(CALIBRATED_PREFIXES):
+        return CalibrationState(True, f"calibrated (profile {profile.name}: compute rate {src})")
+    kind = ("measured by microbenchmarks, not yet fitted to a run"
+            if src.startswith("measured") else "a preset: vendor figures and our estimates")
+    return CalibrationState(False, f"not calibrated (profile {profile.name} is {kind}); "
+                                   "`superoffload train` calibrates it after its first "
+                                   "iterations and saves profile-calibrated.json in the run "
+                                   "folder (pass it with --profile)")
+
+
 def fit_compute(profile: HardwareProfile, shape: ModelShape, plain_iteration_s: float
                 ) -> HardwareProfile:
     """A copy of `profile` whose achieved FLOP/s makes the planner's "gpu" schedule (plain
@@ -177,17 +214,13 @@ def fit_compute(profile: HardwareProfile, shape: ModelShape, plain_iteration_s: 
     if not plain_iteration_s > 0:
         raise ValueError(f"fit_compute: plain_iteration_s={plain_iteration_s!r}: use the "
                          "measured seconds of one plain iteration (> 0)")
-    flops = shape.executed_flops
+    lane = compute.iteration_compute_s(shape, profile)
     base = simulate(shape, profile, "gpu").iteration_s
-    rest = base - flops / (profile.device_achieved_tflops * 1e12)
+    rest = base - lane
     if plain_iteration_s <= rest:
         raise ValueError(f"fit_compute: {plain_iteration_s * 1e3:.1f} ms is less than the "
                          f"non-compute part the profile predicts ({rest * 1e3:.1f} ms): check "
                          "the shape (seq, micro_batch, checkpointing) and the profile")
-    tflops = flops / (plain_iteration_s - rest) / 1e12
-    sources = dict(profile.sources)
-    sources["device_achieved_tflops"] = (f"fitted to a measured plain iteration of "
-                                         f"{plain_iteration_s * 1e3:.1f} ms (calibrate.fit_compute)")
-    return profile.replace(device_achieved_tflops=tflops,
-                           device_peak_tflops=max(profile.device_peak_tflops, tflops),
-                           sources=tuple(sources.items()))
+    return compute.scaled(profile, lane / (plain_iteration_s - rest),
+                          f"fitted to a measured plain iteration of {plain_iteration_s * 1e3:.1f} "
+                          "ms (calibrate.fit_compute)")

@@ -1,8 +1,10 @@
 """The largest model a machine can train with a policy (memory only, DESIGN.md §5).
 
-Model family: GPT-3-like shapes, hidden = 128 x layers (shapes.gpt_by_layers), grown one layer
-at a time until memory.check_fits fails. "superoffload" may use any of its memory-saving
-settings (ratio 1, weight-flow, also with data parallel); "zero-offload" is DeepSpeed ZeRO-2 +
+Model family: GPT-3-like shapes, hidden = 128 x layers (shapes.gpt_by_layers), bisected on the
+layer count until nothing fits. "superoffload" may use any of its memory-saving settings, found
+by the search ``tune`` starts from (plan/feasible.py: the ratio down from 1 when the host
+binds, weight-flow when the device binds; bf16 moments only when allowed), also with data
+parallel; "zero-offload" is DeepSpeed ZeRO-2 +
 offload_optimizer with the device buffers its code allocates (plan/deepspeed.py: bf16 weights,
 the 5e8-element reduce bucket, per-parameter gradient temporaries, activations); "gpu" keeps
 all 18 B/param on the device. Data parallel (dp > 1): the check is
@@ -12,6 +14,7 @@ per rank (each holds 1/dp of the offloaded state, memory.py).
 from __future__ import annotations
 
 from superoffload.config import OffloadConfig
+from superoffload.plan.feasible import search
 from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.profiles import HardwareProfile
@@ -33,30 +36,27 @@ def gpt_by_layers(layers: int, *, seq: int, micro_batch: int, vocab: int = 50257
 
 
 def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
-         config: OffloadConfig | None = None) -> list[str]:
+                 config: OffloadConfig | None = None, *,
+                 allow_bf16_moments: bool = False) -> list[str]:
     """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
-    config, the most memory-frugal settings are tried (ratio 1, then weight-flow)."""
-    prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
+    config, every setting that saves memory is searched (plan/feasible.py: the ratio down from
+    1 when the host binds, weight-flow when the device binds, bf16 moments only when
+    `allow_bf16_moments`): the same search ``tune`` starts from."""
     if config is not None or schedule != "superoffload":
+        prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
         auto = None
         if config is not None and config.weights == "auto" and schedule == "superoffload":
             auto = choose_weights(shape, prof, config)  # as plan.simulate decides it
         plan = resolve(shape, prof, schedule, config, None, auto=auto)
         return check_fits(memory(shape, prof, plan), prof)
-    problems: list[str] = []
-    for cfg in (OffloadConfig(ratio=1.0, weights="stationary", grad_cast="host", param_cast="host"),
-                OffloadConfig(ratio=1.0, weights="flow", grad_cast="host", param_cast="host")):
-        plan = resolve(shape, prof, schedule, cfg, None)
-        problems = check_fits(memory(shape, prof, plan), prof)
-        if not problems:
-            return []
-    return problems
+    dtypes = ("fp32", "bf16") if allow_bf16_moments else ("fp32",)
+    return list(search(shape, prof, OffloadConfig(), dtypes=dtypes).problems)
 
 
 def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: int = 1024,
                    micro_batch: int = 1, config: OffloadConfig | None = None,
                    activation_checkpointing: bool = True, dp: int = 1,
-                   ranks_per_host: int = 1) -> int:
+                   ranks_per_host: int = 1, allow_bf16_moments: bool = False) -> int:
     """Parameters of the largest GPT-like model that fits `prof` under `schedule` (0 if none);
     with `dp` ranks (`ranks_per_host` per host) every rank must fit (plan/parallel.py)."""
     if schedule not in SCHEDULES:
@@ -69,7 +69,7 @@ def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: i
         shape = gpt_by_layers(mid, seq=seq, micro_batch=micro_batch,
                               activation_checkpointing=activation_checkpointing, dp=dp,
                               ranks_per_host=ranks_per_host)
-        if fit_problems(shape, prof, schedule, config):
+        if fit_problems(shape, prof, schedule, config, allow_bf16_moments=allow_bf16_moments):
             hi = mid - 1
         else:
             best = shape.params

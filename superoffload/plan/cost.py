@@ -40,6 +40,7 @@ from typing import Literal
 
 import numpy as np
 
+from superoffload.plan.compute import layer_times
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.threads import optimizer_threads, runtime_threads
@@ -324,8 +325,7 @@ def weight_flow_efficiency(shape: ModelShape, prof: HardwareProfile) -> float:
     """compute / (compute + exposed transfer) when every layer's bf16 weights stream in before its
     forward and again before its backward, each fetch hidden behind the previous layer's compute."""
     params = shape.layer_params()
-    fwd = [compute_time_s(f, prof) for f in shape.layer_forward_flops()]
-    bwd = [compute_time_s(f, prof) for f in shape.layer_backward_flops()]
+    fwd, bwd = layer_times(shape, prof)
     compute = sum(fwd) + sum(bwd)
     exposed = 0.0
     for p, tf, tb in zip(params, fwd, bwd):

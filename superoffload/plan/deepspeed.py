@@ -38,7 +38,7 @@ from itertools import chain
 import numpy as np
 
 from superoffload.config import OffloadConfig
-from superoffload.plan import cost, parallel
+from superoffload.plan import compute, cost, parallel
 from superoffload.plan.buckets import plan_buckets
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
@@ -102,8 +102,7 @@ def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: 
     simulate._run returns them. Everything is serialised (module docstring)."""
     layer, numel = shape.param_layout()
     p = np.asarray(shape.layer_params(), dtype=float)
-    fwd_t = [cost.compute_time_s(f, prof) for f in shape.layer_forward_flops()]
-    bwd_t = [cost.compute_time_s(f, prof) for f in shape.layer_backward_flops()]
+    fwd_t, bwd_t = compute.layer_times(shape, prof)
     dp = shape.dp
     w = 4.0 if shape.dtype == "float32" else 2.0
     launch = prof.device_launch_s

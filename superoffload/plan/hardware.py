@@ -92,6 +92,13 @@ class HardwareProfile:
     """Fixed cost of one ring step of a collective (a ring over N ranks takes N - 1 steps)."""
     device_launch_s: float = 10e-6
     """Fixed cost of one device-side operation (kernel launch, event record)."""
+    device_op_s: float = 0.0
+    """Host cost of issuing one operation of the model's forward or backward (Python,
+    autograd, dispatch, launch), measured by plan/probe.py; 0: not modelled (presets: their
+    achieved TFLOPS stand for the whole layer). plan/compute.py."""
+    device_nongemm_gbps: float = 0.0
+    """Bandwidth of the model's element-wise passes (norms, activations, residual adds) on
+    the device, GB/s; 0: not modelled (presets' achieved TFLOPS include them)."""
     cpu_call_s: float = 30e-6
     """Fixed cost of one CPU optimizer call on one bucket (hand-off, thread wake-up)."""
     shared_memory: bool = False

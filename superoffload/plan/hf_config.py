@@ -16,8 +16,9 @@ hd = head_dim (default hidden / heads). A tied head is the embedding, counted on
 `parameter_shapes` lists every parameter (HF name, shape) in registration order -- the order
 the engine buckets them -- and `shape_fields` gives a ModelShape (`ModelShape.from_hf_config`) with exact block
 and non-block counts (`block_params_override`, `other_params_override`) and, where ModelShape
-has it, the per-parameter `param_table`. The formulas' FLOPs and activation memory stay the GPT
-block's (plan/shapes.py): for SwiGLU / GQA they are estimates; the parameter counts are exact.
+has it, the per-parameter `param_table`, with what the FLOP and activation formulas need (GQA
+widths, a gated MLP, biases, dropout; plan/formulas.py). Any other ``model_type`` is built on
+the meta device when transformers is installed (plan/hf_meta.py).
 
 Shipped configs (`hf_configs/*.json`, config.json only, no weights) load by name offline:
     model_shape("llama-2-7b", seq=4096)
@@ -86,14 +87,28 @@ def load(config_or_path: Any) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        return dict(json.loads(path.read_text()))
+        return _parse(path.read_text(), str(path))
     name = str(config_or_path)
     if name in shipped():
         text = resources.files("superoffload.plan").joinpath(_SHIPPED_DIR, name + ".json").read_text()
-        return dict(json.loads(text))
+        return _parse(text, f"shipped config {name}")
     raise FileNotFoundError(
         f"from_hf_config({name!r}): no such file or directory, and not a shipped config; "
         f"shipped: {', '.join(shipped())}")
+
+
+def _parse(text: str, where: str) -> dict[str, Any]:
+    """A config.json's object; errors name the file (issue 17: a broken file or a JSON list
+    gave a bare decoder message or a raw traceback)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                         f"{exc.colno}); a Hugging Face config.json holds one JSON object") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: holds a JSON {type(data).__name__}, not an object; a Hugging "
+                         "Face config.json is one object such as {\"model_type\": \"llama\", ...}")
+    return data
 
 
 def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
@@ -111,8 +126,9 @@ def describe(cfg: Mapping[str, Any]) -> HFArch:
     family = str(cfg.get("model_type", ""))
     if family not in FAMILIES:
         raise ValueError(
-            f"HF config model_type={family!r} is not supported; supported: {', '.join(FAMILIES)} "
-            "(for other models build the module and use ModelShape.from_module)")
+            f"HF config model_type={family!r} has no formula here (formulas: "
+            f"{', '.join(FAMILIES)}); with transformers installed ModelShape.from_hf_config "
+            "builds it on the meta device (plan/hf_meta.py)")
     name = str(cfg.get("_name_or_path") or (cfg.get("architectures") or [family])[0])
     if family == "gpt2":
         h, heads = int(_get(cfg, "n_embd")), int(_get(cfg, "n_head"))
@@ -219,7 +235,13 @@ def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: in
     may be); ``ModelShape.from_hf_config`` builds the shape from them (this module does not
     import shapes.py: no import cycle). `seq` defaults to the config's context length capped
     at DEFAULT_MAX_SEQ; other keywords (activation_checkpointing, dp, ...) pass through."""
-    arch = describe(load(config_or_path))
+    raw = load(config_or_path)
+    if str(raw.get("model_type", "")) not in FAMILIES:  # any other architecture: meta device
+        from superoffload.plan import hf_meta
+
+        return hf_meta.shape_fields(raw, seq=seq, micro_batch=micro_batch,
+                                    max_seq=DEFAULT_MAX_SEQ, **kw)
+    arch = describe(raw)
     table = parameter_shapes(arch)
     block = sum(_numel(s) for layer, _, s in table if layer == 1)
     total = sum(_numel(s) for _, _, s in table)
@@ -228,7 +250,10 @@ def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: in
         seq=seq if seq is not None else min(arch.positions, DEFAULT_MAX_SEQ),
         micro_batch=micro_batch, ffn_hidden=arch.ffn, tied_embeddings=arch.tied,
         learned_positions=arch.family == "gpt2", block_params_override=block,
-        other_params_override=total - arch.layers * block)
+        other_params_override=total - arch.layers * block, kv_heads=arch.kv_heads,
+        head_dim=arch.head_dim, gated_mlp=arch.family in ("llama", "mistral", "qwen2"),
+        bias=arch.family in ("gpt2", "gpt_neox"),
+        dropout_masks=float(raw.get("resid_pdrop", raw.get("attention_dropout", 0.0)) or 0) > 0)
     fields["param_table"] = tuple((layer, _numel(s)) for layer, _, s in table)
     fields.update(kw)
     return fields

@@ -3,8 +3,11 @@
 Measured: link transfers over message sizes (pinned host <-> CUDA device; without CUDA, the CPU
 backend's transfer is a memcpy, so that is what is timed), host memory bandwidth (a copy),
 our CPU Adam kernel's throughput per thread count, fp32 -> bf16 cast rates, and the device's
-matmul rate. Bandwidth, casts, links and the matmul take the best of a few repetitions (on a
-shared machine noise only adds time).
+matmul rate, and the host's cost of one model operation (plan/probe.py's dispatch probe).
+Every probe is the median of its trials after a warm-up call, with the spread recorded in
+``extra["spread"]``; a spread above 10% or a load average above the usable cores adds a
+"busy host" flag (plan/timing.py). ``plan.probe.probe_model`` then measures a given model's
+own matmul shapes, attention and element-wise passes on the same device.
 
 The CPU Adam rate is measured the way the engine runs it (DESIGN.md §6; FACTS.md H200: a warm
 134 MB buffer gave 8.4 G params/s, cache speed, 3x what the engine got): the engine's variant
@@ -31,12 +34,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from superoffload.plan.probe import dispatch_op_s
 from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.timing import busy_flags, load_average, repeat
 
 CACHE_ENV = "SUPEROFFLOAD_CACHE_DIR"
-FORMAT = 2
+FORMAT = 3
 """Version of what measure_local measures; a cached profile of another version is re-measured
-(version 1 timed Adam on one warm buffer and counted a copy as 2 B per byte)."""
+(version 1 timed Adam on one warm buffer and counted a copy as 2 B per byte; version 2 kept
+the best of the trials and had no per-operation cost)."""
 ADAM_BUFFER_BYTES = 2 << 30
 """Engine-variant Adam buffers cycled per thread count (16 B/param: p, m, v fp32, g and the
 copy bf16): well past any last-level cache."""
@@ -76,18 +82,6 @@ def cached_profile(*, quick: bool = False, cache: str | os.PathLike[str] | None 
     return hit if hit.extra.get("format") == FORMAT else None
 
 
-def _best_time(fn: Callable[[], Any], reps: int, sync: Callable[[], None] = lambda: None) -> float:
-    fn()  # warm-up (page faults, allocator, lazy init)
-    sync()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # noise on a shared machine only adds time: keep the best run
-
-
 def measure_local(*, quick: bool = False, force: bool = False, progress: bool = True,
                   cache: str | os.PathLike[str] | None = None, use_cache: bool = True
                   ) -> HardwareProfile:
@@ -117,21 +111,32 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         f"link {s >> 10} KiB" for s in sizes]
     bar = tqdm(total=len(steps), desc="measure_local", disable=not progress, leave=False)
     raw: dict[str, Any] = {"format": FORMAT, "quick": quick, "cuda": cuda,
-                           "torch": torch.__version__, "kernel_backend": kernels.backend()}
+                           "torch": torch.__version__, "kernel_backend": kernels.backend(),
+                           "load_average": load_average()}
+    spreads: dict[str, float] = {}
+
+    def _best_time(fn: Callable[[], Any], reps: int, sync: Callable[[], None] = lambda: None,
+                   name: str = "") -> float:
+        """Median of `reps` timed calls after a warm-up (plan/timing.py); spread recorded."""
+        t, spread = repeat(fn, reps, sync)
+        key = name or "probe"
+        spreads[key] = max(spreads.get(key, 0.0), spread)
+        return t
+
     saved_threads = torch.get_num_threads()
     try:
         # host memory bandwidth: a copy reads the source and writes the destination, and on
         # x86 reads each destination line first (write-allocate): 3 B on the bus per byte
         a = torch.empty(big, dtype=torch.float32).fill_(1.0)
         b = torch.empty_like(a)
-        t = _best_time(lambda: b.copy_(a), reps)
+        t = _best_time(lambda: b.copy_(a), reps, name="host copy")
         copy_gbps = 2 * a.numel() * 4 / t / 1e9
         host_bw = copy_gbps * (1.5 if write_allocate else 1.0)
         raw["host_copy_s"], raw["host_copy_gbps"] = t, copy_gbps
         bar.update()
         # host cast fp32 -> bf16 (6 B per element)
         lp = torch.empty(big, dtype=torch.bfloat16)
-        t = _best_time(lambda: lp.copy_(a), reps)
+        t = _best_time(lambda: lp.copy_(a), reps, name="host cast")
         host_cast = big / t / 1e9
         raw["host_cast_s"] = t
         if cuda:
@@ -150,13 +155,18 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         dtype = torch.bfloat16 if cuda else torch.float32
         x = torch.randn(n, n, dtype=dtype, device="cuda" if cuda else "cpu")
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        t = _best_time(lambda: x @ x, reps, sync)
+        t = _best_time(lambda: x @ x, reps, sync, name="matmul")
         tflops = 2 * n**3 / t / 1e12
         raw["matmul_n"], raw["matmul_s"] = n, t
+        # the host's cost of one operation of a model's forward/backward (plan/probe.py)
+        op_s, spreads["dispatch"] = dispatch_op_s("cuda" if cuda else "cpu", dtype, max(reps, 5),
+                                                 sync)
         bar.update()
         # our CPU Adam kernel per thread count, DRAM-resident, in the engine's variant
         table, adam_raw = _adam_table(thread_counts, quick)
         raw["adam_samples_s"] = adam_raw
+        for threads, times in adam_raw.items():
+            spreads[f"adam x{threads}"] = (max(times) - min(times)) / statistics.median(times)
         for _ in thread_counts:
             bar.update()
         # link: pinned host <-> device per message size; without CUDA, the CPU backend's memcpy
@@ -178,8 +188,8 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
 
             # small copies are cheap: repeat them more, so one preemption cannot decide the figure
             n_reps = max(reps, min(50, int(2e7 // size)))
-            t_h2d = _best_time(up, n_reps, sync)
-            t_d2h = _best_time(down, n_reps, sync)
+            t_h2d = _best_time(up, n_reps, sync, name="link")
+            t_d2h = _best_time(down, n_reps, sync, name="link")
             h2d.append((float(size), size / t_h2d / 1e9))
             d2h.append((float(size), size / t_d2h / 1e9))
             bar.update()
@@ -191,7 +201,9 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
     dev_mem = float(torch.cuda.mem_get_info()[1]) if cuda else host_mem
     per_core = table[0][1] / table[0][0]
     adam_peak = max(r for _, r in table)
-    flags = _adam_flags(adam_peak, host_bw, write_allocate)
+    raw["spread"] = spreads
+    flags = _adam_flags(adam_peak, host_bw, write_allocate) + busy_flags(
+        spreads, load=raw["load_average"])
     prof = HardwareProfile(
         name=f"local-{socket.gethostname()}",
         device_name=torch.cuda.get_device_name() if cuda else "this machine's CPU (CPU backend)",
@@ -200,6 +212,8 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         device_achieved_tflops=tflops,
         device_memory_bytes=dev_mem,
         device_mem_bw_gbps=device_bw,
+        device_op_s=op_s,
+        device_nongemm_gbps=device_bw,
         host_memory_bytes=host_mem,
         host_mem_bw_gbps=host_bw,
         cpu_cores=cores,
@@ -219,6 +233,7 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         flags=flags,
         sources=tuple((k, "measured by plan.measure_local" + (" (quick)" if quick else ""))
                       for k in ("device_achieved_tflops", "device_mem_bw_gbps", "host_mem_bw_gbps",
+                                "device_op_s", "device_nongemm_gbps",
                                 "cpu_adam_params_per_s_per_core", "cpu_adam_table", "h2d_gbps",
                                 "d2h_gbps", "device_cast_gelems", "host_cast_gelems")),
         notes="Measured on this machine; device_peak_tflops is the measured matmul rate, not a "

@@ -97,6 +97,15 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     return Memory(sum(dev.values()), sum(host.values()), dev, host)
 
 
+def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
+    """(device side fits, host side fits), the two predicates ``check_fits`` words. On one
+    pool (``shared_memory``) the pool is the host side and the device side always fits."""
+    host_cap = prof.host_memory_bytes * HOST_HEADROOM
+    if prof.shared_memory:
+        return True, mem.device + mem.host <= host_cap
+    return (mem.device <= prof.device_memory_bytes * DEVICE_HEADROOM, mem.host <= host_cap)
+
+
 def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
     """Reasons the memory does not fit the profile (empty when it fits)."""
     problems = []

@@ -1,15 +1,13 @@
 """Model description for the planner: parameter counts, FLOPs, activation memory.
 
-A GPT-style decoder (the models the paper trains): token embedding (optionally tied with the
-LM head), `layers` identical blocks (attention 4h^2+4h, MLP 2hf+f+h, two LayerNorms 4h),
-a final norm and the head. Formulas:
-  FLOPs per token, forward, per block = 2 * block_params + 4 * seq * hidden   (matmuls + QK^T, AV)
-  backward = 2 x forward; activation checkpointing recomputes the block forwards (+1 x)
-    (Narayanan et al. 2021, "Efficient large-scale LM training on GPU clusters", §5.1)
-  activations per block, bf16 = seq*mb*hidden*(34 + 5*heads*seq/hidden) bytes; flash attention
-    drops the 5*heads*seq/hidden term; checkpointing keeps only each block's input (2*s*b*h)
-    plus one block's full activations (Korthikanti et al. 2022, "Reducing activation
-    recomputation", §4).
+A decoder-only transformer: token embedding (optionally tied with the LM head), `layers`
+identical blocks, a final norm and the head. The default block is our GPT's (GPT-2: fused QKV
+with biases, a GELU MLP of 4 x hidden, two LayerNorms; superoffload/models/gpt.py); Llama-style
+blocks set `kv_heads` / `head_dim` (GQA), `gated_mlp` (SwiGLU), `bias=False`, and MoE blocks
+`experts` / `experts_per_token`. Every formula (parameters, FLOPs on the active parameters,
+activations after Korthikanti et al. 2022, element-wise traffic, device operations) is in
+plan/formulas.py, with its sources; `from_module` reads a real module (plan/module_shape.py)
+and `from_hf_config` a Hugging Face config (plan/hf_config.py, plan/hf_meta.py).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from superoffload.plan import formulas
 from superoffload.plan.buckets import ParamSpec
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +58,23 @@ class ModelShape:
     """Dtype of the trainable parameters ("float32", "bfloat16", "float16"): the rule book's
     ``model_dtype`` (an fp32 model casts nothing and moves 4 B each way). The memory model
     counts 16-bit weights and gradients whatever the dtype (plan/memory.py)."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None: `heads`."""
+    head_dim: int | None = None
+    """Width of one head; None: hidden / heads (Gemma-2: 256 with hidden 3584 / 16 heads)."""
+    gated_mlp: bool = False
+    """A gated MLP (SwiGLU: gate, up and down projections, 3 h x f) instead of GELU's two."""
+    bias: bool = True
+    """Linear layers and norms carry biases (GPT-2); False: Llama-style (RMSNorm, no bias)."""
+    dropout_masks: bool = True
+    """Dropout is on and its masks are stored (GPT-2); False for dropout-free models."""
+    experts: int = 0
+    """Experts per MoE block (0: a dense MLP)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (MoE top-k)."""
+    active_block_params_override: int | None = None
+    """Set from a module: the parameters one token runs through in a block (MoE: the router
+    and k of the E experts); FLOPs use it, memory the whole block."""
     param_table: tuple[tuple[int, int], ...] | None = None
     """(layer, numel) of every trainable parameter in registration order, a tied parameter
     once -- the list the engine buckets (``plan.buckets.plan_buckets``). Layer 0 holds what
@@ -85,6 +101,18 @@ class ModelShape:
                 if not (0 <= layer <= top and numel >= 0):
                     raise ValueError(f"ModelShape.param_table holds ({layer}, {numel}): use "
                                      f"(layer in [0, {top}], numel >= 0) pairs")
+        for name in ("kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"ModelShape.{name}={value!r}: use a whole number >= 1 or None")
+        if self.kv_heads is not None and self.heads % self.kv_heads:
+            raise ValueError(f"ModelShape.kv_heads={self.kv_heads} does not divide heads="
+                             f"{self.heads}: each key/value head serves a whole group")
+        if self.experts < 0 or not 0 <= self.experts_per_token <= self.experts or (
+                self.experts and not self.experts_per_token):
+            raise ValueError(f"ModelShape.experts={self.experts}, experts_per_token="
+                             f"{self.experts_per_token}: use 0 and 0 (dense) or 1 <= "
+                             "experts_per_token <= experts")
         if self.ranks_per_host > self.dp:
             raise ValueError(
                 f"ModelShape.ranks_per_host={self.ranks_per_host} exceeds dp={self.dp}: "
@@ -101,8 +129,17 @@ class ModelShape:
         """Parameters of one transformer block."""
         if self.block_params_override is not None:
             return self.block_params_override
-        h, f = self.hidden, self.ffn
-        return (4 * h * h + 4 * h) + (2 * h * f + f + h) + 4 * h
+        return formulas.block_params(self)
+
+    @property
+    def active_block_params(self) -> int:
+        """Parameters one token runs through in a block (MoE: router + k of E experts)."""
+        return formulas.active_block_params(self)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through (all of them for a dense model)."""
+        return self.params - self.layers * (self.block_params - self.active_block_params)
 
     @property
     def embedding_params(self) -> int:
@@ -113,7 +150,8 @@ class ModelShape:
     @property
     def head_params(self) -> int:
         """Final norm plus the LM head's own weight (0 when tied to the embedding)."""
-        return 2 * self.hidden + (0 if self.tied_embeddings else self.vocab * self.hidden)
+        norm = (2 if self.bias else 1) * self.hidden
+        return norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
 
     @property
     def params(self) -> int:
@@ -135,11 +173,9 @@ class ModelShape:
 
     # ------------------------------------------------------------------ parameter list
     def _block_pattern(self) -> list[int]:
-        """One block of our GPT in registration order (superoffload/models/gpt.py ``Block``):
-        ln_1 (w, b), attn.qkv (w 3h x h, b), attn.proj (w, b), ln_2 (w, b), mlp.fc (w f x h,
-        b), mlp.proj (w h x f, b); sums to `block_params`."""
-        h, f = self.hidden, self.ffn
-        return [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
+        """One block in registration order (plan/formulas.block_pattern): our GPT's
+        (superoffload/models/gpt.py ``Block``) by default; sums to `block_params`."""
+        return formulas.block_pattern(self)
 
     @property
     def n_param_tensors(self) -> int:
@@ -148,8 +184,8 @@ class ModelShape:
             return len(self.param_table)
         if self.block_params_override is not None or self.other_params_override is not None:
             return self.layers + 2
-        return (1 + int(self.learned_positions) + 12 * self.layers + 2
-                + int(not self.tied_embeddings))
+        return (1 + int(self.learned_positions) + len(self._block_pattern()) * self.layers
+                + (2 if self.bias else 1) + int(not self.tied_embeddings))
 
     def param_layout(self) -> tuple[np.ndarray, np.ndarray]:
         """(layer, numel) int64 arrays of every trainable parameter in registration order.
@@ -167,7 +203,8 @@ class ModelShape:
             numel = np.asarray(self.layer_params(), dtype=np.int64)
             return np.arange(top + 1, dtype=np.int64), numel
         pre = [self.vocab * self.hidden] + ([self.seq * self.hidden] if self.learned_positions else [])
-        post = [self.hidden, self.hidden] + ([] if self.tied_embeddings else [self.vocab * self.hidden])
+        post = [self.hidden] * (2 if self.bias else 1) + (
+            [] if self.tied_embeddings else [self.vocab * self.hidden])
         block = np.asarray(self._block_pattern(), dtype=np.int64)
         numel = np.concatenate([np.asarray(pre, np.int64), np.tile(block, self.layers),
                                 np.asarray(post, np.int64)])
@@ -191,8 +228,21 @@ class ModelShape:
     def layer_forward_flops(self) -> list[float]:
         """Forward FLOPs per layer per iteration, forward order; the head is the V x h matmul."""
         t = self.tokens
-        block = t * (2.0 * self.block_params + 4.0 * self.seq * self.hidden)
+        block = t * (2.0 * self.active_block_params + formulas.attention_flops_per_token(self))
         return [0.0, *[block] * self.layers, t * 2.0 * self.vocab * self.hidden]
+
+    def layer_forward_bytes(self) -> list[float]:
+        """Element-wise (non-GEMM) bytes per layer, forward, in the model's dtype
+        (plan/formulas.py); backward moves twice as many, a recompute once more."""
+        t, size = self.tokens, 4.0 if self.dtype == "float32" else 2.0
+        block = t * size * formulas.nongemm_elements_per_token(self)
+        edge = t * size * formulas.edge_nongemm_elements_per_token(self)
+        return [edge / 2, *[block] * self.layers, edge / 2]
+
+    def layer_forward_ops(self) -> list[float]:
+        """Device operations per layer, forward (plan/formulas.py); backward 2x."""
+        block = formulas.ops_per_block(self)
+        return [formulas.OPS_EDGE / 2, *[block] * self.layers, formulas.OPS_EDGE / 2]
 
     def layer_backward_flops(self) -> list[float]:
         """Backward FLOPs per layer (2 x forward), plus the block recompute when checkpointing."""
@@ -215,9 +265,10 @@ class ModelShape:
 
     # ------------------------------------------------------------------ activations
     def activation_bytes(self) -> float:
-        """Peak activation memory on the device (bf16), plus fp32 logits and their gradient."""
-        s, b, h, a = self.seq, self.micro_batch, self.hidden, self.heads
-        per_block = s * b * h * (34.0 + (0.0 if self.flash_attention else 5.0 * a * s / h))
+        """Peak activation memory on the device (16-bit, plan/formulas.py), plus fp32 logits
+        and their gradient; checkpointing keeps each block's input (2sbh) and one block."""
+        s, b, h = self.seq, self.micro_batch, self.hidden
+        per_block = s * b * formulas.activation_bytes_per_token(self)
         logits = 2 * 4.0 * s * b * self.vocab
         if self.activation_checkpointing:
             return self.layers * 2.0 * s * b * h + per_block + logits
@@ -244,86 +295,14 @@ class ModelShape:
     @classmethod
     def from_module(cls, module: Any, *, seq: int, micro_batch: int = 1,
                     activation_checkpointing: bool = True) -> ModelShape:
-        """Describe an `nn.Module`: the blocks are its longest `nn.ModuleList`; the vocabulary and
-        width come from its largest `nn.Embedding`; heads from an `n_head`/`num_heads`/
-        `num_attention_heads` attribute (or hidden/64). Only counts parameters and shapes.
-        Records the trainable parameters in registration order (`param_table`, a tied one
-        once, as ``named_parameters`` lists them for the engine) and their dtype."""
-        import torch.nn as nn  # torch only to describe the module (DESIGN.md §2: plan is pure)
+        """Describe an `nn.Module` (plan/module_shape.py): the blocks are its longest
+        `nn.ModuleList`, the vocabulary and width come from its largest `nn.Embedding`,
+        heads from an `n_head`/`num_heads`/`num_attention_heads` attribute (or hidden/64);
+        a Hugging Face model's config adds GQA, head width, gated MLP and MoE experts (FLOPs
+        on the active ones). Records the trainable parameters in registration order
+        (`param_table`, a tied one once, as ``named_parameters`` lists them for the engine)
+        and their dtype. Only counts parameters and shapes (a meta-device model works)."""
+        from superoffload.plan.module_shape import shape_fields
 
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"ModelShape.from_module needs an nn.Module, got {type(module).__name__}")
-        lists = [m for m in module.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-        if not lists:
-            raise ValueError("ModelShape.from_module: no nn.ModuleList of blocks found in the model")
-        blocks = max(lists, key=len)
-        embeds = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-        if not embeds:
-            raise ValueError("ModelShape.from_module: no nn.Embedding found (vocabulary unknown)")
-        tok = max(embeds, key=lambda e: e.num_embeddings)
-        seen: set[int] = set()
-
-        def count(m: nn.Module) -> int:
-            total = 0
-            for p in m.parameters():
-                if id(p) not in seen:  # tied weights count once
-                    seen.add(id(p))
-                    total += p.numel()
-            return total
-
-        block_total = count(blocks)
-        total = block_total + count(module)
-        heads = _find_heads(module) or max(1, tok.embedding_dim // 64)
-        table, dtype = _param_table(module, blocks)
-        return cls(
-            layers=len(blocks),
-            hidden=tok.embedding_dim,
-            heads=heads if tok.embedding_dim % heads == 0 else 1,
-            vocab=tok.num_embeddings,
-            seq=seq,
-            micro_batch=micro_batch,
-            activation_checkpointing=activation_checkpointing,
-            block_params_override=block_total // len(blocks),
-            other_params_override=total - (block_total // len(blocks)) * len(blocks),
-            dtype=dtype,
-            param_table=table,
-        )
-
-
-def _param_table(module: Any, blocks: Any) -> tuple[tuple[tuple[int, int], ...], str]:
-    """((layer, numel) per trainable parameter in ``named_parameters`` order, dtype name):
-    block i's parameters are layer i + 1; those registered before the first block are layer
-    0, the rest layer len(blocks) + 1. The dtype is the trainable parameters' (bfloat16 when
-    they mix, the planner's default)."""
-    in_block = {id(p): i + 1 for i, b in enumerate(blocks) for p in b.parameters()}
-    top = len(blocks) + 1
-    table: list[tuple[int, int]] = []
-    dtypes: set[str] = set()
-    seen_block = False
-    for _, p in module.named_parameters():  # deduplicates tied parameters, as the engine sees
-        if not p.requires_grad:
-            continue
-        layer = in_block.get(id(p))
-        if layer is None:
-            layer = top if seen_block else 0
-        else:
-            seen_block = True
-        table.append((layer, int(p.numel())))
-        dtypes.add(str(p.dtype).removeprefix("torch."))
-    dtype = dtypes.pop() if len(dtypes) == 1 else "bfloat16"
-    return tuple(table), dtype if dtype in DTYPES else "bfloat16"
-
-
-def _find_heads(module: Any) -> int | None:
-    for owner in (module, getattr(module, "config", None)):
-        for attr in ("n_head", "num_heads", "num_attention_heads", "heads", "n_heads"):
-            value = getattr(owner, attr, None) if owner is not None else None
-            if isinstance(value, int) and value > 0:
-                return value
-    for sub in module.modules():
-        for attr in ("n_head", "num_heads"):
-            value = getattr(sub, attr, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
-
+        return cls(**shape_fields(module, seq=seq, micro_batch=micro_batch,
+                                  activation_checkpointing=activation_checkpointing))

@@ -18,7 +18,7 @@ from itertools import chain
 
 import numpy as np
 
-from superoffload.plan import cost, parallel
+from superoffload.plan import compute, cost, parallel
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
@@ -156,8 +156,7 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     lay = lay if lay is not None else layout(shape, plan)
     p, off, numel, nb = lay.p, lay.off, lay.numel, len(lay.numel)
     n_layers = len(p)
-    fwd_t = [cost.compute_time_s(f, prof) for f in shape.layer_forward_flops()]
-    bwd_t = [cost.compute_time_s(f, prof) for f in shape.layer_backward_flops()]
+    fwd_t, bwd_t = compute.layer_times(shape, prof)
     total = float(p.sum())
     tail = total - off
     flow = plan.weights == "flow" and off > 0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from superoffload.config import MIN_BUCKET_BYTES, MiB, OffloadConfig
+from superoffload.plan.feasible import Feasibility, search
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.schedule import EngineVariant
 from superoffload.plan.shapes import ModelShape
@@ -111,7 +112,7 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
         try:
             cfg, best, tried = _search(shape, eff, cons, base, run)
         except InfeasibleError as exc:
-            raise InfeasibleError(str(exc) + _bf16_hint(base, cons, run)) from None
+            raise InfeasibleError(str(exc) + _bf16_hint(shape, eff, base, cons)) from None
         moments = _moments_note(eff, cfg, best, cons, run)
     zero = simulate(shape, eff, "zero-offload", None, tech)
     explanation = _explain(shape, eff, cfg, best, zero, tried, cons)
@@ -141,16 +142,18 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     def score(r: SimResult) -> float:
         return r.iteration_s if r.fits else math.inf
 
-    # most memory-frugal setting first: if that does not fit, nothing does
-    lean = run(_frugal(base, cons))
-    if not lean.fits:
+    # a setting that fits memory first (plan/feasible.py): if the search finds none, none is
+    feas = feasible(shape, eff, base, cons)
+    if feas.config is None:
         raise InfeasibleError(
-            f"{format_count(shape.params)} parameters cannot be trained on {eff.name} even with "
-            f"every state on the host and weights streamed: " + "; ".join(lean.problems))
+            f"{format_count(shape.params)} parameters cannot be trained on {eff.name} at any "
+            f"setting the constraints leave open: " + "; ".join(feas.problems))
+    # the ratios that fit may lie between two grid points: try the window's ends too
+    window = sorted(set(feas.ratio_window or ()) - set(cons.ratio_choices), reverse=True)
 
     knobs: dict[str, list[Any]] = {
         "bucket_bytes": _bucket_choices(shape, cons),
-        "ratio": list(cons.ratio_choices),
+        "ratio": list(cons.ratio_choices) + window,
         "weights": ["stationary", "flow"],
         "grad_cast": ["device", "host"],
         "param_cast": ["host", "device"],
@@ -162,7 +165,7 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     start = {"weights": "stationary", "grad_cast": "auto", "param_cast": "auto"}
     cfg = base.replace(**{k: v for k, v in start.items() if k not in cons.fixed})
     if not run(cfg).fits:
-        cfg = _frugal(base, cons)
+        cfg = feas.config
     best = run(cfg)
     tried: dict[str, list[tuple[Any, SimResult]]] = {}
     for _round in range(4):
@@ -187,11 +190,14 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     return cfg, best, tried
 
 
-def _frugal(base: OffloadConfig, cons: Constraints) -> OffloadConfig:
-    """The most memory-frugal setting of `base` the constraints leave open."""
-    frugal = {"ratio": 1.0, "weights": "flow", "bucket_bytes": min(cons.bucket_choices),
-              "rollback": "inverse", "grad_cast": "host", "param_cast": "host"}
-    return base.replace(**{k: v for k, v in frugal.items() if k not in cons.fixed})
+def feasible(shape: ModelShape, eff: HardwareProfile, base: OffloadConfig,
+             cons: Constraints, dtype: str | None = None) -> Feasibility:
+    """The memory search (plan/feasible.py) over what `cons` leaves open, with `base`'s
+    moments (or `dtype`'s)."""
+    fixed = set(cons.fixed) | {"optimizer_state_dtype"}
+    base = base if dtype is None else base.replace(optimizer_state_dtype=dtype)
+    return search(shape, eff, base, fixed=fixed, bucket_bytes=min(cons.bucket_choices),
+                  techniques=Techniques(rollback_rate=cons.rollback_rate, engine=cons.engine))
 
 
 # ----------------------------------------------------------------- bf16 moments (numerics)
@@ -257,12 +263,12 @@ def _moments_note(eff: HardwareProfile, cfg: OffloadConfig, best: SimResult, con
             f"the tuner proposes them only when allowed ({_ALLOW}).")
 
 
-def _bf16_hint(base: OffloadConfig, cons: Constraints,
-               run: Callable[[OffloadConfig], SimResult]) -> str:
+def _bf16_hint(shape: ModelShape, eff: HardwareProfile, base: OffloadConfig,
+               cons: Constraints) -> str:
     """Appended to an InfeasibleError when bf16 moments (not allowed) would make it fit."""
     if "optimizer_state_dtype" in cons.fixed or base.optimizer_state_dtype != "fp32":
         return ""
-    if not run(_frugal(base, cons).replace(optimizer_state_dtype="bf16")).fits:
+    if not feasible(shape, eff, base, cons, "bf16").fits:
         return ""
     return (f". bf16 moments would fit (4 B/param less host memory); they change the "
             f"numerics, so allow them explicitly: {_ALLOW}")
@@ -292,7 +298,16 @@ def _as_shape(obj: Any, seq: int | None, micro_batch: int) -> ModelShape:
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f} GB"
+    """Bytes for people: "1.3 GB", "14.2 MB", "820 KB" (a tiny model is not "0.0 GB")."""
+    for div, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
+        if x >= div:
+            return f"{x / div:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def _delta(delta: float) -> str:
+    """A relative change for people: "+3.2%", or "same" within 0.05% (not "-0.0%")."""
+    return "same" if abs(delta) < 5e-4 else f"{delta:+.1%}"
 
 
 def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best: SimResult,
@@ -301,7 +316,7 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
     lines = [
         f"Model {format_count(shape.params)} params ({shape.layers} layers x {shape.hidden}), "
         f"seq {shape.seq} x batch {shape.micro_batch} on {prof.name}.",
-        f"Predicted: {best.iteration_s * 1e3:.1f} ms/iteration, {best.tflops:.0f} TFLOPS "
+        f"Predicted: {best.iteration_s * 1e3:.3g} ms/iteration, {best.tflops:.3g} TFLOPS "
         f"(device compute busy {best.lanes['device_compute'].utilization:.0%}, CPU optimizer busy "
         f"{best.lanes['cpu_optimizer'].utilization:.0%}); device {_gb(best.memory['device'])}, "
         f"host {_gb(best.memory['host'])}.",
@@ -334,8 +349,7 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
             if not res.fits:
                 parts.append(f"{_fmt(name, value)}: does not fit ({res.problems[0]})")
             else:
-                delta = res.iteration_s / best.iteration_s - 1
-                parts.append(f"{_fmt(name, value)}: {delta:+.1%}")
+                parts.append(f"{_fmt(name, value)}: {_delta(res.iteration_s / best.iteration_s - 1)}")
         shown = _fmt(name, chosen)
         lines.append(f"- {name} = {shown}: {why[name]}. Alternatives: " + ", ".join(
             parts[:4]) + ("" if len(parts) <= 4 else ", ..."))

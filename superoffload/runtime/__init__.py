@@ -1,4 +1,4 @@
 """The offload engine (weight-stationary SuperOffload): hooks, lanes, STV, checkpoints.
 
-Entry point: ``superoffload.initialize`` (``runtime.engine.initialize``). See docs/engine.md.
+Entry point: ``superoffload.initialize`` (``runtime.initialize``). See docs/engine.md.
 """

@@ -19,13 +19,20 @@ from __future__ import annotations
 import json
 import os
 import random
+import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
 from superoffload.config import NUMERICS_FIELDS, OffloadConfig
-from superoffload.runtime.ckpt_files import read_verified, write_atomic
+from superoffload.runtime.ckpt_files import (
+    check_digests,
+    folder_lock,
+    read_verified,
+    write_atomic,
+    write_text_atomic,
+)
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.scheduler import EngineStats
 from superoffload.runtime.state import EngineState, ParamState
@@ -225,14 +232,12 @@ def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: 
     payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
     os.makedirs(path, exist_ok=True)
     final = os.path.join(path, FILENAME)
-    digest = write_atomic(payload, final)
-    meta = {"format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
-            "parameters": len(payload["signature"]),
-            "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}}}
-    meta_tmp = os.path.join(path, META + ".tmp")
-    with open(meta_tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(meta_tmp, os.path.join(path, META))
+    with folder_lock(path):  # two threads saving here: both files come from one save
+        digest = write_atomic(payload, final)
+        meta = {"format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
+                "parameters": len(payload["signature"]),
+                "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}}}
+        write_text_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
     return final
 
 
@@ -240,6 +245,13 @@ def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     """Restore everything saved by ``save`` (checksums verified); returns its ``extra``."""
     file = os.path.join(path, FILENAME)
     if not os.path.exists(file):
+        if os.path.exists(os.path.join(path, "manifest.json")):  # zero/checkpoint.MANIFEST
+            raise CheckpointMismatch(
+                f"{path} holds a sharded checkpoint (manifest.json and one file per rank, "
+                "written by ZeroOffloadEngine under torchrun), not engine.pt: load it with "
+                "superoffload.distributed.zero.ZeroOffloadEngine(...).load_checkpoint(path) "
+                "(any world size), or read its full fp32 weights with "
+                "superoffload.distributed.zero.consolidate(path).state_dict()")
         raise FileNotFoundError(f"no checkpoint at {file}")
     # the sealed checksum refuses a corrupt file; meta.json is written after engine.pt, so
     # a save killed between the two leaves it older: that only warns
@@ -251,6 +263,27 @@ def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
             raise CheckpointMismatch("lr_scheduler given but the checkpoint holds none")
         lr_scheduler.load_state_dict(payload["lr_scheduler"])
     return payload.get("extra")
+
+
+def damaged(path: str) -> str | None:
+    """Why the checkpoint at ``path`` is not whole, in a few words; None when its file matches
+    the SHA-256 ``meta.json`` recorded, or when none was recorded (nothing to check without
+    loading it). A file whose digest differs is read in full: a ``meta.json`` older than its
+    file (a save killed between the two) still loads."""
+    file = os.path.join(path, FILENAME)
+    sha = _recorded_sha256(path)
+    if sha is None:
+        return None if os.path.exists(file) else f"{FILENAME} is missing"
+    reason = check_digests(path, {FILENAME: sha})
+    if reason is None:
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the older manifest: expected here
+            read_verified(file, sha256=sha, stale_ok=True)
+    except Exception as exc:
+        return f"{reason}, and it does not load ({type(exc).__name__})"
+    return None
 
 
 def _recorded_sha256(path: str) -> str | None:

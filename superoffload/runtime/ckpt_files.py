@@ -10,25 +10,47 @@ Every checkpoint file (``engine.pt``; ZeRO's ``rankNNNNN-of-NNNNN.pt``) is
 * **hashed**: the SHA-256 of the file's bytes, computed while writing, goes into the folder's
   manifest (``meta.json``, ZeRO's ``manifest.json``) so tools can check files without
   PyTorch, and ZeRO refuses a rank file from another save (a mix of two saves);
-* **atomic**: written to ``<name>.tmp-<pid>``, fsynced, renamed (POSIX rename is atomic), so
+* **atomic**: written to ``<name>.tmp-<pid>-<n>`` (unique per save, so two threads saving
+  into one folder never share a temporary), fsynced, renamed (POSIX rename is atomic), so
   a killed write leaves the previous file. The next save removes temporaries that no live
   process on this host is writing (a save killed with SIGKILL leaves one behind).
+
+A full disk: torch.save reports a failed write of a file object as ``[enforce fail at
+inline_container.cc] unexpected pos``, losing the OS error. The writer keeps that error, and
+a save that runs out of space raises ``OSError(ENOSPC)`` saying "no space left on device" with
+the bytes the file needs and those free; a save that clearly cannot fit is refused before
+anything is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
+import itertools
 import os
 import pickle
+import shutil
+import threading
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 SEAL_KEY = "integrity"
+PICKLE_OVERHEAD_BYTES = 64 << 10
+"""Added to the tensors' bytes when estimating a file's size: the pickled metadata, the zip
+directory and alignment padding of torch.save (a few kB for an engine checkpoint)."""
+
+_serial = itertools.count()  # next() on a count is atomic under the GIL
+_writing: set[str] = set()
+"""Temporaries this process is writing now (``clean_orphans`` leaves them alone)."""
+_writing_lock = threading.Lock()
+_folder_locks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
 
 
 class CheckpointCorrupt(ValueError):
@@ -42,19 +64,25 @@ class FileDigest:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it."""
+    """A write-only file that hashes what passes through it and keeps the OS error of a
+    failed write (torch.save replaces it with "unexpected pos")."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.h, self.n = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
+        try:
+            self.f.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
         self.h.update(view)
         self.n += len(view)
-        self.f.write(view)
         return len(view)
 
 
@@ -97,21 +125,113 @@ def check_seal(payload: Mapping[str, Any], file: str) -> None:
             "the file again from where it was written")
 
 
-def write_atomic(payload: dict[str, Any], final: str) -> FileDigest:
-    """Seal ``payload``, ``torch.save`` it to a temporary name, fsync, rename over ``final``."""
-    clean_orphans(final)
-    tmp = f"{final}.tmp-{os.getpid()}"
+def payload_nbytes(value: Any) -> int:
+    """Bytes ``torch.save`` writes for ``value``, about: each tensor storage once (views
+    share one; torch.save writes whole storages) plus ``PICKLE_OVERHEAD_BYTES``."""
+    storages: dict[tuple[str, int], int] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            storages[(str(v.device), st.data_ptr())] = st.nbytes()
+        elif isinstance(v, Mapping):
+            for item in v.values():
+                walk(item)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+
+    walk(value)
+    return sum(storages.values()) + PICKLE_OVERHEAD_BYTES
+
+
+def no_space(final: str, needed: int, cause: BaseException | None = None) -> OSError:
+    """The error of a save that does not fit: "no space left on device", the bytes the file
+    needs and the bytes free where it goes."""
+    folder = os.path.dirname(final) or "."
     try:
-        with open(tmp, "wb") as f:
-            writer = _HashingWriter(f)
-            torch.save(seal(payload), writer)  # type: ignore[arg-type]  # a write()-only file
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)  # readers see the old file or the new one
+        free = f"{shutil.disk_usage(folder).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    how = f" ({cause.strerror or cause})" if isinstance(cause, OSError) else ""
+    return OSError(errno.ENOSPC, f"no space left on device{how}: writing {final} needs about "
+                   f"{needed:,} bytes ({needed / 1e6:.1f} MB), {free}; free some space or save "
+                   "the checkpoint elsewhere", final)
+
+
+def temp_path(final: str) -> str:
+    """A temporary next to ``final``, unique in this process: ``<final>.tmp-<pid>-<n>``."""
+    return f"{final}.tmp-{os.getpid()}-{next(_serial)}"
+
+
+@contextlib.contextmanager
+def writing(tmp: str) -> Iterator[str]:
+    """Mark ``tmp`` as being written by this process (``clean_orphans`` skips it); remove
+    it when the block fails."""
+    with _writing_lock:
+        _writing.add(tmp)
+    try:
+        yield tmp
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+    finally:
+        with _writing_lock:
+            _writing.discard(tmp)
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str) -> Iterator[None]:
+    """One save at a time into ``folder`` within this process, so the files of a checkpoint
+    (``engine.pt`` and ``meta.json``) always come from the same save."""
+    key = os.path.realpath(folder)
+    with _writing_lock:
+        lock = _folder_locks.get(key)
+        if lock is None:
+            lock = _folder_locks[key] = threading.Lock()
+    with lock:
+        yield
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """``text`` into ``path`` through a unique temporary, fsynced, renamed."""
+    with writing(temp_path(path)) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def write_atomic(payload: dict[str, Any], final: str) -> FileDigest:
+    """Seal ``payload``, ``torch.save`` it to a temporary name, fsync, rename over ``final``.
+    A disk too full for it raises ``no_space`` (before writing, when the free space reported
+    is already too small)."""
+    clean_orphans(final)
+    needed = payload_nbytes(payload)
+    try:
+        free: int | None = shutil.disk_usage(os.path.dirname(final) or ".").free
+    except OSError:  # no statvfs there: find out by writing
+        free = None
+    if free is not None and free < needed:
+        raise no_space(final, needed)
+    with writing(temp_path(final)) as tmp:
+        writer: _HashingWriter | None = None
+        try:
+            with open(tmp, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(seal(payload), writer)  # type: ignore[arg-type]  # a write()-only file
+                f.flush()
+                os.fsync(f.fileno())
+        except Exception as exc:
+            cause = writer.error if writer is not None and writer.error is not None else exc
+            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(final, needed, cause) from exc
+            if cause is not exc:  # the OS error torch.save turned into "unexpected pos"
+                raise cause from exc
+            raise
+        os.replace(tmp, final)  # readers see the old file or the new one
     return FileDigest(writer.h.hexdigest(), writer.n)
 
 
@@ -146,6 +266,29 @@ def read_verified(file: str, *, sha256: str | None = None,
     return dict(payload)
 
 
+def file_sha256(file: str, chunk_bytes: int = 16 << 20) -> str:
+    """SHA-256 of a file's bytes, read in chunks (a checkpoint need not fit in memory twice)."""
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_digests(folder: str, digests: Mapping[str, str]) -> str | None:
+    """The first file named in ``digests`` (name -> SHA-256 its manifest recorded) that is
+    missing or differs, as a short reason; None when every one matches."""
+    for name, want in digests.items():
+        file = os.path.join(folder, name)
+        try:
+            got = file_sha256(file)
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or exc})"
+        if got != want:
+            return f"{name} does not match the SHA-256 its manifest records"
+    return None
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -157,16 +300,20 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_orphans(final: str) -> list[str]:
-    """Remove ``<final>.tmp-<pid>`` files whose writer is gone (killed saves)."""
+    """Remove ``<final>.tmp-<pid>[-<n>]`` files whose writer is gone (killed saves); those
+    of live processes, and this process's own saves in progress, are left alone."""
     folder, name = os.path.split(final)
     removed = []
     for entry in os.listdir(folder or "."):
         if not entry.startswith(name + ".tmp-"):
             continue
-        pid = entry.rsplit("-", 1)[-1]
+        path = os.path.join(folder, entry)
+        pid = entry[len(name) + len(".tmp-"):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
             continue  # another live process is writing it now
-        path = os.path.join(folder, entry)
+        with _writing_lock:
+            if path in _writing:
+                continue  # another thread of this process is writing it now
         try:
             os.remove(path)
             removed.append(path)

@@ -25,22 +25,30 @@ from superoffload.config import RECONFIGURABLE, OffloadConfig
 from superoffload.kernels import AdamHyper
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for, resolve_schedule
-from superoffload.runtime import checkpoint
+from superoffload.runtime import guard
 from superoffload.runtime import hooks as engine_hooks
 from superoffload.runtime.backend import Backend, make_backend
 from superoffload.runtime.casting import CastPolicy, cast_policy
 from superoffload.runtime.device_clock import CudaClock
-from superoffload.runtime.errors import EngineClosed, EngineError, FailureBox
-from superoffload.runtime.lifetime import release
+from superoffload.runtime.engine_contract import TorchContract
+from superoffload.runtime.errors import EngineClosed, EngineError, FailureBox, WatchdogTimeout
+from superoffload.runtime.lifetime import WeakEngineView, release, settle
 from superoffload.runtime.local_transport import LocalTransport
 from superoffload.runtime.loss_scaler import LossScaler
-from superoffload.runtime.optim_view import EngineOptimizer, hypers_of, param_groups_from
+from superoffload.runtime.optim_view import (
+    EngineOptimizer,
+    defaults_from,
+    hypers_of,
+    param_groups_from,
+)
 from superoffload.runtime.reconfigure import Reconfigurer
-from superoffload.runtime.scheduler import EngineStats, Iteration, IterationScheduler
+from superoffload.runtime.rollback_guard import check_rollback_mode
+from superoffload.runtime.scheduler import EngineStats, IterationScheduler
 from superoffload.runtime.settle import finish_iteration
 from superoffload.runtime.state import EngineState, ParamState, initial_state
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transport import Transport, TransportContext
+from superoffload.runtime.weight_writes import WeightWrites
 from superoffload.runtime.weightflow import WeightFlow
 from superoffload.runtime.weights import WeightPolicyController
 from superoffload.runtime.worker import Lane, make_lane
@@ -48,11 +56,13 @@ from superoffload.telemetry.events import KIND_BACKWARD, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 from superoffload.threads import usable_cores
 
-__all__ = ["EngineError", "EngineStats", "OffloadEngine", "initialize"]
+__all__ = ["EngineError", "EngineStats", "OffloadEngine"]
 
 
-class OffloadEngine:
-    """See the module docstring. Build with ``superoffload.initialize``."""
+class OffloadEngine(TorchContract):
+    """See the module docstring. Build with ``superoffload.initialize``. The torch-optimizer
+    surface (state dicts, checkpoints, clip_grad_norm_, grad transforms, add_param_group) is
+    ``TorchContract`` (runtime/engine_contract.py)."""
 
     def __init__(
         self,
@@ -84,33 +94,49 @@ class OffloadEngine:
             self.telemetry.clock = CudaClock(self.backend.device, self.telemetry.now)
         self.failures = FailureBox()
         self.closed = False
+        self._closed_why = ""
         groups = param_groups_from(model, optimizer)
         self.state = EngineState.from_model(model, groups)
         self.state.check_placement(self.backend.device, config.precision)
+        guard.claim(self.trainable_params(), self, [self.state.names[i] for i in self.state.trainable])
+        self.contract = guard.Contract(self.state)
         self.optimizer = EngineOptimizer(groups, step_fn=self._step_impl,
                                          zero_grad_fn=self._zero_grad_impl,
-                                         state_fn=self.state_dict, load_fn=self.load_state_dict)
+                                         state_fn=self.state_dict, load_fn=self.load_state_dict,
+                                         add_group_fn=self._add_param_group,
+                                         defaults=defaults_from(optimizer))
+        check_rollback_mode(self.config.rollback, self.config.speculation, self._hypers())
         self.scaler = LossScaler.for_model(config, self.model_dtype)
         self.adaptive = AdaptiveSTV(mode=config.speculation, window=config.adaptive_window,
                                     threshold=config.adaptive_threshold)
+        # the parts below reach the engine only weakly: their futures' callbacks outlive a
+        # call on the lane threads, and must not keep a dropped engine alive (lifetime.py)
+        view = WeakEngineView(self)
         self.worker: Lane = make_lane("cpu_worker", inline=inline, on_error=self.failures.record)
         self.fetch_lane: Lane = make_lane("fetch", inline=inline, on_error=self.failures.record)
         self.transport.start(TransportContext(
             state=self.state, backend=self.backend, recorder=self.telemetry, inline=inline,
-            on_error=self.failures.record, watchdog_s=lambda: float(self.config.watchdog_s)))
+            on_error=self.failures.record, watchdog_s=view.watchdog_s,
+            fingerprint=guard.fingerprint(self.state, self.config, self._hypers())))
         self.scheduler = IterationScheduler(
             state=self.state, transport=self.transport, backend=self.backend,
-            recorder=self.telemetry, worker=self.worker, config=lambda: self.config,
+            recorder=self.telemetry, worker=self.worker, config=view.config,
             scaler=self.scaler, adaptive=self.adaptive, failures=self.failures,
-            streamed=self._streamed)
+            streamed=view.streamed, contract=self.contract)
         self.reconfigurer = Reconfigurer(self)
         self.weights = WeightPolicyController(
             self, profile=profile, seq_len=seq_len, micro_batch=micro_batch,
             device_budget_bytes=device_budget_bytes)
         self._last_step_end = time.perf_counter()
+        self.writes = WeightWrites(
+            state=self.state, contract=self.contract, scheduler=self.scheduler,
+            transport=self.transport, recorder=self.telemetry, weights=self.weights,
+            synchronize=self.synchronize)
         self._build({i: initial_state(self.state.params[i]) for i in self.state.trainable})
-        self.hooks: list[Any] = engine_hooks.register(model, self.scheduler, self.raise_if_failed)
-        self.hooks += self.weights.start()
+        self._core_hooks = engine_hooks.register(model, self.scheduler, self.raise_if_failed)
+        self.hooks: list[Any] = list(self._core_hooks)
+        self.hooks += self.weights.start()  # weight-flow adds its own to this list
+        self.hooks += self.writes.register(model)
         # dropped without close(): stop the threads and remove the hooks (the model must not
         # keep a dead engine alive, nor a new engine on it see this one's hooks)
         self._finalizer = weakref.finalize(self, release, self.lanes, self.hooks)
@@ -180,6 +206,7 @@ class OffloadEngine:
             moments=torch.bfloat16 if self.config.optimizer_state_dtype == "bf16" else torch.float32)
         for i in st.trainable:
             st.steps[i] = states[i].step
+        self.contract.rebase(st.trainable)  # storages may have moved (a weight policy switch)
         self.scheduler.reset()
         for note in schedule.notes:
             self.telemetry.note(self.iteration, note)
@@ -204,7 +231,9 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ training API
     def _hypers(self) -> list[AdamHyper]:
-        return hypers_of(self.optimizer.param_groups)
+        hypers = hypers_of(self.optimizer.param_groups)
+        check_rollback_mode(self.config.rollback, self.config.speculation, hypers)
+        return hypers
 
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-step; offloads buckets as their gradients become final.
@@ -222,6 +251,7 @@ class OffloadEngine:
                 "(raise grad_accum_steps to accumulate more); nothing was changed")
         if it.micro_step == 0:
             self.reconfigurer.apply_pending()
+            self.writes.adopt_written()  # weights written since the last step (torch semantics)
         it = self.scheduler.begin_micro_step(self._hypers)
         scale = self.scaler.loss_scale / (self.config.grad_accum_steps if scale_wrt_gas else 1)
         try:
@@ -251,10 +281,13 @@ class OffloadEngine:
         try:
             self.weights.end_backward()
             if it.micro_step == 0:  # gradients from a plain loss.backward(): no overlap, no STV
-                self.reconfigurer.apply_pending()
-                self.scheduler.arm_without_backward(self._hypers)
+                self._arm_without_backward()
             n = self.iteration
             finish_iteration(self.scheduler)
+        except guard.ContractError:  # the same on every rank: roll the iteration back
+            self.scheduler.abort()
+            self.synchronize()
+            raise
         except BaseException as exc:
             self._interrupted(exc, "step()")
             raise
@@ -264,6 +297,12 @@ class OffloadEngine:
         self._last_step_end = now
         self.scheduler.end_iteration()
         self.raise_if_failed()
+
+    def _arm_without_backward(self) -> None:
+        self.reconfigurer.apply_pending()
+        self.writes.adopt_written()
+        self.scheduler.arm_without_backward(self._hypers)
+        self.scheduler.current.micro_step = self.config.grad_accum_steps  # armed, like backward
 
     def _interrupted(self, exc: BaseException, where: str) -> None:
         self.scheduler.recover(exc, where, self.synchronize)
@@ -302,64 +341,39 @@ class OffloadEngine:
         """Thread-safe; applied at the next iteration boundary with a telemetry note."""
         self.reconfigurer.request(changes)
 
-    # ------------------------------------------------------------------ state, checkpoints
-    def export_states(self) -> dict[int, ParamState]:
-        """Placement-free copies of every trainable parameter's state (call synchronized)."""
-        return self.transport.export_states()
-
-    def master_weights(self) -> dict[str, torch.Tensor]:
-        """fp32 master weight of every trainable parameter (CPU copies), after synchronizing."""
-        self.synchronize()
-        return {self.state.names[i]: s.master for i, s in self.export_states().items()}
-
-    def resident_weights(self) -> contextlib.AbstractContextManager[None]:
-        """Every streamed block resident inside (weight-flow; else a no-op): checkpoints."""
-        return self.weights.resident()
-
-    def restore(self, states: Mapping[int, ParamState]) -> None:
-        """Rebuild every bucket from ``states`` (a loaded checkpoint), forgetting any partial
-        iteration."""
-        self.scheduler.current = Iteration()
-        self._build(states)
-
-    def state_dict(self) -> dict[str, Any]:
-        return checkpoint.engine_state_dict(self)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        checkpoint.load_engine_state_dict(self, state_dict)
-
-    def save_checkpoint(self, path: str, extra: Any = None, *, lr_scheduler: Any = None) -> str:
-        """Write ``path/engine.pt`` atomically (runtime/checkpoint.py); returns the file."""
-        return checkpoint.save(self, path, extra=extra, lr_scheduler=lr_scheduler)
-
-    def load_checkpoint(self, path: str, *, lr_scheduler: Any = None) -> Any:
-        """Restore everything ``save_checkpoint`` wrote; returns its ``extra``."""
-        return checkpoint.load(self, path, lr_scheduler=lr_scheduler)
-
     # ------------------------------------------------------------------ failures, lifetime
     def raise_if_failed(self) -> None:
         if self.closed:
-            raise EngineClosed("the offload engine is closed; build a new one with "
+            why = f" ({self._closed_why})" if self._closed_why else ""
+            raise EngineClosed(f"the offload engine is closed{why}; build a new one with "
                                "superoffload.initialize (the model keeps its latest weights)")
         if self.failures.failed:
             self._shut_down()  # a failed engine lets go of the model at once
             self.failures.raise_if_failed()
 
+    @property
+    def alive(self) -> bool:
+        """Neither closed nor failed (a failed engine has let go of the model)."""
+        return not (self.closed or self.failures.failed)
+
     def _shut_down(self) -> None:
         """Stop the lanes, remove every hook, leave the model holding its latest weights
         (weight-flow: copied back from the homes without the lanes). Idempotent."""
         self._finalizer()
+        guard.release(self.trainable_params(), self)
         flow, self.weights.flow = self.weights.flow, None
         if flow is not None:
             flow.restore_in_place()
 
     def close(self) -> None:
         """Drain and stop the lanes, remove the hooks, release the buffers. Idempotent.
-        Cleanup always completes; it raises only a lane failure no call has reported yet."""
+        Cleanup always completes; it raises only a lane failure no call has reported yet, or
+        a WatchdogTimeout naming a lane that made no progress for CLOSE_TIMEOUT_S (lifetime.py)."""
         if self.closed:
             return
         seen = self.failures.reported
-        if not self.failures.failed:
+        stuck = None if self.failures.failed else settle(self.lanes)
+        if not self.failures.failed and stuck is None:
             with contextlib.suppress(Exception):  # a lane's failure is kept: raised below
                 self.scheduler.drain_pending(self.lanes)
         self.closed = True
@@ -370,6 +384,9 @@ class OffloadEngine:
         self.state.buffers = []
         if self.failures.failed and not seen:
             self.failures.raise_if_failed()
+        if stuck is not None:
+            raise WatchdogTimeout(f"close(): {stuck}; abandoned (buckets not finished keep "
+                                  "their weights from before the last step)")
 
     def __enter__(self) -> OffloadEngine:
         return self
@@ -377,24 +394,3 @@ class OffloadEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def initialize(model: torch.nn.Module,
-               optimizer: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-               config: OffloadConfig | Mapping[str, Any] | None = None,
-               telemetry: Recorder | None = None, **kwargs: Any) -> OffloadEngine:
-    """Build an engine. ``config`` may be an OffloadConfig or a DeepSpeed-style dict, whose
-    optimizer section fills in hyperparameters not given in ``optimizer``."""
-    if config is None:
-        config = OffloadConfig()
-    elif isinstance(config, Mapping):
-        from superoffload.ds_config import from_deepspeed
-
-        config, ds_opt = from_deepspeed(dict(config))
-        if optimizer is None:
-            optimizer = ds_opt
-        elif isinstance(optimizer, Mapping):
-            optimizer = {**ds_opt, **optimizer}
-    elif not isinstance(config, OffloadConfig):
-        raise TypeError(f"config: pass an OffloadConfig or a DeepSpeed-style dict, not "
-                        f"{type(config).__name__}")
-    return OffloadEngine(model, optimizer, config, telemetry, **kwargs)

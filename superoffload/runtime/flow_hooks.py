@@ -14,31 +14,50 @@ from typing import Any
 import torch
 
 from superoffload.runtime.fetch import WeightFlowError
+from superoffload.runtime.hook_base import PicklableHook
+from superoffload.runtime.hook_base import eager as _eager
+
+
+class _FlowHook(PicklableHook):
+    def __init__(self, ref: weakref.ref[Any], owner: weakref.ref[Any], k: int) -> None:
+        self.ref, self.owner, self.k = ref, owner, k
+
+
+class _Pre(_FlowHook):
+    @_eager
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        flow = self.ref()
+        if flow is not None and module is self.owner():
+            flow.on_pre(self.k)
+
+
+class _Post(_FlowHook):
+    @_eager
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        flow = self.ref()
+        if flow is not None and module is self.owner():
+            return flow.on_post(self.k, output)
+        return None
+
+
+class _Grad(_FlowHook):
+    @_eager
+    def __call__(self, param: torch.Tensor) -> None:
+        flow = self.ref()
+        if flow is not None and param is self.owner():
+            flow.on_grad(self.k, id(param))
 
 
 def pre_hook(ref: weakref.ref[Any], owner: weakref.ref[torch.nn.Module], k: int) -> Any:
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        flow = ref()
-        if flow is not None and module is owner():
-            flow.on_pre(k)
-    return hook
+    return _Pre(ref, owner, k)
 
 
 def post_hook(ref: weakref.ref[Any], owner: weakref.ref[torch.nn.Module], k: int) -> Any:
-    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
-        flow = ref()
-        if flow is not None and module is owner():
-            return flow.on_post(k, output)
-        return None
-    return hook
+    return _Post(ref, owner, k)
 
 
 def grad_hook(ref: weakref.ref[Any], owner: weakref.ref[torch.Tensor], k: int) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        flow = ref()
-        if flow is not None and param is owner():
-            flow.on_grad(k, id(param))
-    return hook
+    return _Grad(ref, owner, k)
 
 
 class _BackwardFetch(torch.autograd.Function):

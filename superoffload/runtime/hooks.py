@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from superoffload.runtime.hook_base import PicklableHook
+from superoffload.runtime.hook_base import eager as _eager
 from superoffload.runtime.scheduler import IterationScheduler
 from superoffload.telemetry.events import KIND_FORWARD, LANE_COMPUTE
 
@@ -40,56 +42,86 @@ def register(model: torch.nn.Module, sched: IterationScheduler,
     handles: list[Any] = []
     for i in st.trainable:
         p = st.params[i]
-        handles.append(p.register_post_accumulate_grad_hook(_grad_hook(ref, weakref.ref(p), i)))
+        handles.append(p.register_post_accumulate_grad_hook(_GradReady(ref, weakref.ref(p), i)))
     for module in model.modules():
         own = tuple(st.index[id(p)] for p in module.parameters(recurse=False)
                     if id(p) in st.index and st.index[id(p)] in st.bucket_of)
         if own:
             handles.append(module.register_forward_pre_hook(
-                _wait_hook(ref, weakref.ref(module), own)))
-    handles += _timeline_hooks(model, ref, weakref.WeakMethod(raise_if_failed))  # type: ignore[arg-type]
+                _WaitWeights(ref, weakref.ref(module), own)))
+    timeline = _Timeline(ref, weakref.ref(model), weakref.WeakMethod(raise_if_failed))  # type: ignore[arg-type]
+    handles += [model.register_forward_pre_hook(timeline.start),
+                model.register_forward_hook(timeline.end)]
     return handles
 
 
-def _timeline_hooks(model: torch.nn.Module, ref: weakref.ref[IterationScheduler],
-                    check: weakref.WeakMethod[Any]) -> list[Any]:
-    owner = weakref.ref(model)
-    start: list[float] = []
+class _Timeline(PicklableHook):
+    """The forward span on the device's clock, and a failed lane surfacing before any work."""
 
-    def forward_start(module: torch.nn.Module, args: Any) -> None:
-        sched, raise_if_failed = ref(), check()
-        if sched is None or module is not owner():
+    def __init__(self, ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.nn.Module],
+                 check: weakref.WeakMethod[Any]) -> None:
+        self.ref, self.owner, self.check = ref, owner, check
+        self.starts: list[float] = []
+        self.start = _Bound(self, True)
+        self.end = _Bound(self, False)
+
+    def on_start(self, module: torch.nn.Module) -> None:
+        sched, raise_if_failed = self.ref(), self.check()
+        if sched is None or module is not self.owner():
             return
         if raise_if_failed is not None:
             raise_if_failed()
+        sched.check_writes_before_forward()  # a write racing a publish, before any module
         if torch.is_grad_enabled():  # evaluation forwards stay out of the training timeline
-            start.append(sched.recorder.mark())  # the device's clock (recorder.py)
+            self.starts.append(sched.recorder.mark())  # the device's clock (recorder.py)
 
-    def forward_end(module: torch.nn.Module, args: Any, output: Any) -> None:
-        sched = ref()
-        if sched is None or module is not owner() or not torch.is_grad_enabled():
+    def on_end(self, module: torch.nn.Module) -> None:
+        sched = self.ref()
+        if sched is None or module is not self.owner() or not torch.is_grad_enabled():
             return
         end = sched.recorder.mark()
-        sched.recorder.add_marks(LANE_COMPUTE, KIND_FORWARD, start.pop() if start else end,
-                                 end, iteration=sched.iteration)
-
-    return [model.register_forward_pre_hook(forward_start),
-            model.register_forward_hook(forward_end)]
+        sched.recorder.add_marks(LANE_COMPUTE, KIND_FORWARD,
+                                 self.starts.pop() if self.starts else end, end,
+                                 iteration=sched.iteration)
 
 
-def _wait_hook(ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.nn.Module],
-               indices: tuple[int, ...]) -> Any:
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        sched = ref()
-        if sched is not None and module is owner():
-            sched.wait_for_weights(indices)
-    return hook
+class _Bound(PicklableHook):
+    """``_Timeline``'s pre-hook (``start``) or post-hook (``end``)."""
+
+    def __init__(self, timeline: _Timeline, start: bool) -> None:
+        self.timeline, self.is_start = timeline, start
+
+    @_eager
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        if self.is_start:
+            self.timeline.on_start(module)
+        else:
+            self.timeline.on_end(module)
 
 
-def _grad_hook(ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.Tensor],
-               index: int) -> Any:
-    def hook(param: torch.Tensor) -> None:
-        sched = ref()
-        if sched is not None and param is owner():
-            sched.on_grad_ready(index)
-    return hook
+class _WaitWeights(PicklableHook):
+    """Forward pre-hook of a module owning parameters: wait for its own buckets' publish."""
+
+    def __init__(self, ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.nn.Module],
+                 indices: tuple[int, ...]) -> None:
+        self.ref, self.owner, self.indices = ref, owner, indices
+
+    @_eager
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        sched = self.ref()
+        if sched is not None and module is self.owner():
+            sched.wait_for_weights(self.indices)
+
+
+class _GradReady(PicklableHook):
+    """Post-accumulate-grad hook: the parameter's gradient is final (tied: after all uses)."""
+
+    def __init__(self, ref: weakref.ref[IterationScheduler], owner: weakref.ref[torch.Tensor],
+                 index: int) -> None:
+        self.ref, self.owner, self.index = ref, owner, index
+
+    @_eager
+    def __call__(self, param: torch.Tensor) -> None:
+        sched = self.ref()
+        if sched is not None and param is self.owner():
+            sched.on_grad_ready(self.index)

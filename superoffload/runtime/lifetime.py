@@ -10,16 +10,54 @@ arguments below must never reference the engine itself (that would keep it alive
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
-from superoffload.runtime.worker import Lane
+from superoffload.runtime.worker import Barrier, Lane, describe
 
 CLOSE_TIMEOUT_S = 5.0
-"""How long release waits for the lane threads to finish its queued tasks; a lane stuck in a
-collective or a hung copy is a daemon thread and is abandoned after it (never blocks exit)."""
+"""How long ``close()`` waits without progress: ``settle`` gives up once no lane has begun or
+ended a task for this long, and release then waits at most this long for the threads to exit.
+A lane stuck in a collective, a hung copy or a hung CPU step is a daemon thread and is
+abandoned (never blocks exit); ``close()`` then says which (docs/failure_semantics.md)."""
+
+
+def settle(lanes: Sequence[Lane], quiet_s: float | None = None) -> str | None:
+    """Wait until every lane has run what was submitted to it, for as long as work progresses;
+    give up once no lane has begun or ended a task for ``quiet_s`` (``CLOSE_TIMEOUT_S``).
+    Returns None when every lane is idle, else what is stuck (and abandons those lanes, so
+    the joins of ``release`` do not wait for them again). Never raises."""
+    quiet = CLOSE_TIMEOUT_S if quiet_s is None else quiet_s
+    start = time.monotonic()
+
+    def last_progress() -> float:
+        return max([start, *(getattr(lane, "progress_s", start) for lane in lanes)])
+
+    for _ in range(64):  # a round per link of a chain (D2H -> step -> H2D): a few suffice
+        barriers: list[Future[Any]] = []
+        for lane in lanes:
+            with contextlib.suppress(Exception):  # a closed lane has nothing left to run
+                barriers.append(lane.submit(Barrier()))
+        while True:
+            left = last_progress() + quiet - time.monotonic()
+            _, pending = concurrent.futures.wait(barriers, timeout=max(0.0, left))
+            if not pending:
+                break
+            if time.monotonic() >= last_progress() + quiet:
+                stuck = [lane for lane in lanes if getattr(lane, "busy", False)]
+                for lane in stuck:
+                    lane.abandon()
+                return (", ".join(describe(lane) for lane in stuck) or "a lane") + \
+                    f": no task began or ended for {quiet:g} s"
+        # tasks chained on the futures that just ended were queued after the barriers
+        if not any(getattr(lane, "busy", False) for lane in lanes):
+            return None
+    return None
 
 
 def release(lanes: Sequence[Lane], hooks: list[Any]) -> None:
@@ -35,3 +73,28 @@ def release(lanes: Sequence[Lane], hooks: list[Any]) -> None:
     for lane in lanes:
         with contextlib.suppress(Exception):
             lane.join(max(0.0, deadline - time.monotonic()))
+
+
+class WeakEngineView:
+    """What the scheduler and transport read of the engine (its configuration in force and
+    weight-flow's streamed parameters), through a weak reference: their futures' callbacks
+    outlive a call on the lane threads and must not keep a dropped engine alive. Once the
+    engine is gone it answers with the last values it saw."""
+
+    def __init__(self, engine: Any) -> None:
+        self.ref = weakref.ref(engine)
+        self.last = engine.config
+
+    def config(self) -> Any:
+        engine = self.ref()
+        if engine is not None:
+            self.last = engine.config
+        return self.last
+
+    def watchdog_s(self) -> float:
+        return float(self.config().watchdog_s)
+
+    def streamed(self) -> frozenset[int]:
+        engine = self.ref()
+        flow = None if engine is None else engine.weights.flow
+        return flow.streamed_indices if flow is not None else frozenset()

@@ -20,13 +20,26 @@ import torch
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
-from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers, export_state
-from superoffload.runtime.transfers import D2HTask, H2DTask
-from superoffload.runtime.transport import GlobalStats, Published, TransportContext
-from superoffload.runtime.worker import Lane, Priority, describe, make_lane
+from superoffload.runtime.state import (
+    BucketBuffers,
+    ParamState,
+    adopt_value,
+    build_buffers,
+    export_state,
+)
+from superoffload.runtime.transfers import D2HTask, H2DTask, transfer_hint
+from superoffload.runtime.transport import (
+    NO_CHECKS,
+    Checks,
+    GlobalStats,
+    LaneOwner,
+    Published,
+    TransportContext,
+)
+from superoffload.runtime.worker import Lane, Priority, make_lane
 
 
-class LocalTransport:
+class LocalTransport(LaneOwner):
     """Gradients and weights between one device and its host (see the module docstring)."""
 
     name = "local"
@@ -45,16 +58,6 @@ class LocalTransport:
         self._ctx = ctx
         self._lanes = tuple(make_lane(n, inline=ctx.inline, on_error=ctx.on_error)
                             for n in ("d2h", "h2d"))
-
-    @property
-    def ctx(self) -> TransportContext:
-        if self._ctx is None:
-            raise RuntimeError("LocalTransport.start() was not called")
-        return self._ctx
-
-    @property
-    def lanes(self) -> tuple[Lane, ...]:
-        return self._lanes
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
               flow: bool, snapshot: bool,
@@ -101,8 +104,35 @@ class LocalTransport:
     def discard(self, buckets: Sequence[int]) -> None:
         return None  # a tail bucket moves nothing
 
-    def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
-        return GlobalStats(local.sum_sq, local.nonfinite, present)
+    def reduce_stats(self, local: GradStats, present: frozenset[int],
+                     checks: Checks = NO_CHECKS) -> GlobalStats:
+        return GlobalStats(local.sum_sq, local.nonfinite, present, edited=int(checks.edited))
+
+    def agree(self, fingerprint: Mapping[str, Any]) -> None:
+        return None  # one process: nothing to compare
+
+    def _where(self, index: int) -> tuple[BucketBuffers, int]:
+        return self.buffers[self.ctx.state.bucket_of[index]], self._pos[index]
+
+    def adopt(self, indices: Sequence[int]) -> None:
+        params = self.ctx.state.params
+        for i in indices:
+            buf, k = self._where(i)
+            if buf.master[k].data_ptr() != params[i].data_ptr():  # fp32 tail: p is the master
+                adopt_value(buf.master[k], params[i], None if buf.lp_host is None else buf.lp_host[k])
+
+    def restore(self, indices: Sequence[int]) -> list[int]:
+        params, lost = self.ctx.state.params, []
+        with torch.no_grad():
+            for i in indices:
+                buf, k = self._where(i)
+                src = buf.lp_host if buf.lp_host is not None else buf.master
+                if src[k].data_ptr() != params[i].data_ptr():
+                    params[i].data.copy_(src[k])
+                else:
+                    lost.append(i)  # an fp32 tail parameter is its own master
+        self.ctx.backend.synchronize()
+        return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
                 iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
@@ -128,10 +158,7 @@ class LocalTransport:
         return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
 
     def stall_hint(self) -> str:
-        lanes = ", ".join(describe(lane) for lane in self._lanes)
-        return (f"transfer lanes: {lanes}; a copy that never ends means a hung device (check "
-                "nvidia-smi) or an overloaded host (raise OffloadConfig.watchdog_s if the step "
-                "is just slow)")
+        return transfer_hint(self._lanes)  # blames the device only when a copy is running
 
     def export_states(self) -> dict[int, ParamState]:
         steps = self.ctx.state.steps

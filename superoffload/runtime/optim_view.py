@@ -60,6 +60,25 @@ def param_groups_from(
     return groups
 
 
+def defaults_from(optimizer: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None
+                  ) -> dict[str, Any]:
+    """The defaults a group added later inherits (torch: the optimizer's constructor keyword
+    arguments): the hyper-parameters given as one dict, else AdamW's."""
+    if isinstance(optimizer, Mapping):
+        return {**DEFAULTS, **{k: v for k, v in optimizer.items() if k != "params"}}
+    return dict(DEFAULTS)
+
+
+def new_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``add_param_group``'s argument, checked like a constructor group: known keys, valid
+    hyper-parameters once the defaults are filled in; the parameters that require grad."""
+    if not isinstance(param_group, Mapping) or "params" not in param_group:
+        raise TypeError("add_param_group: pass a dict with a 'params' list, as torch does")
+    _check_group({**defaults, **param_group}, ".add_param_group")
+    params = [p for p in _as_list(param_group["params"]) if p.requires_grad]
+    return {**param_group, "params": params}
+
+
 def _as_list(params: Any) -> list[torch.nn.Parameter]:
     if isinstance(params, torch.Tensor):
         return [params]  # type: ignore[list-item]
@@ -83,8 +102,12 @@ class EngineOptimizer(torch.optim.Optimizer):
         zero_grad_fn: Callable[[bool], None],
         state_fn: Callable[[], dict[str, Any]],
         load_fn: Callable[[dict[str, Any]], None],
+        add_group_fn: Callable[[dict[str, Any]], None] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(list(groups), dict(DEFAULTS))
+        self._add_group_fn: Callable[[dict[str, Any]], None] | None = None  # torch's __init__
+        super().__init__(list(groups), dict(defaults or DEFAULTS))
+        self._add_group_fn = add_group_fn
         self._step_fn = step_fn
         self._zero_grad_fn = zero_grad_fn
         self._state_fn = state_fn
@@ -100,6 +123,18 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_grad_fn(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``: the engine gives the new parameters
+        buckets (a re-plan) and trains them from the next step (fresh moments)."""
+        if self._add_group_fn is None:  # the groups given at construction
+            super().add_param_group(param_group)
+        else:
+            self._add_group_fn(param_group)
+
+    def append_group(self, param_group: dict[str, Any]) -> None:
+        """The engine's part of ``add_param_group``: the group joins ``param_groups``."""
+        super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self._state_fn()

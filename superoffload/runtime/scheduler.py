@@ -19,10 +19,12 @@ both. The training thread owns all bookkeeping; lanes run frozen tasks.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from superoffload.config import OffloadConfig
 from superoffload.kernels import AdamHyper
@@ -33,9 +35,20 @@ from superoffload.runtime.errors import (
     IterationInterrupted,
     WatchdogTimeout,
 )
+from superoffload.runtime.guard import Contract
+from superoffload.runtime.iteration import EngineStats, Flight, Iteration
 from superoffload.runtime.loss_scaler import LossScaler
+from superoffload.runtime.rollback_guard import Rescue
 from superoffload.runtime.state import EngineState
-from superoffload.runtime.steps import KernelCall, RollbackTask, StepTask, make_calls, members_of
+from superoffload.runtime.steps import (
+    Guard,
+    KernelCall,
+    RollbackTask,
+    StepTask,
+    make_calls,
+    members_of,
+    speculable,
+)
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.transport import Transport
@@ -44,74 +57,18 @@ from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 
 
-@dataclass(slots=True)
-class EngineStats:
-    """Counters of what happened (bucket counts are per bucket, not per iteration)."""
-
-    iterations: int = 0
-    skipped_steps: int = 0
-    clipped_steps: int = 0
-    rollbacks: int = 0
-    """Speculative bucket steps undone."""
-    replays: int = 0
-    """Bucket steps replayed with the clipped gradient."""
-    speculated_buckets: int = 0
-    """Speculative bucket steps that ran."""
-    nonfinite_buckets: int = 0
-    """Buckets whose own gradient was non-finite (never speculated)."""
-    speculation_enabled: bool = True
-    reconfigurations: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
-
-
-@dataclass(slots=True)
-class Flight:
-    """A bucket in flight during one iteration."""
-
-    bucket: int
-    on_device: bool
-    present: frozenset[int]
-    """Its parameters with a local gradient at launch."""
-    calls: tuple[KernelCall, ...]
-    """Kernel calls over this rank's positions of those parameters."""
-    stats: Future[Any] | None = None
-    """Host buckets: the local validation statistics (D2H or reduce)."""
-    spec: Future[Any] | None = None
-    """The speculative step (resolves True when it ran)."""
-    spec_scale: float = 1.0
-
-
-@dataclass(slots=True)
-class Iteration:
-    """Bookkeeping of the iteration in progress (training thread)."""
-
-    micro_step: int = 0
-    armed: bool = False
-    """The last micro-step of the accumulation: buckets launch as they complete."""
-    speculate: bool = False
-    hypers: list[AdamHyper] = field(default_factory=list)
-    """Per param group, read when the iteration's last micro-step began."""
-    fired: dict[int, set[int]] = field(default_factory=dict)
-    ready: set[int] = field(default_factory=set)
-    next_launch: int = 0
-    flights: dict[int, Flight] = field(default_factory=dict)
-    losses: list[Any] = field(default_factory=list)
-    """Loss tensors (detached); read as floats when the iteration closes (no host sync in
-    backward)."""
-    settling: bool = False
-    """``step()`` has begun acting on the verdict (rollbacks, replays, the tail step)."""
-
-
 class IterationScheduler:
     """Owns the iteration in flight, the pending publishes and the CPU worker's tasks."""
 
     def __init__(self, *, state: EngineState, transport: Transport, backend: Backend,
                  recorder: Recorder, worker: Lane, config: Callable[[], OffloadConfig],
                  scaler: LossScaler, adaptive: AdaptiveSTV, failures: FailureBox,
-                 streamed: Callable[[], frozenset[int]]) -> None:
+                 streamed: Callable[[], frozenset[int]], contract: Contract) -> None:
         self.state, self.transport, self.backend = state, transport, backend
+        self.contract = contract
+        self.transforms: OrderedDict[int, Callable[[str, torch.Tensor], torch.Tensor | None]] = \
+            OrderedDict()
+        """``engine.register_grad_transform``: applied to each gradient as its bucket launches."""
         self.recorder, self.worker, self.failures = recorder, worker, failures
         self.config, self.scaler, self.adaptive = config, scaler, adaptive
         self.streamed = streamed
@@ -137,11 +94,13 @@ class IterationScheduler:
         """A new iteration starts: forget what finished (``outstanding`` keeps only futures
         still running, so a run that never synchronizes does not accumulate them)."""
         self.current = Iteration()
+        self.contract.forget_grads()
         self.outstanding = [f for f in self.outstanding if not f.done()]
 
     def reset(self) -> None:
         """Forget a partial iteration (after a load or a rebuild)."""
         self.current = Iteration()
+        self.contract.forget_grads()
         self.home_ready.clear()
 
     def begin_micro_step(self, hypers: Callable[[], list[AdamHyper]]) -> Iteration:
@@ -203,6 +162,9 @@ class IterationScheduler:
         it, st = self.current, self.state
         buf = st.buffers[b]
         present = frozenset(i for i in self.bucket_params(b) if st.params[i].grad is not None)
+        if self.transforms:
+            self.transform(present)
+        self.contract.took(present)  # an edit from now on would reach only some buckets
         streamed = self.streamed()
         stats = self.transport.launch(b, tuple(sorted(present)), self.iteration, streamed)
         calls = make_calls(buf, present, st.group_of, st.steps, it.hypers)
@@ -213,6 +175,11 @@ class IterationScheduler:
         if buf.on_device or not it.speculate or not (present or self.transport.ordered_launch):
             return
         cfg = self.config()
+        groups = {st.group_of[i] for i in self.bucket_params(b)}  # the same on every rank
+        moments = buf.exp_avg[0].dtype if buf.exp_avg else torch.float32
+        if not speculable([it.hypers[g] for g in sorted(groups)], moments, cfg.rollback,
+                          cfg.max_grad_norm):
+            return  # stepped once, after the verdict (settle.py)
         if cfg.rollback == "snapshot":
             buf.ensure_snapshot(self.backend.alloc_host)
         fl.spec_scale = 1.0 / (self.scaler.loss_scale * self.transport.grad_divisor)
@@ -221,7 +188,28 @@ class IterationScheduler:
                                              speculative=True, replay=False),
                               b, after=() if stats is None else (stats,))
         fl.spec.add_done_callback(self.counter("speculated_buckets"))
+        fl.spec.add_done_callback(self.count_guarded)
         self.publish(b, calls, fl.spec)
+
+    def transform(self, indices: Iterable[int]) -> None:
+        """The user's gradient transforms, in registration order, before the gradient leaves
+        (on the thread that runs the hook: autograd's, during backward)."""
+        st = self.state
+        with torch.no_grad():
+            for i in sorted(indices):
+                p = st.params[i]
+                for fn in list(self.transforms.values()):
+                    g = p.grad
+                    assert g is not None
+                    out = fn(st.names[i], g)
+                    if out is not None and out is not g:
+                        if out.shape != g.shape or out.dtype != g.dtype or out.device != g.device:
+                            raise ValueError(
+                                f"grad transform {getattr(fn, '__name__', fn)!r} returned a "
+                                f"{out.dtype} tensor of shape {tuple(out.shape)} on {out.device} "
+                                f"for {st.names[i]!r}; return one like the gradient "
+                                f"({g.dtype}, {tuple(g.shape)}, {g.device}) or None")
+                        p.grad = out
 
     def abort(self) -> None:
         """Undo the iteration in progress (an interrupted backward, ``zero_grad()`` before
@@ -237,6 +225,7 @@ class IterationScheduler:
                 self.publish(fl.bucket, fl.calls, self.rollback(fl))
         self.transport.discard([fl.bucket for fl in flights if fl.on_device])
         self.current = Iteration()
+        self.contract.forget_grads()
 
     def recover(self, exc: BaseException, where: str, synchronize: Callable[[], None]) -> None:
         """An iteration will not finish (``exc`` in ``where``): undo it, or refuse to go on —
@@ -264,13 +253,17 @@ class IterationScheduler:
 
     # ------------------------------------------------------------------ tasks
     def step_task(self, fl: Flight, calls: tuple[KernelCall, ...], *, scale: float,
-                  after: Future[Any] | None, speculative: bool, replay: bool) -> StepTask:
+                  after: Future[Any] | None, speculative: bool, replay: bool,
+                  undone: Future[Any] | None = None) -> StepTask:
         cfg = self.config()
         return StepTask(
             bucket=fl.bucket, iteration=self.iteration, buffers=self.state.buffers[fl.bucket],
             calls=calls, grad_scale=scale, threads=self.threads, after=after,
             skip_nonfinite=speculative, snapshot=speculative and cfg.rollback == "snapshot",
-            replay=replay, recorder=self.recorder, watchdog_s=cfg.watchdog_s, seed=cfg.seed)
+            replay=replay, recorder=self.recorder, watchdog_s=cfg.watchdog_s, seed=cfg.seed,
+            guard=Guard(cfg.max_grad_norm, self.threads)
+            if speculative and cfg.rollback == "auto" else None,
+            undone=undone)
 
     def rollback(self, fl: Flight) -> Future[Any]:
         """Undo ``fl``'s speculative step (if it ran) on the worker."""
@@ -307,10 +300,20 @@ class IterationScheduler:
         if pub.home is not None:
             self.home_ready[b] = pub.home
 
-    def counter(self, name: str) -> Callable[[Future[Any]], None]:
-        """A done-callback adding 1 to ``stats.<name>`` when the task ran (returned True)."""
+    def count_guarded(self, fut: Future[Any]) -> None:
+        """A speculative step's ``Rescue`` (rollback="auto"): count the elements it kept."""
+        if fut.exception() is None and isinstance(fut.result(), Rescue):
+            with self._count_lock:
+                self.stats.guarded_elements += fut.result().elements
+
+    def counter(self, name: str, *, when: Future[Any] | None = None
+                ) -> Callable[[Future[Any]], None]:
+        """A done-callback adding 1 to ``stats.<name>`` when the task ran (returned True, or a
+        step's Rescue) and, with ``when`` (done before the task ran), that one ran too."""
         def done(fut: Future[Any]) -> None:
-            if fut.exception() is None and fut.result() is True:
+            if when is not None and not (when.exception() is None and bool(when.result())):
+                return
+            if fut.exception() is None and bool(fut.result()):
                 with self._count_lock:
                     setattr(self.stats, name, getattr(self.stats, name) + 1)
         return done
@@ -328,16 +331,52 @@ class IterationScheduler:
             raise
 
     def wait_for_weights(self, indices: Iterable[int]) -> None:
-        """Forward pre-hook of a module: its own buckets' last publish, nothing else (§4.2)."""
-        buckets = {self.state.bucket_of[i] for i in indices if i in self.state.bucket_of}
+        """Forward pre-hook of a module: its own buckets' last publish, nothing else (§4.2).
+        A parameter written while that publish was in flight raced the copy lane: the write is
+        discarded (the published weights restored) and ``WeightsWrittenInFlight`` raised."""
+        bucket_of = self.state.bucket_of
+        buckets = {bucket_of[i] for i in indices if i in bucket_of}
         for b in sorted(buckets):
             fut = self.pending.pop(b, None)
             if fut is None:
                 continue
+            if self.contract.written([i for i in indices if bucket_of.get(i) == b],
+                                     self.streamed()):  # a write inside the forward itself
+                self.pending[b] = fut
+                self.discard_racing_writes()  # every bucket still in flight, then raise
             t0 = self.recorder.now()
             self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
             self.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, self.recorder.now(),
                               iteration=self.iteration, bucket=b)
+
+    def discard_racing_writes(self) -> None:
+        """Wait for every publish still in flight (from the training thread's view: not yet
+        waited for by a forward or a synchronize). If a parameter of those buckets was written
+        meanwhile, the write raced the copy lane, whatever the timing: every write since
+        ``step()`` is discarded (the published weights restored, so no mix of written and
+        published buckets) and ``WeightsWrittenInFlight`` raised (runtime/weight_writes.py)."""
+        bucket_of, pending = self.state.bucket_of, dict(self.pending)
+        written = self.contract.written(self.state.trainable, self.streamed()) if pending else []
+        racing = [i for i in written if bucket_of.get(i) in pending]
+        for b, fut in pending.items():
+            self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
+            self.pending.pop(b, None)
+        self.backend.synchronize()
+        if racing:
+            lost = self.transport.restore(written) or []
+            self.contract.rebase(written)
+            raise self.contract.in_flight_error(racing, lost)
+
+    def check_writes_before_forward(self) -> None:
+        """Root forward pre-hook: a write racing an in-flight publish is refused before any
+        module runs (``discard_racing_writes``); other writes wait for the next iteration's
+        adoption."""
+        if not self.pending:
+            return
+        bucket_of = self.state.bucket_of
+        if any(bucket_of.get(i) in self.pending
+               for i in self.contract.written(self.state.trainable, self.streamed())):
+            self.discard_racing_writes()
 
     def drain_pending(self, lanes: Sequence[Lane]) -> None:
         """Every lane has run what was submitted; every publish has landed."""
@@ -351,7 +390,4 @@ class IterationScheduler:
         outstanding, self.outstanding = self.outstanding, []
         for fut in outstanding:
             self.wait(fut, "a task submitted before synchronize()")
-        for b, fut in list(self.pending.items()):
-            self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
-        self.pending.clear()
-        self.backend.synchronize()
+        self.discard_racing_writes()

@@ -22,20 +22,30 @@ N^2 and the kernel's factor carries 1/N.
 
 from __future__ import annotations
 
+import math
+
 from superoffload.runtime.backend import GradStats
+from superoffload.runtime.guard import RanksDisagree, hyper_hash, hyper_tuple
 from superoffload.runtime.scheduler import Flight, IterationScheduler
 from superoffload.runtime.steps import device_step, make_calls
 from superoffload.runtime.stv import Action, Verdict, verdict
-from superoffload.runtime.transport import GlobalStats
+from superoffload.runtime.transport import Checks, GlobalStats
 from superoffload.telemetry.events import KIND_VALIDATE, LANE_COMPUTE
 
 
 def finish_iteration(sched: IterationScheduler) -> Verdict:
-    """Validate, settle every bucket, step the tail, close the iteration."""
+    """Validate, settle every bucket, step the tail, close the iteration. A broken contract
+    (an edited gradient, ranks that disagree) raises a ``ContractError`` before anything is
+    settled, the same on every rank: the caller rolls the iteration back."""
     it = sched.current
     flights = [it.flights[b] for b in sorted(it.flights)]
     loss_scale = sched.scaler.loss_scale
-    v, glob = validate(sched, flights, loss_scale)
+    glob = it.validated
+    if glob is None:
+        glob = validate(sched, flights)
+    else:  # clip_grad_norm_ validated already: only the edits since then are left to agree
+        glob = check_again(sched, glob)
+    v = decide(sched, glob, loss_scale)
     it.settling = True  # from here an interruption leaves the iteration half-settled
     settle(sched, flights, v, glob)
     if v.action is not Action.SKIP:
@@ -44,8 +54,15 @@ def finish_iteration(sched: IterationScheduler) -> Verdict:
     return v
 
 
-def validate(sched: IterationScheduler, flights: list[Flight],
-             loss_scale: float) -> tuple[Verdict, GlobalStats]:
+def checks(sched: IterationScheduler) -> Checks:
+    """This rank's contract checks for the validation reduce (runtime/guard.py)."""
+    it, cfg = sched.current, sched.config()
+    return Checks(edited=bool(sched.contract.edited(sched.streamed())),
+                  hyper_hash=hyper_hash(it.hypers, cfg.max_grad_norm))
+
+
+def validate(sched: IterationScheduler, flights: list[Flight]) -> GlobalStats:
+    """Sum the local statistics of every bucket and rank (one reduce, ``checks`` with them)."""
     rec, t0 = sched.recorder, sched.recorder.now()
     local = sched.transport.tail_stats([fl.bucket for fl in flights if fl.on_device])
     sum_sq, nonfinite = local.sum_sq, local.nonfinite
@@ -58,12 +75,57 @@ def validate(sched: IterationScheduler, flights: list[Flight],
         sum_sq += stats.sum_sq
         nonfinite += stats.nonfinite
     present = frozenset().union(*(fl.present for fl in flights))
-    glob = sched.transport.reduce_stats(GradStats(sum_sq, nonfinite), present)
-    n = sched.transport.grad_divisor
-    v = verdict(glob.sum_sq / n**2, glob.nonfinite, loss_scale=loss_scale,
-                max_grad_norm=sched.config().max_grad_norm)
+    glob = sched.transport.reduce_stats(GradStats(sum_sq, nonfinite), present, checks(sched))
     rec.add(LANE_COMPUTE, KIND_VALIDATE, t0, rec.now(), iteration=sched.iteration)
-    return v, glob
+    enforce(sched, glob)
+    return glob
+
+
+def check_again(sched: IterationScheduler, glob: GlobalStats) -> GlobalStats:
+    """After an early validation: the edits made since, agreed over the ranks."""
+    again = sched.transport.reduce_stats(GradStats(0.0, 0), frozenset(), checks(sched))
+    enforce(sched, again)
+    return glob
+
+
+def enforce(sched: IterationScheduler, glob: GlobalStats) -> None:
+    if glob.edited:
+        names = sched.contract.edited(sched.streamed())
+        if not names:  # edited on another rank only
+            names = [f"<on {glob.edited} other rank(s)>"]
+        raise sched.contract.edit_error(names)
+    if not glob.agree:  # name the field: every rank saw the mismatch, so all join this
+        it = sched.current
+        sched.transport.agree({"param_groups": [hyper_tuple(h) for h in it.hypers],
+                               "max_grad_norm": sched.config().max_grad_norm})
+        raise RanksDisagree("data-parallel ranks step with different hyper-parameters")
+
+
+def validate_early(sched: IterationScheduler, max_norm: float) -> tuple[float, int]:
+    """``engine.clip_grad_norm_``: validate now (every bucket's statistics, every rank), keep
+    the result for ``step()``, lower the iteration's threshold. Returns (total norm of the
+    unscaled gradient, non-finite count)."""
+    it = sched.current
+    if it.validated is None:
+        it.validated = validate(sched, [it.flights[b] for b in sorted(it.flights)])
+    it.clip_norm = max_norm if it.clip_norm is None else min(it.clip_norm, max_norm)
+    glob, n = it.validated, sched.transport.grad_divisor
+    if glob.nonfinite or not math.isfinite(glob.sum_sq):
+        return math.inf, max(glob.nonfinite, 1)
+    return math.sqrt(glob.sum_sq / n**2) / sched.scaler.loss_scale, 0
+
+
+def clip_threshold(sched: IterationScheduler) -> float | None:
+    """The iteration's clipping threshold: the configured one and ``clip_grad_norm_``'s, the
+    smaller (clipping twice clips to the smaller norm)."""
+    given = [x for x in (sched.config().max_grad_norm, sched.current.clip_norm) if x]
+    return min(given) if given else None
+
+
+def decide(sched: IterationScheduler, glob: GlobalStats, loss_scale: float) -> Verdict:
+    n = sched.transport.grad_divisor
+    return verdict(glob.sum_sq / n**2, glob.nonfinite, loss_scale=loss_scale,
+                   max_grad_norm=clip_threshold(sched))
 
 
 def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
@@ -99,10 +161,10 @@ def settle(sched: IterationScheduler, flights: list[Flight], v: Verdict,
             continue
         replay = fl.spec is not None
         step = sched.submit(sched.step_task(fl, calls, scale=scale, after=None,
-                                            speculative=False, replay=replay),
+                                            speculative=False, replay=replay, undone=undone),
                             fl.bucket, after=() if undone is None else (undone,))
-        if replay:
-            step.add_done_callback(sched.counter("replays"))
+        if replay:  # counted only when the speculative step had run and was undone
+            step.add_done_callback(sched.counter("replays", when=undone))
         sched.publish(fl.bucket, calls, step)
 
 

@@ -143,6 +143,23 @@ def build_buffers(
     return buffers
 
 
+def adopt_value(master: torch.Tensor, written: torch.Tensor, lp: torch.Tensor | None) -> None:
+    """A weight written outside the engine becomes the optimizer's (runtime/weight_writes.py):
+    ``master`` (fp32, any placement) takes ``written``; for a low-precision model only where
+    the written value differs from what the device held (the master rounded to its dtype), so
+    rewriting unchanged weights (a restore of the same values) keeps the masters' fp32 bits.
+    ``lp``: the host low-precision copy, if any."""
+    w = written.detach().reshape(master.shape).to(master.device)
+    with torch.no_grad():
+        if w.dtype == torch.float32:
+            master.copy_(w)
+        else:
+            changed = master.to(w.dtype) != w
+            master.copy_(torch.where(changed, w.float(), master))
+        if lp is not None:
+            lp.copy_(w)
+
+
 def export_state(buffers: BucketBuffers, steps: Sequence[int]) -> list[ParamState]:
     """Placement-free copies (CPU, fp32) of a bucket's state; ``steps`` per parameter."""
     out = []

@@ -6,12 +6,16 @@ the training thread when the task is built and frozen into it, so an LR schedule
 takes effect on the next step and never races with the worker.
 
 Rollback (DESIGN.md §4): "inverse" applies the kernel's algebraic inverse with the same
-gradient, scale and hyperparameters (exact to a few ulps); "snapshot" restores pre-step
-copies of p, m, v taken just before the speculative step (bit-exact, 12 B/param).
+gradient, scale and hyperparameters (exact to a few ulps where the rejected gradient does not
+dwarf the moments' history); "snapshot" restores pre-step copies of p, m, v taken just before
+the speculative step (bit-exact, 12 B/param); "auto" (the default) is the inverse guarded by
+its error bound: elements beyond it are kept exactly, buckets certain to be clipped or with
+too many such elements are not speculated (runtime/rollback_guard.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -22,6 +26,16 @@ import torch
 
 from superoffload import kernels
 from superoffload.kernels import AdamHyper
+from superoffload.runtime.rollback_guard import (
+    DENSE_FRACTION,
+    Rescue,
+    Run,
+    flat_runs,
+    invertible,
+    prechecked_risky,
+    rho_limit,
+    risky,
+)
 from superoffload.runtime.state import BucketBuffers
 from superoffload.runtime.transfers import wait_for
 from superoffload.telemetry.events import (
@@ -143,13 +157,27 @@ class StepTask:
     watchdog_s: float
     seed: int = 0
     """``OffloadConfig.seed``: the stochastic rounding of bf16 moments (``sr_seed``)."""
+    guard: Guard | None = None
+    """``rollback="auto"``: the speculative step's guard (what to keep, when to decline)."""
+    undone: Future[Any] | None = None
+    """A replay: the rollback it follows (False when the speculative step had not run, e.g.
+    declined under "auto": then this is the bucket's first step, not a replay)."""
 
-    def run(self) -> bool:
+    def run(self) -> bool | Rescue:
+        """True when the step ran (a ``Rescue`` under ``rollback="auto"`` when elements beyond
+        the inverse's bound were kept: truthy, handed to the rollback through this result)."""
+        buf = self.buffers
+        rescue: Rescue | None = None
         if self.after is not None:
             stats = wait_for(self.after, self.watchdog_s, f"D2H of bucket {self.bucket}")
-            if stats.resolve().nonfinite and self.skip_nonfinite:  # resolve: the copy landed
+            stats = stats.resolve()  # resolve: the copy landed
+            if stats.nonfinite and self.skip_nonfinite:
                 return False
-        buf = self.buffers
+            if self.guard is not None:
+                kept = self.guard.protect(buf, self.calls, self.grad_scale, stats.sum_sq)
+                if kept is False:
+                    return False  # clipping is certain: settle steps it after the verdict
+                rescue = kept if isinstance(kept, Rescue) else None
         with torch.no_grad():
             if self.snapshot:
                 snap = buf.snapshot
@@ -159,14 +187,15 @@ class StepTask:
                     snap[i].copy_(buf.master[i])
                     snap[n + i].copy_(buf.exp_avg[i])
                     snap[2 * n + i].copy_(buf.exp_avg_sq[i])
-            kind = KIND_REPLAY if self.replay else KIND_CPU_STEP
+            replay = self.replay and (self.undone is None or bool(self.undone.result()))
+            kind = KIND_REPLAY if replay else KIND_CPU_STEP
             with self.recorder.span(
                 LANE_CPU, kind, iteration=self.iteration, bucket=self.bucket,
                 nbytes=28 * sum(buf.master[i].numel() for i in members_of(self.calls)),
             ):
                 run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
                           threads=self.threads, seed=self.seed)
-        return True
+        return rescue if rescue is not None else True
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +237,65 @@ class RollbackTask:
             else:
                 run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
                           threads=self.threads, rollback=True, seed=self.seed)
+                if isinstance(stepped, Rescue):  # "auto": the elements beyond the bound
+                    stepped.restore()
         return True
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """What ``rollback="auto"`` decides in the worker before a bucket's speculative step
+    (rollback_guard.py). The training thread has already declined what the configuration
+    alone rules out (``speculable``); what depends on the data is decided here."""
+
+    max_grad_norm: float | None
+    """The configured clipping threshold (a bucket above it alone is certain to clip)."""
+    threads: int | None = None
+    """The CPU optimizer's threads (the check runs on them)."""
+
+    def protect(self, buf: BucketBuffers, calls: tuple[KernelCall, ...], grad_scale: float,
+                sum_sq: float) -> Rescue | None | bool:
+        """False: do not speculate (the verdict will clip: every rank rolls back and replays,
+        so declining is consistent over ranks); None: the inverse alone is within its bound;
+        a ``Rescue``: the pre-step values of the elements beyond it."""
+        clip = self.max_grad_norm
+        # the global norm is at least this bucket's (sums of squares only add up)
+        if clip and math.sqrt(sum_sq) * grad_scale > clip * (1 + 1e-6):
+            return False
+        runs: list[Run] = []
+        index: list[torch.Tensor] = []
+        total = 0
+        for call in calls:
+            limit = rho_limit(call.hyper.beta1, call.hyper.beta2)
+            for run in flat_runs(buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host,
+                                 buf.lp_host, call.members):
+                total += run[0].numel()
+                if not prechecked_risky(run, call.hyper, grad_scale, limit, self.threads):
+                    continue  # the common case: one read of g and v in C, nothing beyond
+                idx = risky(run[3], run[0], run[1], run[2], hyper=call.hyper,
+                            grad_scale=grad_scale, limit=limit)
+                if idx is not None:
+                    runs.append(run)
+                    index.append(idx)
+        if not index:
+            return None
+        return Rescue.keep(runs, index,
+                           dense=sum(int(i.numel()) for i in index) > DENSE_FRACTION * total)
+
+
+def speculable(hypers: Sequence[AdamHyper], moments: torch.dtype, config_rollback: str,
+               max_grad_norm: float | None) -> bool:
+    """Training thread, at launch: may this bucket be speculated at all? Under "auto", not
+    when the inverse does not exist for one of its groups (betas 0 or 1), nor with bf16
+    moments under clipping (their stochastic rounding makes the inverse ~2^-8 off): such a
+    bucket is stepped once, after the verdict. ``hypers``: those of every param group with a
+    parameter in the bucket; decided from them and the configuration alone, so every rank
+    decides the same (collective publishes must match)."""
+    if config_rollback != "auto":
+        return True
+    if any(not invertible(h) for h in hypers):
+        return False
+    return not (max_grad_norm and moments != torch.float32)
 
 
 def device_step(

@@ -8,6 +8,7 @@ a bucket is offloaded the moment its last gradient is final; weights return per 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -16,18 +17,47 @@ import torch
 
 from superoffload.runtime.backend import Backend, GradStats, PendingStats
 from superoffload.runtime.errors import WatchdogTimeout
+from superoffload.runtime.worker import Lane, describe, explain
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
 
 
 def wait_for(future: Future[Any], timeout_s: float, what: str) -> Any:
-    """Block on ``future`` (no polling); name the stuck bucket instead of hanging forever."""
+    """Block on ``future`` (no polling); instead of hanging forever, name the task that is
+    late, its lane and bucket, and whether a copy or a CPU step is what is stuck."""
     try:
         return future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:
+        late = explain(future)
+        where = f": {late.text} ({_hint(late.lane)})" if late.text else ""
         raise WatchdogTimeout(
-            f"{what} did not finish within OffloadConfig.watchdog_s={timeout_s:g} s"
+            f"{what} did not finish within OffloadConfig.watchdog_s={timeout_s:g} s{where}"
         ) from None
+
+
+def _is_copy(task: Any) -> bool:
+    return isinstance(task, (D2HTask, H2DTask))
+
+
+def _hint(lane: Lane | None) -> str:
+    """What a late task on ``lane`` usually means."""
+    if lane is not None and _is_copy(getattr(lane, "current", None)):
+        return ("a copy that never ends means a hung device (check nvidia-smi) or a saturated "
+                "host; raise OffloadConfig.watchdog_s if it is just slow")
+    return ("not a copy: a step on the host is slow or stuck, e.g. an overloaded CPU or a "
+            "debugger, or on a GPU a gradient copy that never lands; raise "
+            "OffloadConfig.watchdog_s if it is just slow")
+
+
+def transfer_hint(lanes: Sequence[Lane]) -> str:
+    """The transfer lanes' part of a watchdog message: blames the device only when a copy
+    is what is running (``LocalTransport.stall_hint``)."""
+    names = ", ".join(describe(lane) for lane in lanes)
+    if any(_is_copy(getattr(lane, "current", None)) for lane in lanes):
+        return (f"transfer lanes: {names}; a copy that never ends means a hung device (check "
+                "nvidia-smi) or an overloaded host (raise OffloadConfig.watchdog_s if the copy "
+                "is just slow)")
+    return f"transfer lanes: {names}: no copy is running"
 
 
 def tensors_nbytes(tensors: tuple[torch.Tensor, ...]) -> int:

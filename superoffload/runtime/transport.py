@@ -54,6 +54,22 @@ class GlobalStats:
     untouched, as torch.optim does with ``grad is None``)."""
     partial: frozenset[int] = frozenset()
     """Of those, the ones some rank had no gradient for (every rank knows which)."""
+    edited: int = 0
+    """Ranks on which a gradient changed after the engine took it (runtime/guard.py)."""
+    agree: bool = True
+    """Every rank steps with the same hyper-parameters (the guard's hash, summed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    """What the validation reduce carries besides the statistics (runtime/guard.py): this
+    rank's verdict on gradient edits and the hash of its hyper-parameters in force."""
+
+    edited: bool = False
+    hyper_hash: tuple[int, int] = (0, 0)
+
+
+NO_CHECKS = Checks()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +83,26 @@ class TransportContext:
     on_error: ErrorSink
     watchdog_s: Callable[[], float]
     """The watchdog in force (``OffloadConfig.watchdog_s`` may be reconfigured)."""
+    fingerprint: Mapping[str, Any] | None = None
+    """What every data-parallel rank must agree on (``guard.fingerprint``): a collective
+    transport compares it over its ranks before its first collective."""
+
+
+class LaneOwner:
+    """What every transport keeps the same way: its context once started, and its two lanes."""
+
+    _ctx: TransportContext | None = None
+    _lanes: tuple[Lane, ...] = ()
+
+    @property
+    def ctx(self) -> TransportContext:
+        if self._ctx is None:
+            raise RuntimeError(f"{type(self).__name__}.start() was not called")
+        return self._ctx
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        return self._lanes
 
 
 class Transport(Protocol):
@@ -117,8 +153,27 @@ class Transport(Protocol):
         for their all-reduce, which every rank issued)."""
         ...
 
-    def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
-        """Sum the statistics (and the parameters with gradients) over the ranks."""
+    def reduce_stats(self, local: GradStats, present: frozenset[int],
+                     checks: Checks = NO_CHECKS) -> GlobalStats:
+        """Sum the statistics (and the parameters with gradients, and ``checks``) over the
+        ranks."""
+        ...
+
+    def agree(self, fingerprint: Mapping[str, Any]) -> None:
+        """Every rank holds the same ``fingerprint`` (raise ``RanksDisagree`` naming the first
+        field that differs, on every rank); one process: nothing to compare."""
+        ...
+
+    def adopt(self, indices: Sequence[int]) -> None:
+        """The model's parameters ``indices`` were written outside the engine: make their
+        fp32 masters (this rank's part) and host low-precision copies the written values, the
+        moments unchanged (torch's semantics). Called synchronized, between iterations."""
+        ...
+
+    def restore(self, indices: Sequence[int]) -> list[int] | None:
+        """Write the engine's weights back over parameters ``indices`` (a discarded racing
+        write), synchronously. Returns those it could not restore: an fp32 GPU tail bucket's
+        parameter is its own master, so a write to it leaves nothing to restore from."""
         ...
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],

@@ -32,6 +32,8 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
 from superoffload.plan.weights import WeightChoice
 from superoffload.runtime.backend import Backend
+from superoffload.runtime.hook_base import PicklableHook
+from superoffload.runtime.hook_base import eager as _eager
 from superoffload.runtime.hooks import in_backward
 from superoffload.runtime.policy import resolve_profile
 from superoffload.runtime.scheduler import IterationScheduler
@@ -89,6 +91,7 @@ class WeightPolicyController:
             (micro_batch or 1, seq_len) if seq_len is not None else None)
         self._pending: dict[str, Any] = {}
         self._lock = threading.Lock()  # reconfigure() may come from another thread
+        self._resident_depth = 0
         if self.requested == "auto" and self._batch is not None:
             self.active = self._decide()
 
@@ -97,15 +100,9 @@ class WeightPolicyController:
         """After the engine's first build: stream if flow; returns hook handles."""
         if self.active == "flow":
             self._attach()
-        ref = weakref.ref(self)  # the model must not keep the engine alive (runtime/lifetime.py)
-        owner = weakref.ref(self.engine.model)
-
-        def on_forward(module: torch.nn.Module, args: Any) -> None:
-            controller = ref()
-            if controller is not None and module is owner():
-                controller.on_forward(module, args)
-
-        return [self.engine.model.register_forward_pre_hook(on_forward)]
+        # the model must not keep the engine alive (runtime/lifetime.py); picklable (hook_base)
+        hook = _OnForward(weakref.ref(self), weakref.ref(self.engine.model))
+        return [self.engine.model.register_forward_pre_hook(hook)]
 
     def request(self, changes: dict[str, Any]) -> None:
         """reconfigure(weights=..., prefetch_depth=...): applied at the next iteration start."""
@@ -134,19 +131,25 @@ class WeightPolicyController:
         return fixed + (flow.iteration_peak_bytes if peak else flow.held_bytes)
 
     def resident(self) -> contextlib.AbstractContextManager[None]:
-        """Every streamed block resident inside (a no-op under weight-stationary)."""
+        """Every streamed block resident inside (a no-op under weight-stationary). Re-entrant:
+        only the outermost exit releases (a checkpoint load runs ``model.load_state_dict``,
+        whose own hooks ask for resident weights, inside one)."""
         flow = self.flow
         if flow is None:
             return contextlib.nullcontext()
 
         @contextlib.contextmanager
         def resident() -> Iterator[None]:
-            self.engine.synchronize()
-            flow.materialize()
+            if self._resident_depth == 0:
+                self.engine.synchronize()
+                flow.materialize()
+            self._resident_depth += 1
             try:
                 yield
             finally:
-                flow.release_all()
+                self._resident_depth -= 1
+                if self._resident_depth == 0:
+                    flow.release_all()
 
         return resident()
 
@@ -243,3 +246,15 @@ class WeightPolicyController:
         self.flow = self.engine.new_flow(self.depth)
         self.flow.attach()
         self.engine.hooks.extend(self.flow.handles)  # removed with the engine's (lifetime.py)
+
+
+class _OnForward(PicklableHook):
+    def __init__(self, ref: weakref.ref[WeightPolicyController],
+                 owner: weakref.ref[torch.nn.Module]) -> None:
+        self.ref, self.owner = ref, owner
+
+    @_eager
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        controller = self.ref()
+        if controller is not None and module is self.owner():
+            controller.on_forward(module, args)

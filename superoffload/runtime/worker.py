@@ -16,6 +16,11 @@ Every lane (transfers, the CPU optimizer, weight fetches) is an executor with on
 ``ThreadLane`` runs tasks on one daemon thread, blocking on a condition (no sleep-polling);
 ``InlineLane`` runs them in the caller's thread (dependencies are always done there), which
 makes schedules deterministic in tests.
+
+A lane's future is a ``TaskFuture``: it knows its task, its lane and the futures it waits
+for, so a watchdog can say which task at the end of a chain is late (``explain``: "H2DTask of
+bucket 2 waits for StepTask of bucket 2, queued on lane cpu_worker behind StepTask of bucket
+3, running for 2.0 s") instead of naming only the future it waited on.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import heapq
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -54,6 +60,25 @@ class LaneClosed(RuntimeError):
     """Raised by ``submit`` after ``close()`` (or set on a chained task's future)."""
 
 
+class TaskFuture(Future[Any]):
+    """A lane's future: what it runs (a label, not the task: a kept future holds no
+    buffers), where, and after which futures until it is queued (for ``explain``)."""
+
+    def __init__(self, lane: Lane, task: Any, after: Sequence[Future[Any]]) -> None:
+        super().__init__()
+        self.lane = lane
+        self.label = task_label(task)
+        self.after: tuple[Future[Any], ...] = tuple(after)
+        self.started_s: float | None = None
+        """``time.monotonic()`` when the task began running; None before."""
+
+
+def task_label(task: Any) -> str:
+    """"StepTask of bucket 3": the task's type and, when it has one, its bucket."""
+    bucket = getattr(task, "bucket", None)
+    return type(task).__name__ + ("" if bucket is None else f" of bucket {bucket}")
+
+
 class Lane(Protocol):
     name: str
 
@@ -66,6 +91,8 @@ class Lane(Protocol):
 
     def join(self, timeout_s: float | None) -> None: ...
 
+    def abandon(self) -> None: ...
+
 
 ErrorSink = Callable[[str, BaseException], None]
 """Called with (lane name, exception) when a task raises, from the lane's thread."""
@@ -74,6 +101,8 @@ ErrorSink = Callable[[str, BaseException], None]
 def _run_into(task: Task[Any], future: Future[Any], lane: str, on_error: ErrorSink | None) -> None:
     if not future.set_running_or_notify_cancel():
         return
+    if isinstance(future, TaskFuture):
+        future.started_s, future.after = time.monotonic(), ()  # deps are done: let them go
     try:
         result = task.run()
     except BaseException as exc:  # propagate everything, incl. KeyboardInterrupt-like
@@ -121,7 +150,7 @@ class InlineLane:
                priority: Priority = LAST) -> Future[Any]:
         if self._closed:
             raise LaneClosed(f"lane {self.name!r} is closed")
-        future: Future[Any] = Future()
+        future = TaskFuture(self, task, after)
         _when_done(after, future, lambda: _run_into(task, future, self.name, self._on_error))
         return future
 
@@ -132,6 +161,9 @@ class InlineLane:
         self._closed = True
 
     def join(self, timeout_s: float | None) -> None:
+        return None
+
+    def abandon(self) -> None:
         return None
 
 
@@ -148,8 +180,13 @@ class ThreadLane:
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
+        self._abandoned = False
         self.current: Any = None
         """The task running now (for the watchdog's message), or None."""
+        self.current_since_s = 0.0
+        """``time.monotonic()`` when ``current`` began."""
+        self.progress_s = time.monotonic()
+        """When a task last began or ended here (``lifetime.settle``: is work progressing?)."""
         self._thread = threading.Thread(target=self._loop, name=f"superoffload-{name}", daemon=True)
         self._thread.start()
 
@@ -158,7 +195,7 @@ class ThreadLane:
         with self._cond:
             if self._closed:
                 raise LaneClosed(f"lane {self.name!r} is closed")
-        future: Future[Any] = Future()
+        future = TaskFuture(self, task, after)
         _when_done(after, future, lambda: self._enqueue(priority, task, future))
         return future
 
@@ -170,6 +207,8 @@ class ThreadLane:
                                                     "this task's dependencies finished"))
                 return
             heapq.heappush(self._heap, (priority, next(self._seq), task, future))
+            if isinstance(future, TaskFuture):
+                future.after = ()  # done: nothing to explain there any more
             self._cond.notify()
 
     def _loop(self) -> None:
@@ -180,11 +219,13 @@ class ThreadLane:
                 _, _, task, future = heapq.heappop(self._heap)
             if task is _STOP:
                 return
-            self.current = task
+            self.current, self.current_since_s = task, time.monotonic()
+            self.progress_s = self.current_since_s
             _run_into(task, future, self.name, self._on_error)
             # drop the references while blocked on the next task: a finished task's future
             # carries callbacks into the engine, which must stay collectable (lifetime.py)
             self.current = task = future = None
+            self.progress_s = time.monotonic()
 
     def close(self, timeout_s: float | None = 30.0) -> None:
         """Stop after the queued tasks; idempotent. Queued tasks still run to completion;
@@ -202,8 +243,27 @@ class ThreadLane:
         self._enqueue((math.inf, math.inf), _STOP, Future())
 
     def join(self, timeout_s: float | None) -> None:
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
+        """Wait for the thread to exit, at most ``timeout_s``; a lane that did not exit in
+        time once, or was ``abandon``ed, is not waited for again (a hung task would make
+        every later close wait its full timeout)."""
+        if threading.current_thread() is self._thread or self._abandoned:
+            return
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._abandoned = True
+
+    def abandon(self) -> None:
+        """Give up on a stuck task: later joins return at once (the thread is a daemon)."""
+        self._abandoned = True
+
+    @property
+    def busy(self) -> bool:
+        """A task (not a ``Barrier``) is running or queued here."""
+        def real(task: Any) -> bool:
+            return task is not None and task is not _STOP and not isinstance(task, Barrier)
+
+        with self._cond:
+            return real(self.current) or any(real(t) for _, _, t, _ in self._heap)
 
     @property
     def alive(self) -> bool:
@@ -211,13 +271,52 @@ class ThreadLane:
 
 
 def describe(lane: Lane) -> str:
-    """What a lane is busy with, e.g. "StepTask of bucket 3" (watchdog messages)."""
+    """What a lane is busy with, e.g. "lane cpu_worker (stuck in StepTask of bucket 3 for
+    2.0 s)" (watchdog messages); "lane d2h (idle)" when it runs nothing."""
     task = getattr(lane, "current", None)
     if task is None:
-        return f"lane {lane.name}"
-    bucket = getattr(task, "bucket", None)
-    what = type(task).__name__ + ("" if bucket is None else f" of bucket {bucket}")
-    return f"lane {lane.name} (stuck in {what})"
+        return f"lane {lane.name} (idle)"
+    since = getattr(lane, "current_since_s", None)
+    running = "" if since is None else f" for {time.monotonic() - since:.1f} s"
+    return f"lane {lane.name} (stuck in {task_label(task)}{running})"
+
+
+@dataclass(frozen=True, slots=True)
+class Lateness:
+    """Why a future is not done (``explain``)."""
+
+    text: str
+    """E.g. "H2DTask of bucket 2 waits for StepTask of bucket 2, running on lane cpu_worker
+    for 2.0 s"; "" for a future no lane made (nothing is known about it)."""
+    lane: Lane | None = None
+    """The lane of the late task: running it, or running what it is queued behind."""
+
+
+def explain(future: Future[Any]) -> Lateness:
+    """Follow ``future``'s unfinished dependencies to the task that is late and say where it
+    is: running on a lane (for how long), or queued behind another task there."""
+    labels: list[str] = []
+    f: Future[Any] = future
+    for _ in range(32):  # dependency chains are a few tasks long; never loop forever
+        if not isinstance(f, TaskFuture) or f.done():
+            break
+        labels.append(f.label)
+        chain = " waits for ".join(labels)
+        if f.started_s is not None:
+            running = time.monotonic() - f.started_s
+            return Lateness(f"{chain}, running on lane {f.lane.name} for {running:.1f} s",
+                            f.lane)
+        pending = [d for d in f.after if not d.done()]
+        if pending:
+            f = pending[0]
+            continue
+        current = getattr(f.lane, "current", None)
+        if current is None:
+            return Lateness(f"{chain}, queued on lane {f.lane.name}", f.lane)
+        since = time.monotonic() - getattr(f.lane, "current_since_s", time.monotonic())
+        return Lateness(f"{chain}, queued on lane {f.lane.name} behind {task_label(current)}, "
+                        f"running for {since:.1f} s", f.lane)
+    return Lateness(" waits for ".join(labels))
 
 
 def make_lane(name: str, *, inline: bool, on_error: ErrorSink | None = None) -> Lane:

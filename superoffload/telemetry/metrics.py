@@ -16,6 +16,9 @@ Legend (per iteration i):
                 iteration used (`link_utilisation_pct`; the peak comes from a hardware profile)
   overlap       share of i's CPU-optimizer time that ran while the device computed
                 (paper §4.2: the point of bucketization is to hide the CPU step behind backward)
+  outside the engine
+                the part of the window no lane worked in: the loop's own work (data loading,
+                a framework's logging), which the planner does not model
   exposed optimizer time
                 the part of [end of i's backward, end of i's last optimizer-side span (CPU
                 step, H2D, device step, validation, rollback, replay)] during which the device
@@ -108,6 +111,9 @@ class IterationMetrics:
     """Union of this iteration's D2H spans: the time the link moved its gradients."""
     h2d_busy_s: float = 0.0
     """Union of this iteration's H2D spans (weights back in, weight-flow fetches)."""
+    outside_engine_s: float = 0.0
+    """Time in the window during which no lane worked (any iteration's spans): the training
+    loop's own work between steps (data loading, logging, a framework's bookkeeping)."""
 
 
 def link_utilisation_pct(gbps_wall: float, peak_gbps: float | None) -> float:
@@ -159,6 +165,7 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
     busy = Disjoint(device_busy(spans))
     compute = Disjoint(model_compute(spans))
     cpu_all = Disjoint((s.start_s, s.end_s) for s in spans if s.lane == LANE_CPU)
+    any_lane = Disjoint((s.start_s, s.end_s) for s in spans)
     out: list[IterationMetrics] = []
     for k, it in enumerate(order):
         group = by_iter[it]
@@ -209,6 +216,7 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
                 replays=sum(1 for s in group if s.kind == KIND_REPLAY),
                 d2h_busy_s=d2h_busy,
                 h2d_busy_s=h2d_busy,
+                outside_engine_s=max(wall - any_lane.length_in(window), 0.0),
             )
         )
     return out

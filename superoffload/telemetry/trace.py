@@ -1,6 +1,9 @@
 """Chrome / Perfetto trace export: the engine's (or the simulator's) spans as a trace file.
 
     write_chrome_trace(engine.telemetry, "runs/latest/trace.json")   # or a list of Span
+    export = prepare_chrome_trace(engine.telemetry, every=10)        # a long run: sample it
+    print(export.describe())                                         # its size, before writing
+    export.write("runs/latest/trace.json")
 
 Open the file in https://ui.perfetto.dev (drag and drop) or chrome://tracing. The format is
 the Trace Event Format's JSON object form, the one PyTorch's profiler (kineto) writes:
@@ -12,16 +15,23 @@ the Trace Event Format's JSON object form, the one PyTorch's profiler (kineto) w
              whose spans partially overlap (they cannot nest) spills onto "lane (2)", ...
   spans      complete events (ph "X"), `ts` and `dur` in microseconds since the recorder's
              origin, `args` = iteration, bucket, bytes, rank
-  flows      per (rank, iteration, bucket): arrows D2H -> CPU step (-> rollback -> replay)
-             -> H2D, as pairs of flow events (ph "s" then "f", same `id` and `cat`) bound to
-             the enclosing slice ("bp": "e"), which is how kineto links a CPU launch to its
-             GPU kernel
-  iterations one slice per iteration window on an "iterations" track (telemetry.metrics)
-  counters   recorder scalars (loss, ratio, ...) and per-iteration link GB/s while moving and
-             overlap % (ph "C")
+  flows      per (rank, iteration, bucket): arrows backward -> D2H -> CPU step (-> rollback
+             -> replay) -> H2D, as pairs of flow events (ph "s" then "f", same `id` and `cat`)
+             bound to the enclosing slice ("bp": "e"), which is how kineto links a CPU launch
+             to its GPU kernel; the backward end sits where that bucket's copy started (its
+             gradients were complete there)
+  iterations one slice per iteration window on an "iterations" track (telemetry.metrics),
+             its args the iteration's figures in the metric vocabulary (iteration_ms, ...)
+  counters   recorder scalars (loss, ratio, ... in the vocabulary's names and units: the
+             engine's iteration_s becomes iteration_ms) and per-iteration link GB/s while
+             moving and overlap % (ph "C"), one counter track per metric titled "label (unit)"
   notes      the engine's plain-language notes as global instant events (ph "i", "s": "g")
 
-`check_chrome_trace(data)` lists what would stop a viewer from loading a file (used by tests).
+Sampling: a trace of every iteration of a long run is large (~250 bytes per span: a 36 s
+notebook run is ~9 MB). `every=N` keeps every Nth iteration, `last=K` the last K (both: every
+Nth of the last K); `prepare_chrome_trace` returns the text and says its size before anything
+is written. `check_chrome_trace(data)` lists what would stop a viewer from loading a file
+(used by tests).
 """
 
 from __future__ import annotations
@@ -29,11 +39,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from superoffload.telemetry import metrics
+from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.events import (
+    KIND_BACKWARD,
     KIND_CPU_STEP,
     KIND_D2H,
     KIND_H2D,
@@ -57,14 +70,80 @@ _LANE_NAMES = {
 _MIN_DUR_US = 0.001  # a zero-length span still needs a body for a flow to bind to
 
 
-def write_chrome_trace(source: Recorder | Sequence[Span], path: str | Path) -> Path:
-    """Write `source` (a Recorder: spans, scalars and notes; or spans of one or several ranks)
-    as a Chrome trace JSON file; parent folders are created. Returns the path."""
+@dataclass(frozen=True, slots=True)
+class PreparedTrace:
+    """A trace ready to write: its JSON text and what it holds."""
+
+    text: str
+    iterations: int
+    """Iterations in the trace."""
+    total_iterations: int
+    """Iterations recorded (before sampling)."""
+    sampling: str
+    """"every iteration", "every 10th iteration", "the last 200 iterations", ..."""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.text.encode("utf-8"))
+
+    def describe(self) -> str:
+        """"trace of 120 of 1,200 iterations (every 10th iteration): 0.91 MB"."""
+        return (f"trace of {self.iterations:,} of {self.total_iterations:,} iterations "
+                f"({self.sampling}): {self.nbytes / 1e6:.2f} MB")
+
+    def write(self, path: str | Path) -> Path:
+        """Write the file (parent folders are created); returns its path."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(self.text, encoding="utf-8")
+        return out
+
+
+def sample_iterations(iterations: Iterable[int], *, every: int = 1, last: int | None = None) -> set[int]:
+    """The iterations a sampled trace keeps: of the last `last` (None: all), every `every`-th
+    counted from the first kept one."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"every={every!r}: keep every Nth iteration, N a whole number >= 1")
+    if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+        raise ValueError(f"last={last!r}: keep the last K iterations, K a whole number >= 1 "
+                         "(None: all)")
+    its = sorted(set(iterations))
+    if last is not None:
+        its = its[-last:]
+    return set(its[::every])
+
+
+def prepare_chrome_trace(source: Recorder | Sequence[Span], *, every: int = 1,
+                         last: int | None = None) -> PreparedTrace:
+    """The trace of `source` (see `write_chrome_trace`), sampled (`sample_iterations`), as
+    text: `.describe()` says its size, `.write(path)` writes it."""
     spans, scalars, notes = _gather(source)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(chrome_trace(spans, scalars=scalars, notes=notes)), encoding="utf-8")
-    return out
+    total = {s.iteration for s in spans}
+    keep = sample_iterations(total, every=every, last=last)
+    if len(keep) < len(total):
+        spans = [s for s in spans if s.iteration in keep]
+        scalars = [s for s in scalars if s.iteration in keep]
+        notes = [n for n in notes if n.iteration in keep or n.iteration not in total]
+    parts = []
+    if every > 1:
+        parts.append(f"every {_ordinal(every)} iteration")
+    if last is not None:
+        parts.append(f"of the last {last}")
+    text = json.dumps(chrome_trace(spans, scalars=scalars, notes=notes))
+    return PreparedTrace(text, len(keep), len(total), " ".join(parts) or "every iteration")
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def write_chrome_trace(source: Recorder | Sequence[Span], path: str | Path, *, every: int = 1,
+                       last: int | None = None) -> Path:
+    """Write `source` (a Recorder: spans, scalars and notes; or spans of one or several ranks)
+    as a Chrome trace JSON file, sampled as `sample_iterations` says; parent folders are
+    created. Returns the path."""
+    return prepare_chrome_trace(source, every=every, last=last).write(path)
 
 
 def _gather(source: Recorder | Sequence[Span]) -> tuple[list[Span], list[Scalar], list[Note]]:
@@ -108,9 +187,11 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
         events.extend(_counters(rank, mine))
     events.extend(_flows(spans, slices))
     for sc in scalars:
-        if math.isfinite(sc.value):
-            events.append({"ph": "C", "name": sc.name, "pid": ranks[0], "tid": ITERATION_TID,
-                           "ts": _us(sc.time_s), "args": {sc.name: sc.value}})
+        name, value = vocab.engine_scalar(sc.name, sc.value)
+        if math.isfinite(value):
+            title = vocab.METRICS[name].title if name in vocab.METRICS else name
+            events.append({"ph": "C", "name": title, "pid": ranks[0], "tid": ITERATION_TID,
+                           "ts": _us(sc.time_s), "args": {name: value}})
     for n in notes:
         events.append({"ph": "i", "s": "g", "name": n.text, "cat": "note", "pid": ranks[0],
                        "tid": ITERATION_TID, "ts": _us(n.time_s), "args": {"iteration": n.iteration}})
@@ -162,45 +243,75 @@ def _slice(s: Span, tid: int) -> dict[str, Any]:
 def _iteration_slices(rank: int, spans: Sequence[Span]) -> list[dict[str, Any]]:
     out = []
     for m in metrics.iteration_metrics(spans):
+        values = vocab.iteration_values(m)
         out.append({"ph": "X", "name": f"iteration {m.iteration}", "cat": "iteration", "pid": rank,
                     "tid": ITERATION_TID, "ts": _us(m.start_s),
                     "dur": max(_us(m.start_s + m.wall_s) - _us(m.start_s), _MIN_DUR_US),
-                    "args": {"wall_ms": m.wall_s * 1e3, "rollbacks": m.rollbacks,
-                             "replays": m.replays}})
+                    "args": {k: v for k, v in values.items() if math.isfinite(v)}})
     return out
+
+
+COUNTERS = ("d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct", "device_idle_pct")
+"""Per-iteration counters of the trace (one track each, titled by the vocabulary)."""
 
 
 def _counters(rank: int, spans: Sequence[Span]) -> list[dict[str, Any]]:
     out = []
     for m in metrics.iteration_metrics(spans):
-        ts = _us(m.start_s)
-        out.append({"ph": "C", "name": "link GB/s while moving", "pid": rank, "ts": ts,
-                    "args": {"D2H": m.d2h_gbps_busy, "H2D": m.h2d_gbps_busy}})
-        out.append({"ph": "C", "name": "overlap and idle %", "pid": rank, "ts": ts,
-                    "args": {"CPU step hidden": 100 * m.cpu_overlap_frac,
-                             "device idle": 100 * m.device_idle_frac}})
+        values = vocab.iteration_values(m)
+        for name in COUNTERS:
+            if math.isfinite(values[name]):
+                out.append({"ph": "C", "name": vocab.METRICS[name].title, "pid": rank,
+                            "ts": _us(m.start_s), "args": {name: values[name]}})
     return out
 
 
 def _flows(spans: Sequence[Span], slices: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Arrows between consecutive pieces of one bucket's round trip, in time order."""
+    """Arrows between consecutive pieces of one bucket's round trip, in time order, starting
+    at the backward pass that completed its gradients."""
     chains: dict[tuple[int, int, int], list[Span]] = {}
+    backward: dict[tuple[int, int], list[Span]] = {}
     for s in spans:
-        if s.bucket >= 0 and s.kind in _FLOW_KINDS and id(s) in slices:
+        if id(s) not in slices:
+            continue
+        if s.bucket >= 0 and s.kind in _FLOW_KINDS:
             chains.setdefault((s.rank, s.iteration, s.bucket), []).append(s)
+        elif s.kind == KIND_BACKWARD:
+            backward.setdefault((s.rank, s.iteration), []).append(s)
     out: list[dict[str, Any]] = []
     flow_id = 0
-    for (_rank, iteration, bucket), chain in sorted(chains.items()):
+    for (rank, iteration, bucket), chain in sorted(chains.items()):
         chain.sort(key=lambda s: (s.start_s, _FLOW_KINDS.index(s.kind)))
+        name = f"bucket {bucket} it {iteration}"
+        source = _producer(backward.get((rank, iteration), []), chain[0])
+        if source is not None:
+            flow_id += 1
+            bw, first = slices[id(source)], slices[id(chain[0])]
+            # at the gradient's completion: where this bucket's copy started, inside backward
+            at = min(max(first["ts"], bw["ts"]), round(bw["ts"] + bw["dur"], 3))
+            out.append(_flow("s", flow_id, name, bw, at))
+            out.append(_flow("f", flow_id, name, first, round(first["ts"] + first["dur"] / 2, 3)))
         for a, b in zip(chain, chain[1:]):
             flow_id += 1
-            name = f"bucket {bucket} it {iteration}"
             for ph, span in (("s", a), ("f", b)):
                 ev = slices[id(span)]
-                out.append({"ph": ph, "id": flow_id, "cat": FLOW_CAT, "name": name,
-                            "pid": ev["pid"], "tid": ev["tid"], "bp": "e",
-                            "ts": round(ev["ts"] + ev["dur"] / 2, 3)})
+                out.append(_flow(ph, flow_id, name, ev, round(ev["ts"] + ev["dur"] / 2, 3)))
     return out
+
+
+def _producer(backward: list[Span], first: Span) -> Span | None:
+    """The backward span that produced a bucket whose round trip starts with `first` (a D2H,
+    or a CPU step on a device with no link): the one running when it started, else the last
+    one before it."""
+    if first.kind != KIND_D2H:
+        return None
+    before = [b for b in backward if b.start_s <= first.start_s]
+    return max(before, key=lambda b: b.start_s) if before else None
+
+
+def _flow(ph: str, flow_id: int, name: str, slice_ev: dict[str, Any], ts: float) -> dict[str, Any]:
+    return {"ph": ph, "id": flow_id, "cat": FLOW_CAT, "name": name, "pid": slice_ev["pid"],
+            "tid": slice_ev["tid"], "bp": "e", "ts": ts}
 
 
 # ------------------------------------------------------------------ checking a file

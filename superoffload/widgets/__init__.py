@@ -6,8 +6,11 @@
 against the planner's prediction, loss and memory live (or a simulated result);
 `OffloadTuner` shows the planner's prediction for every setting and applies settings to a
 running engine; `BackgroundTrainer` runs training off the cell so the widgets stay
-interactive. `notebook_ci()` tells a notebook to take its short CI path. Everything degrades
-to text or static HTML outside a notebook.
+interactive. `notebook_ci()` tells a notebook to take its short CI path. Every live view is
+replaced in place by a static snapshot when its run ends and when the kernel exits
+(`freeze_all`), so a saved notebook reopens without "model not found"; `placeholder(text)`
+holds a view's place while it is being prepared. Everything degrades to text or static HTML
+outside a notebook.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ _LAZY = {
     "engine_step_fn": "superoffload.widgets.background",
     "DashboardState": "superoffload.widgets.series",
     "RunState": "superoffload.widgets.runstate",
+    "placeholder": "superoffload.widgets.snapshot",
+    "freeze_all": "superoffload.widgets.snapshot",
 }
 
 

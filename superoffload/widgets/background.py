@@ -13,12 +13,16 @@ output by the parent message of the current request; see `_env.bind_thread_outpu
 
 `steps=N` stops after N steps, `max_s` after that many seconds, neither: when stopped. The
 run's state (running, finished, stopped, failed) is shown on the progress line and handed
-to the dashboard and the tuner (`set_run_state`). `engine_step_fn(engine, model, batches)`
+to the dashboard and the tuner (`set_run_state`). `trainer.show_status()` shows a second live
+status line (e.g. in a check cell at the bottom, where Run All leaves the view). When the run
+ends, the progress line and every status line are replaced in place by static text of the
+final state (snapshot.LiveOutput), so a saved notebook keeps it. `engine_step_fn(engine, model, batches)`
 builds the usual step function.
 """
 
 from __future__ import annotations
 
+import html
 import math
 import threading
 import time
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from superoffload.widgets import _env
+from superoffload.widgets import snapshot as snap
 from superoffload.widgets.runstate import RunState
 
 
@@ -85,7 +90,9 @@ class BackgroundTrainer:
         self._t0 = 0.0
         self._wall_s = 0.0
         self._shown_at = 0.0
+        self._outputs: list[snap.LiveOutput] = []
         self.progress: Any = self._make_progress()
+        self.live_label: Any = self._make_live_label()
 
     # ----------------------------------------------------------------- control
     def start(self) -> BackgroundTrainer:
@@ -129,6 +136,7 @@ class BackgroundTrainer:
             self._done.set()
             with self._progressed:
                 self._progressed.notify_all()
+            self.freeze()  # the saved notebook keeps the final state, not a dead widget
 
     def _set_state(self, state: RunState) -> None:
         self.state = state
@@ -193,6 +201,36 @@ class BackgroundTrainer:
             text += f", loss {self.losses[-1]:.4f}"
         return text
 
+    def freeze(self) -> None:
+        """Replace the progress line and every live status line shown with static text of
+        the current state (at the run's end, and by the kernel's exit hook)."""
+        for out in self._outputs:
+            out.freeze()
+
+    def show_status(self) -> None:
+        """Show a second, live status line here (e.g. in a check cell far below the trainer's
+        cell, where Run All leaves the view); frozen into text when the run ends."""
+        if self.live_label is None or not _env.in_notebook():
+            print(self.status())
+            return
+        self._show(self.live_label, "trainer-status")
+
+    def _show(self, widget: Any, name: str) -> None:
+        out = snap.LiveOutput(name, widget, lambda: [self.status()], css_class=f"so-{name}-snapshot")
+        out.show()
+        self._outputs.append(out)
+        if self.state.ended:
+            out.freeze()
+
+    def _make_live_label(self) -> Any:
+        if not _env.has_module("ipywidgets"):
+            return None
+        import ipywidgets as w
+
+        label = w.HTML(value=html.escape(self.status()))
+        label.add_class("so-trainer-live")
+        return label
+
     def _make_progress(self) -> Any:
         """Progress bar, status line and a Stop button (None without ipywidgets)."""
         if not _env.has_module("ipywidgets"):
@@ -223,6 +261,8 @@ class BackgroundTrainer:
         elif self.max_s is not None and self._t0:
             bar.value = min(1.0, (now - self._t0) / self.max_s)
         label.value = self.status()
+        if self.live_label is not None:
+            self.live_label.value = html.escape(label.value)
         if self.state.ended:
             bar.value = 1.0 if self.state is RunState.FINISHED else bar.value
             bar.bar_style = {"failed": "danger", "stopped": "warning"}.get(self.state.value, "success")
@@ -230,10 +270,10 @@ class BackgroundTrainer:
             button.description = self.state.value
 
     def _ipython_display_(self) -> None:
-        if self.progress is None:
+        if self.progress is None or not _env.in_notebook():
             print(self.status())
         else:
-            _env.display_or_print(self.progress, self.status())
+            self._show(self.progress, "trainer")
 
 
 def engine_step_fn(engine: Any, model: Any, batches: Any) -> Callable[[int], float]:

@@ -13,9 +13,9 @@ results the simulated one (`simfigure.py`). A live dashboard shows its figure in
 `LivePlot` (liveplot.py: kernel -> browser only, so a busy kernel still hears the tuner),
 created once (it ships ~5 MB of JavaScript); a refresh updates the figure's traces in place
 and sends it when something changed, at `refresh_hz` or slower when a refresh takes long
-(a loaded machine keeps its cores for training). When the run ends the widget is replaced in
-place by a static figure of the last state (snapshot.py), so a saved notebook reopens with
-the figure.
+(a loaded machine keeps its cores for training). When the run ends (and when the kernel
+shuts down) the widget is replaced in place by a static figure drawn from the whole
+recorded run (`fullstate.py`, snapshot.py), so a saved notebook reopens with the figure.
 """
 
 from __future__ import annotations
@@ -30,19 +30,18 @@ from typing import Any
 from superoffload.widgets import _env
 from superoffload.widgets import snapshot as snap
 from superoffload.widgets.figure import PLOT_CONFIG, build_figure, write_state
-from superoffload.widgets.panels import Expected, status_lines
+from superoffload.widgets.fullstate import PAGE_POINTS, STATIC_POINTS, state_from_recorder
+from superoffload.widgets.live_view import live_view
+from superoffload.widgets.panels import Expected, Workload, status_lines
 from superoffload.widgets.predict import ProfileChoice, resolve_profile, to_shape
+from superoffload.widgets.prediction import Predictor
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState
-from superoffload.widgets.sources import (
-    cuda_allocated_bytes,
-    is_recorder,
-    process_rss_bytes,
-    resolve_source,
-    workload,
-)
+from superoffload.widgets.sources import is_recorder, memory_bytes, resolve_source
 
 SNAPSHOT_EVERY_S = 5.0
+FROM_SPANS_WINDOW = 50
+"""At most this many iterations on a static dashboard's timeline (`from_spans`)."""
 
 
 class LiveDashboard:
@@ -52,7 +51,7 @@ class LiveDashboard:
     def __init__(self, source: Any = None, *, shape: Any = None, seq: int | None = None,
                  micro_batch: int = 1, profile: Any = None, window_iterations: int = 4,
                  refresh_hz: float = 2.0, live: bool | None = None,
-                 title: str = "superoffload") -> None:
+                 title: str = "superoffload", calibrate_after: int | None = 10) -> None:
         if not refresh_hz > 0:
             raise ValueError(f"refresh_hz={refresh_hz} must be > 0 (refreshes per second, ~2-5)")
         self.engine, self.recorder = resolve_source(source)
@@ -65,25 +64,23 @@ class LiveDashboard:
                 f"live=True needs {', '.join(_env.missing_for_live())}: {_env.INSTALL_HINT}")
         self.shape = to_shape(shape, seq=seq, micro_batch=micro_batch) if shape is not None else None
         want_profile = profile is not None or self.shape is not None or self.engine is not None
-        self.profile: ProfileChoice | None = resolve_profile(profile) if want_profile else None
-        self.work = workload(self.shape, self.profile)
-        self.expected: list[Expected] = []
-        self._expected_key: Any = None
-        self._expected_notes = 0
+        self.predictor = Predictor(
+            self.engine, self.recorder, self.shape, resolve_profile(profile) if want_profile else None,
+            calibrate_after=calibrate_after, measured_here=profile is None)
         self.run_state: RunState | None = None
         self.simulation: Any = None
         self.sim: Any = None
         """The simulated layout's figures (`simfigure.SimFigures`) after `show_simulation`."""
         self.figure: Any = build_figure(title=title) if _env.plotly_available() else None
         following = self.live and self.recorder is not None
-        self.status: Any = _status_widget() if following else None
-        self.plot: Any = _live_plot() if following else None
-        self.widget: Any = _vbox(self.status, self.plot) if following else None
+        views: tuple[Any, Any, Any] = live_view(PLOT_CONFIG) if following else (None, None, None)
+        self.status, self.plot, self.widget = views
         self.refreshes = 0
         self.error: BaseException | None = None
         self._main = snap.Slot("dashboard")
         self._snapshot = snap.Slot("dashboard-snapshot")
         self._last_snapshot = 0.0
+        self._memory_at = -1
         self._seq = -1
         self._scalar_t: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -94,15 +91,18 @@ class LiveDashboard:
     @classmethod
     def from_spans(cls, source: Any, *, title: str = "timeline", **kw: Any) -> LiveDashboard:
         """A static dashboard of a finished run: a list of spans (e.g. a merged multi-rank
-        timeline) or a Recorder (its notes and scalars too), every iteration drawn."""
+        timeline) or a Recorder (its notes and scalars too), every iteration in the series,
+        the last `FROM_SPANS_WINDOW` on the timeline."""
         kw.setdefault("live", False)
         if isinstance(source, Iterable) and not is_recorder(source):
             spans = list(source)
-            kw.setdefault("window_iterations", max(1, len({s.iteration for s in spans})))
+            kw.setdefault("window_iterations",
+                          max(1, min(FROM_SPANS_WINDOW, len({s.iteration for s in spans}))))
             dash = cls(None, title=title, **kw)
             dash.state.add_spans(spans, final=True)
         else:
-            kw.setdefault("window_iterations", max(1, len(source.iterations())))
+            kw.setdefault("window_iterations",
+                          max(1, min(FROM_SPANS_WINDOW, len(source.iterations()))))
             dash = cls(source, title=title, **kw)
             dash.refresh(final=True)
         dash.run_state = RunState.FINISHED
@@ -140,40 +140,49 @@ class LiveDashboard:
                     fresh_scalars = True
             self.state.add_notes([(n.iteration, n.text) for n in self.recorder.notes()])
             self.state.add_spans(spans, final=final)
-            if self.state.complete_through >= 0 and self.state.complete_through not in self.state.memory:
-                host, device = self._memory_bytes()  # one sample per complete iteration
+            if self.state.complete_through > self._memory_at:
+                host, device = memory_bytes(self.recorder)  # one sample per complete iteration
                 self.state.add_memory(self.state.complete_through, host, device)
-            self._update_expected()
+                self._memory_at = self.state.complete_through
+            self.predictor.update(self.state)
             self._redraw()
             self.refreshes += 1
             return bool(spans) or fresh_scalars
 
-    def _update_expected(self) -> None:
-        """Re-predict when the engine's settings changed (a reconfiguration starts a step)."""
-        if self.shape is None or self.profile is None or self.engine is None:
-            return
-        config = getattr(self.engine, "config", None)
-        key = repr(config)
-        notes = len(self.state.reconfigures)
-        if config is None or (key == self._expected_key and notes == self._expected_notes):
-            return
-        # the step starts where the engine's note says the change holds; without a note yet
-        # (the config is swapped a moment before the note is written), at the next iteration
-        start = max(self.state.complete_through + 1, 0) if self.expected else 0
-        if notes > self._expected_notes and self.expected:
-            start = self.state.reconfigures[-1][0]
-        self._expected_notes = notes
-        if key == self._expected_key:  # the note of a change already predicted: move its step
-            last = self.expected.pop()
-            res_s, tflops = last.iteration_s, last.tflops
-        else:
-            from superoffload import plan
+    # ----------------------------------------------------------------- prediction
+    @property
+    def profile(self) -> ProfileChoice | None:
+        return self.predictor.profile
 
-            res = plan.simulate(self.shape, self.profile.profile, schedule="superoffload", config=config)
-            res_s, tflops = float(res.iteration_s), float(res.tflops)
-        self.expected = [e for e in self.expected if e.from_iteration < start]
-        self.expected.append(Expected(start, res_s, tflops))
-        self._expected_key = key
+    @property
+    def expected(self) -> list[Expected]:
+        """The planner's prediction, a step per settings in force (`prediction.Predictor`)."""
+        return self.predictor.expected
+
+    @property
+    def work(self) -> Workload:
+        return self.predictor.workload()
+
+    @property
+    def calibration(self) -> Any:
+        """The last calibration on this run (`plan.autocal.CalibrationReport`), or None."""
+        return self.predictor.calibration
+
+    def use_calibration(self, report: Any) -> None:
+        """Predict with the profile `report` fitted to this run (`plan.autocal`)."""
+        with self._lock:
+            self.predictor.use_calibration(report)
+            self.predictor.update(self.state)
+
+    def calibrate(self) -> Any:
+        """Fit the profile to this run's telemetry now and predict with it from the next
+        iteration (`Predictor.calibrate`); returns the `plan.autocal.CalibrationReport`.
+        The prediction-gap warning offers this line."""
+        with self._lock:
+            report = self.predictor.calibrate()
+            self.predictor.update(self.state)
+            self._redraw()
+        return report
 
     def _redraw(self) -> None:
         lines = self.status_lines()
@@ -192,7 +201,7 @@ class LiveDashboard:
 
     def set_run_state(self, state: RunState) -> None:
         """Told by the trainer; when the run ends, a final refresh and the live figure is
-        replaced by a static one of the last state."""
+        replaced by a static one of the whole run."""
         self.run_state = state
         if state.ended:
             self.stop()
@@ -201,14 +210,28 @@ class LiveDashboard:
         else:
             self._redraw()
 
-    def finalize(self) -> None:
-        """Swap the live widget for the static figure of the current state (in place)."""
+    def finalize(self, *, whole_run: bool = True) -> None:
+        """Swap the live widget for the static figure of the whole run (in place; at the
+        kernel's exit, `whole_run=False`: the live state's figure, which is at hand)."""
         with self._lock:
             self._redraw()
             if self._main.shown:
-                self._main.update(self._static_bundle())
+                self._main.update(self._static_bundle() if whole_run else
+                                  snap.figure_bundle(self.figure, self.status_lines(), PLOT_CONFIG))
             if self._snapshot.shown:
                 self._snapshot.update(snap.text_bundle(["final state:", *self.status_lines()]))
+            snap.unregister(self)
+
+    def freeze(self) -> None:
+        """What the kernel's exit does to a live dashboard: stop and finalize at once (the
+        kernel may be killed seconds after its shutdown request: no second pass over the
+        recording here)."""
+        self.stop(timeout_s=0.2)
+        if self.run_state is RunState.RUNNING:
+            self.run_state = RunState.STOPPED
+        self.finalize(whole_run=False)
+        if self._snapshot.shown:
+            self._snapshot.update(snap.text_bundle(["final state:", *self.status_lines(), snap.EXIT_NOTE]))
 
     def start(self, hz: float | None = None) -> LiveDashboard:
         """Refresh from a daemon thread until `stop()`; returns self."""
@@ -221,8 +244,10 @@ class LiveDashboard:
         if self.running:
             return self
         self._stop.clear()
-        if self._main.shown and self.widget is not None:
+        if self._main.shown and self.widget is not None and self._main.frozen:
+            # a second run after the first one ended: the live figure comes back in place
             self._main.update(snap.widget_bundle(self.widget, self.status_lines()))
+            snap.register(self)
         parent = _env.capture_output_parent()
         self._thread = threading.Thread(target=self._run, args=(parent,),
                                         name="superoffload-dashboard", daemon=True)
@@ -265,30 +290,40 @@ class LiveDashboard:
             parts.append(f"iteration {it}")
         return " · ".join(parts)
 
-    def status_lines(self) -> list[str]:
+    def status_lines(self, state: DashboardState | None = None) -> list[str]:
         """The status as plain-text lines (no markup)."""
         if self.simulation is not None:
             lines = [self.base_title]
             lines += [f"DOES NOT FIT: {p}" for p in self.sim.problems]
             return lines
+        state = state or self.state
         ratio = getattr(getattr(self.engine, "config", None), "ratio", None)
-        return status_lines(self.state, self.work, self.expected, run_state=self.run_state,
-                            iteration=self._engine_iteration() if self.engine is not None
-                            else self.state.newest_iteration,
-                            ratio_fallback=float(ratio) if ratio is not None else None,
-                            title=self.base_title)
+        lines = status_lines(state, self.work, self.expected, run_state=self.run_state,
+                             iteration=self._engine_iteration() if self.engine is not None
+                             else state.newest_iteration,
+                             ratio_fallback=float(ratio) if ratio is not None else None,
+                             title=self.base_title)
+        if self.calibration is not None:
+            lines.append(self.calibration.line())
+        cover = state.coverage()
+        if cover is not None and state.stride() > 1:
+            lines.append(f"history: iterations {cover[0]}-{cover[1]} in bins of {state.stride()} "
+                         "(line = mean, band = min..max of each bin)")
+        return lines
 
     def summary(self) -> str:
         """Plain-text summary (what a terminal sees instead of the figure)."""
+        from superoffload.telemetry.vocabulary import describe
+
         lines = self.status_lines()
-        if len(self.state.points_by_rank) > 1:  # data parallel: one line per rank
-            for rank in sorted(self.state.points_by_rank):
-                rs = self.state.series(rank)
-                if len(rs["iteration"]):
-                    lines.append(f"rank {rank}: {rs['wall_ms'][-1]:.1f} ms, D2H "
-                                 f"{rs['d2h_gbps_busy'][-1]:.3g} GB/s, H2D {rs['h2d_gbps_busy'][-1]:.3g}"
-                                 f" GB/s, CPU hidden {rs['overlap_pct'][-1]:.0f} %, idle "
-                                 f"{rs['idle_pct'][-1]:.0f} %")
+        if len(self.state.history_by_rank) > 1:  # data parallel: one line per rank
+            for rank in sorted(self.state.history_by_rank):
+                recent = self.state.recent(rank)
+                if len(recent["iteration"]):
+                    last = {k: float(v[-1]) for k, v in recent.items()}
+                    lines.append(f"rank {rank}: " + describe(last, (
+                        "iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct",
+                        "device_idle_pct")))
         lines.append(f"timeline: {len(self.state.timeline_spans())} spans drawn")
         return "\n".join(lines)
 
@@ -296,20 +331,30 @@ class LiveDashboard:
         value = getattr(self.engine, "iteration", None)
         return int(value) if isinstance(value, (int, float)) else None
 
-    def _memory_bytes(self) -> tuple[float | None, float | None]:
-        """(host, device) bytes: the engine's scalars when it records them, else this
-        process's resident memory and the CUDA allocator's count (None: unknown, not drawn;
-        a CPU-only run has no device memory to show)."""
-        assert self.recorder is not None
-        host_s = self.recorder.scalars("host_mem_bytes")
-        device_s = self.recorder.scalars("device_mem_bytes")
-        host = host_s[-1].value if host_s else process_rss_bytes()
-        device = device_s[-1].value if device_s else cuda_allocated_bytes()
-        return host, device
-
     # ----------------------------------------------------------------- display
+    def full_state(self, max_points: int = STATIC_POINTS) -> DashboardState:
+        """The whole recorded run as a final state (`fullstate.state_from_recorder`): what a
+        static figure or an exported page draws."""
+        if self.recorder is None or self.simulation is not None:
+            return self.state
+        with self._lock:
+            return state_from_recorder(self.recorder, window_iterations=self.state.window_iterations,
+                                       max_points=max_points, live=self.state)
+
+    def static_figure(self, max_points: int = STATIC_POINTS) -> tuple[Any, list[str]]:
+        """(plotly Figure, status lines) of the whole run (a simulation: its own figure)."""
+        import plotly.graph_objects as go
+
+        if self.simulation is not None or self.recorder is None:
+            return go.Figure(self.figure), self.status_lines()
+        state = self.full_state(max_points)
+        fig = build_figure(title=self.base_title)
+        write_state(fig, state, self.title_text(), work=self.work, expected=self.expected)
+        return fig, self.status_lines(state)
+
     def _static_bundle(self) -> dict[str, Any]:
-        return snap.figure_bundle(self.figure, self.status_lines(), PLOT_CONFIG)
+        fig, lines = self.static_figure()
+        return snap.figure_bundle(fig, lines, PLOT_CONFIG)
 
     def _ipython_display_(self) -> None:
         self.display()
@@ -327,24 +372,22 @@ class LiveDashboard:
         live = self.widget is not None and not (self.run_state is not None and self.run_state.ended)
         if live:
             self._main.show(snap.widget_bundle(self.widget, self.status_lines()))
+            snap.register(self)
             self._snapshot.show(snap.text_bundle(["static snapshot (updated every few seconds "
                                                   "while the run goes):", *self.status_lines()]))
             self._last_snapshot = time.monotonic()
         else:
-            if self.recorder is not None and not self.live:
+            if self.recorder is not None and not self.live and _env.missing_for_live():
                 print(f"[superoffload] live widgets need {', '.join(_env.missing_for_live())}: "
                       f"showing a static snapshot. {_env.INSTALL_HINT}")
             self._main.show(self._static_bundle())
 
-    def to_html(self, path: str | Path, *, include_plotlyjs: bool | str = True) -> Path:
-        """Write the current view as a self-contained HTML page (plotly.js embedded, so it
-        opens offline); returns the path."""
+    def to_html(self, path: str | Path, *, include_plotlyjs: bool | str = True,
+                max_points: int = PAGE_POINTS) -> Path:
+        """Write the whole run as a self-contained HTML page (plotly.js embedded, so it opens
+        offline; drawn from the recorder, not the live view); returns the path."""
         _env.require_plotly("LiveDashboard.to_html")
-        import plotly.graph_objects as go
-
-        with self._lock:
-            fig = go.Figure(self.figure)
-            lines = self.status_lines()
+        fig, lines = self.static_figure(max_points)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         body = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, config=PLOT_CONFIG)
@@ -352,28 +395,3 @@ class LiveDashboard:
                         f"{html.escape(self.base_title)}</title></head><body>"
                         f"{snap.html_lines(lines)}{body}</body></html>", encoding="utf-8")
         return path
-
-
-def _status_widget() -> Any:
-    import ipywidgets as w
-
-    status = w.HTML(value="", layout=w.Layout(width="100%"))
-    status.add_class("so-dash-status")
-    return status
-
-
-def _live_plot() -> Any:
-    from superoffload.widgets.liveplot import live_plot_class
-
-    plot = live_plot_class()(config=dict(PLOT_CONFIG))
-    plot.add_class("so-dashboard-plot")
-    plot.layout.width = "100%"
-    return plot
-
-
-def _vbox(status: Any, figure: Any) -> Any:
-    import ipywidgets as w
-
-    box = w.VBox([status, figure], layout=w.Layout(width="100%"))
-    box.add_class("so-dashboard")
-    return box

@@ -31,18 +31,20 @@ LANE_COLORS: dict[str, str] = {
 
 METRIC_COLORS: dict[str, str] = {
     "iteration_ms": "#1B1B1B",     # near black
+    "engine_ms": "#636363",        # dark grey
     "predicted": "#8C6D31",        # brown (dashed)
     "d2h": "#D62728",              # red
     "h2d": "#1F77B4",              # strong blue
     "overlap": "#2CA02C",          # strong green
     "idle": "#7F7F7F",             # grey
-    "d2h_util": "#FF9896",         # light red
-    "h2d_util": "#AEC7E8",         # light blue
+    "d2h_peak": "#FF9896",         # light red (dotted): D2H's peak
+    "h2d_peak": "#AEC7E8",         # light blue (dotted): H2D's peak
     "loss": "#9467BD",             # violet
     "host_mem": "#17BECF",         # cyan
     "device_mem": "#BCBD22",       # olive
 }
-"""Per-iteration metric lines (no colour shared with a lane)."""
+"""Per-iteration metric lines (no colour shared with a lane). The HTML report and the
+simulated layout use these too: D2H is red and H2D blue everywhere."""
 
 EVENT_COLORS: dict[str, str] = {
     "rollback": "#E41A1C",
@@ -54,7 +56,7 @@ EVENT_COLORS: dict[str, str] = {
 """Markers: rollback (x), replay (diamond), skipped step (square), reconfigure (dashed line)."""
 
 REFERENCE_COLOR = "#A0A0A0"
-"""Reference lines: the link's peak, memory capacity."""
+"""Reference lines: iteration boundaries, memory capacity."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,18 +70,20 @@ class Panel:
 
 MEASURED: dict[str, Panel] = {p.key: p for p in (
     Panel("timeline", "timeline (last iterations)", "", ("rollback", "replay", "skipped step")),
-    Panel("speed", "iteration time", "ms", ("measured", "predicted")),
-    Panel("link", "link while moving", "GB/s (log)", ("D2H", "H2D", "peak")),
-    Panel("percent", "overlap, idle, link use", "%", ("CPU hidden", "idle", "D2H use", "H2D use")),
-    Panel("loss", "loss", "loss (nats)", ("loss",)),
+    Panel("speed", "iteration time", "ms", ("iteration time", "engine time", "predicted")),
+    Panel("link", "link while moving", "GB/s (log)", ("D2H", "H2D", "D2H peak", "H2D peak")),
+    Panel("percent", "overlap and idle", "%", ("CPU step hidden", "device idle")),
+    Panel("loss", "loss", "nats", ("loss",)),
     Panel("memory", "memory", "GB", ("host", "device")),
 )}
-"""Panels of the measured layout, in display order (timeline first, full width)."""
+"""Panels of the measured layout, in display order (timeline first, full width). A y title
+is its metrics' unit (`telemetry.vocabulary`); legends name directions and kinds only,
+the panel title and the hover text carry the rest of the metric's label."""
 
 SIMULATED: dict[str, Panel] = {p.key: p for p in (
     Panel("timeline", "timeline (steady-state iteration)", "", ()),
     Panel("lanes", "busy and exposed time per lane (ms in the window)", "", ("busy", "exposed")),
-    Panel("link", "link while moving", "GB/s", ("rate", "peak")),
+    Panel("link", "link while moving", "GB/s", ("D2H peak", "H2D peak")),
     Panel("memory", "memory vs usable capacity", "", ("needed", "capacity")),
 )}
 """Panels of the simulated layout, in display order."""

@@ -1,15 +1,19 @@
 """Pure figures of the measured dashboard: derived per-iteration arrays and the status text.
 
-    link utilisation %   100 x (bytes / iteration time) / the link's peak, per direction
-                         (telemetry.metrics.link_utilisation_pct); the peak is the profile's
-    tokens/s, TFLOP/s    tokens and executed FLOPs per iteration (plan.ModelShape) / time
-    predicted            the planner's iteration time for the settings in force, a step
-                         function over iterations (a reconfiguration starts a new step)
-    reconfigure delta    median iteration time over up to `n` complete iterations before a
-                         reconfiguration vs after it
+Every figure is a `telemetry.vocabulary` metric (its name, unit and definition):
 
-Status lines are plain text (a view escapes them for HTML): no markup ever reaches a
-terminal or `dash.summary()`.
+    link use %           D2H / H2D per iteration over the link's peak (the profile's)
+    tokens/s, TFLOP/s    tokens and executed FLOPs per iteration / iteration time; an
+                         iteration is one optimizer step: `grad_accum_steps` micro-batches
+    predicted            the planner's time for one optimizer step under the settings in
+                         force, a step function over iterations (a reconfiguration starts a
+                         new step); it is compared with the engine time (the window minus the
+                         loop's own work outside the engine), like with like
+    a change's effect    measured by the tuner's interleaved A/B (runtime/ab_trial.py,
+                         issue 18): its result line, from the run's notes, is shown as it is
+
+Status lines are plain text (a view escapes them for HTML, and colours a "warning:" line):
+no markup ever reaches a terminal or `dash.summary()`.
 """
 
 from __future__ import annotations
@@ -21,9 +25,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from superoffload.telemetry import metrics
+from superoffload.telemetry import vocabulary as vocab
+from superoffload.telemetry.metrics import link_utilisation_pct
+from superoffload.telemetry.vocabulary import METRICS, format_value
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState
+
+__all__ = ["Expected", "Gap", "Workload", "measured_arrays", "prediction_gap", "predicted_at",
+           "robust_top", "status_lines"]
+
+WARMUP_ITERATIONS = 10
+"""Iterations after a prediction takes effect that are never compared with it (allocation,
+page faults, thread start, the rebuild after a reconfiguration)."""
+GAP_WINDOW = 10
+"""A gap must hold for two consecutive windows of this many iterations to be reported."""
+GAP_FACTOR = 2.0
+"""Reported when the engine time is more than this factor away from the prediction."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +49,11 @@ class Expected:
 
     from_iteration: int
     iteration_s: float
+    """One optimizer step: all micro-batches of the step."""
     tflops: float
     """Executed TFLOP/s (recompute included), as `plan.SimResult.tflops`."""
+    calibrated: bool = False
+    """Whether the profile behind it was fitted to this run (plan.calibrate)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +61,26 @@ class Workload:
     """What one iteration does, for tokens/s and TFLOP/s (None: not shown)."""
 
     tokens_per_iteration: int | None = None
+    """Tokens of every micro-batch of one optimizer step."""
     flops_per_iteration: float | None = None
-    """Executed FLOPs (plan.ModelShape.executed_flops)."""
+    """Executed FLOPs of one optimizer step (plan.ModelShape.executed_flops x micro-batches)."""
     d2h_peak_gbps: float | None = None
     h2d_peak_gbps: float | None = None
     profile_name: str = ""
     profile_note: str = ""
     """Where the profile comes from ("measured on this machine ...", "preset")."""
+    micro_batches: int = 1
+    """Micro-batches per optimizer step (the engine's grad_accum_steps)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """A sustained difference between the engine time and the prediction."""
+
+    factor: float
+    """Median engine time of the last window / predicted time."""
+    iterations: int
+    """Iterations the gap has held for (two windows at least)."""
 
 
 def predicted_at(expected: Sequence[Expected], iterations: np.ndarray) -> np.ndarray:
@@ -60,32 +93,23 @@ def predicted_at(expected: Sequence[Expected], iterations: np.ndarray) -> np.nda
 
 def measured_arrays(state: DashboardState, work: Workload,
                     expected: Sequence[Expected] = ()) -> dict[str, np.ndarray]:
-    """`state.series()` plus "d2h_util_pct", "h2d_util_pct", "tokens_per_s", "tflops" and
-    "predicted_ms" (NaN where unknown)."""
+    """`state.series()` plus "tokens_per_s", "tflops", "d2h_link_use_pct",
+    "h2d_link_use_pct" (each with "_min" / "_max") and "predicted_ms" (NaN where unknown)."""
     out = state.series()
-    wall_s = out["wall_ms"] / 1e3
     with np.errstate(divide="ignore", invalid="ignore"):
         for d, peak in (("d2h", work.d2h_peak_gbps), ("h2d", work.h2d_peak_gbps)):
-            out[f"{d}_util_pct"] = np.array(
-                [metrics.link_utilisation_pct(g, peak) for g in out[f"{d}_gbps_wall"]], dtype=float)
-        tokens = work.tokens_per_iteration
-        flops = work.flops_per_iteration
-        out["tokens_per_s"] = tokens / wall_s if tokens else np.full(len(wall_s), np.nan)
-        out["tflops"] = flops / wall_s / 1e12 if flops else np.full(len(wall_s), np.nan)
+            for suffix in ("", "_min", "_max"):
+                wall = out[f"{d}_gbps_wall{suffix}"]
+                out[f"{d}_link_use_pct{suffix}"] = (100.0 * wall / peak if peak and peak > 0
+                                                     else np.full(len(wall), np.nan))
+        for key, per_iteration, scale in (("tokens_per_s", work.tokens_per_iteration, 1.0),
+                                          ("tflops", work.flops_per_iteration, 1e-12)):
+            for suffix, source in (("", ""), ("_min", "_max"), ("_max", "_min")):
+                seconds = out[f"iteration_ms{source}"] / 1e3  # the fastest bin has the most
+                out[f"{key}{suffix}"] = (per_iteration * scale / seconds if per_iteration
+                                         else np.full(len(seconds), np.nan))
     out["predicted_ms"] = predicted_at(expected, out["iteration"])
     return out
-
-
-def reconfigure_delta(iterations: np.ndarray, values: np.ndarray, at: int,
-                      n: int = 10) -> tuple[float, float, int, int] | None:
-    """(median before, median after, points before, points after) of `values` around
-    iteration `at` (the first iteration under the new settings); None without points on
-    both sides. The iteration right at the change pays the rebuild: it is left out."""
-    before = [v for i, v in zip(iterations, values) if at - n <= i < at and not math.isnan(v)]
-    after = [v for i, v in zip(iterations, values) if at < i <= at + n and not math.isnan(v)]
-    if not before or not after:
-        return None
-    return statistics.median(before), statistics.median(after), len(before), len(after)
 
 
 def robust_top(values: np.ndarray, *, also: np.ndarray | None = None, q: float = 95.0,
@@ -101,34 +125,44 @@ def robust_top(values: np.ndarray, *, also: np.ndarray | None = None, q: float =
     return top
 
 
-def fmt_rate(value: float, unit: str) -> str:
-    """3 significant digits with k/M suffixes: 16400 -> "16.4k tokens/s"."""
-    if math.isnan(value):
-        return f"- {unit}"
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= div:
-            return f"{value / div:.3g}{suffix} {unit}"
-    return f"{value:.3g} {unit}"
+def _median(values: np.ndarray) -> float:
+    finite = [float(v) for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
 
 
-def fmt_pct(value: float) -> str:
-    if math.isnan(value):
-        return "-"
-    if value < 0.1:
-        return f"{value:.2g} %"  # a CPU-only "link" is used a fraction of a percent
-    return f"{value:.1f} %" if value < 10 else f"{value:.0f} %"
+def prediction_gap(iterations: np.ndarray, engine_ms: np.ndarray, expected: Sequence[Expected],
+                   *, window: int = GAP_WINDOW, warmup: int = WARMUP_ITERATIONS,
+                   factor: float = GAP_FACTOR) -> Gap | None:
+    """A gap worth a warning: after `warmup` iterations under the prediction in force, the
+    median engine time of each of the last two windows of `window` iterations is more than
+    `factor` away from the prediction, on the same side. None otherwise (too early, too few
+    iterations, within the factor, or a gap that came and went)."""
+    if not expected:
+        return None
+    e = max(expected, key=lambda x: x.from_iteration)
+    pred_ms = e.iteration_s * 1e3
+    if not pred_ms > 0:
+        return None
+    sel = iterations >= e.from_iteration + warmup
+    its, ms = iterations[sel], engine_ms[sel]
+    if len(its) < 2 * window:
+        return None
+    older, newer = _median(ms[-2 * window:-window]) / pred_ms, _median(ms[-window:]) / pred_ms
+    high = older > factor and newer > factor
+    low = older < 1 / factor and newer < 1 / factor
+    if not (high or low):
+        return None
+    return Gap(factor=newer, iterations=len(its))
 
 
-def _median_tail(values: np.ndarray, n: int = 20) -> float:
-    tail = [v for v in values[-n:] if not math.isnan(v)]
-    return statistics.median(tail) if tail else math.nan
+CALIBRATE_LINE = "dash.calibrate()"
+"""The runnable line a prediction-gap warning offers (fits the profile to this run)."""
 
 
 def status_lines(state: DashboardState, work: Workload, expected: Sequence[Expected], *,
                  run_state: RunState | None, iteration: int | None,
                  ratio_fallback: float | None = None, title: str = "superoffload") -> list[str]:
     """The dashboard's status, one plain-text line each (see the module docstring)."""
-    arrays = measured_arrays(state, work, expected)
     head = [title]
     if run_state is not None:
         head.append(run_state.value)
@@ -140,52 +174,67 @@ def status_lines(state: DashboardState, work: Workload, expected: Sequence[Expec
     elif ratio_fallback is not None:
         head.append(f"ratio {ratio_fallback:.2f}")
     lines = [" · ".join(head)]
-    if len(arrays["iteration"]):
-        ms = _median_tail(arrays["wall_ms"])
-        measured = [f"{ms:.2f} ms/iteration"]
-        if work.tokens_per_iteration:
-            measured.append(fmt_rate(_median_tail(arrays["tokens_per_s"]), "tokens/s"))
-        if work.flops_per_iteration:
-            measured.append(fmt_rate(_median_tail(arrays["tflops"]), "TFLOP/s"))
-        text = "measured (median of the last 20): " + " · ".join(measured)
-        if expected:
-            e = max(expected, key=lambda x: x.from_iteration)
-            pred = [f"{e.iteration_s * 1e3:.2f} ms"]
-            if work.tokens_per_iteration:
-                pred.append(fmt_rate(work.tokens_per_iteration / e.iteration_s, "tokens/s"))
-            pred.append(fmt_rate(e.tflops, "TFLOP/s"))
-            text += f" | predicted: {' · '.join(pred)} on profile {work.profile_name}"
-            if work.profile_note:
-                text += f" ({work.profile_note})"
-        lines.append(text)
-        if expected and not math.isnan(ms):
-            off = ms / (max(expected, key=lambda x: x.from_iteration).iteration_s * 1e3)
-            if not 0.5 <= off <= 2.0:
-                lines.append(f"warning: measured is {off:.1f}x the prediction: the profile misses "
-                             "something on this machine; plan.calibrate(profile, spans, shape) "
-                             "fits it to this run (tutorial 07)")
-        link = []
-        for d, label, peak in (("d2h", "D2H", work.d2h_peak_gbps), ("h2d", "H2D", work.h2d_peak_gbps)):
-            rate = _median_tail(arrays[f"{d}_gbps_busy"])
-            if not math.isnan(rate):
-                use = _median_tail(arrays[f"{d}_util_pct"])
-                link.append(f"{label} {rate:.3g} GB/s" + ("" if math.isnan(use) else
-                                                          f" (link use {fmt_pct(use)} of {peak:.3g} GB/s peak)"))
-        parts = (["link while moving: " + ", ".join(link)] if link else [])
-        parts.append(f"CPU step hidden {fmt_pct(_median_tail(arrays['overlap_pct']))}")
-        parts.append(f"device idle {fmt_pct(_median_tail(arrays['idle_pct']))}")
-        lines.append(" · ".join(parts))
+    recent = state.recent()
+    if state.plotted_rank is None:
+        lines.append("waiting for the first complete iteration (an iteration is complete once "
+                     "the one after the next has started)")
+    else:
+        lines += _measured_lines(state, recent, work, expected, run_state)
     lines.append(f"{state.total_rollbacks} bucket rollbacks · {state.total_replays} replays · "
                  f"{len(state.skipped)} skipped steps")
     if state.reconfigures:
         at, text = state.reconfigures[-1]
-        line = f"it. {at}: {text}"
-        delta = reconfigure_delta(arrays["iteration"], arrays["wall_ms"], at)
-        if delta is not None:
-            b, a, nb, na = delta
-            line += (f" · iteration time {b:.2f} -> {a:.2f} ms ({(a - b) / b * 100:+.1f} %, "
-                     f"median of {nb} before / {na} after)")
+        lines.append(f"it. {at}: {text}")
+    if state.ab_trials:
+        t = state.ab_trials[-1]
+        if t.end is None:
+            lines.append(f"A/B running since it. {t.start}: {t.what}; old and new settings "
+                         "alternate, the measured change follows")
         else:
-            line += " · iteration time before/after: waiting for complete iterations"
-        lines.append(line)
+            lines.append(f"it. {t.start}-{t.end}: {t.result}")
+    return lines
+
+
+def _measured_lines(state: DashboardState, recent: dict[str, np.ndarray], work: Workload,
+                    expected: Sequence[Expected], run_state: RunState | None) -> list[str]:
+    M = METRICS
+    lines = []
+    ms = _median(recent["iteration_ms"][-20:])
+    engine = _median(recent["engine_ms"][-20:])
+    n = min(20, len(recent["iteration"]))
+    measured = [f"{M['iteration_ms'].label} {format_value(ms, 'ms')}",
+                f"{M['engine_ms'].label} {format_value(engine, 'ms')}"]
+    rates = vocab.workload_values(ms, tokens_per_iteration=work.tokens_per_iteration,
+                                  flops_per_iteration=work.flops_per_iteration)
+    measured += [M[k].show(v) for k, v in rates.items()]
+    text = f"measured (median of the last {n}): " + " · ".join(measured)
+    if expected:
+        e = max(expected, key=lambda x: x.from_iteration)
+        pred = [f"{M['iteration_ms'].label} {format_value(e.iteration_s * 1e3, 'ms')}"]
+        pred += [M[k].show(v) for k, v in vocab.workload_values(
+            e.iteration_s * 1e3, tokens_per_iteration=work.tokens_per_iteration).items()]
+        pred.append(M["tflops"].show(e.tflops))
+        steps = f" for {work.micro_batches} micro-batches" if work.micro_batches > 1 else ""
+        how = "calibrated" if e.calibrated else "not calibrated"
+        text += (f" | predicted{steps}: {' · '.join(pred)} on profile {work.profile_name}"
+                 f" ({how}{'; ' + work.profile_note if work.profile_note else ''})")
+    lines.append(text)
+    gap = prediction_gap(recent["iteration"], recent["engine_ms"], expected)
+    if gap is not None and (run_state is None or run_state is RunState.RUNNING):
+        lines.append(f"warning: the engine time has been {gap.factor:.1f}x the prediction for "
+                     f"{gap.iterations} iterations: the profile misses something on this "
+                     f"machine; run {CALIBRATE_LINE} to fit it to this run")
+    parts = []
+    for d, peak in (("d2h", work.d2h_peak_gbps), ("h2d", work.h2d_peak_gbps)):
+        rate = _median(recent[f"{d}_gbps_busy"][-20:])
+        if math.isnan(rate):
+            continue
+        part = M[f"{d}_gbps_busy"].show(rate)
+        if peak:
+            use = link_utilisation_pct(_median(recent[f"{d}_gbps_wall"][-20:]), peak)
+            part += f" ({M[f'{d}_link_use_pct'].show(use)} of {peak:.3g} GB/s peak)"
+        parts.append(part)
+    parts.append(M["cpu_step_hidden_pct"].show(_median(recent["cpu_step_hidden_pct"][-20:])))
+    parts.append(M["device_idle_pct"].show(_median(recent["device_idle_pct"][-20:])))
+    lines.append(" · ".join(parts))
     return lines

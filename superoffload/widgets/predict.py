@@ -3,7 +3,10 @@
 The default profile is THIS machine's, measured by `plan.measure_local(quick=True)` (a few
 seconds the first time, then read from its cache file): a preset for another machine
 (`"cpu-laptop"`, `"gh200"`) predicts another machine, and a prediction that is off by 10x
-teaches nothing. Every view says which profile it uses (`ProfileChoice.note`).
+teaches nothing. Every view says which profile it uses (`ProfileChoice.note`) and whether it
+is calibrated to a run of the engine (`ProfileChoice.calibrated`; issue 18): the tuner
+calibrates this machine's profile by itself after the first iterations of the engine it is
+attached to (runtime/autocal.py) and switches to it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ class ProfileChoice:
     @property
     def name(self) -> str:
         return str(getattr(self.profile, "name", "?"))
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the profile's compute rate was fitted to a measured run of the engine
+        (``plan.calibrate.calibration_state``): the flag a view shows beside a prediction."""
+        return self.calibration_state().calibrated
+
+    def calibration_state(self) -> Any:
+        """``plan.calibrate.CalibrationState``: the flag and its one-line text."""
+        from superoffload.plan.calibrate import calibration_state
+
+        return calibration_state(self.profile)
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,107 +2,109 @@
 
 No plotly, no ipywidgets, no threads: `DashboardState` is fed snapshots from a telemetry
 recorder (or a list of spans) and keeps what the views draw; everything drawn is testable
-here. Per-iteration numbers come from `superoffload.telemetry.metrics` (views never re-derive
-them), and only over COMPLETE iterations: an iteration's CPU tail and its H2D copies may land
+here. Per-iteration numbers come from `superoffload.telemetry.metrics`, named and scaled by
+`telemetry.vocabulary` (views never re-derive them), and only over COMPLETE iterations: an iteration's CPU tail and its H2D copies may land
 while the next iteration runs, so iteration i gets its point once iteration i + 2 has started
 (its weights were all needed by then) or when the run is over (`final=True`).
 
-Several data-parallel ranks (spans with different `rank`): per-iteration points are kept per
-rank (`points_by_rank`), the timeline gets one group of lane rows per rank, and the plotted
+A long run keeps its whole history: each per-iteration series is a `history.Binned` (even
+bins whose stride doubles when full, each with its minimum and maximum), so iteration 0 and
+a one-iteration spike are still there after 100,000 iterations.
+
+Several data-parallel ranks (spans with different `rank`): per-iteration series are kept per
+rank (`history_by_rank`), the timeline gets one group of lane rows per rank, and the plotted
 series is the lowest rank's.
 
 Events kept beside the points: reconfigurations (the engine's "reconfigure applied: ..." and
-"weights: ..." notes, at the iteration from which they hold), skipped steps (notes that say
+"weights: ..." notes, at the iteration from which they hold), A/B trials of a change (their
+"A/B ..." notes; the switches inside one are part of it, not reconfigurations), skipped steps (notes that say
 "step skipped", or a "skipped" scalar), rollbacks and replays (span kinds, counted apart).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from superoffload.telemetry import metrics
 from superoffload.telemetry import ranks as rank_util
+from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.events import KIND_REPLAY, KIND_ROLLBACK, LANES, Span
+from superoffload.widgets.history import Binned
 from superoffload.widgets.timeline import LANE_LABELS
 
 RECONFIGURE_PREFIXES = ("reconfigure applied", "weights:")
 """Engine notes that mark a change of settings (runtime/engine.py, runtime/weights.py)."""
+AB_PREFIX = "A/B"
+"""Notes of an interleaved A/B start with it (runtime/ab_trial.py NOTE_PREFIX)."""
+AB_STARTED = "A/B started"
 SKIPPED_MARK = "step skipped"
 """The engine's note for a step skipped on a non-finite gradient (runtime/iteration.py)."""
 
 
 @dataclass(frozen=True, slots=True)
 class IterationPoint:
-    """What the dashboard plots for one complete iteration (from `IterationMetrics`)."""
+    """One complete iteration's figures (`vocabulary.PER_ITERATION`, in their units)."""
 
     iteration: int
-    wall_s: float
-    d2h_bytes: int
-    h2d_bytes: int
-    d2h_gbps_busy: float
-    """Rate while the D2H lane moved bytes (NaN when it moved none)."""
-    h2d_gbps_busy: float
-    d2h_gbps_wall: float
-    """Bytes / iteration time (what link utilisation is computed from)."""
-    h2d_gbps_wall: float
-    overlap_frac: float
-    """Share of the CPU step hidden under device work (NaN without CPU work)."""
-    device_idle_frac: float
-    exposed_optimizer_s: float
-    rollbacks: int
-    replays: int
+    values: dict[str, float]
+    moved_bytes: int
+    """D2H + H2D bytes (0: the link panel has nothing to draw)."""
 
 
 def iteration_points(spans: Sequence[Span]) -> list[IterationPoint]:
     """Per-iteration points (ascending) of ONE rank's spans."""
-    nan = math.nan
-    return [
-        IterationPoint(
-            iteration=m.iteration, wall_s=m.wall_s, d2h_bytes=m.d2h_bytes, h2d_bytes=m.h2d_bytes,
-            d2h_gbps_busy=m.d2h_gbps_busy if m.d2h_bytes else nan,
-            h2d_gbps_busy=m.h2d_gbps_busy if m.h2d_bytes else nan,
-            d2h_gbps_wall=m.d2h_gbps_wall, h2d_gbps_wall=m.h2d_gbps_wall,
-            overlap_frac=m.cpu_overlap_frac if m.cpu_step_s > 0 else nan,
-            device_idle_frac=m.device_idle_frac, exposed_optimizer_s=m.exposed_optimizer_s,
-            rollbacks=m.rollbacks, replays=m.replays,
-        )
-        for m in metrics.iteration_metrics(spans)
-    ]
+    return [IterationPoint(m.iteration, vocab.iteration_values(m), m.d2h_bytes + m.h2d_bytes)
+            for m in metrics.iteration_metrics(spans)]
 
 
-def thin(keys: Sequence[int], max_points: int) -> list[int]:
-    """Keys to drop so at most `max_points` remain: every other key of the older half, so a
-    long run keeps its whole history at a coarser step and the recent half at full detail."""
-    ordered = sorted(keys)
-    drop: list[int] = []
-    while len(ordered) > max_points:
-        gone = set(ordered[: len(ordered) // 2][1::2])
-        drop.extend(sorted(gone))
-        ordered = [k for k in ordered if k not in gone]
-    return drop
+def _history(max_points: int) -> dict[str, Binned]:
+    return {name: Binned(max_points) for name in vocab.PER_ITERATION}
+
+
+@dataclass
+class ABTrial:
+    """An interleaved A/B of a settings change (runtime/ab_trial.py, issue 18) as the notes
+    tell it: from its start note to its result (or cancel) note; the switches between the
+    old and new settings inside it are not separate reconfigurations."""
+
+    start: int
+    what: str
+    """"ratio 0.5 -> 0.8": the change measured."""
+    end: int | None = None
+    result: str | None = None
+    """The result line ("A/B measured: ..."), or why it ended without one."""
+    switches: int = 0
 
 
 @dataclass
 class DashboardState:
     """Everything the measured dashboard draws, updated from recorder snapshots.
 
-    The timeline keeps the last `window_iterations` iterations; per-iteration series keep at
-    most `max_points` points each (older history thinned, see `thin`)."""
+    The timeline keeps the last `window_iterations` iterations. Per-iteration series keep the
+    whole run in at most `max_points` even bins each, with each bin's minimum and maximum
+    (`history.Binned`); the last `recent_points` complete iterations are also kept as they
+    are, for the status line's medians."""
 
     window_iterations: int = 6
     max_points: int = 600
+    recent_points: int = 64
     spans_by_iteration: dict[int, list[Span]] = field(default_factory=dict)
-    points_by_rank: dict[int, dict[int, IterationPoint]] = field(default_factory=dict)
-    loss: dict[int, float] = field(default_factory=dict)
+    history_by_rank: dict[int, dict[str, Binned]] = field(default_factory=dict)
+    """rank -> metric name -> bins (every per-iteration metric gets the same bins)."""
+    recent_by_rank: dict[int, deque[IterationPoint]] = field(default_factory=dict)
+    moved_bytes: int = 0
+    loss: Binned = field(default_factory=Binned)
     ratio_changes: list[tuple[int, float]] = field(default_factory=list)
     """(first iteration, ratio) each time the engine's "ratio" scalar changed."""
-    memory: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """iteration -> (host GB, device GB), NaN where unknown."""
+    host_mem_gb: Binned = field(default_factory=Binned)
+    device_mem_gb: Binned = field(default_factory=Binned)
     reconfigures: list[tuple[int, str]] = field(default_factory=list)
+    ab_trials: list[ABTrial] = field(default_factory=list)
     skipped: set[int] = field(default_factory=set)
     total_rollbacks: int = 0
     total_replays: int = 0
@@ -116,7 +118,9 @@ class DashboardState:
             raise ValueError(f"window_iterations={self.window_iterations} must be >= 1 "
                              "(iterations kept on the timeline)")
         if self.max_points < 10:
-            raise ValueError(f"max_points={self.max_points} must be >= 10")
+            raise ValueError(f"max_points={self.max_points} must be >= 10 (bins per series)")
+        for b in (self.loss, self.host_mem_gb, self.device_mem_gb):
+            b.max_bins = self.max_points
 
     # ------------------------------------------------------------------ feeding
     def add_spans(self, spans: Iterable[Span], *, final: bool = False) -> None:
@@ -135,16 +139,25 @@ class DashboardState:
         if through > self.complete_through:
             kept = [s for i in sorted(self.spans_by_iteration) for s in self.spans_by_iteration[i]]
             for rank, rank_spans in rank_util.by_rank(kept).items():
-                points = self.points_by_rank.setdefault(rank, {})
                 for p in iteration_points(rank_spans):
                     if self.complete_through < p.iteration <= through:
-                        points[p.iteration] = p
-                for k in thin(list(points), self.max_points):
-                    del points[k]
+                        self.add_point(p, rank=rank)
             self.complete_through = through
         keep_from = newest - self.window_iterations - 3  # the window, plus late spans' owners
         for i in [i for i in self.spans_by_iteration if i < keep_from]:
             del self.spans_by_iteration[i]
+
+    def add_point(self, point: IterationPoint, *, rank: int = 0) -> None:
+        """One complete iteration's figures (what `add_spans` derives; a test may feed
+        thousands without spans)."""
+        history = self.history_by_rank.get(rank)
+        if history is None:
+            history = self.history_by_rank[rank] = _history(self.max_points)
+            self.recent_by_rank[rank] = deque(maxlen=self.recent_points)
+        for name, series in history.items():
+            series.add(point.iteration, point.values.get(name, math.nan))
+        self.recent_by_rank[rank].append(point)
+        self.moved_bytes += point.moved_bytes
 
     def add_scalars(self, name: str, values: Iterable[tuple[int, float]]) -> None:
         """The engine's per-iteration scalars: "loss" is drawn, "ratio" is tracked as changes,
@@ -152,33 +165,36 @@ class DashboardState:
         for iteration, value in values:
             it, v = int(iteration), float(value)
             if name == "loss":
-                self.loss[it] = v
+                self.loss.add(it, v)
             elif name == "ratio":
                 if not self.ratio_changes or self.ratio_changes[-1][1] != v:
                     self.ratio_changes.append((it, v))
             elif name == "skipped" and v:
                 self.skipped.add(it)
-        if name == "loss":
-            for k in thin(list(self.loss), self.max_points):
-                del self.loss[k]
 
     def add_notes(self, notes: Sequence[tuple[int, str]]) -> None:
         """All notes so far, oldest first (only the unseen tail is read)."""
         for iteration, text in notes[self._notes_seen:]:
-            if text.startswith(RECONFIGURE_PREFIXES):
-                self.reconfigures.append((int(iteration), text))
+            it = int(iteration)
+            trial = self.ab_trials[-1] if self.ab_trials and self.ab_trials[-1].end is None else None
+            if text.startswith(AB_STARTED):
+                what = text[len(AB_STARTED):].strip(" :").split(",")[0]
+                self.ab_trials.append(ABTrial(it, what))
+            elif text.startswith(AB_PREFIX) and trial is not None:
+                trial.end, trial.result = it, text
+            elif text.startswith(RECONFIGURE_PREFIXES):
+                if trial is not None:
+                    trial.switches += 1
+                else:
+                    self.reconfigures.append((it, text))
             elif SKIPPED_MARK in text:
-                self.skipped.add(int(iteration))
+                self.skipped.add(it)
         self._notes_seen = len(notes)
 
     def add_memory(self, iteration: int, host_bytes: float | None, device_bytes: float | None) -> None:
         """One memory sample, at the newest iteration (bytes; None when unknown)."""
-        self.memory[int(iteration)] = (
-            math.nan if host_bytes is None else host_bytes / 1e9,
-            math.nan if device_bytes is None else device_bytes / 1e9,
-        )
-        for k in thin(list(self.memory), self.max_points):
-            del self.memory[k]
+        self.host_mem_gb.add(iteration, math.nan if host_bytes is None else host_bytes / 1e9)
+        self.device_mem_gb.add(iteration, math.nan if device_bytes is None else device_bytes / 1e9)
 
     # ------------------------------------------------------------------ reading
     @property
@@ -186,9 +202,9 @@ class DashboardState:
         return max(self.spans_by_iteration, default=-1)
 
     @property
-    def points(self) -> dict[int, IterationPoint]:
-        """The lowest rank's points (the plotted ones)."""
-        return self.points_by_rank[min(self.points_by_rank)] if self.points_by_rank else {}
+    def plotted_rank(self) -> int | None:
+        """The rank whose series are drawn (the lowest), None before the first point."""
+        return min(self.history_by_rank) if self.history_by_rank else None
 
     def timeline_spans(self) -> list[Span]:
         """Spans of the last `window_iterations` iterations, oldest first."""
@@ -207,40 +223,64 @@ class DashboardState:
         return [rank_util.lane_label(LANE_LABELS[lane], r, multi)
                 for r, lane in rank_util.lane_rows(ranks)]
 
+    def _rank(self, rank: int | None) -> int | None:
+        if rank is not None and rank not in self.history_by_rank:
+            raise ValueError(f"rank={rank}: ranks seen are {sorted(self.history_by_rank)}")
+        return self.plotted_rank if rank is None else rank
+
     def series(self, rank: int | None = None) -> dict[str, np.ndarray]:
-        """Per-iteration arrays of `rank` (default: the lowest): "iteration", "wall_ms",
-        "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_wall", "h2d_gbps_wall", "overlap_pct",
-        "idle_pct", "exposed_ms", "rollbacks", "replays"."""
-        if rank is not None and rank not in self.points_by_rank:
-            raise ValueError(f"series(rank={rank}): ranks seen are {sorted(self.points_by_rank)}")
-        source = self.points if rank is None else self.points_by_rank[rank]
-        pts = [source[i] for i in sorted(source)]
+        """The whole run's per-iteration series of `rank` (default: the lowest), one entry per
+        bin: "iteration" (the bin's middle), "first", "last", "n" (iterations in the bin), and
+        for each `vocabulary.PER_ITERATION` name its mean, plus "<name>_min" / "<name>_max"."""
+        rank = self._rank(rank)
+        if rank is None:
+            empty = np.array([], dtype=float)
+            out = {k: empty for k in ("iteration", "first", "last", "n")}
+            for name in vocab.PER_ITERATION:
+                out[name] = out[f"{name}_min"] = out[f"{name}_max"] = empty
+            return out
+        history = self.history_by_rank[rank]
+        grid = history["iteration_ms"].arrays()
+        out = {"iteration": grid["x"], "first": grid["first"], "last": grid["last"], "n": grid["n"]}
+        for name, series in history.items():
+            a = series.arrays()
+            out[name], out[f"{name}_min"], out[f"{name}_max"] = a["mean"], a["min"], a["max"]
+        return out
 
-        def col(fn: Callable[[IterationPoint], float]) -> np.ndarray:
-            return np.array([fn(p) for p in pts], dtype=float)
+    def recent(self, rank: int | None = None) -> dict[str, np.ndarray]:
+        """The last `recent_points` complete iterations as they are: "iteration" and each
+        per-iteration metric (for medians over the last iterations)."""
+        rank = self._rank(rank)
+        points = list(self.recent_by_rank.get(rank, ())) if rank is not None else []
+        out = {"iteration": np.array([p.iteration for p in points], dtype=float)}
+        for name in vocab.PER_ITERATION:
+            out[name] = np.array([p.values.get(name, math.nan) for p in points], dtype=float)
+        return out
 
-        return {
-            "iteration": col(lambda p: p.iteration),
-            "wall_ms": col(lambda p: p.wall_s * 1e3),
-            "d2h_gbps_busy": col(lambda p: p.d2h_gbps_busy),
-            "h2d_gbps_busy": col(lambda p: p.h2d_gbps_busy),
-            "d2h_gbps_wall": col(lambda p: p.d2h_gbps_wall),
-            "h2d_gbps_wall": col(lambda p: p.h2d_gbps_wall),
-            "overlap_pct": col(lambda p: 100 * p.overlap_frac),
-            "idle_pct": col(lambda p: 100 * p.device_idle_frac),
-            "exposed_ms": col(lambda p: p.exposed_optimizer_s * 1e3),
-            "rollbacks": col(lambda p: p.rollbacks),
-            "replays": col(lambda p: p.replays),
-        }
+    def coverage(self, rank: int | None = None) -> tuple[int, int, int] | None:
+        """(first iteration, last iteration, iterations counted) of the per-iteration series,
+        what a check compares with the recorder; None before the first complete iteration."""
+        rank = self._rank(rank)
+        if rank is None:
+            return None
+        grid = self.history_by_rank[rank]["iteration_ms"]
+        first, last = grid.first_iteration, grid.last_iteration
+        if first is None or last is None:
+            return None
+        return first, last, grid.count
 
-    def loss_series(self) -> tuple[np.ndarray, np.ndarray]:
-        its = sorted(self.loss)
-        return np.array(its, dtype=float), np.array([self.loss[i] for i in its], dtype=float)
+    def stride(self, rank: int | None = None) -> int:
+        """Iterations per bin of the per-iteration series now (1 until the bound is reached)."""
+        rank = self._rank(rank)
+        return self.history_by_rank[rank]["iteration_ms"].stride if rank is not None else 1
 
-    def memory_series(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        its = sorted(self.memory)
-        return (np.array(its, dtype=float), np.array([self.memory[i][0] for i in its], dtype=float),
-                np.array([self.memory[i][1] for i in its], dtype=float))
+    def loss_series(self) -> dict[str, np.ndarray]:
+        """The loss over the whole run (`Binned.arrays`: x, mean, min, max per bin)."""
+        return self.loss.arrays()
+
+    def memory_series(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(host GB, device GB) over the whole run (`Binned.arrays` each)."""
+        return self.host_mem_gb.arrays(), self.device_mem_gb.arrays()
 
     def ratio_in_force(self) -> tuple[float, int] | None:
         """(ratio, first iteration it has held for), from the engine's "ratio" scalar."""
@@ -249,19 +289,18 @@ class DashboardState:
     def available(self) -> frozenset[str]:
         """Measured panels that have data: "speed", "link", "percent", "loss", "memory"."""
         out = set()
-        pts = self.points
-        if pts:
+        if self.plotted_rank is not None:
             out |= {"speed", "percent"}
-        if any(p.d2h_bytes or p.h2d_bytes for p in pts.values()):
+        if self.moved_bytes:
             out.add("link")
-        if self.loss:
+        if self.loss.count:
             out.add("loss")
-        if any(not (math.isnan(h) and math.isnan(d)) for h, d in self.memory.values()):
+        if self.host_mem_gb.has_finite() or self.device_mem_gb.has_finite():
             out.add("memory")
         return frozenset(out)
 
     def has_device_memory(self) -> bool:
-        return any(not math.isnan(d) for _, d in self.memory.values())
+        return self.device_mem_gb.has_finite()
 
     def lanes_present(self) -> list[str]:
         return [lane for lane in LANES if any(s.lane == lane for s in self.timeline_spans())]

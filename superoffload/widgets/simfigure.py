@@ -23,7 +23,7 @@ from typing import Any
 from superoffload.telemetry import metrics
 from superoffload.telemetry.events import LANE_COMPUTE, LANES, Span
 from superoffload.widgets import layout as L
-from superoffload.widgets.timeline import LANE_LABELS, timeline_view, vlines
+from superoffload.widgets.timeline import LANE_LABELS, spaced_labels, timeline_view, vlines
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +146,9 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
     bx, by = vlines(list(view.boundaries.values()), -0.7, view.rows - 0.5)
     fig.add_trace(go.Scatter(x=bx, y=by, mode="lines", hoverinfo="skip", showlegend=False,
                              line={"width": 1, "color": L.REFERENCE_COLOR, "dash": "dot"}))
-    fig.add_trace(go.Scatter(x=list(view.boundaries.values()), y=[-0.45] * len(view.boundaries),
-                             text=[f"it {i}" for i in view.boundaries], mode="text",
+    starts = spaced_labels(view.boundaries, view.x_range_ms)
+    fig.add_trace(go.Scatter(x=list(starts.values()), y=[-0.45] * len(starts),
+                             text=[f"it {i}" for i in starts], mode="text",
                              textposition="middle right", hoverinfo="skip", showlegend=False,
                              textfont={"size": 10, "color": "#555555"}))
     labels = [LANE_LABELS[lane] for lane in LANES]
@@ -156,20 +157,24 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
         fig.add_trace(go.Bar(y=labels, x=[values[lane] for lane in LANES], orientation="h", name=name,
                              marker={"color": color}, xaxis="x2", yaxis="y2", legend="legend2",
                              hovertemplate="%{y}: %{x:.3g} ms " + key + "<extra></extra>"))
-    for lane, label, color in (("d2h", "D2H", L.METRIC_COLORS["d2h"]), ("h2d", "H2D", L.METRIC_COLORS["h2d"])):
+    # each bar's numbers are its category label under the axis: a label above the bar would
+    # be struck through by the peak line when the rate is near the peak
+    categories = {lane: link_category(lane.upper(), figs.link[lane]) for lane in ("d2h", "h2d")}
+    for lane in ("d2h", "h2d") if "link" in panels else ():
         f = figs.link[lane]
-        if "link" not in panels:
-            break
-        fig.add_trace(go.Bar(x=[label], y=[f.gbps_busy], name=label, marker={"color": color},
-                             xaxis="x3", yaxis="y3", legend="legend3", showlegend=False,
-                             text=[f"{f.gbps_busy:.3g} GB/s, busy {f.busy_pct:.2g} %"],
-                             textposition="outside", cliponaxis=False, hoverinfo="text"))
-    peaks = sorted({f.peak_gbps for f in figs.link.values() if f.peak_gbps}) if "link" in panels else []
-    for p in peaks:
-        fig.add_trace(go.Scatter(x=["D2H", "H2D"], y=[p, p], mode="lines", name="peak",
-                                 line={"color": L.REFERENCE_COLOR, "dash": "dash"}, xaxis="x3",
-                                 yaxis="y3", legend="legend3", hovertext=f"link peak {p:.3g} GB/s",
-                                 hoverinfo="text"))
+        fig.add_trace(go.Bar(x=[categories[lane]], y=[f.gbps_busy], name=lane.upper(),
+                             marker={"color": L.METRIC_COLORS[lane]}, xaxis="x3", yaxis="y3",
+                             legend="legend3", showlegend=False, hoverinfo="text",
+                             hovertext=[f"{lane.upper()} while moving {f.gbps_busy:.3g} GB/s, "
+                                        f"busy {f.busy_pct:.2g} % of the window"]))
+        if f.peak_gbps:  # each direction's own peak, in its own colour, one legend entry each
+            fig.add_trace(go.Scatter(x=[categories[lane]], y=[f.peak_gbps], mode="markers",
+                                     name=f"{lane.upper()} peak", xaxis="x3", yaxis="y3",
+                                     legend="legend3", hoverinfo="text",
+                                     hovertext=f"{lane.upper()} peak {f.peak_gbps:.3g} GB/s",
+                                     marker={"symbol": "line-ew-open", "size": 40,
+                                             "color": L.METRIC_COLORS[f"{lane}_peak"],
+                                             "line": {"width": 3}}))
     sides = [b.side for b in figs.memory]
     fig.add_trace(go.Bar(
         x=[b.needed_gb for b in figs.memory], y=sides, orientation="h", name="needed",
@@ -217,6 +222,13 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
     fig.layout.xaxis4.title = {"text": "GB"}
     fig.layout.yaxis2.autorange = "reversed"
     return fig
+
+
+def link_category(label: str, f: LinkFigure) -> str:
+    """"D2H · 95.1 GB/s · busy 21 %": a link bar's x category, its numbers included."""
+    if math.isnan(f.gbps_busy):
+        return f"{label} · nothing moved"
+    return f"{label} · {f.gbps_busy:.3g} GB/s · busy {f.busy_pct:.2g} %"
 
 
 def sim_panels(figs: SimFigures) -> list[str]:

@@ -7,30 +7,50 @@ keeps an output slot (an IPython display id) it can rewrite:
   * a static figure is a plotly mime bundle (`application/vnd.plotly.v1+json`, drawn by
     JupyterLab's plotly renderer without a kernel) plus an HTML and a plain-text summary
     (what nbconvert and terminals show);
-  * a live dashboard shows its widget while the run is going and replaces it with the
-    static figure of the last state when the run ends, so a notebook saved afterwards opens
-    with the figure; the tuner keeps a small HTML snapshot of its settings and prediction
-    under its controls.
+  * every live view (the dashboard, the trainer's progress line and its status lines, the
+    tuner) shows its widget in a slot while the run is going and replaces it IN PLACE with a
+    static snapshot when the run ends, so a notebook saved afterwards opens with the
+    figure and the last state instead of "model not found";
+  * views still live when the kernel shuts down are frozen by an `atexit` hook
+    (`freeze_all`): the kernel's exit runs it before ipykernel closes its output channel
+    (atexit runs the newest hook first), so the front-end still receives the snapshots.
+    A kernel that is killed (SIGKILL, a crash) cannot do this; the dashboard's snapshot
+    under its figure, rewritten every few seconds, is what remains then.
+
+A "warning:" line of a status is drawn in orange and bold (html_lines).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import html
 import itertools
 import json
-from collections.abc import Sequence
-from typing import Any
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from superoffload.widgets import _env
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+WARNING_STYLE = "color:#B34700;font-weight:bold"
 _ids = itertools.count()
 
 
+def _line(k: int, text: str) -> str:
+    if k == 0:
+        return f"<b>{html.escape(text)}</b>"
+    if text.startswith("warning:"):
+        return f"<span class='so-warning' style='{WARNING_STYLE}'>{html.escape(text)}</span>"
+    return html.escape(text)
+
+
 def html_lines(lines: Sequence[str], *, css_class: str = "so-snapshot") -> str:
-    """Plain-text lines as escaped HTML (the first one bold)."""
-    body = "<br>".join(f"<b>{html.escape(t)}</b>" if k == 0 else html.escape(t)
-                       for k, t in enumerate(lines))
+    """Plain-text lines as escaped HTML (the first one bold, a "warning:" line coloured)."""
+    body = "<br>".join(_line(k, t) for k, t in enumerate(lines))
     return (f"<div class='{css_class}' style='font-family:sans-serif;font-size:12px;line-height:1.45'>"
             f"{body}</div>")
 
@@ -63,6 +83,11 @@ class Slot:
         self.shown = False
         self.bundle: dict[str, Any] | None = None
 
+    @property
+    def frozen(self) -> bool:
+        """True when what the slot shows needs no kernel (no live widget in it)."""
+        return self.bundle is not None and WIDGET_MIME not in self.bundle
+
     def show(self, bundle: dict[str, Any]) -> None:
         """Display here (a new output in the running cell); later `update`s rewrite it."""
         from IPython.display import display
@@ -71,6 +96,10 @@ class Slot:
         display(bundle, raw=True, display_id=self.display_id)
         self.shown = True
 
+    def clear(self) -> None:
+        """Leave the output empty (a placeholder whose content appeared elsewhere)."""
+        self.update({"text/plain": ""})
+
     def update(self, bundle: dict[str, Any]) -> None:
         """Rewrite every output this slot was shown in (no-op before `show`)."""
         self.bundle = bundle
@@ -78,3 +107,88 @@ class Slot:
             from IPython.display import update_display
 
             update_display(bundle, raw=True, display_id=self.display_id)
+
+
+def placeholder(text: str) -> Slot:
+    """Show `text` in the running cell now (e.g. "measuring this machine ..." where a view
+    will appear after a slow step); `.clear()` it when the view is shown. Outside a notebook
+    the text is printed."""
+    slot = Slot("placeholder")
+    if _env.in_notebook():
+        slot.show(text_bundle([text]))
+    else:
+        print(text)
+    return slot
+
+
+class Freezable(Protocol):
+    def freeze(self) -> None:
+        """Replace every live widget of the view with its static snapshot."""
+
+
+EXIT_NOTE = "(frozen here when the kernel shut down)"
+exiting = False
+"""True once `freeze_all` ran: the snapshots say the kernel went, not the run's end."""
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_live_lock = threading.Lock()
+_hooked = False
+
+
+def register(view: Freezable) -> None:
+    """Freeze `view` when the kernel shuts down, unless it was frozen before."""
+    global _hooked
+    with _live_lock:
+        _live.add(view)
+        if not _hooked:
+            atexit.register(freeze_all)
+            _hooked = True
+
+
+def unregister(view: Any) -> None:
+    with _live_lock:
+        _live.discard(view)
+
+
+def freeze_all() -> int:
+    """Freeze every registered live view (the kernel's exit calls this); returns how many.
+    A view that fails to freeze does not stop the others."""
+    global exiting
+    with _live_lock:
+        views = list(_live)
+        _live.clear()
+        exiting = True
+    # the cheap ones first (a line of text each), a dashboard's figure last
+    views.sort(key=lambda v: not isinstance(v, LiveOutput))
+    for view in views:
+        with contextlib.suppress(Exception):  # at exit, one broken view must not hide the rest
+            view.freeze()
+    return len(views)
+
+
+class LiveOutput:
+    """A live widget in its own slot, frozen in place into a static snapshot
+    (`lines()`, plain text, plus optional HTML) at the run's end or the kernel's exit."""
+
+    def __init__(self, name: str, widget: Any, lines: Callable[[], list[str]], *,
+                 css_class: str = "so-snapshot") -> None:
+        self.slot = Slot(name)
+        self.widget = widget
+        self.lines = lines
+        self.css_class = css_class
+
+    def show(self) -> None:
+        """Display the widget in the running cell; register for the kernel's exit."""
+        self.slot.show(widget_bundle(self.widget, self.lines()))
+        register(self)
+
+    @property
+    def frozen(self) -> bool:
+        return self.slot.frozen
+
+    def freeze(self) -> None:
+        """Replace the widget with its static snapshot (no-op before `show`)."""
+        unregister(self)
+        if self.slot.shown:
+            lines = [*self.lines(), *([EXIT_NOTE] if exiting else [])]
+            self.slot.update({"text/html": html_lines(lines, css_class=self.css_class),
+                              "text/plain": "\n".join(lines)})

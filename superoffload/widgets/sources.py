@@ -33,14 +33,57 @@ def resolve_source(source: Any) -> tuple[Any, Any]:
         "simulation dash.show_simulation(plan.simulate(...))")
 
 
-def workload(shape: Any, choice: ProfileChoice | None) -> Workload:
+def workload(shape: Any, choice: ProfileChoice | None, micro_batches: int = 1) -> Workload:
+    """Tokens and FLOPs of one optimizer step (`micro_batches` forward/backward passes of
+    `shape`: the engine's grad_accum_steps), the link's peaks, the profile's name."""
     prof = choice.profile if choice is not None else None
     return Workload(
-        tokens_per_iteration=int(shape.tokens) if shape is not None else None,
-        flops_per_iteration=float(shape.executed_flops) if shape is not None else None,
+        tokens_per_iteration=int(shape.tokens) * micro_batches if shape is not None else None,
+        flops_per_iteration=float(shape.executed_flops) * micro_batches if shape is not None else None,
         d2h_peak_gbps=getattr(prof, "d2h_gbps", None), h2d_peak_gbps=getattr(prof, "h2d_gbps", None),
         profile_name=choice.name if choice is not None else "",
-        profile_note=choice.note if choice is not None else "")
+        profile_note=choice.note if choice is not None else "", micro_batches=micro_batches)
+
+
+def predicted_step(shape: Any, profile: Any, config: Any, micro_batches: int = 1) -> tuple[float, float]:
+    """(seconds, executed TFLOP/s) the planner predicts for ONE optimizer step of
+    `micro_batches` micro-batches, so it compares with a measured iteration (like with like).
+    The planner times one micro-batch per step; with accumulation each extra micro-batch adds
+    its forward and backward (the buckets leave on the last one only), which we add as the
+    extra micro-batches' share of the one-micro-batch compute time."""
+    from superoffload import plan
+
+    res = plan.simulate(shape, profile, schedule="superoffload", config=config)
+    seconds, tflops = float(res.iteration_s), float(res.tflops)
+    if micro_batches > 1:
+        compute_s = seconds * _compute_share(res)  # one micro-batch's forward + backward
+        seconds += (micro_batches - 1) * compute_s
+        tflops = float(shape.executed_flops) * micro_batches / seconds / 1e12
+    return seconds, tflops
+
+
+def _compute_share(res: Any) -> float:
+    """The share of a simulated iteration the device spent on forward/backward (1.0 when the
+    result has no timeline to tell)."""
+    from superoffload.telemetry import metrics
+
+    spans = list(getattr(res, "timeline", ()) or ())
+    window = getattr(res, "window", None)
+    if not spans or not window or not window[1] > window[0]:
+        return 1.0
+    compute = metrics.length(metrics.clip(metrics.model_compute(spans), tuple(window)))
+    return min(1.0, compute / (window[1] - window[0]))
+
+
+def memory_bytes(recorder: Any) -> tuple[float | None, float | None]:
+    """(host, device) bytes: the engine's scalars when it records them, else this process's
+    resident memory and the CUDA allocator's count (None: unknown, not drawn; a CPU-only run
+    has no device memory to show)."""
+    host_s = recorder.scalars("host_mem_bytes")
+    device_s = recorder.scalars("device_mem_bytes")
+    host = host_s[-1].value if host_s else process_rss_bytes()
+    device = device_s[-1].value if device_s else cuda_allocated_bytes()
+    return host, device
 
 
 def process_rss_bytes() -> float | None:

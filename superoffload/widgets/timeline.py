@@ -111,6 +111,24 @@ def iteration_starts(spans: Iterable[Span]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+MARK_OFFSET = {KIND_ROLLBACK: -0.22, KIND_REPLAY: 0.22}
+"""Rows (fractions of a lane) by which rollback and replay markers sit off their lane's middle."""
+
+
+def spaced_labels(starts: dict[int, float], x_range_ms: tuple[float, float],
+                  min_frac: float = 0.05) -> dict[int, float]:
+    """The iteration starts to label "it N": each at least `min_frac` of the x range after the
+    previous label (close iterations would print on top of each other), the first always."""
+    width = max(x_range_ms[1] - x_range_ms[0], 1e-12)
+    out: dict[int, float] = {}
+    last = None
+    for it, x in sorted(starts.items(), key=lambda kv: kv[1]):
+        if last is None or x - last >= min_frac * width:
+            out[it] = x
+            last = x
+    return out
+
+
 def vlines(xs: Sequence[float], y0: float, y1: float) -> tuple[np.ndarray, np.ndarray]:
     """Vertical segments at `xs` from y0 to y1 as one NaN-separated line trace."""
     x = np.repeat(np.asarray(xs, dtype=float), 3)
@@ -143,7 +161,10 @@ def timeline_view(spans: Sequence[Span], *, skipped: Iterable[int] = (),
         if s.kind in marks:
             mid = ((s.start_s + s.end_s) / 2 - origin_s) * 1e3
             rank = f"r{s.rank} " if multi else ""
-            marks[s.kind].append((mid, row(s), f"{rank}{s.kind} · it {s.iteration} · bucket {s.bucket}"))
+            # a replay follows its rollback on the same lane: above / below the row's middle,
+            # so the two markers never cover each other
+            y = row(s) + MARK_OFFSET[s.kind]
+            marks[s.kind].append((mid, y, f"{rank}{s.kind} · it {s.iteration} · bucket {s.bucket}"))
     skipped_marks = [(ms[it], -0.35, f"it {it}: step skipped (non-finite gradient)")
                      for it in sorted(set(skipped)) if it in ms]
     reconf_marks = [(ms[it], -0.35, f"it {it}: {text}") for it, text in reconfigures if it in ms]

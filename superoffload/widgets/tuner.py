@@ -23,12 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from superoffload.config import OffloadConfig
+from superoffload.runtime import step_listener
 from superoffload.widgets import _env
 from superoffload.widgets import snapshot as snap
+from superoffload.widgets import tuner_compare as compare
+from superoffload.widgets import tuner_live as live
 from superoffload.widgets.debounce import Executor, Inline, LatestOnly
-from superoffload.widgets.predict import describe, resolve_profile, to_shape
+from superoffload.widgets.predict import ProfileChoice, describe, resolve_profile, to_shape
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.tuner_core import (
+    CHOICES,
+    LABELS,
     TUNED_FIELDS,
     Prediction,
     apply_block_reason,
@@ -43,22 +48,6 @@ from superoffload.widgets.tuner_core import (
     setting_notes,
 )
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "grad_cast": ("device", "host", "auto"),
-    "param_cast": ("device", "host", "auto"),
-    "weights": ("stationary", "flow", "auto"),
-    "speculation": ("on", "off", "adaptive"),
-}
-LABELS = {
-    "ratio": "ratio (CPU share of the optimizer)",
-    "bucket_bytes": "bucket size",
-    "grad_cast": "gradients cast on",
-    "param_cast": "weights cast on",
-    "weights": "weight policy",
-    "speculation": "speculation (STV)",
-    "cpu_threads": "CPU optimizer threads",
-}
-
 
 class OffloadTuner:
     """Sliders and toggles over the tuned OffloadConfig fields, a prediction, an apply button."""
@@ -66,7 +55,8 @@ class OffloadTuner:
     def __init__(self, shape_or_model: Any, profile: Any = None, engine: Any = None, *,
                  config: OffloadConfig | None = None, seq: int | None = None,
                  micro_batch: int = 1, preview: Any = None, compare_baseline: bool = True,
-                 debounce_s: float = 0.2) -> None:
+                 debounce_s: float = 0.2, measure_apply: bool = True, ab_block: int = 4,
+                 ab_pairs: int = 6, calibrate_after: int | None = 10) -> None:
         self.shape = to_shape(shape_or_model, seq=seq, micro_batch=micro_batch)
         self.choice = resolve_profile(profile)
         self.profile = self.choice.profile
@@ -87,14 +77,38 @@ class OffloadTuner:
         self.run_state: RunState | None = None
         self.status_line = "no engine attached (what-if mode)" if engine is None else "not applied yet"
         self.applied: list[dict[str, Any]] = []
+        self.measure_apply = measure_apply
+        """Apply measures the change as an interleaved A/B (runtime/ab_trial.py) when the
+        engine takes step hooks; False: reconfigure at once, unmeasured."""
+        self.ab_block, self.ab_pairs = ab_block, ab_pairs
+        self.trial: Any = None
+        """The A/B of the last Apply (``ABTrial``), while and after it runs."""
+        self.ab_results: list[Any] = []
+        """Every finished A/B (``telemetry.abtest.ABResult``), oldest first."""
+        self.changes: list[Any] = []
+        """``tuner_compare.ChangeRow`` per control that differs from the settings in force."""
+        self.curve: list[tuple[float, float | None]] = []
+        """Predicted seconds over the ratio (``tuner_compare.ratio_curve``)."""
         self._sent: dict[str, Any] = {}
         self.controls: dict[str, Any] = {}
         self._seq = itertools.count()
         self._latest = 0
         self._quiet = False
         self._snapshot = snap.Slot("tuner-snapshot")
+        self.live_outputs: list[snap.LiveOutput] = []
+        """Where the controls are shown; each is frozen in place into the snapshot when the
+        run ends or the kernel exits (a reopened notebook shows it, not "model not found")."""
         self.widget: Any = self._build_widgets() if _env.has_module("ipywidgets") else None
         self.executor: Executor = LatestOnly(debounce_s) if self.widget is not None and debounce_s > 0 else Inline()
+        self._show(*self._predict(self.config))
+        self.calibrator: Any = live.start_calibrator(self, calibrate_after, profile is None)
+        """The AutoCalibrator on the attached engine (None: none); when it has run the tuner
+        predicts with its profile (widgets/tuner_live.py)."""
+
+    def use_calibration(self, report: Any) -> None:
+        """The engine ran long enough: predict with the profile fitted to it."""
+        self.choice = ProfileChoice(report.profile, f"calibrated on this run: {report.line()}")
+        self.profile = report.profile
         self._show(*self._predict(self.config))
 
     # ----------------------------------------------------------------- state
@@ -132,14 +146,23 @@ class OffloadTuner:
         return self.prediction
 
     def set_run_state(self, state: RunState) -> None:
-        """Told by the trainer: the status line and Apply follow the run."""
+        """Told by the trainer: the status line and Apply follow the run; a run that ends
+        ends the A/B in progress with the new settings in force."""
         self.run_state = state
+        if state.ended and self.trial is not None and not self.trial.done:
+            self.trial.cancel(f"stopped: the run {state.value} before the A/B finished")
+            self.status_line = f"{self.trial.error}; the new settings are in force"
         self._show_status()
+        if state.ended:  # display the tuner again for live controls
+            for out in self.live_outputs:
+                out.freeze()
 
     def _live_changes(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if self.engine is None:
             return {}, {}
         current = self.engine.config
+        if self.trial is not None and not self.trial.done:
+            current = current.replace(**self.trial.new)  # what the A/B leaves in force
         self._sent = {k: v for k, v in self._sent.items() if getattr(current, k) != v}
         target = current.replace(**self._sent) if self._sent else current
         return engine_changes(target, self.config, reconfigurable_fields(self.engine))
@@ -152,18 +175,26 @@ class OffloadTuner:
             return "nothing to apply: the controls match the engine's settings"
         return reason
 
-    def apply(self) -> dict[str, Any]:
-        """Send the changed settings to the attached engine (applied between iterations)."""
+    def apply(self, *, measure: bool | None = None) -> dict[str, Any]:
+        """Send the changed settings to the attached engine (applied between iterations).
+        `measure` (default `measure_apply`): as an interleaved A/B -- old and new settings
+        alternate for `ab_pairs` pairs of `ab_block` iterations, then the new ones stay --
+        whose result (median change, confidence interval, "within noise", the planner's
+        predicted change) lands in `ab_results`, the status line and the run's telemetry."""
         if self.engine is None:
             raise ValueError("OffloadTuner.apply: no engine attached; pass engine=... to OffloadTuner")
         changes, restart = self._live_changes()
         iteration = getattr(self.engine, "iteration", "?")
         later = "; needs a restart: " + ", ".join(f"{k}={v}" for k, v in restart.items()) if restart else ""
+        measure = self.measure_apply if measure is None else measure
         if not changes:
             self.status_line = f"nothing to apply at iteration {iteration}{later}"
         else:
             try:
-                self.engine.reconfigure(**changes)
+                if measure and step_listener.supported(self.engine):
+                    self.trial = live.start_trial(self, changes)
+                else:
+                    self.engine.reconfigure(**changes)
             except (ValueError, TypeError) as exc:
                 self.status_line = f"engine refused {changes}: {exc}"
                 self._show_status()
@@ -175,8 +206,18 @@ class OffloadTuner:
                     if self.run_state is not None and self.run_state is not RunState.RUNNING
                     else "in force from the next iteration")
             self.status_line = f"applied {shown} at iteration {iteration} ({when}){later}"
+            if self.trial is not None and not self.trial.done and self.trial.new == changes:
+                self.status_line += (f"; measuring it as an A/B: old and new settings "
+                                     f"alternate, {self.ab_pairs} pairs of {self.ab_block} "
+                                     "iterations, then the new ones stay")
         self._show_status()
         return changes
+
+    def record_trial(self, trial: Any) -> None:
+        """In the training thread, when an A/B ends with a result."""
+        self.ab_results.append(trial.result)
+        self.status_line = f"measured: {trial.result.line()}"
+        self._show_status()
 
     def close(self) -> None:
         """Stop the prediction worker thread."""
@@ -188,6 +229,10 @@ class OffloadTuner:
         if config is None:
             return None, self.prediction_line, None
         pred = predict(self.shape, self.profile, config, baseline_s=self.baseline_s)
+        in_force = self.engine.config if self.engine is not None else self.base_config
+        self.changes = compare.change_rows(self.shape, self.profile, in_force, config,
+                                           TUNED_FIELDS)
+        self.curve = compare.ratio_curve(self.shape, self.profile, config)
         sim = None
         if self.preview is not None:
             from superoffload import plan
@@ -230,7 +275,7 @@ class OffloadTuner:
         if sim is not None and self.preview is not None:
             self.preview.show_simulation(sim, profile=self.profile)
         if self.widget is not None:
-            self.prediction_html.value = self._prediction_html(pred, line)
+            self.prediction_html.value = self.render_prediction(pred, line)
             self.prediction_html.remove_class("so-tuner-pending")
             notes = setting_notes(self.values)
             self.notes_html.value = "".join(f"<div>&#9888; {html.escape(n)}</div>" for n in notes)
@@ -248,12 +293,12 @@ class OffloadTuner:
         import ipywidgets as w
 
         c = self.controls
-        full = w.Layout(width="100%")
+        full = w.Layout(width="100%", margin="2px 0px")  # no side margins: 100 % fits its cell
         c["ratio"] = w.FloatSlider(value=float(self.values["ratio"]), min=0.0, max=1.0, step=0.05,
                                    readout_format=".2f", continuous_update=True, layout=full)
         c["bucket_bytes"] = w.SelectionSlider(options=bucket_options(self.values["bucket_bytes"]),
                                               value=self.values["bucket_bytes"], layout=full)
-        for name, options in _CHOICES.items():
+        for name, options in CHOICES.items():
             c[name] = w.ToggleButtons(options=list(options), value=self.values[name],
                                       style={"button_width": "86px"})
         max_threads = max(int(getattr(self.profile, "cpu_cores", 1)), int(self.values["cpu_threads"]))
@@ -269,25 +314,25 @@ class OffloadTuner:
             label = w.HTML(value=f"<span title='OffloadConfig.{name}'>{html.escape(LABELS.get(name, name))}</span>")
             rows += [label, control]
         grid = w.GridBox(rows, layout=w.Layout(grid_template_columns="minmax(150px, 230px) minmax(0, 1fr)",
-                                               grid_gap="4px 12px", width="100%", align_items="center"))
+                                               grid_gap="4px 12px", width="auto", align_items="center"))
         self.notes_html = w.HTML(value="")
         self.notes_html.add_class("so-tuner-notes")
-        self.prediction_html = w.HTML(value="", layout=w.Layout(width="100%"))
+        self.prediction_html = w.HTML(value="", layout=w.Layout(width="auto"))
         self.prediction_html.add_class("so-tuner-prediction")
         self.apply_button = w.Button(description="Apply to engine", button_style="primary",
                                      disabled=True, layout=w.Layout(width="auto", min_width="150px"))
         self.apply_button.add_class("so-tuner-apply")
         self.apply_button.on_click(lambda _button: self._apply_from_button())
-        self.status_html = w.HTML(value="", layout=w.Layout(width="100%"))
+        self.status_html = w.HTML(value="", layout=w.Layout(width="auto", flex="1 1 0%"))
         self.status_html.add_class("so-tuner-status")
         title = w.HTML(value=f"<b>offload tuner</b> · {html.escape(describe(self.shape, self.choice))}")
         box = w.VBox([title, grid, self.notes_html, self.prediction_html,
-                      w.HBox([self.apply_button, self.status_html], layout=w.Layout(width="100%"))],
-                     layout=w.Layout(width="100%", max_width="980px"))
+                      w.HBox([self.apply_button, self.status_html], layout=w.Layout(width="auto"))],
+                     layout=w.Layout(width="auto", max_width="980px"))  # auto: 100 % + margins overflowed
         box.add_class("so-tuner")
         return box
 
-    def _prediction_html(self, pred: Prediction | None, line: str) -> str:
+    def render_prediction(self, pred: Prediction | None, line: str) -> str:
         # name the settings the table is for: a slider moves faster than the kernel answers
         shown = (f"ratio {float(self.values['ratio']):.2f}, "
                  f"{format_bytes(self.values['bucket_bytes'])} buckets")
@@ -299,7 +344,10 @@ class OffloadTuner:
             style = " style='color:#C00000;font-weight:bold'" if ok is False else ""
             cells.append(f"<tr><th style='text-align:left;padding-right:12px'>{html.escape(label)}</th>"
                          f"<td{style}>{html.escape(value)}</td></tr>")
-        return head + f"<table style='border-collapse:collapse'>{''.join(cells)}</table>"
+        curve = (f"<div class='so-tuner-curve-box'>{compare.curve_svg(self.curve, float(self.values['ratio']))}"
+                 f"<div>{html.escape(compare.curve_summary(self.curve))}</div></div>") if self.curve else ""
+        return (head + f"<table style='border-collapse:collapse'>{''.join(cells)}</table>"
+                + compare.change_table_html(self.changes) + curve)
 
     def _apply_from_button(self) -> None:
         # A button callback has no cell to raise into: the status line carries the error.
@@ -335,9 +383,9 @@ class OffloadTuner:
             reason = "not in a notebook" if self.widget is not None else f"ipywidgets missing ({_env.INSTALL_HINT})"
             print(f"[superoffload] tuner controls need a notebook: {reason}; tuner.set(ratio=...) works here")
             return
-        from IPython.display import display
-
-        display(self.widget)
+        out = snap.LiveOutput("tuner", self.widget, self._snapshot_lines, css_class="so-tuner-snapshot")
+        out.show()
+        self.live_outputs.append(out)
         self._snapshot.show(snap.text_bundle(self._snapshot_lines()))
 
     def summary(self) -> str:
@@ -346,21 +394,6 @@ class OffloadTuner:
 
     def to_html(self, path: str | Path) -> Path:
         """A static page with the settings, the prediction and the simulated timeline."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        rows = "".join(f"<tr><th>{html.escape(LABELS.get(k, k))}</th><td>{html.escape(str(v))}</td></tr>"
-                       for k, v in self.values.items())
-        body = (f"<h2>offload tuner</h2><p>{html.escape(describe(self.shape, self.choice))}</p>"
-                f"<table>{rows}</table>{self._prediction_html(self.prediction, self.prediction_line)}"
-                f"<p>{html.escape(self.status_line)}</p>")
-        if _env.plotly_available():
-            from superoffload import plan
-            from superoffload.widgets.dashboard import LiveDashboard
+        from superoffload.widgets.tuner_page import write_page
 
-            res = plan.simulate(self.shape, self.profile, schedule="superoffload", config=self.config)
-            dash = LiveDashboard(None, live=False)
-            dash.show_simulation(res, profile=self.profile)
-            body += dash.figure.to_html(full_html=False, include_plotlyjs=True)
-        path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>offload tuner</title>"
-                        f"</head><body>{body}</body></html>", encoding="utf-8")
-        return path
+        return write_page(self, Path(path))

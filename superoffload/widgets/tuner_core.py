@@ -23,6 +23,23 @@ TUNED_FIELDS: tuple[str, ...] = tuple(
            key=lambda n: DISPLAY_ORDER.index(n) if n in DISPLAY_ORDER else len(DISPLAY_ORDER)))
 """OffloadConfig fields the tuner's controls set, in display order."""
 
+CHOICES: dict[str, tuple[str, ...]] = {
+    "grad_cast": ("device", "host", "auto"),
+    "param_cast": ("device", "host", "auto"),
+    "weights": ("stationary", "flow", "auto"),
+    "speculation": ("on", "off", "adaptive"),
+}
+LABELS = {
+    "ratio": "ratio (CPU share of the optimizer)",
+    "bucket_bytes": "bucket size",
+    "grad_cast": "gradients cast on",
+    "param_cast": "weights cast on",
+    "weights": "weight policy",
+    "speculation": "speculation (STV)",
+    "cpu_threads": "CPU optimizer threads",
+}
+"""Control label per field (the tuner's rows, its static page)."""
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -49,6 +66,12 @@ class Prediction:
     device_capacity_bytes: float | None = None
     host_capacity_bytes: float | None = None
     profile_name: str = ""
+    calibrated: bool = False
+    """Whether the profile's compute rate was fitted to a measured run of the engine
+    (``plan.calibrate.calibration_state``); uncalibrated figures are presets' or
+    microbenchmarks' (docs/planner.md, "Accuracy")."""
+    calibration: str = ""
+    """One line saying which (for a view)."""
 
     @property
     def speedup_vs_baseline(self) -> float | None:
@@ -60,9 +83,11 @@ class Prediction:
 def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: float | None = None) -> Prediction:
     """Simulate one SuperOffload iteration of `shape` on `profile` with `config`."""
     from superoffload import plan
+    from superoffload.plan.calibrate import calibration_state
     from superoffload.plan.memory import DEVICE_HEADROOM, HOST_HEADROOM
 
     res = plan.simulate(shape, profile, schedule="superoffload", config=config)
+    state = calibration_state(profile)
     device, host = memory_bytes(res.memory)
     dev_cap = getattr(profile, "device_memory_bytes", None)
     host_cap = getattr(profile, "host_memory_bytes", None)
@@ -73,7 +98,8 @@ def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: floa
         effective_ratio=_number(getattr(res, "plan", None), ("ratio",)),
         device_capacity_bytes=float(dev_cap) * DEVICE_HEADROOM if dev_cap else None,
         host_capacity_bytes=float(host_cap) * HOST_HEADROOM if host_cap else None,
-        profile_name=str(getattr(profile, "name", "")),
+        profile_name=str(getattr(profile, "name", "")), calibrated=state.calibrated,
+        calibration=state.text,
     )
 
 
@@ -180,6 +206,8 @@ def prediction_rows(pred: Prediction) -> list[tuple[str, str, bool | None]]:
                      f"{1 / speedup:.2f}x slower", None))
     if pred.effective_ratio is not None:
         rows.append(("ratio that runs", f"{pred.effective_ratio:.2f}", None))
+    rows.append(("calibrated", "yes: fitted to a run of the engine" if pred.calibrated else
+                 "no: expect it within 2x until the engine has run (docs/planner.md)", None))
     if pred.fits is False:
         rows.append(("DOES NOT FIT", "; ".join(pred.problems) or "the planner says it does not fit", False))
     return rows

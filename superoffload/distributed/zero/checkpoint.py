@@ -145,6 +145,11 @@ def consolidate(path: str) -> ConsolidatedState:
     """Read every rank's file of the checkpoint at ``path`` and rebuild full fp32 tensors."""
     man_path = os.path.join(path, MANIFEST)
     if not os.path.exists(man_path):
+        if os.path.exists(os.path.join(path, single.FILENAME)):
+            raise FileNotFoundError(
+                f"{path} holds a single-process checkpoint ({single.FILENAME}, written by "
+                f"OffloadEngine), not a sharded one ({MANIFEST} and one file per rank): load it "
+                "with superoffload.initialize(...).load_checkpoint(path)")
         raise FileNotFoundError(f"no sharded checkpoint at {path} ({MANIFEST} is missing: the "
                                 "save did not finish, or this is not a ZeRO checkpoint)")
     with open(man_path) as f:

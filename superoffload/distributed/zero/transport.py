@@ -62,8 +62,16 @@ from superoffload.distributed.zero.startup import (
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
-from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
-from superoffload.runtime.transport import GlobalStats, Published, TransportContext
+from superoffload.runtime.guard import RanksDisagree, first_difference, hashes_agree
+from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
+from superoffload.runtime.transport import (
+    NO_CHECKS,
+    Checks,
+    GlobalStats,
+    LaneOwner,
+    Published,
+    TransportContext,
+)
 from superoffload.runtime.worker import Lane, Priority, describe, make_lane
 
 
@@ -84,7 +92,7 @@ def resolve_group(group: Any) -> Any:
     return layout.dp_group if info.sp == 1 else layout.world_group
 
 
-class ZeroTransport:
+class ZeroTransport(LaneOwner):
     """Sharded buckets over a process group (see the module docstring)."""
 
     name = "zero"
@@ -123,6 +131,8 @@ class ZeroTransport:
     # ------------------------------------------------------------------ set-up
     def start(self, ctx: TransportContext) -> None:
         self._ctx = ctx
+        if ctx.fingerprint is not None:  # before any collective whose sizes depend on it
+            self.agree(ctx.fingerprint)
         # Two groups of the same ranks: gradients + validation (training thread), weights
         # (gather lane). One thread drives each, so every rank issues the same sequence.
         self.grad_group = new_group_like(self.ranks)
@@ -135,16 +145,6 @@ class ZeroTransport:
                             for n in ("reduce", "gather"))
         if ctx.backend.device.type == "cuda":
             self._gather_stream = torch.cuda.Stream(ctx.backend.device)
-
-    @property
-    def ctx(self) -> TransportContext:
-        if self._ctx is None:
-            raise RuntimeError("ZeroTransport.start() was not called")
-        return self._ctx
-
-    @property
-    def lanes(self) -> tuple[Lane, ...]:
-        return self._lanes
 
     def _check_budget(self, plan: BucketPlan, cast: CastPolicy, flow: bool,
                       snapshot: bool, moments: torch.dtype) -> None:
@@ -252,23 +252,82 @@ class ZeroTransport:
                 with collective_guard(f"all_reduce of tail bucket {b}", self.grad_group):
                     work.wait()
 
-    def reduce_stats(self, local: GradStats, present: frozenset[int]) -> GlobalStats:
+    def reduce_stats(self, local: GradStats, present: frozenset[int],
+                     checks: Checks = NO_CHECKS) -> GlobalStats:
         trainable = self.ctx.state.trainable
-        if len(self._slot) != len(trainable):  # the trainable set is fixed: build once
-            self._slot = {i: 2 + k for k, i in enumerate(trainable)}
-        values = [0.0] * (2 + len(trainable))
+        extra = 5  # the guard's checks: edited, then (h1, h1^2, h2, h2^2) of the hyper hash
+        if len(self._slot) != len(trainable):  # the trainable set changes only by a rebuild
+            self._slot = {i: 2 + extra + k for k, i in enumerate(trainable)}
+        values = [0.0] * (2 + extra + len(trainable))
         values[0], values[1] = local.sum_sq, float(local.nonfinite)
+        h1, h2 = checks.hyper_hash
+        values[2:7] = [float(checks.edited), float(h1), float(h1 * h1), float(h2), float(h2 * h2)]
         for i in present:
             values[self._slot[i]] = 1.0
         totals = torch.tensor(values, dtype=torch.float64, device=self.ctx.backend.device)
         with collective_guard("all_reduce (validation)", self.grad_group):
             dist.all_reduce(totals, group=self.grad_group)
         host = totals.cpu()
-        counts = host[2:]
+        counts = host[2 + extra:]
         got = frozenset(trainable[k] for k in torch.nonzero(counts > 0).flatten().tolist())
         partial = frozenset(trainable[k] for k in torch.nonzero(
             (counts > 0) & (counts < self.world_size)).flatten().tolist())
-        return GlobalStats(float(host[0]), int(host[1]), got, partial)
+        agree = hashes_agree([float(x) for x in host[3:7]], self.world_size)
+        return GlobalStats(float(host[0]), int(host[1]), got, partial,
+                           edited=int(host[2]), agree=agree)
+
+    def agree(self, fingerprint: Mapping[str, Any]) -> None:
+        """All ranks compare ``fingerprint`` (all_gather_object: sizes may differ) and raise
+        the same ``RanksDisagree`` naming the first field that differs."""
+        prints: list[Any] = [None] * len(self.ranks)
+        with collective_guard("all_gather_object (rank agreement)", self.group):
+            dist.all_gather_object(prints, dict(fingerprint), group=self.group)
+        diff = first_difference(prints, self.ranks)
+        if diff is not None:
+            raise RanksDisagree(
+                f"data-parallel ranks disagree: {diff}. Every rank must build the same model "
+                "(names, shapes, dtypes, requires_grad), the same OffloadConfig (placement and "
+                "thread fields may differ) and the same param groups; fix the launch script so "
+                "all ranks run the same configuration")
+
+    def adopt(self, indices: Sequence[int]) -> None:
+        st = self.ctx.state
+        params = st.params
+        want = set(indices)
+        for buf in self.tails.values():
+            for k, i in enumerate(buf.bucket.param_indices):
+                if i in want and buf.master[k].data_ptr() != params[i].data_ptr():
+                    adopt_value(buf.master[k], params[i], None)
+        for i in want & self.homes.keys():  # weight-flow: the full host copies forwards fetch
+            if params[i].numel():
+                self.homes[i].copy_(params[i].detach().reshape(self.homes[i].shape))
+        for sb in self.shards.values():  # this rank's pieces of each written parameter
+            seg_state = sb.state
+            for k, seg in enumerate(sb.layout.segments):
+                i = sb.bucket.param_indices[seg.pos]
+                if i in want:
+                    lo, hi = seg.param_offset, seg.param_offset + seg.numel
+                    adopt_value(seg_state.master[k], params[i].detach().reshape(-1)[lo:hi],
+                                None if seg_state.lp_host is None else seg_state.lp_host[k])
+
+    def restore(self, indices: Sequence[int]) -> list[int]:
+        st = self.ctx.state
+        want, lost = set(indices), []
+        with torch.no_grad():
+            for sb in self.shards.values():  # the last all-gathered weights are still there
+                for pos, i in enumerate(sb.bucket.param_indices):
+                    if i in want:
+                        st.params[i].data.copy_(sb.weight_views[pos])
+            for buf in self.tails.values():  # replicated: the master on the device
+                for k, i in enumerate(buf.bucket.param_indices):
+                    if i not in want:
+                        continue
+                    if buf.master[k].data_ptr() != st.params[i].data_ptr():
+                        st.params[i].data.copy_(buf.master[k])
+                    else:
+                        lost.append(i)
+        self.ctx.backend.synchronize()
+        return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any], iteration: int,
                 streamed: frozenset[int], priority: Priority) -> Published:

@@ -1,0 +1,93 @@
+"""SIGINT and SIGTERM during `superoffload train`: stop at the next step boundary, and say so
+at once (docs/failure_semantics.md, "SIGINT and SIGTERM")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the loop to stop at the next step boundary (and write a
+    checkpoint there) instead of killing the process mid-iteration. The handler only records
+    the signal; it then restores the previous handlers, so a second signal acts at once (a
+    second Ctrl-C raises KeyboardInterrupt). Installed only from the main thread.
+
+    Answered at once (issue 17): Python runs a signal handler only when the main thread
+    returns to Python code, which one long operation (a step on a huge --seq) can delay for
+    minutes, and the signal used to wait without a word. So the C-level handler also writes
+    the signal's number into a pipe (``signal.set_wakeup_fd``) that a thread reads: within
+    milliseconds it prints that the signal was received and what will happen (with
+    ``announce``), and when a second signal arrives before the Python handler could run, it
+    ends the process itself (exit code 128 + the signal, as a shell reports it)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, *, announce: bool = True) -> None:
+        self.signum = 0
+        self.announce = announce
+        self._old: dict[int, Any] = {}
+        self._old_wakeup_fd = -1
+        self._pipe: tuple[int, int] | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)  # the C handler must never block
+            self._old_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            self._pipe = (read_fd, write_fd)
+            threading.Thread(target=self._watch, args=(read_fd,), daemon=True,
+                             name="superoffload-signals").start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup_fd)
+            os.close(self._pipe[1])  # the watcher reads end-of-file and closes its end
+            self._pipe = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+        self.restore()
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _watch(self, read_fd: int) -> None:
+        """The watcher thread: one byte per signal that reached a Python-level handler."""
+        received = 0
+        try:
+            while data := os.read(read_fd, 64):
+                for signum in data:
+                    if signum not in self.SIGNALS:
+                        continue
+                    received += 1
+                    if received == 1:
+                        if self.announce:
+                            name = signal_name(signum)
+                            print(f"train: {name} received: finishing the current step, then "
+                                  f"saving a checkpoint and stopping (send {name} again to stop "
+                                  "at once, without a checkpoint)", file=sys.stderr, flush=True)
+                    elif self.signum == 0:  # the main thread is still in one long operation
+                        print(f"train: {signal_name(signum)} again: stopping now, without a "
+                              "checkpoint", file=sys.stderr, flush=True)
+                        sys.stdout.flush()
+                        os._exit(128 + signum)
+        finally:
+            os.close(read_fd)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,0 +1,299 @@
+"""PROTOTYPE: the offload engine's transport over FSDP2 (issue 21 §5; docs/distributed.md,
+"FSDP2 under the engine").
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) already moves what ``ZeroTransport`` moves:
+it reduce-scatters each unit's gradients in backward and all-gathers its weights before the
+unit's next forward. So this transport issues NO collective per bucket. It rides FSDP2's
+hooks instead:
+
+* gradients: FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after it
+  wrote the reduce-scattered (averaged, so ``grad_divisor`` = 1) shard into ``.grad``
+  (torch 2.13 ``_fsdp_collectives.foreach_reduce``; with CPUOffloadPolicy the D2H copy is
+  then synchronous). The engine's own hook (runtime/hooks.py) therefore sees each parameter
+  as final once, and a bucket launches when all of its parameters' units have reduced.
+  ``launch`` copies the LOCAL shards of the gradients into the bucket's host buffer (the
+  engine's D2H task) and returns their partial statistics;
+* the CPU step and STV are the engine's, over this rank's local shards (each rank owns
+  FSDP2's dim-0 shard of every parameter, possibly empty);
+* validation: one all-reduce of [sum of squares, non-finite count, which parameters had a
+  gradient] (the shards are disjoint, so the sum is exact);
+* weights: ``publish`` copies the stepped fp32 master (or its bf16 copy) into the
+  DTensor's local shard (the engine's H2D task), the memory FSDP2 all-gathers from. FSDP2
+  all-gathers a unit in ITS forward pre-hook, before the engine's per-module wait hooks
+  run, so this transport adds a forward pre-hook with ``prepend=True`` on every FSDP module
+  that waits for the last publish of the buckets holding that unit's parameters.
+
+Limits of the prototype (each refused with a message at ``build``): every bucket offloaded
+(``ratio=1.0``: no GPU tail), weight-stationary only, the CPU device (gloo; the CUDA path
+would need the H2D copy ordered before FSDP2's all-gather stream, not tried). Checkpoints:
+``export_states`` gathers full tensors (collective); the engine's single-process checkpoint
+files are not sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+from typing import cast as typed
+
+import torch
+import torch.distributed as dist
+
+from superoffload.distributed.launch import collective_guard
+from superoffload.kernels.optimizer_batches import is_dtensor, local_shard, state_like
+from superoffload.plan.buckets import Bucket, BucketPlan
+from superoffload.runtime.backend import GradStats
+from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.guard import RanksDisagree, first_difference, hashes_agree
+from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
+from superoffload.runtime.transfers import D2HTask, H2DTask, transfer_hint, wait_for
+from superoffload.runtime.transport import (
+    Checks,
+    GlobalStats,
+    LaneOwner,
+    Published,
+    TransportContext,
+)
+from superoffload.runtime.worker import Lane, Priority, make_lane
+
+
+def fsdp_units(model: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
+    """Each ``fully_shard``-ed module with the parameters it manages itself (its own minus
+    those of nested FSDP modules), outermost first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    out = []
+    for unit in units:
+        nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
+                  for p in m.parameters()}
+        out.append((unit, [p for p in unit.parameters() if id(p) not in nested]))
+    return out
+
+
+class FsdpTransport(LaneOwner):
+    """The engine's buckets over an FSDP2-sharded model (see the module docstring)."""
+
+    name = "fsdp"
+    ordered_launch = False
+    """No collective per bucket: FSDP2 issued the reduce-scatters already."""
+    grad_divisor = 1
+    """FSDP2 averages the gradients over the ranks in its reduce-scatter."""
+
+    def __init__(self, *, group: Any = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("FsdpTransport: initialise torch.distributed first "
+                               "(superoffload.distributed.init_distributed under torchrun)")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(self.group)
+        self.local_ranks = self.world_size  # the prototype runs on one host
+        self._ctx: TransportContext | None = None
+        self._lanes: tuple[Lane, ...] = ()
+        self.buffers: list[BucketBuffers] = []
+        self._local: dict[int, torch.Tensor] = {}
+        """Parameter index -> its local shard (a view into FSDP2's shard storage)."""
+        self._pos: dict[int, int] = {}
+        self._published: dict[int, Future[Any]] = {}
+        self._hooks: list[Any] = []
+        self._slot: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def start(self, ctx: TransportContext) -> None:
+        self._ctx = ctx
+        if ctx.fingerprint is not None:
+            self.agree(ctx.fingerprint)
+        st = ctx.state
+        plain = [st.names[i] for i in st.trainable if not is_dtensor(st.params[i])]
+        if plain:
+            raise ValueError(f"FsdpTransport: parameters {plain[:3]} are not FSDP2 shards; "
+                             "call fully_shard on the model (and its blocks) before building "
+                             "the engine")
+        self._lanes = tuple(make_lane(n, inline=ctx.inline, on_error=ctx.on_error)
+                            for n in ("d2h", "h2d"))
+
+    def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
+              flow: bool, snapshot: bool,
+              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
+        st, be = self.ctx.state, self.ctx.backend
+        if flow:
+            raise ValueError("FsdpTransport (prototype): weights='flow' is not supported; FSDP2 "
+                             "owns where the weights live: use OffloadConfig(weights="
+                             "'stationary')")
+        if any(b.on_device for b in plan.buckets):
+            raise ValueError("FsdpTransport (prototype): GPU tail buckets are not supported; "
+                             "use OffloadConfig(ratio=1.0)")
+        if snapshot:
+            raise ValueError("FsdpTransport (prototype): use OffloadConfig(rollback='inverse')")
+        self.buffers, self._pos, self._local = [], {}, {}
+        for bucket in plan.buckets:
+            params = [st.params[i] for i in bucket.param_indices]
+            local = [typed(torch.nn.Parameter, local_shard(p)) for p in params]
+            local_states = [_local_state(states[i], p)
+                            for i, p in zip(bucket.param_indices, params)]
+            shard = Bucket(bucket.id, bucket.param_indices, sum(t.numel() for t in local),
+                           on_device=False)
+            self.buffers.append(build_buffers(
+                shard, local, local_states, alloc_host=be.alloc_host,
+                alloc_device=be.alloc_device, grad_host_dtype=cast.grad_host_dtype,
+                lp_host=cast.low_precision and cast.param_on_host, moment_dtype=moments))
+            self._pos.update((i, k) for k, i in enumerate(bucket.param_indices))
+            self._local.update(zip(bucket.param_indices, local))
+        with torch.no_grad():  # a load: the shards take the masters' values
+            for buf in self.buffers:
+                for shard_t, master in zip(buf.params, buf.master):
+                    shard_t.copy_(master)
+        self._install_wait_hooks()
+        return self.buffers
+
+    def _install_wait_hooks(self) -> None:
+        """Before FSDP2 all-gathers a unit, its buckets' last publish must have landed."""
+        for h in self._hooks:
+            h.remove()
+        st = self.ctx.state
+        self._hooks = []
+        for unit, params in fsdp_units(st.model):
+            buckets = tuple(sorted({st.bucket_of[st.index[id(p)]] for p in params
+                                    if id(p) in st.index and st.index[id(p)] in st.bucket_of}))
+            if buckets:
+                self._hooks.append(unit.register_forward_pre_hook(
+                    self._wait_hook(buckets), prepend=True))
+
+    def _wait_hook(self, buckets: tuple[int, ...]) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            for b in buckets:
+                fut = self._published.get(b)
+                if fut is not None:
+                    wait_for(fut, self.ctx.watchdog_s(), f"publish of bucket {b}")
+        return hook
+
+    # ------------------------------------------------------------------ per iteration
+    def launch(self, b: int, present: tuple[int, ...], iteration: int,
+               streamed: frozenset[int]) -> Future[Any] | None:
+        if not present:
+            return None
+        buf, st, ctx = self.buffers[b], self.ctx.state, self.ctx
+        pos = [self._pos[i] for i in present]
+        grads = tuple(local_shard(st.params[i].grad) for i in present)  # type: ignore[arg-type]
+        return self._lanes[0].submit(D2HTask(
+            bucket=b, iteration=iteration, grads=grads,
+            grad_host=tuple(buf.grad_host[k] for k in pos),
+            ready=ctx.backend.ready_token(), backend=ctx.backend, recorder=ctx.recorder))
+
+    def tail_stats(self, buckets: Sequence[int]) -> GradStats:
+        return GradStats(0.0, 0)  # no tail buckets (refused at build)
+
+    def tail_grads(self, b: int) -> list[torch.Tensor]:
+        raise RuntimeError("FsdpTransport has no GPU tail buckets")
+
+    def discard(self, buckets: Sequence[int]) -> None:
+        return None
+
+    def reduce_stats(self, local: GradStats, present: frozenset[int],
+                     checks: Checks = Checks()) -> GlobalStats:  # noqa: B008 (frozen, immutable)
+        """One all-reduce: [sum of squares, non-finite count, the guard's checks (edited,
+        then h1, h1^2, h2, h2^2 of the hyper-parameter hash), 1 per parameter with a
+        gradient] — the layout ZeroTransport uses (runtime/guard.py)."""
+        trainable = self.ctx.state.trainable
+        extra = 5
+        if len(self._slot) != len(trainable):
+            self._slot = {i: 2 + extra + k for k, i in enumerate(trainable)}
+        values = [0.0] * (2 + extra + len(trainable))
+        values[0], values[1] = local.sum_sq, float(local.nonfinite)
+        h1, h2 = checks.hyper_hash
+        values[2:7] = [float(checks.edited), float(h1), float(h1 * h1), float(h2), float(h2 * h2)]
+        for i in present:
+            values[self._slot[i]] = 1.0
+        totals = torch.tensor(values, dtype=torch.float64)
+        with collective_guard("all_reduce (validation, FSDP2 transport)", self.group):
+            dist.all_reduce(totals, group=self.group)
+        counts = totals[2 + extra:]
+        got = frozenset(trainable[k] for k in torch.nonzero(counts > 0).flatten().tolist())
+        partial = frozenset(trainable[k] for k in torch.nonzero(
+            (counts > 0) & (counts < self.world_size)).flatten().tolist())
+        return GlobalStats(float(totals[0]), int(totals[1]), got, partial,
+                           edited=int(totals[2]),
+                           agree=hashes_agree([float(x) for x in totals[3:7]], self.world_size))
+
+    def agree(self, fingerprint: Mapping[str, Any]) -> None:
+        """Every rank built the same model, configuration and param groups (or all raise)."""
+        ranks = list(range(self.world_size))
+        prints: list[Any] = [None] * self.world_size
+        with collective_guard("all_gather_object (rank agreement)", self.group):
+            dist.all_gather_object(prints, dict(fingerprint), group=self.group)
+        diff = first_difference(prints, ranks)
+        if diff is not None:
+            raise RanksDisagree(f"FSDP2 ranks disagree: {diff}; run the same configuration on "
+                                "every rank")
+
+    def adopt(self, indices: Sequence[int]) -> None:
+        """Parameters written outside the engine: their local shards become the masters."""
+        with torch.no_grad():
+            for i in indices:
+                buf, k = self.buffers[self.ctx.state.bucket_of[i]], self._pos[i]
+                buf.master[k].copy_(self._local[i])
+                if buf.lp_host is not None:
+                    buf.lp_host[k].copy_(self._local[i])
+
+    def restore(self, indices: Sequence[int]) -> None:
+        """Write the engine's weights back over the local shards ``indices``."""
+        with torch.no_grad():
+            for i in indices:
+                buf, k = self.buffers[self.ctx.state.bucket_of[i]], self._pos[i]
+                src = buf.lp_host if buf.lp_host is not None else buf.master
+                self._local[i].copy_(src[k])
+        self.ctx.backend.synchronize()
+
+    def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
+                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
+        buf, ctx = self.buffers[b], self.ctx
+        src = buf.lp_host if buf.lp_host is not None else buf.master
+        fut = self._lanes[1].submit(H2DTask(
+            bucket=b, iteration=iteration, src_host=tuple(src[k] for k in positions),
+            dst_device=tuple(buf.params[k] for k in positions), after=after,
+            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()),
+            after=(after,), priority=priority)
+        self._published[b] = fut
+        return Published(fut, after)
+
+    def home(self, index: int) -> torch.Tensor:
+        raise RuntimeError("FsdpTransport (prototype) has no weight-flow homes")
+
+    def stall_hint(self) -> str:
+        return (f"{transfer_hint(self._lanes)}; FSDP2's own collectives run in backward and "
+                "in its forward pre-hooks")
+
+    def export_states(self) -> dict[int, ParamState]:
+        """Full (gathered) state of every trainable parameter. Collective."""
+        from torch.distributed.tensor import DTensor
+
+        st = self.ctx.state
+        out: dict[int, ParamState] = {}
+        for buf in self.buffers:
+            for k, i in enumerate(buf.bucket.param_indices):
+                p = st.params[i]
+
+                def full(t: torch.Tensor, p: Any = p) -> torch.Tensor:
+                    return DTensor.from_local(
+                        t.detach().float().clone(), p.device_mesh, p.placements,
+                        run_check=False, shape=p.shape, stride=p.stride()).full_tensor()
+
+                out[i] = ParamState(full(buf.master[k]), full(buf.exp_avg[k]),
+                                    full(buf.exp_avg_sq[k]), st.steps[i])
+        return out
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for lane in self._lanes:
+            lane.close()
+        self.buffers = []
+
+
+def _local_state(state: ParamState, p: torch.Tensor) -> ParamState:
+    """This rank's shard of a parameter's state (DTensor, or a full tensor from a load)."""
+    master, exp_avg, exp_avg_sq = (local_shard(state_like(t, p, torch.float32))
+                                   for t in (state.master, state.exp_avg, state.exp_avg_sq))
+    return ParamState(master, exp_avg, exp_avg_sq, state.step)

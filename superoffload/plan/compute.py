@@ -1,0 +1,94 @@
+"""The device-compute lane: seconds of each layer's forward and backward (issue 18, item 2).
+
+Three terms per layer (shapes: plan/formulas.py; rates: the HardwareProfile):
+  matmuls      FLOPs / device_achieved_tflops
+  element-wise bytes / device_nongemm_gbps: norms, residual adds, activations, the attention
+               core, MoE dispatch -- passes bound by memory bandwidth, not FLOPs
+               (0 GB/s = not modelled: a preset's achieved TFLOPS already covers them)
+  dispatch     operations x device_op_s: Python, autograd and the launch of each operation
+               (0 = not modelled). On a GPU the host issues kernels ahead of the device, so
+               the layer takes max(device work, dispatch); on the CPU backend one thread does
+               both, so they add (a 121 K-parameter model on a CPU is all dispatch: issue 18
+               measured 5-27x too fast predictions without this term).
+Backward moves 2x the element-wise bytes and issues 2x the operations of the forward;
+activation checkpointing adds one forward of each block (Narayanan et al. 2021, §5.1).
+
+``calibrate`` scales all three by one factor to a measured run (``scaled``), so the split
+measured on the machine (plan/probe.py) is kept and the total matches the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.shapes import ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeParts:
+    """Seconds of one iteration's forward + backward by term (before the GPU's max())."""
+
+    matmul_s: float
+    elementwise_s: float
+    dispatch_s: float
+
+    @property
+    def work_s(self) -> float:
+        return self.matmul_s + self.elementwise_s
+
+
+def _terms(shape: ModelShape, prof: HardwareProfile
+           ) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:
+    """(matmul s, element-wise s, dispatch s) per layer, forward and backward."""
+    rate = prof.device_achieved_tflops * 1e12
+    bw = prof.device_nongemm_gbps * 1e9
+    op = prof.device_op_s
+    rec = 1.0 if shape.activation_checkpointing else 0.0
+    fwd_f, bwd_f = shape.layer_forward_flops(), shape.layer_backward_flops()
+    fwd_b, ops = shape.layer_forward_bytes(), shape.layer_forward_ops()
+    last = len(fwd_f) - 1
+    fwd, bwd = [], []
+    for i, (ff, bf, b, n) in enumerate(zip(fwd_f, bwd_f, fwd_b, ops)):
+        again = rec if 0 < i < last else 0.0  # blocks are recomputed, not the edges
+        fwd.append((ff / rate, b / bw if bw > 0 else 0.0, n * op))
+        bwd.append((bf / rate, (2.0 + again) * b / bw if bw > 0 else 0.0, (2.0 + again) * n * op))
+    return fwd, bwd
+
+
+def _combine(term: tuple[float, float, float], device_type: str) -> float:
+    work = term[0] + term[1]
+    return work + term[2] if device_type == "cpu" else max(work, term[2])
+
+
+def layer_times(shape: ModelShape, prof: HardwareProfile) -> tuple[list[float], list[float]]:
+    """Seconds of each layer's forward and backward, forward order (module docstring)."""
+    fwd, bwd = _terms(shape, prof)
+    return ([_combine(t, prof.device_type) for t in fwd],
+            [_combine(t, prof.device_type) for t in bwd])
+
+
+def parts(shape: ModelShape, prof: HardwareProfile) -> ComputeParts:
+    """The iteration's forward + backward seconds by term."""
+    fwd, bwd = _terms(shape, prof)
+    both = fwd + bwd
+    return ComputeParts(sum(t[0] for t in both), sum(t[1] for t in both),
+                        sum(t[2] for t in both))
+
+
+def iteration_compute_s(shape: ModelShape, prof: HardwareProfile) -> float:
+    """Forward + backward seconds of one iteration on the device lane."""
+    fwd, bwd = layer_times(shape, prof)
+    return sum(fwd) + sum(bwd)
+
+
+def scaled(prof: HardwareProfile, factor: float, source: str) -> HardwareProfile:
+    """`prof` with every compute term `factor` times faster (rates x factor, per-op cost /
+    factor): the lane's time divides by `factor`, its split stays."""
+    sources = dict(prof.sources)
+    sources["device_achieved_tflops"] = source
+    tflops = prof.device_achieved_tflops * factor
+    return prof.replace(device_achieved_tflops=tflops,
+                        device_peak_tflops=max(prof.device_peak_tflops, tflops),
+                        device_nongemm_gbps=prof.device_nongemm_gbps * factor,
+                        device_op_s=prof.device_op_s / factor, sources=tuple(sources.items()))

@@ -1,0 +1,134 @@
+"""A decoder block's numbers from its shape: parameters, FLOPs, activations, memory traffic.
+
+Pure functions of a ``ModelShape`` (plan/shapes.py reads them). Legend: ``h`` hidden, ``q``
+query width = heads x head_dim, ``kv`` key/value width = kv_heads x head_dim (GQA: kv < q;
+Ainslie et al. 2023), ``f`` MLP width, ``a`` heads, ``s`` sequence, ``b`` micro-batch,
+``E`` experts, ``k`` experts per token (MoE; Fedus et al. 2022, Switch Transformers §2).
+
+Parameters of one block (GPT-2 with biases and LayerNorms; Llama-style: no biases, RMSNorm):
+  attention   h*q (Q) + 2*h*kv (K, V) + q*h (O)               [+ q + 2kv + h biases]
+  MLP         GELU: 2*h*f [+ f + h];  gated (SwiGLU, Shazeer 2020): 3*h*f [+ 2f + h]
+  MoE         E x the MLP + a router h*E; a token runs k of the E experts ("active")
+  norms       2 x h (RMSNorm) or 2 x 2h (LayerNorm with bias)
+FLOPs per token, forward: 2 x active matmul parameters + 4*s*q (QK^T and AV over the whole
+  s x s score matrix, as torch.utils.flop_counter counts scaled_dot_product_attention);
+  backward 2x, + 1x with activation checkpointing (Narayanan et al. 2021, §5.1).
+Activations per token of one block, 16-bit (Korthikanti et al. 2022 §4.1 for GPT, 34h +
+  5as: norms 4h; attention 2h (QKV input) + 2q + 2kv (Q, K) + 2kv (V) + 2q (O input)
+  [+ h dropout mask]; without flash attention + 2as (softmax) [+ 3as dropout mask and
+  output]; MLP GELU 2h + 2f + 2f [+ h mask]; gated 2h + 8f (gate, up, act, product)
+  [+ h]; MoE: k x the expert MLP + 4E router probabilities (fp32)). Dropout masks are
+  kept for GPT-2-style models (dropout on) and not for Llama-style ones (dropout 0).
+Non-GEMM memory traffic per token of one block, forward, in elements (read + write; the
+  element-wise passes between the matmuls, bound by device memory bandwidth): norms 2 x 2h,
+  residual adds 2 x 3h, attention core 2q + 2kv (flash reads Q, K, V, writes O) [+ 4as
+  without flash], MLP activation 2f (GELU) or 5f (gated: act + product), MoE dispatch
+  3kh + h + 3E (gather the k copies, combine, router top-k); backward 2x forward.
+Device operations (kernel launches / dispatches) per block, forward: 18 (GPT: 2 norms, QKV,
+  views, SDPA, O, 2 residual adds, 2 linears, GELU) + 4 gated + 6 per routed expert;
+  backward 2x forward (autograd's nodes). The per-op cost is measured (plan/probe.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OPS_PER_BLOCK = 18.0
+"""Device operations of one GPT block's forward (module docstring)."""
+OPS_GATED = 4.0
+OPS_PER_EXPERT = 6.0
+OPS_EDGE = 10.0
+"""Embedding, final norm, head, loss: forward operations outside the blocks."""
+
+
+def widths(s: Any) -> tuple[int, int, int, int]:
+    """(h, q, kv, f) of shape `s` (defaults: head_dim = h / heads, kv_heads = heads)."""
+    hd = s.head_dim if s.head_dim is not None else s.hidden // s.heads
+    kv_heads = s.kv_heads if s.kv_heads is not None else s.heads
+    return s.hidden, s.heads * hd, kv_heads * hd, s.ffn
+
+
+def mlp_params(s: Any) -> int:
+    """One (expert) MLP's parameters."""
+    h, _, _, f = widths(s)
+    weights = (3 if s.gated_mlp else 2) * h * f
+    return weights + (((2 * f) if s.gated_mlp else f) + h if s.bias else 0)
+
+
+def block_params(s: Any) -> int:
+    """Parameters of one block from the shape numbers (module docstring)."""
+    h, q, kv, _ = widths(s)
+    attn = 2 * h * q + 2 * h * kv + ((q + 2 * kv + h) if s.bias else 0)
+    mlp = mlp_params(s) * s.experts + h * s.experts if s.experts else mlp_params(s)
+    return attn + mlp + 2 * h * (2 if s.bias else 1)
+
+
+def active_block_params(s: Any) -> int:
+    """Parameters one token runs through in a block: an MoE block's router and k of its E
+    experts (the others idle for that token); the whole block otherwise."""
+    if s.active_block_params_override is not None:
+        return int(s.active_block_params_override)
+    if not s.experts:
+        return int(s.block_params)
+    idle = (s.experts - s.experts_per_token) * mlp_params(s)
+    return int(s.block_params) - idle
+
+
+def block_pattern(s: Any) -> list[int]:
+    """One block's parameters in registration order, summing to `block_params`: our GPT's
+    (models/gpt.py: ln_1, fused qkv, proj, ln_2, fc, proj) for a GELU MLP with full heads,
+    else the Llama order (q, k, v, o, the MLP or router + fused experts, the two norms)."""
+    h, q, kv, f = widths(s)
+    b = s.bias
+    if not s.gated_mlp and q == kv == h and not s.experts:
+        return [x for x in (h, h if b else 0, 3 * h * h, 3 * h if b else 0, h * h, h if b else 0,
+                            h, h if b else 0, f * h, f if b else 0, h * f, h if b else 0) if x]
+    out = [q * h, *([q] if b else []), kv * h, *([kv] if b else []), kv * h,
+           *([kv] if b else []), h * q, *([h] if b else [])]
+    mlp = ([f * h, *([f] if b else []), f * h, *([f] if b else [])] if s.gated_mlp
+           else [f * h, *([f] if b else [])]) + [h * f, *([h] if b else [])]
+    if s.experts:  # transformers' fused experts: router, gate_up (E x 2f x h), down (E x h x f)
+        up = (2 if s.gated_mlp else 1) * f
+        e = s.experts
+        mlp = [h * e, e * up * h, *([e * up] if b else []), e * h * f, *([e * h] if b else [])]
+    return out + mlp + [h, *([h] if b else []), h, *([h] if b else [])]
+
+
+def attention_flops_per_token(s: Any) -> float:
+    """QK^T and AV of one block, per token (full score matrix)."""
+    return 4.0 * s.seq * widths(s)[1]
+
+
+def activation_bytes_per_token(s: Any) -> float:
+    """One block's stored activations per token, 16-bit (module docstring)."""
+    h, q, kv, f = widths(s)
+    a, seq, masks = s.heads, s.seq, s.dropout_masks
+    attn = 2 * h + 4 * q + 4 * kv + (h if masks else 0)
+    if not s.flash_attention:
+        attn += 2 * a * seq + (3 * a * seq if masks else 0)
+    mlp = 2 * h + (8 * f if s.gated_mlp else 4 * f) + (h if masks else 0)
+    if s.experts:
+        mlp = s.experts_per_token * mlp + 4 * s.experts
+    return float(4 * h + attn + mlp)
+
+
+def nongemm_elements_per_token(s: Any) -> float:
+    """One block's element-wise traffic per token, forward (module docstring)."""
+    h, q, kv, f = widths(s)
+    core = 2 * q + 2 * kv + (0 if s.flash_attention else 4 * s.heads * s.seq)
+    act = 5 * f if s.gated_mlp else 2 * f
+    if s.experts:
+        act = s.experts_per_token * act + 3 * s.experts_per_token * h + h + 3 * s.experts
+    return float(4 * h + 6 * h + core + act)
+
+
+def edge_nongemm_elements_per_token(s: Any) -> float:
+    """Embedding gather (+ positions), final norm and the loss over the logits, forward."""
+    return float(2 * s.hidden + (3 * s.hidden if s.learned_positions else 0) + 2 * s.hidden
+                 + 3 * s.vocab)
+
+
+def ops_per_block(s: Any) -> float:
+    """Device operations of one block's forward (module docstring)."""
+    return (OPS_PER_BLOCK + (OPS_GATED if s.gated_mlp else 0.0)
+            + OPS_PER_EXPERT * (s.experts or 0))

@@ -1,0 +1,90 @@
+"""Any architecture ``transformers`` can build, read on the meta device (issue 18, item 3).
+
+The shipped families (llama, mistral, qwen2, gpt2, gpt_neox: plan/hf_config.py) are counted
+from formulas without transformers. Every other ``model_type`` is instantiated here with
+``AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` -- no weights, no memory,
+well under a second for a 47 B MoE -- and described by ``ModelShape.from_module``
+(plan/module_shape.py: exact parameters in registration order, GQA, gated MLP, MoE total vs
+active). Needs the ``hf`` extra (``pip install 'superoffload[hf]'``); a model that needs its
+own code (``trust_remote_code``) is refused: we never run code from a config.
+
+The training dtype is not the config's ``torch_dtype`` (Gemma-2 ships ``float32`` weights and
+trains in bf16 like the others): it is ``dtype`` (default bfloat16; ``plan --dtype``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_DTYPE = "bfloat16"
+INSTALL = "pip install 'superoffload[hf]'"
+
+
+def available() -> bool:
+    """Whether transformers is installed (the meta-device path works)."""
+    return importlib.util.find_spec("transformers") is not None
+
+
+def build_meta(raw: Mapping[str, Any]) -> Any:
+    """The model of config dict `raw`, on the meta device. ValueError naming the problem when
+    transformers is missing, the model_type unknown to it, or the model needs remote code."""
+    family = str(raw.get("model_type", ""))
+    if not available():
+        raise ValueError(f"HF config model_type={family!r}: reading it needs transformers "
+                         f"({INSTALL}); without it the shipped families work: llama, "
+                         "mistral, qwen2, gpt2, gpt_neox")
+    if raw.get("auto_map"):
+        raise ValueError(f"HF config model_type={family!r} names its own code (auto_map): "
+                         "the planner never runs code from a config; use a model type "
+                         "transformers ships, or ModelShape.from_module on your model")
+    import torch
+    import transformers
+
+    fields = {k: v for k, v in raw.items() if not k.startswith("_") and k != "model_type"}
+    try:
+        config = transformers.AutoConfig.for_model(family, **fields)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"HF config model_type={family!r}: transformers "
+                         f"{transformers.__version__} does not know it ({exc})") from None
+    try:
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise ValueError(f"HF config model_type={family!r} is not a causal language model "
+                         f"transformers can build: {exc}") from None
+
+
+def shape_fields(raw: Mapping[str, Any], *, seq: int | None, micro_batch: int = 1,
+                 max_seq: int = 4096, dtype: str | None = None, **kw: Any) -> dict[str, Any]:
+    """ModelShape's fields for config dict `raw` via a meta-device model (module docstring).
+    `seq` defaults to the context length capped at `max_seq`."""
+    from superoffload.plan.module_shape import shape_fields as of_module
+
+    model = build_meta(raw)
+    positions = _context(model.config)
+    fields = of_module(model, seq=seq if seq is not None else min(positions, max_seq),
+                       micro_batch=micro_batch)
+    fields["dtype"] = dtype or DEFAULT_DTYPE
+    fields.update(kw)
+    return fields
+
+
+def _context(config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def describe_model(raw: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``plan --hf-config`` reports about a meta-read model."""
+    name = str(raw.get("_name_or_path") or (raw.get("architectures") or [raw.get("model_type")])[0])
+    return {"name": name, "family": str(raw.get("model_type")), "layers": fields["layers"],
+            "hidden": fields["hidden"], "heads": fields["heads"],
+            "kv_heads": fields.get("kv_heads") or fields["heads"],
+            "ffn": fields.get("ffn_hidden") or 4 * fields["hidden"], "vocab": fields["vocab"],
+            "experts": fields.get("experts", 0),
+            "experts_per_token": fields.get("experts_per_token", 0)}

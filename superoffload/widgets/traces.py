@@ -1,0 +1,148 @@
+"""The measured figure's traces: one fixed table, each trace bound to its panel for good.
+
+A per-iteration line names its `telemetry.vocabulary` metric: its hover text says the
+metric's label and unit, and its panel's y axis carries that unit (one vocabulary for every
+view). Lines of a long run are drawn per bin of the history (`history.Binned`): the mean as
+the line, the minimum..maximum of each bin as a light band behind it, so one slow
+iteration or one loss spike stays visible however many iterations share a bin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from superoffload.telemetry.events import LANES
+from superoffload.telemetry.vocabulary import METRICS
+from superoffload.widgets import layout as L
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    key: str
+    panel: str
+    name: str
+    """Legend entry (short: the panel title and the hover text carry the rest)."""
+    kind: str
+    """"span", "line", "dash", "band", "peak", "marker", "vline", "text"."""
+    color: str
+    symbol: str = ""
+    legend: bool = True
+    metric: str = ""
+    """The vocabulary metric a line or band draws ("" for timeline shapes and markers)."""
+    group: str = ""
+    """Legend group: clicking the entry hides every trace of the group (a line and its band,
+    an event's markers on the timeline and on the iteration-time panel)."""
+    legend_panel: str = ""
+    """The panel whose legend lists this trace (default: its own)."""
+
+
+def _specs() -> list[TraceSpec]:
+    lane_names = ("compute", "D2H", "CPU opt.", "H2D", "device opt.")
+    ev, mc = L.EVENT_COLORS, L.METRIC_COLORS
+    out = [TraceSpec(f"lane:{lane}", "timeline", name, "span", L.LANE_COLORS[lane], legend=False)
+           for lane, name in zip(LANES, lane_names)]
+    out += [
+        TraceSpec("boundary", "timeline", "iteration start", "vline", L.REFERENCE_COLOR, legend=False),
+        TraceSpec("boundary_text", "timeline", "iteration", "text", "#555555", legend=False),
+        # events: listed once, in the timeline's legend, by their iteration-time markers
+        # (same legend group: one click hides both)
+        TraceSpec("rollback", "timeline", "rollback", "marker", ev["rollback"], "x-thin-open",
+                  legend=False, group="rollback"),
+        TraceSpec("replay", "timeline", "replay", "marker", ev["replay"], "diamond-open",
+                  legend=False, group="replay"),
+        TraceSpec("skipped", "timeline", "skipped step", "marker", ev["skipped"], "square",
+                  legend=False, group="skipped"),
+    ]
+    lines = (
+        # (key, panel, legend name, kind, colour, band)
+        ("iteration_ms", "speed", "iteration time", "line", mc["iteration_ms"], True),
+        ("engine_ms", "speed", "engine time", "line", mc["engine_ms"], False),
+        ("d2h_gbps_busy", "link", "D2H", "line", mc["d2h"], True),
+        ("h2d_gbps_busy", "link", "H2D", "dash", mc["h2d"], True),
+        ("cpu_step_hidden_pct", "percent", "CPU step hidden", "line", mc["overlap"], True),
+        ("device_idle_pct", "percent", "device idle", "line", mc["idle"], True),
+        ("loss", "loss", "loss", "line", mc["loss"], True),
+        ("host_mem_gb", "memory", "host", "line", mc["host_mem"], False),
+        ("device_mem_gb", "memory", "device", "line", mc["device_mem"], False),
+    )
+    for key, panel, name, kind, color, band in lines:
+        if band:  # behind its line: drawn first
+            out.append(TraceSpec(f"{key}:band", panel, name, "band", color, legend=False,
+                                 metric=key, group=key))
+        out.append(TraceSpec(key, panel, name, kind, color, metric=key, group=key))
+    out += [
+        TraceSpec("predicted_ms", "speed", "predicted", "dash", mc["predicted"], metric="iteration_ms"),
+        TraceSpec("d2h_peak", "link", "D2H peak", "peak", mc["d2h_peak"], metric="d2h_gbps_busy"),
+        TraceSpec("h2d_peak", "link", "H2D peak", "peak", mc["h2d_peak"], metric="h2d_gbps_busy"),
+        # events on the iteration-time panel, listed in the timeline's legend (the speed
+        # panel's own legend has no room for them at 900 px)
+        TraceSpec("speed_rollback", "speed", "rollback", "marker", ev["rollback"], "x-thin-open",
+                  group="rollback", legend_panel="timeline"),
+        TraceSpec("speed_replay", "speed", "replay", "marker", ev["replay"], "diamond-open",
+                  group="replay", legend_panel="timeline"),
+        TraceSpec("speed_skipped", "speed", "skipped step", "marker", ev["skipped"], "square",
+                  group="skipped", legend_panel="timeline"),
+    ]
+    return out
+
+
+SPECS = _specs()
+TRACE: dict[str, int] = {s.key: k for k, s in enumerate(SPECS)}
+"""Index of each trace in `figure.data`."""
+EVENT_ROWS = {"rollback": 0.97, "replay": 0.91, "skipped": 0.85}
+"""Event markers on the iteration-time panel: a strip at these fractions of its y range
+(above the line, never on top of one another)."""
+
+
+def legend_name(panel: str) -> str:
+    suffix = L.AXIS[panel]
+    return f"legend{suffix}" if suffix else "legend"
+
+
+def rgba(color: str, alpha: float) -> str:
+    """"#RRGGBB" -> "rgba(r,g,b,alpha)" (a band's fill)."""
+    r, g, b = (int(color[k:k + 2], 16) for k in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def make_trace(go: Any, spec: TraceSpec) -> Any:
+    """The empty plotly trace of `spec` (the figure fills its arrays)."""
+    suffix = L.AXIS[spec.panel]
+    common = {"x": [], "y": [], "name": spec.name, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}",
+              "legend": legend_name(spec.legend_panel or spec.panel), "showlegend": spec.legend}
+    if spec.group:
+        common["legendgroup"] = spec.group
+    if spec.kind == "span":
+        # lines+markers: a tick at each end keeps sub-pixel spans (tiny copies) visible
+        return go.Scatter(mode="lines+markers", hoverinfo="text", text=[],
+                          line={"width": 12, "color": spec.color},
+                          marker={"symbol": "line-ns-open", "size": 12, "color": spec.color,
+                                  "line": {"width": 2, "color": spec.color}}, **common)
+    if spec.kind == "vline":
+        return go.Scatter(mode="lines", hoverinfo="skip",
+                          line={"width": 1, "color": spec.color, "dash": "dot"}, **common)
+    if spec.kind == "text":
+        return go.Scatter(mode="text", text=[], hoverinfo="skip", textposition="middle right",
+                          textfont={"size": 10, "color": spec.color}, **common)
+    if spec.kind == "marker":
+        return go.Scatter(mode="markers", hoverinfo="text", text=[],
+                          marker={"symbol": spec.symbol, "size": 11, "color": spec.color,
+                                  "line": {"width": 2, "color": spec.color}}, **common)
+    if spec.kind == "band":
+        return go.Scatter(mode="lines", fill="toself", fillcolor=rgba(spec.color, 0.18),
+                          line={"width": 0, "color": spec.color}, hoverinfo="skip", **common)
+    metric = METRICS[spec.metric]
+    if spec.kind == "peak":
+        return go.Scatter(mode="lines", line={"color": spec.color, "width": 1.5, "dash": "dot"},
+                          hovertemplate=f"{spec.name}: %{{y:.3g}} {metric.unit}<extra></extra>",
+                          **common)
+    # lines only (hundreds of SVG markers redrawn a few times a second choke a slow page), and
+    # a hover template instead of per-point text: a refresh re-sends only the numbers.
+    # customdata per bin: first and last iteration, minimum, maximum
+    label = "predicted" if spec.key == "predicted_ms" else metric.label
+    hover = (f"it %{{customdata[0]}}-%{{customdata[1]}}: %{{y:.3g}} {metric.unit}"
+             f" (min %{{customdata[2]:.3g}}, max %{{customdata[3]:.3g}})<extra>{label}</extra>")
+    return go.Scatter(mode="lines", connectgaps=False, hovertemplate=hover, customdata=[],
+                      line={"color": spec.color, "width": 2,
+                            "dash": "dash" if spec.kind == "dash" else "solid"}, **common)

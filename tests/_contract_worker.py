@@ -1,0 +1,125 @@
+"""One rank of the data-parallel contract tests (tests/test_contract_dp.py, issue 17 §7).
+
+    python tests/_contract_worker.py SCENARIO OUT_DIR ARGS_JSON
+
+Scenarios (each rank writes ``result_rank{r}.json``: the error's type and text, or None):
+  mismatch  rank 1 differs in args["field"] (lr, width, ratio, bucket_bytes, frozen,
+            max_grad_norm); every rank must raise RanksDisagree at construction, naming it
+  midrun    rank 1's LR changes after 2 steps (a scheduler stepped on one rank only): every
+            rank must raise RanksDisagree at the next step
+  edit      rank 1 scales its gradients between backward() and step(): every rank must raise
+            GradientEdited, and the iteration is rolled back on both
+  write     both ranks train 2 steps, load the weights saved after step 1 into the model
+            (model.load_state_dict), train 2 more; rank 0 writes the fp32 masters
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from _engine_ref import HYPER
+from _tiny_models import make_model
+from _zero_worker import global_data, local, make_config
+
+from superoffload.distributed import init_distributed, shutdown
+from superoffload.distributed.zero import ZeroOffloadEngine
+
+
+def build(rank: int, args: dict[str, Any]) -> tuple[torch.nn.Module, ZeroOffloadEngine]:
+    field, odd = args.get("field"), rank == 1
+    kw: dict[str, Any] = {}
+    if odd and field == "width":
+        kw["dim"] = 32
+    if odd and field == "frozen":
+        kw["frozen"] = True
+    model = make_model(0, **kw)
+    run: dict[str, Any] = {"max_grad_norm": 1.0}
+    if odd and field == "ratio":
+        run["ratio"] = 0.5
+    if odd and field == "bucket_bytes":
+        run["bucket_bytes"] = 8192
+    if odd and field == "max_grad_norm":
+        run["max_grad_norm"] = 0.5
+    hyper = dict(HYPER)
+    if odd and field == "lr":
+        hyper["lr"] = HYPER["lr"] * 2
+    engine = ZeroOffloadEngine(model, hyper, make_config(run))
+    return model, engine
+
+
+def step(model: torch.nn.Module, engine: ZeroOffloadEngine, batch: Any, rank: int,
+         world: int, edit: bool = False) -> None:
+    x, y = batch
+    engine.backward(model(local(x, rank, world), local(y, rank, world)))
+    if edit:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+    engine.step()
+    engine.zero_grad()
+
+
+def record(out: Path, rank: int, exc: BaseException | None, **extra: Any) -> None:
+    data = {"type": None if exc is None else type(exc).__name__,
+            "error": None if exc is None else str(exc), **extra}
+    (out / f"result_rank{rank}.json").write_text(json.dumps(data))
+
+
+def main() -> None:
+    scenario, out, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    rank = int(os.environ["RANK"])
+    (out / f"pid_rank{rank}.txt").write_text(str(os.getpid()))
+    torch.set_num_threads(1)
+    info = init_distributed(backend="gloo", timeout_s=30.0)
+    world = info.world_size
+    data = global_data(6)
+    try:
+        if scenario == "mismatch":
+            build(rank, args)
+            record(out, rank, None)
+        elif scenario == "midrun":
+            model, engine = build(rank, {})
+            for k in range(2):
+                step(model, engine, data[k], rank, world)
+            if rank == 1:
+                engine.optimizer.param_groups[0]["lr"] *= 0.5
+            step(model, engine, data[2], rank, world)
+            record(out, rank, None)
+        elif scenario == "edit":
+            model, engine = build(rank, {})
+            step(model, engine, data[0], rank, world)
+            before = engine.full_master_weights()
+            try:
+                step(model, engine, data[1], rank, world, edit=rank == 1)
+                record(out, rank, None)
+            except Exception as exc:
+                after = engine.full_master_weights()
+                diff = max(float((after[n] - before[n]).abs().max()) for n in before)
+                record(out, rank, exc, rolled_back=diff)
+        elif scenario == "write":
+            model, engine = build(rank, {})
+            step(model, engine, data[0], rank, world)
+            engine.synchronize()
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+            step(model, engine, data[1], rank, world)
+            model.load_state_dict(saved)
+            for k in (2, 3):
+                step(model, engine, data[k], rank, world)
+            weights = engine.full_master_weights()
+            if rank == 0:
+                torch.save(weights, out / "write.pt")
+            record(out, rank, None)
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+    except Exception as exc:
+        record(out, rank, exc)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

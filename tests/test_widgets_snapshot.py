@@ -1,0 +1,123 @@
+"""A saved notebook keeps every view's last state (issue 19, item 4): the trainer's progress
+line, its live status line, the tuner and the dashboard are each shown in a rewritable output
+and replaced IN PLACE by a static snapshot when the run ends, and by the kernel's exit hook
+when it is still live. Checked against a fake kernel that records display messages."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from superoffload import plan
+from superoffload.widgets import _env
+from superoffload.widgets import snapshot as snap
+from superoffload.widgets.background import BackgroundTrainer
+from superoffload.widgets.dashboard import LiveDashboard
+from superoffload.widgets.runstate import RunState
+from superoffload.widgets.tuner import OffloadTuner
+from tests.widgets_support import FakeEngine, record_iteration
+
+SHAPE = plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4)
+
+
+class Outputs:
+    """What a front-end would hold: display id -> the newest bundle shown there."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, dict[str, Any]] = {}
+        self.lock = threading.Lock()
+
+    def display(self, bundle: Any, raw: bool = False, display_id: str | None = None, **_: Any) -> None:
+        assert raw and display_id, "every view is shown in a rewritable output"
+        with self.lock:
+            self.by_id[display_id] = bundle
+
+    def update_display(self, bundle: Any, raw: bool = False, display_id: str | None = None,
+                       **_: Any) -> None:
+        with self.lock:
+            assert display_id in self.by_id, "an update rewrites an output shown before"
+            self.by_id[display_id] = bundle
+
+    def live(self) -> list[str]:
+        """Outputs that still need a kernel (a widget view): 'model not found' if reopened."""
+        return [k for k, b in self.by_id.items() if snap.WIDGET_MIME in b]
+
+    def text(self) -> str:
+        return "\n".join(b.get("text/plain", "") for b in self.by_id.values())
+
+
+@pytest.fixture
+def outputs(monkeypatch: pytest.MonkeyPatch) -> Outputs:
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+
+    out = Outputs()
+    monkeypatch.setattr(IPython.display, "display", out.display)
+    monkeypatch.setattr(IPython.display, "update_display", out.update_display)
+    monkeypatch.setattr(_env, "in_notebook", lambda: True)
+    return out
+
+
+def test_at_the_end_of_a_run_every_live_view_becomes_its_static_snapshot(outputs: Outputs) -> None:
+    engine = FakeEngine()
+    t = 0.0
+    for it in range(6):
+        t = record_iteration(engine.telemetry, it, t, loss=4.0 - 0.1 * it) + 0.001
+    engine.iteration = 6
+    tuner = OffloadTuner(SHAPE, "gh200", engine=engine, debounce_s=0, measure_apply=False,
+                         calibrate_after=None)
+    dash = LiveDashboard(engine, shape=SHAPE, profile="gh200", live=True, calibrate_after=None)
+    release = threading.Event()
+
+    def step(i: int) -> float:
+        release.wait(30)
+        return 2.0
+
+    trainer = BackgroundTrainer(step, steps=3, dashboard=dash, tuner=tuner)
+    tuner.display()
+    dash.display()
+    trainer._ipython_display_()
+    trainer.show_status()  # the check cell's live status line (item 6)
+    assert len(outputs.live()) == 4, "tuner, dashboard, progress line, status line: live"
+    trainer.start()
+    release.set()
+    result = trainer.wait(timeout_s=30)
+    assert result.state is RunState.FINISHED
+    assert outputs.live() == [], "nothing in the saved notebook needs the kernel"
+    text = outputs.text()
+    assert "superoffload-train: finished, step 3 of 3" in text and "loss 2.0000" in text
+    assert "offload tuner (static snapshot)" in text
+    assert any(snap.PLOTLY_MIME in b for b in outputs.by_id.values()), "the dashboard's figure"
+
+
+def test_views_still_live_when_the_kernel_exits_are_frozen_by_the_exit_hook(
+        outputs: Outputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    hooks: list[Any] = []
+    monkeypatch.setattr(snap.atexit, "register", hooks.append)
+    monkeypatch.setattr(snap, "_hooked", False)
+    monkeypatch.setattr(snap, "exiting", False)
+    engine = FakeEngine()
+    record_iteration(engine.telemetry, 0, 0.0, loss=4.0)
+    dash = LiveDashboard(engine, shape=SHAPE, profile="gh200", live=True, calibrate_after=None)
+    trainer = BackgroundTrainer(lambda i: 1.0, steps=5)
+    dash.display()
+    trainer._ipython_display_()
+    assert hooks == [snap.freeze_all], "the exit hook is registered with the first live view"
+    assert len(outputs.live()) == 2
+    assert hooks[0]() >= 2, "what the kernel's exit runs"
+    assert outputs.live() == []
+    assert "superoffload-train: not started" in outputs.text() and snap.EXIT_NOTE in outputs.text()
+
+
+def test_a_placeholder_holds_the_place_until_its_view_appears(outputs: Outputs) -> None:
+    slot = snap.placeholder("measuring this machine ...")
+    assert outputs.by_id[slot.display_id]["text/plain"] == "measuring this machine ..."
+    slot.clear()
+    assert outputs.by_id[slot.display_id] == {"text/plain": ""}
+
+
+def test_a_warning_line_is_coloured_and_the_rest_escaped() -> None:
+    html = snap.html_lines(["title", "warning: <b>slow</b>", "a < b"])
+    assert "<span class='so-warning'" in html and "&lt;b&gt;slow" in html and "a &lt; b" in html
