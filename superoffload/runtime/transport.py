@@ -26,6 +26,7 @@ import torch
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import Backend, GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.guard import hashes_agree
 from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
 from superoffload.runtime.worker import ErrorSink, Lane, Priority
 from superoffload.telemetry.recorder import Recorder
@@ -70,6 +71,33 @@ class Checks:
 
 
 NO_CHECKS = Checks()
+
+_HEAD = 7
+"""Validation vector: [sum of squares, non-finite count, edited, h1, h1^2, h2, h2^2]."""
+
+
+def validation_vector(local: GradStats, present: frozenset[int], checks: Checks,
+                      trainable: Sequence[int]) -> list[float]:
+    """What a collective transport all-reduces (SUM) to validate an iteration: the local
+    statistics, the guard's checks (runtime/guard.py: an edit flag and two 16-bit hyper hashes
+    with their squares), then 1 per trainable parameter with a local gradient."""
+    h1, h2 = checks.hyper_hash
+    values = [local.sum_sq, float(local.nonfinite), float(checks.edited),
+              float(h1), float(h1 * h1), float(h2), float(h2 * h2)] + [0.0] * len(trainable)
+    slot = {i: _HEAD + k for k, i in enumerate(trainable)}
+    for i in present:
+        values[slot[i]] = 1.0
+    return values
+
+
+def validation_result(totals: Sequence[float], trainable: Sequence[int],
+                      world_size: int) -> GlobalStats:
+    """The summed ``validation_vector`` of ``world_size`` ranks as global statistics."""
+    counts = totals[_HEAD:]
+    got = frozenset(i for i, c in zip(trainable, counts) if c > 0)
+    partial = frozenset(i for i, c in zip(trainable, counts) if 0 < c < world_size)
+    return GlobalStats(float(totals[0]), int(totals[1]), got, partial, edited=int(totals[2]),
+                       agree=hashes_agree([float(x) for x in totals[3:7]], world_size))
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,7 @@ from superoffload.kernels.optimizer_batches import is_dtensor, local_shard, stat
 from superoffload.plan.buckets import Bucket, BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
-from superoffload.runtime.guard import RanksDisagree, first_difference, hashes_agree
+from superoffload.runtime.guard import RanksDisagree, first_difference
 from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
 from superoffload.runtime.transfers import D2HTask, H2DTask, transfer_hint, wait_for
 from superoffload.runtime.transport import (
@@ -54,6 +54,8 @@ from superoffload.runtime.transport import (
     LaneOwner,
     Published,
     TransportContext,
+    validation_result,
+    validation_vector,
 )
 from superoffload.runtime.worker import Lane, Priority, make_lane
 
@@ -97,7 +99,6 @@ class FsdpTransport(LaneOwner):
         self._pos: dict[int, int] = {}
         self._published: dict[int, Future[Any]] = {}
         self._hooks: list[Any] = []
-        self._slot: dict[int, int] = {}
 
     # ------------------------------------------------------------------ set-up
     def start(self, ctx: TransportContext) -> None:
@@ -196,25 +197,11 @@ class FsdpTransport(LaneOwner):
         then h1, h1^2, h2, h2^2 of the hyper-parameter hash), 1 per parameter with a
         gradient] — the layout ZeroTransport uses (runtime/guard.py)."""
         trainable = self.ctx.state.trainable
-        extra = 5
-        if len(self._slot) != len(trainable):
-            self._slot = {i: 2 + extra + k for k, i in enumerate(trainable)}
-        values = [0.0] * (2 + extra + len(trainable))
-        values[0], values[1] = local.sum_sq, float(local.nonfinite)
-        h1, h2 = checks.hyper_hash
-        values[2:7] = [float(checks.edited), float(h1), float(h1 * h1), float(h2), float(h2 * h2)]
-        for i in present:
-            values[self._slot[i]] = 1.0
-        totals = torch.tensor(values, dtype=torch.float64)
+        totals = torch.tensor(validation_vector(local, present, checks, trainable),
+                              dtype=torch.float64)
         with collective_guard("all_reduce (validation, FSDP2 transport)", self.group):
             dist.all_reduce(totals, group=self.group)
-        counts = totals[2 + extra:]
-        got = frozenset(trainable[k] for k in torch.nonzero(counts > 0).flatten().tolist())
-        partial = frozenset(trainable[k] for k in torch.nonzero(
-            (counts > 0) & (counts < self.world_size)).flatten().tolist())
-        return GlobalStats(float(totals[0]), int(totals[1]), got, partial,
-                           edited=int(totals[2]),
-                           agree=hashes_agree([float(x) for x in totals[3:7]], self.world_size))
+        return validation_result(totals.tolist(), trainable, self.world_size)
 
     def agree(self, fingerprint: Mapping[str, Any]) -> None:
         """Every rank built the same model, configuration and param groups (or all raise)."""

@@ -62,7 +62,7 @@ from superoffload.distributed.zero.startup import (
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
-from superoffload.runtime.guard import RanksDisagree, first_difference, hashes_agree
+from superoffload.runtime.guard import RanksDisagree, first_difference
 from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
 from superoffload.runtime.transport import (
     NO_CHECKS,
@@ -71,6 +71,8 @@ from superoffload.runtime.transport import (
     LaneOwner,
     Published,
     TransportContext,
+    validation_result,
+    validation_vector,
 )
 from superoffload.runtime.worker import Lane, Priority, describe, make_lane
 
@@ -125,7 +127,6 @@ class ZeroTransport(LaneOwner):
         self._tail_grads: dict[int, torch.Tensor] = {}
         self._tail_work: dict[int, Any] = {}
         self._gather_stream: Any = None
-        self._slot: dict[int, int] = {}
         """Trainable parameter index -> its slot in the validation all-reduce."""
 
     # ------------------------------------------------------------------ set-up
@@ -255,26 +256,11 @@ class ZeroTransport(LaneOwner):
     def reduce_stats(self, local: GradStats, present: frozenset[int],
                      checks: Checks = NO_CHECKS) -> GlobalStats:
         trainable = self.ctx.state.trainable
-        extra = 5  # the guard's checks: edited, then (h1, h1^2, h2, h2^2) of the hyper hash
-        if len(self._slot) != len(trainable):  # the trainable set changes only by a rebuild
-            self._slot = {i: 2 + extra + k for k, i in enumerate(trainable)}
-        values = [0.0] * (2 + extra + len(trainable))
-        values[0], values[1] = local.sum_sq, float(local.nonfinite)
-        h1, h2 = checks.hyper_hash
-        values[2:7] = [float(checks.edited), float(h1), float(h1 * h1), float(h2), float(h2 * h2)]
-        for i in present:
-            values[self._slot[i]] = 1.0
-        totals = torch.tensor(values, dtype=torch.float64, device=self.ctx.backend.device)
+        totals = torch.tensor(validation_vector(local, present, checks, trainable),
+                              dtype=torch.float64, device=self.ctx.backend.device)
         with collective_guard("all_reduce (validation)", self.grad_group):
             dist.all_reduce(totals, group=self.grad_group)
-        host = totals.cpu()
-        counts = host[2 + extra:]
-        got = frozenset(trainable[k] for k in torch.nonzero(counts > 0).flatten().tolist())
-        partial = frozenset(trainable[k] for k in torch.nonzero(
-            (counts > 0) & (counts < self.world_size)).flatten().tolist())
-        agree = hashes_agree([float(x) for x in host[3:7]], self.world_size)
-        return GlobalStats(float(host[0]), int(host[1]), got, partial,
-                           edited=int(host[2]), agree=agree)
+        return validation_result(totals.cpu().tolist(), trainable, self.world_size)
 
     def agree(self, fingerprint: Mapping[str, Any]) -> None:
         """All ranks compare ``fingerprint`` (all_gather_object: sizes may differ) and raise
