@@ -98,6 +98,7 @@ def iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from superoffload.kernels.bench import rotated
     from superoffload.models.gpt import PRESETS
 
     torch.set_num_threads(args.threads)
@@ -111,8 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in range(args.warmup + args.rounds):
         x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
         y = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
-        order = OPTIMIZERS[r % 3:] + OPTIMIZERS[:r % 3]  # rotate who goes first
-        for name in order:
+        for name in rotated(list(OPTIMIZERS), r):  # rotate who goes first
             step_s, iter_s = iteration(models[name], opts[name], x, y)
             if r >= args.warmup:
                 times[name]["step"].append(step_s)

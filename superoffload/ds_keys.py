@@ -22,13 +22,13 @@ Hugging Face DeepSpeed guide (huggingface.co/docs/transformers/deepspeed).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from superoffload.config import ConfigError
+from superoffload.jsonfile import parse_object
 
 HARMLESS = frozenset({
     # logging and tooling
@@ -92,15 +92,8 @@ def read(source: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[dict[str, 
     except OSError as exc:
         raise ConfigError(f"DeepSpeed config {path}: cannot read it ({exc.strerror or exc}); "
                           "pass the path of a JSON file or a dict") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"DeepSpeed config {path}: not valid JSON ({exc.msg} at line "
-                          f"{exc.lineno}, column {exc.colno})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"DeepSpeed config {path}: holds a JSON {type(data).__name__}, not "
-                          "an object")
-    return data, f"DeepSpeed config {path}"
+    where = f"DeepSpeed config {path}"
+    return parse_object(text, where, error=ConfigError), where
 
 
 def auto_values(args: Any) -> dict[str, Any]:

@@ -57,9 +57,9 @@ def _obj(out: Path, src: Path) -> Path:
 def compile_objects(cc: str, srcs: Sequence[Path], out: Path, include: Path = CEXT) -> list[Path]:
     """Compile each source to an object in `out`, all at once (the machine's cores)."""
     out.mkdir(parents=True, exist_ok=True)
-    procs = []
+    flags, procs = compile_flags(), []
     for src in srcs:
-        cmd = [cc, *compile_flags(), "-Wall", "-Wextra", "-Werror", "-I", str(include), "-I",
+        cmd = [cc, *flags, "-Wall", "-Wextra", "-Werror", "-I", str(include), "-I",
                str(include / "harness"), "-c", str(src), "-o", str(_obj(out, src))]
         procs.append((src, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                             text=True)))

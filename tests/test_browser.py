@@ -28,6 +28,7 @@ artifacts/browser/ with a failure's screenshot and JupyterLab log.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -109,6 +110,12 @@ class Session:
     def open(self, notebook: str) -> None:
         self.page.goto(f"{self.url}/lab/tree/{notebook}")
         self.page.wait_for_function(bs.JS_APP_READY)
+
+    def reload(self) -> None:
+        """Reload the page; wait until the notebook is back (its kernel may be gone)."""
+        self.page.reload()
+        self.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
+                                    "&& window.jupyterapp.shell.currentWidget.content")
 
     def fail_artifacts(self) -> None:
         self.page.screenshot(path=str(ARTIFACTS / f"{self.name}_failure.png"), full_page=True)
@@ -313,9 +320,7 @@ def _reopen(s: Session, spike_at: int) -> None:
     assert final, "the trainer's final state is in the notebook"
     path = page.evaluate(bs.JS_SAVE_AND_SHUT_DOWN)
     s.phase(f"{path} saved, kernel shut down")
-    page.reload()
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
-                           "&& window.jupyterapp.shell.currentWidget.content")
+    s.reload()
     figure = page.locator(".jp-RenderedPlotly").first
     figure.wait_for(state="attached", timeout=60_000)
     figure.scroll_into_view_if_needed()
@@ -428,13 +433,21 @@ def _wait_static(page: Any, ok: Callable[[dict], bool], timeout_s: float = 60.0)
         page.wait_for_timeout(250)
 
 
+def _one_cell_notebook(path: Path, cell: str) -> Path:
+    """Write a notebook of one code cell (`cell`, a python3 kernel) to `path`."""
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
+                     "outputs": [], "source": cell}],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(nb))
+    return path
+
+
 @pytest.mark.timeout(300)
 def test_the_layout_check_catches_a_view_wider_than_its_output_area(tmp_path: Path) -> None:
     """The check that guards the tutorials must see what a person saw: a widget at width
     100 % plus its 2 px margins is 4 px wider than its box, which scrolls sideways; the tuner
     (a what-if one: no engine, quick) must pass it."""
-    import json
-
     # the dashboard's box as it was: a status line at width 100 % inside a 100 % box
     cell = ("import ipywidgets as w\n"
             "wide = w.VBox([w.HTML('a status line', layout=w.Layout(width='100%'))],\n"
@@ -447,12 +460,7 @@ def test_the_layout_check_catches_a_view_wider_than_its_output_area(tmp_path: Pa
             "from superoffload import plan\n"
             "from superoffload.widgets import OffloadTuner\n"
             "OffloadTuner(plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32), 'gh200')")
-    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
-                     "outputs": [], "source": cell}],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    source = tmp_path / "layout_check.ipynb"
-    source.write_text(json.dumps(nb))
+    source = _one_cell_notebook(tmp_path / "layout_check.ipynb", cell)
 
     def check(s: Session) -> None:
         s.page.evaluate(bs.JS_RUN_ALL)
@@ -470,8 +478,6 @@ def test_the_layout_check_catches_a_view_wider_than_its_output_area(tmp_path: Pa
 def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path: Path) -> None:
     """The kernel shut down while training: the exit hook freezes every live view, so the
     notebook saved afterwards reopens without "Error displaying widget"."""
-    import json
-
     cell = (f"import sys, time\nsys.path.insert(0, {str(REPO)!r})\n"
             "from superoffload.telemetry.recorder import Recorder\n"
             "from superoffload.widgets import BackgroundTrainer, LiveDashboard\n"
@@ -486,12 +492,7 @@ def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path
             "trainer = BackgroundTrainer(step, dashboard=dash)\n"
             "display(trainer)\n"
             "trainer.start()")
-    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
-                     "outputs": [], "source": cell}],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
-          "nbformat": 4, "nbformat_minor": 5}
-    source = tmp_path / "shutdown.ipynb"
-    source.write_text(json.dumps(nb))
+    source = _one_cell_notebook(tmp_path / "shutdown.ipynb", cell)
 
     def check(s: Session) -> None:
         page = s.page
@@ -502,9 +503,7 @@ def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path
         page.wait_for_function("() => !document.querySelector('.so-dashboard, .so-trainer')", timeout=30_000)
         s.phase("kernel shut down mid-run: every live view frozen")
         page.evaluate("async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
-        page.reload()
-        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
-                               "&& window.jupyterapp.shell.currentWidget.content")
+        s.reload()
         page.wait_for_selector(".jp-RenderedPlotly", state="attached", timeout=60_000)
         page.wait_for_timeout(1500)
         assert page.evaluate(bs.JS_WIDGET_ERRORS) == [], "a reopened notebook shows no widget error"

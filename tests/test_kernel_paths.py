@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _harness_support import compile_flags
 from _kernel_support import assert_same_bits, make_state, run, step_kwargs
 
 import superoffload.kernels as K
@@ -189,20 +190,11 @@ except ImportError as exc:
     assert "ImportError:" in out.stdout and "pip install -e ." in out.stdout, out.stdout + out.stderr
 
 
-def _compile_flags() -> list[str]:
-    sys.path.insert(0, str(CEXT))
-    try:
-        import build_cpu_adam
-    finally:
-        sys.path.pop(0)
-    return list(build_cpu_adam.COMPILE_FLAGS)
-
-
 def _compile(cc: str, tmp_path: Path, extra: list[str],
              sources: tuple[str, ...] = ("so_cpu_adam.c", "so_simd.c")) -> str:
     outputs = []
     for src in sources:
-        cmd = [cc, *_compile_flags(), *extra, "-Wall", "-Werror", "-I", str(CEXT), "-c",
+        cmd = [cc, *compile_flags(), *extra, "-Wall", "-Werror", "-I", str(CEXT), "-c",
                str(CEXT / src), "-o", str(tmp_path / (src + ".o")), "-fopt-info-vec-optimized"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import threading
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _ckpt_support import flip_tensor_byte
 from _engine_ref import HYPER
 from _tiny_models import batches, make_model
 
@@ -237,18 +236,6 @@ def test_dropped_and_failed_engines_let_go_of_the_model(monkeypatch: pytest.Monk
     del failed
 
 
-def _flip_tensor_byte(file: Path) -> None:
-    with zipfile.ZipFile(file) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(file, "r+b") as f:  # local header: 30 bytes + name + extra, then the data
-        f.seek(info.header_offset + 26)
-        n, extra = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-        f.seek(info.header_offset + 30 + n + extra + info.file_size // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 def test_checkpoints_refuse_flipped_bytes_and_clean_orphans(tmp_path: Path) -> None:
     model = make_model(0)
     path = tmp_path / "ckpt"
@@ -261,7 +248,7 @@ def test_checkpoints_refuse_flipped_bytes_and_clean_orphans(tmp_path: Path) -> N
         engine.save_checkpoint(str(path))
         assert not orphan.exists()
         engine.load_checkpoint(str(path))  # intact: loads
-        _flip_tensor_byte(path / "engine.pt")
+        flip_tensor_byte(path / "engine.pt")
         with pytest.raises(CheckpointCorrupt, match="engine.pt is corrupt"):
             engine.load_checkpoint(str(path))
 

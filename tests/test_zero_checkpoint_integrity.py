@@ -19,12 +19,11 @@ One launch of 2 processes, ~10 s on an idle 2-core machine.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
+from _ckpt_support import flip_tensor_byte
 from _dist_support import run_ranks
 
 from superoffload.distributed.zero.checkpoint import MANIFEST, consolidate
@@ -40,20 +39,6 @@ def saves(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for r in run_ranks("two_saves", 2, out, timeout_s=120, worker=WORKER):
         assert r.returncode == 0, f"rank {r.rank}: exit {r.returncode}\n{r.log[-4000:]}"
     return out
-
-
-def flip_tensor_byte(file: Path) -> None:
-    """Flip one bit in the middle of the file's largest tensor record (torch.save writes an
-    uncompressed zip: local header of 30 bytes + name + extra field, then the data)."""
-    with zipfile.ZipFile(file) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(file, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        n, extra = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-        f.seek(info.header_offset + 30 + n + extra + info.file_size // 2)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def test_each_save_loads_whole(saves: Path) -> None:

@@ -42,16 +42,10 @@ static so_adam_hparams hparams(int l2, int bc, int64_t step, double grad_scale, 
     return h;
 }
 
-static const char *dname(int dtype) {
-    return dtype == SO_DTYPE_F32 ? "f32" : dtype == SO_DTYPE_BF16 ? "bf16"
-         : dtype == SO_DTYPE_F16 ? "f16" : "none";
-}
-
 /* Step `pre` (into a clone), roll it back (into another clone), check rc, guards and the
- * float64 statement of both; fold both results into d. Returns the stepped clone. */
-static so_batch *step_and_rollback(const char *name, const so_batch *pre,
-                                   const so_adam_hparams *h, const so_exec *x, so_digest *d,
-                                   int check_ref) {
+ * float64 statement of both; fold both results into d. */
+static void step_and_rollback(const char *name, const so_batch *pre, const so_adam_hparams *h,
+                              const so_exec *x, so_digest *d, int check_ref) {
     char label[160], what[200];
     so_batch *post = so_batch_clone(pre);
     int rc = so_adam_step_multi(&post->t, h, x);
@@ -74,8 +68,16 @@ static so_batch *step_and_rollback(const char *name, const so_batch *pre,
              (long long)rr.bad, rr.where);
     so_check(label, rc == SO_OK && broken == 0 && rr.bad == 0, rr.worst_ratio, what);
     so_digest_batch(d, back);
-    so_batch_free(back);
-    return post;
+    so_batch_free(back), so_batch_free(post);
+}
+
+/* One step/rollback case checked against float64, its digest printed; frees `pre`. */
+static void run_case(const char *name, so_batch *pre, const so_adam_hparams *h, const so_exec *x) {
+    so_digest d;
+    so_digest_init(&d);
+    step_and_rollback(name, pre, h, x, &d, 1);
+    so_print_digest(name, &d);
+    so_batch_free(pre);
 }
 
 /* Every variant over every tail length, in one multi call each (each tensor is its own
@@ -93,18 +95,15 @@ static void case_tails(void) {
                 for (int l2 = 0; l2 < 2; ++l2)
                     for (int bc = 0; bc < 2; ++bc, ++idx) {
                         char name[96];
-                        snprintf(name, sizeof name, "tails/g%s-m%s-lp%s-%s-bc%d", dname(dts[gi]),
-                                 dname(dts[mi]), dname(lps[li]), l2 ? "l2" : "adamw", bc);
+                        size_t at = so_variant_name(name, sizeof name, "tails", dts[gi], dts[mi],
+                                                    lps[li]);
+                        snprintf(name + at, sizeof name - at, "-%s-bc%d", l2 ? "l2" : "adamw", bc);
                         so_batch *pre = so_batch_new(lengths, count, dts[gi], dts[mi], lps[li],
                                                      (uint64_t)idx, idx % 3 != 0);
                         so_adam_hparams h = hparams(l2, bc, 1 + idx % 5, bc ? 1.0 : 0.37,
                                                     0x5eed0000ull + (uint64_t)idx);
                         so_exec x = exec_of(2, SO_SCHED_STATIC, 0);
-                        so_digest d;
-                        so_digest_init(&d);
-                        so_batch_free(step_and_rollback(name, pre, &h, &x, &d, 1));
-                        so_print_digest(name, &d);
-                        so_batch_free(pre);
+                        run_case(name, pre, &h, &x);
                     }
 }
 
@@ -123,7 +122,7 @@ static void case_threads(int quick) {
     for (int vi = 0; vi < 3; ++vi) {
         const int *v = variants[vi];
         char name[64];
-        snprintf(name, sizeof name, "threads/g%s-m%s-lp%s", dname(v[0]), dname(v[1]), dname(v[2]));
+        so_variant_name(name, sizeof name, "threads", v[0], v[1], v[2]);
         so_batch *pre = so_batch_new(sizes, 6, v[0], v[1], v[2], 100 + (uint64_t)vi, 1);
         so_adam_hparams h = hparams(v[3], v[4], 7, v[4] ? 1.0 : 0.3, 42 + (uint64_t)vi);
         so_digest first = {0, 0};
@@ -132,7 +131,7 @@ static void case_threads(int quick) {
             so_exec x = exec_of(runs[r][0], runs[r][1], runs[r][2]);
             so_digest d;
             so_digest_init(&d);
-            so_batch_free(step_and_rollback(name, pre, &h, &x, &d, r == 0));
+            step_and_rollback(name, pre, &h, &x, &d, r == 0);
             if (r == 0) first = d;
             else same &= so_digest_equal(&first, &d);
         }
@@ -150,15 +149,11 @@ static void case_big(void) {
     for (int vi = 0; vi < 2; ++vi) {
         const int *v = variants[vi];
         char name[64];
-        snprintf(name, sizeof name, "big/g%s-m%s-lp%s", dname(v[0]), dname(v[1]), dname(v[2]));
+        so_variant_name(name, sizeof name, "big", v[0], v[1], v[2]);
         so_batch *pre = so_batch_new(&n, 1, v[0], v[1], v[2], 7 + (uint64_t)vi, 1);
         so_adam_hparams h = hparams(v[3], v[4], 10, 1.0, 99);
         so_exec x = exec_of(4, SO_SCHED_STATIC, 0);
-        so_digest d;
-        so_digest_init(&d);
-        so_batch_free(step_and_rollback(name, pre, &h, &x, &d, 1));
-        so_print_digest(name, &d);
-        so_batch_free(pre);
+        run_case(name, pre, &h, &x);
     }
 }
 
@@ -169,11 +164,7 @@ static void case_many_tensors(void) {
     so_batch *pre = so_batch_new(sizes, 600, SO_DTYPE_BF16, SO_DTYPE_F32, SO_DTYPE_BF16, 5, 1);
     so_adam_hparams h = hparams(0, 1, 2, 1.0, 3);
     so_exec x = exec_of(3, SO_SCHED_DYNAMIC, 64);
-    so_digest d;
-    so_digest_init(&d);
-    so_batch_free(step_and_rollback("many_tensors", pre, &h, &x, &d, 1));
-    so_print_digest("many_tensors", &d);
-    so_batch_free(pre);
+    run_case("many_tensors", pre, &h, &x);
 }
 
 /* Gradients may alias each other (the kernel only reads them: kernels/overlap.py): a call

@@ -62,6 +62,10 @@ typedef struct so_batch {
 
 /* Element size in bytes of an SO_DTYPE_* (0 for SO_DTYPE_NONE). */
 int so_dtype_size(int dtype);
+/* "f32", "bf16", "f16" or "none": the names in the case labels. */
+const char *so_dtype_name(int dtype);
+/* "<prefix>/g<dtype>-m<dtype>-lp<dtype>" into out (a case label); returns its length. */
+size_t so_variant_name(char *out, size_t size, const char *prefix, int gdt, int mdt, int lpdt);
 
 /* Allocate and fill: p = 2u, g = u * 2^k (k in [-12, 3]; a few subnormal), m = u/10,
  * v = |u|/100 + 1e-4 (warm) or m = v = 0 (cold); lp zero; guards set. */

@@ -8,10 +8,6 @@
 
 #include "so_harness.h"
 
-static const char *dname(int dtype) {
-    return dtype == SO_DTYPE_F32 ? "f32" : dtype == SO_DTYPE_BF16 ? "bf16" : "f16";
-}
-
 static int nonfinite(double x) { return x != x || x == INFINITY || x == -INFINITY; }
 
 /* A step over inf/NaN inputs: it runs (validation is the caller's, kernels/validate.py),
@@ -27,8 +23,7 @@ static void nonfinite_step(int simd) {
     for (int vi = 0; vi < 4; ++vi) {
         const int *v = variants[vi];
         char name[64];
-        snprintf(name, sizeof name, "nonfinite_step/g%s-m%s-lp%s", dname(v[0]), dname(v[1]),
-                 dname(v[2]));
+        so_variant_name(name, sizeof name, "nonfinite_step", v[0], v[1], v[2]);
         so_batch *b = so_batch_new(sizes, 2, v[0], v[1], v[2], 31 + (uint64_t)vi, 1);
         so_put(b, 'p', 0, 3, INFINITY);
         so_put(b, 'g', 0, 5, NAN);
@@ -87,7 +82,8 @@ static void nonfinite_rollback(int simd) {
             int rc = so_adam_rollback_multi(&b->t, &h, &x);
             so_digest_batch(&after, b);
             char name[64], what[96];
-            snprintf(name, sizeof name, "nonfinite_rollback/m%s-%s", dname(mdt), cases[c].arrays);
+            snprintf(name, sizeof name, "nonfinite_rollback/m%s-%s", so_dtype_name(mdt),
+                     cases[c].arrays);
             snprintf(what, sizeof what, "rc=%d want %d, modified=%d", rc, cases[c].rc,
                      !so_digest_equal(&before, &after));
             so_check(name, rc == cases[c].rc && so_digest_equal(&before, &after), -1, what);
@@ -103,7 +99,7 @@ static void stats(int simd) {
     int count = (int)(sizeof sizes / sizeof sizes[0]);
     for (int dt = SO_DTYPE_F32; dt <= SO_DTYPE_BF16; ++dt) {
         char name[32];
-        snprintf(name, sizeof name, "grad_stats/%s", dname(dt));
+        snprintf(name, sizeof name, "grad_stats/%s", so_dtype_name(dt));
         so_batch *b = so_batch_new(sizes, count, dt, SO_DTYPE_F32, SO_DTYPE_NONE, 70 + dt, 1);
         so_put(b, 'g', 2, 3, NAN);
         so_put(b, 'g', 8, 50000, INFINITY);
@@ -288,7 +284,7 @@ static void rollback_risk(void) {
             else same &= risky == first;
         }
         char name[40], what[128];
-        snprintf(name, sizeof name, "rollback_risk/%s", dname(dt));
+        snprintf(name, sizeof name, "rollback_risk/%s", so_dtype_name(dt));
         snprintf(what, sizeof what, "rc=%d risky=%lld float64 %lld (+-%lld near the boundary) same=%d",
                  rc_all, (long long)first, (long long)want, (long long)near, same);
         so_check(name, rc_all == SO_OK && same && llabs(first - want) <= near && first >= 2, -1, what);
@@ -301,7 +297,7 @@ static void rollback_risk(void) {
                       so_rollback_risk_multi(b->gp, b->vp, b->numels, 6, dt, gs, -1.0, 1, &risky) == SO_ERR_HPARAM &&
                       so_rollback_risk_multi(b->gp, b->vp, b->numels, 6, dt, NAN, cv, 1, &risky) == SO_ERR_HPARAM &&
                       so_rollback_risk_multi(b->gp, b->vp, bad_numels, 2, dt, gs, cv, 1, &risky) == SO_ERR_NULL;
-        snprintf(name, sizeof name, "rollback_risk/%s/errors", dname(dt));
+        snprintf(name, sizeof name, "rollback_risk/%s/errors", so_dtype_name(dt));
         so_check(name, refused, -1, "a wrong return code");
         so_batch_free(b);
     }

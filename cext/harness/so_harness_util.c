@@ -27,6 +27,17 @@ int so_dtype_size(int dtype) {
     return dtype == SO_DTYPE_F32 ? 4 : (dtype == SO_DTYPE_NONE ? 0 : 2);
 }
 
+const char *so_dtype_name(int dtype) {
+    return dtype == SO_DTYPE_F32 ? "f32" : dtype == SO_DTYPE_BF16 ? "bf16"
+         : dtype == SO_DTYPE_F16 ? "f16" : "none";
+}
+
+size_t so_variant_name(char *out, size_t size, const char *prefix, int gdt, int mdt, int lpdt) {
+    int n = snprintf(out, size, "%s/g%s-m%s-lp%s", prefix, so_dtype_name(gdt),
+                     so_dtype_name(mdt), so_dtype_name(lpdt));
+    return n < 0 ? 0 : ((size_t)n < size ? (size_t)n : size - 1);
+}
+
 #define SO_GUARD_BITS32 0xdeadbeefu
 #define SO_GUARD_BITS16 0xbeefu
 
@@ -68,12 +79,21 @@ static double f16_to_f64(uint16_t h) {
     return (h & 0x8000) ? -mag : mag;
 }
 
+/* The pool of one array ('p', 'g', 'm', 'v', 'l' for the low-precision copy) and its dtype. */
+static void *pool_of(const so_batch *b, char array, int *dtype) {
+    switch (array) {
+        case 'p': *dtype = SO_DTYPE_F32; return b->p;
+        case 'g': *dtype = b->gdt; return b->g;
+        case 'm': *dtype = b->mdt; return b->m;
+        case 'v': *dtype = b->mdt; return b->v;
+        default: *dtype = b->lpdt; return b->lp;
+    }
+}
+
 double so_get(const so_batch *b, char array, int64_t k, int64_t i) {
     int64_t at = b->offsets[k] + i;
-    const void *pool = array == 'p' ? b->p : array == 'g' ? b->g : array == 'm' ? b->m
-                     : array == 'v' ? b->v : b->lp;
-    int dtype = array == 'p' ? SO_DTYPE_F32 : array == 'g' ? b->gdt
-              : array == 'l' ? b->lpdt : b->mdt;
+    int dtype;
+    const void *pool = pool_of(b, array, &dtype);
     if (dtype == SO_DTYPE_F32) return ((const float *)pool)[at];
     uint16_t bits = ((const uint16_t *)pool)[at];
     return dtype == SO_DTYPE_BF16 ? so_bf16_to_f32(bits) : f16_to_f64(bits);
@@ -81,8 +101,8 @@ double so_get(const so_batch *b, char array, int64_t k, int64_t i) {
 
 void so_put(so_batch *b, char array, int64_t k, int64_t i, float x) {
     int64_t at = b->offsets[k] + i;
-    void *pool = array == 'p' ? (void *)b->p : array == 'g' ? b->g : array == 'm' ? b->m : b->v;
-    int dtype = array == 'p' ? SO_DTYPE_F32 : array == 'g' ? b->gdt : b->mdt;
+    int dtype;
+    void *pool = pool_of(b, array, &dtype); /* p, g, m, v: fp32 or bf16 */
     if (dtype == SO_DTYPE_F32) ((float *)pool)[at] = x;
     else ((uint16_t *)pool)[at] = so_f32_to_bf16_rne(x);
 }
@@ -154,18 +174,18 @@ void so_batch_free(so_batch *b) {
 }
 
 int64_t so_guards_broken(const so_batch *b) {
-    const void *pools[5] = {b->p, b->g, b->m, b->v, b->lp};
-    int dtypes[5] = {SO_DTYPE_F32, b->gdt, b->mdt, b->mdt, b->lpdt};
     int64_t broken = 0;
-    for (int a = 0; a < 5; ++a) {
-        if (pools[a] == NULL) continue;
+    for (const char *a = "pgmvl"; *a; ++a) {
+        int dtype;
+        const void *pool = pool_of(b, *a, &dtype);
+        if (pool == NULL) continue;
         for (int64_t k = 0; k <= b->count; ++k) { /* the zone before tensor k, then the last */
             int64_t end = k < b->count ? b->offsets[k] : b->pool_elems;
             for (int64_t i = (k == 0 ? 0 : end - SO_GUARD); i < end; ++i) {
-                if (so_dtype_size(dtypes[a]) == 4)
-                    broken += ((const uint32_t *)pools[a])[i] != SO_GUARD_BITS32;
+                if (so_dtype_size(dtype) == 4)
+                    broken += ((const uint32_t *)pool)[i] != SO_GUARD_BITS32;
                 else
-                    broken += ((const uint16_t *)pools[a])[i] != SO_GUARD_BITS16;
+                    broken += ((const uint16_t *)pool)[i] != SO_GUARD_BITS16;
             }
         }
     }

@@ -187,15 +187,22 @@ class ResumePoint:
                 "complete verified one")
 
 
+def _read_train_json(path: Path) -> tuple[int, dict[str, Any]]:
+    """(step, run settings) of checkpoint folder ``path``'s train.json. OSError when it cannot
+    be read (FileNotFoundError: there is none); ValueError, KeyError or TypeError when it is
+    damaged (not JSON, another format, no step or run)."""
+    meta = json.loads((path / TRAIN_JSON).read_text())
+    if meta.get("format") != RUN_FORMAT:
+        raise ValueError(f"format {meta.get('format')!r}, expected {RUN_FORMAT!r}")
+    return int(meta["step"]), dict(meta["run"])
+
+
 def damaged(path: Path) -> str | None:
     """Why the checkpoint folder ``path`` cannot be resumed, in a few words; None when it is
     complete and its files match the SHA-256 their manifest recorded (read once more here,
     before anything is built: a torn or flipped checkpoint is passed over, not loaded)."""
     try:
-        meta = json.loads((path / TRAIN_JSON).read_text())
-        if meta.get("format") != RUN_FORMAT:
-            raise ValueError(f"format {meta.get('format')!r}")
-        int(meta["step"]), dict(meta["run"])
+        _read_train_json(path)
     except FileNotFoundError:
         return f"no {TRAIN_JSON}"
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -226,10 +233,7 @@ def find_resume_point(arg: Path) -> ResumePoint:
                          f"{TRAIN_JSON}, so it was not written by `superoffload train`; "
                          "load it from Python with engine.load_checkpoint()")
     try:
-        meta = json.loads(meta_file.read_text())
-        if meta.get("format") != RUN_FORMAT:
-            raise ValueError(f"format {meta.get('format')!r}, expected {RUN_FORMAT!r}")
-        step, run = int(meta["step"]), dict(meta["run"])
+        step, run = _read_train_json(path)
     except (ValueError, KeyError, TypeError) as exc:
         raise UsageError(f"--resume {arg}: {meta_file} is damaged ({exc}); resume from an "
                          "older checkpoint in the same folder") from None

@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from typing import Any
 
-from superoffload.commands.plan import load_profile
+from superoffload.commands.plan import fail, load_profile
 
 ROWS = (
     ("plain (GPU only)", "gpu", None),
@@ -122,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             max_grad_norm=args.max_grad_norm)
         rows = schedule_rows(shape, prof, cons)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
-        return _error(str(exc), args.json)
+        return fail(str(exc), args.json)
     best = best_row(rows)
     calibrated = calibration_state(prof)
     if args.json:
@@ -134,16 +133,6 @@ def run(args: argparse.Namespace) -> int:
     print(_report(model, prof, shape, rows, best))
     print(f"\npredictions: {calibrated.text}")
     return 0
-
-
-def _error(message: str, as_json: bool) -> int:
-    """Exit code 2 with the reason: one line on stderr, or a JSON object on stdout (--json:
-    a script reading the output gets JSON either way)."""
-    if as_json:
-        print(json.dumps({"error": message}))
-    else:
-        print(f"error: {message}", file=sys.stderr)
-    return 2
 
 
 def _model(raw: dict[str, Any], shape: Any) -> dict[str, Any]:

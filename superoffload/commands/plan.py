@@ -19,6 +19,7 @@ from typing import Any
 
 from superoffload.commands.argtypes import writable_file
 from superoffload.config import MiB, OffloadConfig
+from superoffload.jsonfile import parse_object
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -130,15 +131,9 @@ def load_profile(name: str) -> Any:
         return plan.measure_local()
     path = Path(name)
     if path.suffix == ".json" and path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"profile {path}: not valid JSON ({exc.msg} at line {exc.lineno})"
-                             "; write one with plan.measure_local() or HardwareProfile.to_dict()"
-                             ) from None
-        if not isinstance(data, dict):
-            raise ValueError(f"profile {path}: holds a JSON {type(data).__name__}, not an object")
-        return plan.HardwareProfile.from_dict(data)
+        return plan.HardwareProfile.from_dict(parse_object(
+            path.read_text(), f"profile {path}",
+            hint="; write one with plan.measure_local() or HardwareProfile.to_dict()"))
     return plan.profiles.get(name)
 
 
@@ -157,8 +152,9 @@ def _with_collective(prof: Any, args: argparse.Namespace) -> Any:
     return prof.replace(collective_gbps=args.collective_gbps)
 
 
-def _fail(msg: str, as_json: bool = False) -> int:
-    """Exit code 2 with the reason: on stderr, or as {"error": ...} on stdout with --json."""
+def fail(msg: str, as_json: bool = False) -> int:
+    """Exit code 2 with the reason: on stderr, or as {"error": ...} on stdout with --json (a
+    script reading the output gets JSON either way). `plan` (commands/fit.py) uses it too."""
     if as_json:
         print(json.dumps({"error": msg}))
     else:
@@ -190,7 +186,7 @@ def _simulate(args: argparse.Namespace) -> int:
         results = [plan.simulate(shape, prof, s, cfg, tech) for s in schedules]
         abl = plan.ablation.ablation(shape, prof, cfg, tech.rollback_rate) if args.ablation else None
     except ValueError as exc:
-        return _fail(str(exc), args.json)
+        return fail(str(exc), args.json)
     from superoffload.plan.calibrate import calibration_state
 
     state = calibration_state(prof)
@@ -268,13 +264,13 @@ def _tune(args: argparse.Namespace) -> int:
             allow_bf16_moments=args.allow_bf16_moments, **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
     except ValueError as exc:
-        return _fail(str(exc), args.json)
+        return fail(str(exc), args.json)
     if args.out is not None:
         try:
             args.out.write_text(json.dumps(cfg.to_dict(), indent=1, default=float))
         except OSError as exc:  # checked at parse time; the folder may change meanwhile
-            return _fail(f"--out {args.out}: cannot write ({exc.strerror or exc}); choose "
-                         "another path")
+            return fail(f"--out {args.out}: cannot write ({exc.strerror or exc}); choose "
+                        "another path")
     from superoffload.plan.calibrate import calibration_state
 
     state = calibration_state(prof)

@@ -48,6 +48,11 @@ below it the rendezvous of a healthy job can time out, and a value that rounds t
 ``timedelta`` (1e-9) made torch fail with a raw C++ error."""
 
 
+def timeout_ok(timeout_s: float) -> bool:
+    """The collective timeout rule of ``init_distributed`` and ``--dist-timeout-s``."""
+    return math.isfinite(timeout_s) and timeout_s >= MIN_TIMEOUT_S
+
+
 class DistributedError(EngineError):
     """A collective failed: a peer rank died, stalled past the timeout, or the shapes differ.
     An ``EngineError`` (runtime/errors.py), so both engines raise one family."""
@@ -132,7 +137,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
     global _STATE
     env = dict(os.environ) if env is None else env
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
-            or not math.isfinite(timeout_s) or timeout_s < MIN_TIMEOUT_S:
+            or not timeout_ok(timeout_s):
         raise ValueError(f"timeout_s={timeout_s!r} is invalid: use a finite number of seconds "
                          f">= {MIN_TIMEOUT_S:g}")
     if _STATE is not None:
@@ -339,7 +344,7 @@ def timeout_arg(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < MIN_TIMEOUT_S:
+    if not timeout_ok(value):
         raise argparse.ArgumentTypeError(
             f"{text} is too short or not finite: use a finite number of seconds >= "
             f"{MIN_TIMEOUT_S:g} (the default is {DEFAULT_TIMEOUT_S:g})")

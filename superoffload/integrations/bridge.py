@@ -57,14 +57,13 @@ def engine_config(
         from superoffload import ds_keys
         from superoffload.ds_config import from_deepspeed
 
-        if not isinstance(config, Mapping):  # a DeepSpeed JSON file
-            config = ds_keys.read(config)[0]
-        if "optimizer" in config:
+        ds = ds_keys.read(config)[0]  # a copy of the dict, or a DeepSpeed JSON file's
+        if "optimizer" in ds:
             raise ConfigError(
                 "DeepSpeed config key 'optimizer': the training framework's own arguments set "
                 "the learning rate, betas, eps and weight decay here; remove the section"
             )
-        base, _ = from_deepspeed(dict(config))
+        base, _ = from_deepspeed(ds)
     else:
         raise TypeError(
             f"offload config: pass an OffloadConfig or a DeepSpeed-style dict, not {type(config).__name__}"

@@ -226,12 +226,10 @@ class SuperOffloadTrainer(Trainer):
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0, **hyper},
         ) if g["params"]]
         offload = self.offload_config
-        if isinstance(offload, str | os.PathLike):  # a JSON path, as Trainer's deepspeed= takes
+        if isinstance(offload, Mapping | str | os.PathLike):  # a dict or, as deepspeed=, a path
             from superoffload import ds_keys
 
-            offload = ds_keys.read(offload)[0]
-        if isinstance(offload, Mapping):
-            offload = deepspeed_for_trainer(offload, self.args)
+            offload = deepspeed_for_trainer(ds_keys.read(offload)[0], self.args)
         config = engine_config(
             offload, max_grad_norm=self.args.max_grad_norm,
             grad_accum_steps=self.args.gradient_accumulation_steps,

@@ -110,6 +110,7 @@ class _State:
         self.v16 = [torch.full((n,), 1e-6, dtype=torch.bfloat16) for n in sizes]
         for p, g in zip(self.p, self.g):
             p.grad = g
+        self.p_data = [p.detach() for p in self.p]  # copy_back's sources, made once
         total = sum(sizes)  # the triad's three arrays: as large as the state, so in DRAM
         self.triad = [torch.zeros(total), torch.full((total,), 1e-3), torch.full((total,), 2e-3)]
         self.step = 1
@@ -126,7 +127,7 @@ class _State:
         torch._foreach_copy_(self.g, self.g16)
 
     def copy_back(self) -> None:
-        torch._foreach_copy_(self.lp, [p.detach() for p in self.p])
+        torch._foreach_copy_(self.lp, self.p_data)
 
 
 def _deepspeed_optimizer(state: _State) -> torch.optim.Optimizer | None:
@@ -233,8 +234,10 @@ def format_table(results: list[Result], threads: int) -> str:
     (by bytes moved)."""
     lines = [f"threads={threads}, simd={K.simd_path()}, backend={K.backend()}, OpenMP wait "
              f"policy: {K.wait_policy().value}", ""]
-    for layout in dict.fromkeys(r.layout for r in results):
-        rows = {r.method: r for r in results if r.layout == layout}
+    by_layout: dict[str, dict[str, Result]] = {}
+    for r in results:
+        by_layout.setdefault(r.layout, {})[r.method] = r
+    for layout, rows in by_layout.items():
         probe, triad = rows.get(PROBE), rows[TRIAD]
         floor = (f"in-place {probe.gbps:.1f} GB/s = {probe.params_per_s / 1e6:,.0f} M params/s "
                  f"at 28 B/param; " if probe else "in-place probe: needs the compiled kernel; ")
@@ -242,8 +245,7 @@ def format_table(results: list[Result], threads: int) -> str:
                      "(underestimates it: write-allocate traffic is not counted)")
     lines += ["", "| layout | case | method | M params/s | vs torch fused | vs DeepSpeed | GB/s "
               "| % of floor |", "|---|---|---|---:|---:|---:|---:|---:|"]
-    for layout in dict.fromkeys(r.layout for r in results):
-        rows = {r.method: r for r in results if r.layout == layout}
+    for layout, rows in by_layout.items():
         probe = rows.get(PROBE)
         for r in rows.values():
             fused = rows.get(TORCH_FUSED.get(r.case, ""))

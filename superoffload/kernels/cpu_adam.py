@@ -220,10 +220,8 @@ def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tenso
     numels = ffi.new("int64_t[]", [g.numel() for g in gs])
     out = ffi.new("int64_t *")
     dtype = _DTYPE_CODES[gs[0].dtype] if gs else lib.SO_DTYPE_F32
-    g_keep, g_ptrs = _ptrs("void *", gs)  # the arrays stay alive through the call
-    v_keep, v_ptrs = _ptrs("void *", exp_avg_sqs)
-    rc = lib.so_rollback_risk_multi(g_ptrs, v_ptrs, numels, len(gs), dtype, float(grad_scale),
-                                    float(c_v), check_threads(threads), out)
-    del g_keep, v_keep
+    g_ptrs, v_ptrs = _ptrs("void *", gs), _ptrs("void *", exp_avg_sqs)  # alive through the call
+    rc = lib.so_rollback_risk_multi(g_ptrs[1], v_ptrs[1], numels, len(gs), dtype,
+                                    float(grad_scale), float(c_v), check_threads(threads), out)
     _raise_for(rc, "rollback_risk")
     return int(out[0])

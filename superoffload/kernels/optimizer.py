@@ -126,11 +126,11 @@ class CPUAdam(torch.optim.Optimizer):
         group["moment_dtype"] = _moment_dtype(group["moment_dtype"], None)
         for k, p in enumerate(group["params"]):
             sharded = is_dtensor(p)
-            if p.device.type != "cpu" and sharded:
-                raise ValueError(_device_shard_refusal(f"{where}['params'][{k}]", p.device))
             if p.device.type != "cpu":
-                raise ValueError(f"CPUAdam updates CPU parameters only, got one on {p.device}; "
-                                 "use torch.optim.AdamW on the device or superoffload's engine")
+                raise ValueError(
+                    _device_shard_refusal(f"{where}['params'][{k}]", p.device) if sharded else
+                    f"CPUAdam updates CPU parameters only, got one on {p.device}; use "
+                    "torch.optim.AdamW on the device or superoffload's engine")
             if p.dtype not in PARAM_DTYPES:
                 raise TypeError(f"CPUAdam needs torch.float32, bfloat16 or float16 parameters "
                                 f"(bf16/fp16 ones get an fp32 master), got {p.dtype}")

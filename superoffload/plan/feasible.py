@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import accumulate
 
 from superoffload.config import OffloadConfig
@@ -116,6 +117,7 @@ def _stationary(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,
     def ratio_of(k: int) -> float:
         return cum[k] / total  # exactly k buckets: plan_buckets offloads the closest prefix
 
+    @cache  # the bisections and the checks around them revisit 0, n and the top prefix
     def sides(k: int) -> tuple[bool, bool]:
         return fit_sides(_memory(shape, prof, cfg.replace(ratio=ratio_of(k)), techniques), prof)
 

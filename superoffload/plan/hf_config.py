@@ -27,12 +27,13 @@ Shipped configs (`hf_configs/*.json`, config.json only, no weights) load by name
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from superoffload.jsonfile import parse_object
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 DEFAULT_MAX_SEQ = 4096
@@ -98,17 +99,9 @@ def load(config_or_path: Any) -> dict[str, Any]:
 
 
 def _parse(text: str, where: str) -> dict[str, Any]:
-    """A config.json's object; errors name the file (issue 17: a broken file or a JSON list
-    gave a bare decoder message or a raw traceback)."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
-                         f"{exc.colno}); a Hugging Face config.json holds one JSON object") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: holds a JSON {type(data).__name__}, not an object; a Hugging "
-                         "Face config.json is one object such as {\"model_type\": \"llama\", ...}")
-    return data
+    """A config.json's object; errors name the file (superoffload/jsonfile.py)."""
+    return parse_object(text, where, hint="; a Hugging Face config.json is one JSON object "
+                        "such as {\"model_type\": \"llama\", ...}")
 
 
 def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:

@@ -36,7 +36,7 @@ from typing import Any
 
 from superoffload.plan.probe import dispatch_op_s
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.timing import busy_flags, load_average, repeat
+from superoffload.plan.timing import busy_flags, load_average, relative_spread, repeat
 
 CACHE_ENV = "SUPEROFFLOAD_CACHE_DIR"
 FORMAT = 3
@@ -166,7 +166,7 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
         table, adam_raw = _adam_table(thread_counts, quick)
         raw["adam_samples_s"] = adam_raw
         for threads, times in adam_raw.items():
-            spreads[f"adam x{threads}"] = (max(times) - min(times)) / statistics.median(times)
+            spreads[f"adam x{threads}"] = relative_spread(times)
         for _ in thread_counts:
             bar.update()
         # link: pinned host <-> device per message size; without CUDA, the CPU backend's memcpy

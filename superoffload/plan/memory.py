@@ -107,20 +107,22 @@ def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
 
 
 def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
-    """Reasons the memory does not fit the profile (empty when it fits)."""
+    """Reasons the memory does not fit the profile (empty when it fits): ``fit_sides`` in
+    words."""
     problems = []
+    device_fits, host_fits = fit_sides(mem, prof)
     dev_cap = prof.device_memory_bytes * DEVICE_HEADROOM
     host_cap = prof.host_memory_bytes * HOST_HEADROOM
     if prof.shared_memory:
         total = mem.device + mem.host
-        if total > host_cap:
+        if not host_fits:
             problems.append(f"needs {total / 1e9:.0f} GB of shared memory (device + host), "
                             f"profile {prof.name} has {host_cap / 1e9:.0f} usable")
         return problems
-    if mem.device > dev_cap:
+    if not device_fits:
         problems.append(f"needs {mem.device / 1e9:.0f} GB device memory, profile {prof.name} "
                         f"has {dev_cap / 1e9:.0f} usable of {prof.device_memory_bytes / 1e9:.0f}")
-    if mem.host > host_cap:
+    if not host_fits:
         problems.append(f"needs {mem.host / 1e9:.0f} GB host memory, profile {prof.name} has "
                         f"{host_cap / 1e9:.0f} usable of {prof.host_memory_bytes / 1e9:.0f}")
     return problems

@@ -37,16 +37,16 @@ GEMM_FLOP_CAP = 2e9
 STANDIN_LAYERS = 4
 
 
-def _gemms(shape: ModelShape) -> list[tuple[int, int, int, float]]:
-    """(in, out, count per iteration, weight) of the model's GEMMs: the block's (x layers)
-    and the head; tokens are the shape's."""
+def _gemms(shape: ModelShape) -> list[tuple[int, int, int]]:
+    """(in, out, count per iteration) of the model's GEMMs: the block's (x layers) and the
+    head; tokens are the shape's."""
     h, q, kv, f = formulas.widths(shape)
     block = [(h, q, 1), (h, kv, 2), (q, h, 1)] if (q, kv) != (h, h) else [(h, 3 * h, 1), (h, h, 1)]
     mlp = [(h, f, 2), (f, h, 1)] if shape.gated_mlp else [(h, f, 1), (f, h, 1)]
     k = shape.experts_per_token or 1
     out = [(i, o, n * shape.layers) for i, o, n in block]
     out += [(i, o, n * shape.layers * k) for i, o, n in mlp]
-    return [(i, o, n, 0.0) for i, o, n in out] + [(h, shape.vocab, 1, 0.0)]
+    return out + [(h, shape.vocab, 1)]
 
 
 def probe_model(shape: ModelShape, profile: HardwareProfile, *, trials: int = 5,
@@ -64,7 +64,7 @@ def probe_model(shape: ModelShape, profile: HardwareProfile, *, trials: int = 5,
     raw: dict[str, Any] = {"device": dev, "dtype": str(dtype).removeprefix("torch.")}
     with torch.no_grad():
         flops, seconds, spreads = 0.0, 0.0, []
-        for k_in, k_out, count, _ in _gemms(shape):
+        for k_in, k_out, count in _gemms(shape):
             m = max(16, min(shape.tokens, int(GEMM_FLOP_CAP / (2 * k_in * k_out))))
             x = torch.randn(m, k_in, device=dev, dtype=dtype)
             w = torch.randn(k_in, k_out, device=dev, dtype=dtype)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from superoffload.threads import usable_cores
 
 SPREAD_WARN = 0.10
 """A probe whose trials spread more than this (relative to their median) is flagged."""
@@ -33,8 +35,13 @@ def repeat(fn: Callable[[], Any], trials: int, sync: Callable[[], None] = lambda
         fn()
         sync()
         times.append(clock() - t0)
+    return statistics.median(times), relative_spread(times)
+
+
+def relative_spread(times: Sequence[float]) -> float:
+    """(max - min) / median of `times`: how far to trust their median (0 when it is 0)."""
     mid = statistics.median(times)
-    return mid, (max(times) - min(times)) / mid if mid > 0 else 0.0
+    return (max(times) - min(times)) / mid if mid > 0 else 0.0
 
 
 def load_average() -> float | None:
@@ -43,10 +50,6 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def busy_flags(spreads: Mapping[str, float], load: float | None = None,

@@ -105,7 +105,7 @@ class OffloadEngine(TorchContract):
                                          state_fn=self.state_dict, load_fn=self.load_state_dict,
                                          add_group_fn=self._add_param_group,
                                          defaults=defaults_from(optimizer))
-        check_rollback_mode(self.config.rollback, self.config.speculation, self._hypers())
+        hypers = self._hypers()  # checks the rollback mode against the groups at once
         self.scaler = LossScaler.for_model(config, self.model_dtype)
         self.adaptive = AdaptiveSTV(mode=config.speculation, window=config.adaptive_window,
                                     threshold=config.adaptive_threshold)
@@ -117,7 +117,7 @@ class OffloadEngine(TorchContract):
         self.transport.start(TransportContext(
             state=self.state, backend=self.backend, recorder=self.telemetry, inline=inline,
             on_error=self.failures.record, watchdog_s=view.watchdog_s,
-            fingerprint=guard.fingerprint(self.state, self.config, self._hypers())))
+            fingerprint=guard.fingerprint(self.state, self.config, hypers)))
         self.scheduler = IterationScheduler(
             state=self.state, transport=self.transport, backend=self.backend,
             recorder=self.telemetry, worker=self.worker, config=view.config,
@@ -142,10 +142,6 @@ class OffloadEngine(TorchContract):
         self._finalizer = weakref.finalize(self, release, self.lanes, self.hooks)
 
     # ------------------------------------------------------------------ views
-    def _streamed(self) -> frozenset[int]:
-        flow = self.weights.flow
-        return flow.streamed_indices if flow is not None else frozenset()
-
     @property
     def lanes(self) -> tuple[Lane, ...]:
         return (*self.transport.lanes, self.worker, self.fetch_lane)

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from superoffload.runtime.fetch import WeightFlowError
-from superoffload.runtime.hook_base import PicklableHook
-from superoffload.runtime.hook_base import eager as _eager
+from superoffload.runtime.hook_base import PicklableHook, eager
 
 
 class _FlowHook(PicklableHook):
@@ -24,7 +23,7 @@ class _FlowHook(PicklableHook):
 
 
 class _Pre(_FlowHook):
-    @_eager
+    @eager
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         flow = self.ref()
         if flow is not None and module is self.owner():
@@ -32,7 +31,7 @@ class _Pre(_FlowHook):
 
 
 class _Post(_FlowHook):
-    @_eager
+    @eager
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         flow = self.ref()
         if flow is not None and module is self.owner():
@@ -41,7 +40,7 @@ class _Post(_FlowHook):
 
 
 class _Grad(_FlowHook):
-    @_eager
+    @eager
     def __call__(self, param: torch.Tensor) -> None:
         flow = self.ref()
         if flow is not None and param is self.owner():

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.hook_base import PicklableHook
-from superoffload.runtime.hook_base import eager as _eager
+from superoffload.runtime.hook_base import PicklableHook, eager
 from superoffload.runtime.scheduler import IterationScheduler
 from superoffload.telemetry.events import KIND_FORWARD, LANE_COMPUTE
 
@@ -91,7 +90,7 @@ class _Bound(PicklableHook):
     def __init__(self, timeline: _Timeline, start: bool) -> None:
         self.timeline, self.is_start = timeline, start
 
-    @_eager
+    @eager
     def __call__(self, module: torch.nn.Module, *args: Any) -> None:
         if self.is_start:
             self.timeline.on_start(module)
@@ -106,7 +105,7 @@ class _WaitWeights(PicklableHook):
                  indices: tuple[int, ...]) -> None:
         self.ref, self.owner, self.indices = ref, owner, indices
 
-    @_eager
+    @eager
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         sched = self.ref()
         if sched is not None and module is self.owner():
@@ -120,7 +119,7 @@ class _GradReady(PicklableHook):
                  index: int) -> None:
         self.ref, self.owner, self.index = ref, owner, index
 
-    @_eager
+    @eager
     def __call__(self, param: torch.Tensor) -> None:
         sched = self.ref()
         if sched is not None and param is self.owner():

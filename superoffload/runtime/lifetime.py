@@ -96,5 +96,4 @@ class WeakEngineView:
 
     def streamed(self) -> frozenset[int]:
         engine = self.ref()
-        flow = None if engine is None else engine.weights.flow
-        return flow.streamed_indices if flow is not None else frozenset()
+        return frozenset() if engine is None else engine.weights.streamed()

@@ -194,11 +194,11 @@ class IterationScheduler:
     def transform(self, indices: Iterable[int]) -> None:
         """The user's gradient transforms, in registration order, before the gradient leaves
         (on the thread that runs the hook: autograd's, during backward)."""
-        st = self.state
+        st, fns = self.state, list(self.transforms.values())
         with torch.no_grad():
             for i in sorted(indices):
                 p = st.params[i]
-                for fn in list(self.transforms.values()):
+                for fn in fns:
                     g = p.grad
                     assert g is not None
                     out = fn(st.names[i], g)

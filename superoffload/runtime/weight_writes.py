@@ -51,15 +51,11 @@ class WeightWrites:
         self._resident: Any = None
         """The resident-weights context a load/save of the model's state dict holds open."""
 
-    def streamed(self) -> frozenset[int]:
-        flow = self.weights.flow
-        return flow.streamed_indices if flow is not None else frozenset()
-
     def adopt_written(self, *, where: str = "") -> list[int]:
         """Adopt every trainable parameter written since the engine last wrote it; raise for a
         write that raced an in-flight publish. Returns the adopted indices."""
         self.contract.check_tainted()
-        streamed = self.streamed()
+        streamed = self.weights.streamed()
         written = self.contract.written(self.state.trainable, streamed)
         if not written:
             return []
@@ -108,7 +104,7 @@ class WeightWrites:
         refused racing write."""
         self.synchronize()
         with self.weights.resident():
-            streamed = self.streamed()
+            streamed = self.weights.streamed()
             live = [i for i in self.state.trainable
                     if i not in streamed or self.state.params[i].numel()]
             self.transport.adopt(live)
@@ -123,7 +119,7 @@ class WeightWrites:
         if self._resident is None:
             return
         try:  # full weights that outlive the resident blocks (their buffers are reused)
-            streamed = self.streamed()
+            streamed = self.weights.streamed()
             names = {prefix + self.state.names[i] for i in streamed}
             for key in list(state_dict):
                 if key in names and isinstance(state_dict[key], torch.Tensor):

@@ -32,8 +32,7 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
 from superoffload.plan.weights import WeightChoice
 from superoffload.runtime.backend import Backend
-from superoffload.runtime.hook_base import PicklableHook
-from superoffload.runtime.hook_base import eager as _eager
+from superoffload.runtime.hook_base import PicklableHook, eager
 from superoffload.runtime.hooks import in_backward
 from superoffload.runtime.policy import resolve_profile
 from superoffload.runtime.scheduler import IterationScheduler
@@ -103,6 +102,11 @@ class WeightPolicyController:
         # the model must not keep the engine alive (runtime/lifetime.py); picklable (hook_base)
         hook = _OnForward(weakref.ref(self), weakref.ref(self.engine.model))
         return [self.engine.model.register_forward_pre_hook(hook)]
+
+    def streamed(self) -> frozenset[int]:
+        """Parameter indices weight-flow streams now (empty under weight-stationary)."""
+        flow = self.flow
+        return flow.streamed_indices if flow is not None else frozenset()
 
     def request(self, changes: dict[str, Any]) -> None:
         """reconfigure(weights=..., prefetch_depth=...): applied at the next iteration start."""
@@ -253,7 +257,7 @@ class _OnForward(PicklableHook):
                  owner: weakref.ref[torch.nn.Module]) -> None:
         self.ref, self.owner = ref, owner
 
-    @_eager
+    @eager
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         controller = self.ref()
         if controller is not None and module is self.owner():

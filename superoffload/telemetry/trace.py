@@ -172,7 +172,9 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
     slices: dict[int, dict[str, Any]] = {}  # id(span) -> its X event (flows bind to it)
     for rank in ranks:
         mine = [s for s in spans if s.rank == rank]
-        events.extend(_iteration_slices(rank, mine))
+        # one pass of the metrics per rank: the iteration slices and the counters share it
+        per_iter = [(m, vocab.iteration_values(m)) for m in metrics.iteration_metrics(mine)]
+        events.extend(_iteration_slices(rank, per_iter))
         for lane_pos, lane in enumerate(LANES):
             tracks = assign_tracks([s for s in mine if s.lane == lane])
             for depth, track in enumerate(tracks):
@@ -184,7 +186,7 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
                     ev = _slice(s, tid)
                     slices[id(s)] = ev
                     events.append(ev)
-        events.extend(_counters(rank, mine))
+        events.extend(_counters(rank, per_iter))
     events.extend(_flows(spans, slices))
     for sc in scalars:
         name, value = vocab.engine_scalar(sc.name, sc.value)
@@ -240,10 +242,13 @@ def _slice(s: Span, tid: int) -> dict[str, Any]:
             "args": {"iteration": s.iteration, "bucket": s.bucket, "bytes": s.nbytes}}
 
 
-def _iteration_slices(rank: int, spans: Sequence[Span]) -> list[dict[str, Any]]:
+PerIteration = Sequence[tuple[metrics.IterationMetrics, dict[str, float]]]
+"""One rank's iterations with their vocabulary values (`vocabulary.iteration_values`)."""
+
+
+def _iteration_slices(rank: int, per_iter: PerIteration) -> list[dict[str, Any]]:
     out = []
-    for m in metrics.iteration_metrics(spans):
-        values = vocab.iteration_values(m)
+    for m, values in per_iter:
         out.append({"ph": "X", "name": f"iteration {m.iteration}", "cat": "iteration", "pid": rank,
                     "tid": ITERATION_TID, "ts": _us(m.start_s),
                     "dur": max(_us(m.start_s + m.wall_s) - _us(m.start_s), _MIN_DUR_US),
@@ -255,10 +260,9 @@ COUNTERS = ("d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct", "device_idl
 """Per-iteration counters of the trace (one track each, titled by the vocabulary)."""
 
 
-def _counters(rank: int, spans: Sequence[Span]) -> list[dict[str, Any]]:
+def _counters(rank: int, per_iter: PerIteration) -> list[dict[str, Any]]:
     out = []
-    for m in metrics.iteration_metrics(spans):
-        values = vocab.iteration_values(m)
+    for m, values in per_iter:
         for name in COUNTERS:
             if math.isfinite(values[name]):
                 out.append({"ph": "C", "name": vocab.METRICS[name].title, "pid": rank,

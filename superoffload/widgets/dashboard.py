@@ -36,7 +36,7 @@ from superoffload.widgets.panels import Expected, Workload, status_lines
 from superoffload.widgets.predict import ProfileChoice, resolve_profile, to_shape
 from superoffload.widgets.prediction import Predictor
 from superoffload.widgets.runstate import RunState
-from superoffload.widgets.series import DashboardState
+from superoffload.widgets.series import SCALARS, DashboardState
 from superoffload.widgets.sources import is_recorder, memory_bytes, resolve_source
 
 SNAPSHOT_EVERY_S = 5.0
@@ -80,7 +80,6 @@ class LiveDashboard:
         self._main = snap.Slot("dashboard")
         self._snapshot = snap.Slot("dashboard-snapshot")
         self._last_snapshot = 0.0
-        self._memory_at = -1
         self._seq = -1
         self._scalar_t: dict[str, float] = {}
         self._lock = threading.RLock()
@@ -131,7 +130,7 @@ class LiveDashboard:
         with self._lock:
             spans, self._seq = self.recorder.spans_since(self._seq)
             fresh_scalars = False
-            for name in ("loss", "ratio", "skipped"):
+            for name in SCALARS:
                 fresh = [s for s in self.recorder.scalars(name)
                          if s.time_s > self._scalar_t.get(name, -1.0)]
                 if fresh:
@@ -140,10 +139,10 @@ class LiveDashboard:
                     fresh_scalars = True
             self.state.add_notes([(n.iteration, n.text) for n in self.recorder.notes()])
             self.state.add_spans(spans, final=final)
-            if self.state.complete_through > self._memory_at:
+            sampled = self.state.host_mem_gb.last_iteration
+            if self.state.complete_through > (-1 if sampled is None else sampled):
                 host, device = memory_bytes(self.recorder)  # one sample per complete iteration
                 self.state.add_memory(self.state.complete_through, host, device)
-                self._memory_at = self.state.complete_through
             self.predictor.update(self.state)
             self._redraw()
             self.refreshes += 1

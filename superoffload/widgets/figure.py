@@ -190,19 +190,19 @@ def log_decades(arrays: list[np.ndarray], also: tuple[float | None, ...] = ()) -
     """A log axis' range in whole powers of ten around every finite positive value: a rate
     that barely changes stays a flat line with labelled ticks, instead of autoscaling its
     last digits into steps across an axis without a single label."""
-    values = [float(v) for a in arrays for v in np.asarray(a, dtype=float).ravel()
-              if np.isfinite(v) and v > 0]
-    values += [float(v) for v in also if v]
-    if not values:
+    data = np.concatenate([np.asarray(a, dtype=float).ravel() for a in arrays] or [np.empty(0)])
+    values = np.concatenate([data[np.isfinite(data) & (data > 0)],
+                             np.array([float(v) for v in also if v], dtype=float)])
+    if not len(values):
         return None
-    lo, hi = np.floor(np.log10(min(values))), np.ceil(np.log10(max(values)))
+    lo, hi = np.floor(np.log10(values.min())), np.ceil(np.log10(values.max()))
     return [float(lo), float(max(hi, lo + 1))]
 
 
-def _custom(a: dict[str, np.ndarray], key: str) -> np.ndarray:
-    """Per bin: first and last iteration, minimum, maximum (the hover template's fields)."""
-    return np.column_stack([a["first"], a["last"], a[f"{key}_min"], a[f"{key}_max"]]) \
-        if len(a["first"]) else np.empty((0, 4))
+def _custom(a: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per bin: first and last iteration (`a`'s), minimum, maximum (the hover template's
+    fields, `traces.make_trace`)."""
+    return np.column_stack([a["first"], a["last"], lo, hi]) if len(a["first"]) else np.empty((0, 4))
 
 
 def _band(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> dict[str, np.ndarray]:
@@ -228,13 +228,11 @@ def _trace_updates(view: TimelineView, state: DashboardState, a: dict[str, np.nd
     it = a["iteration"]
     for key in ("iteration_ms", "engine_ms", "d2h_gbps_busy", "h2d_gbps_busy",
                 "cpu_step_hidden_pct", "device_idle_pct"):
-        up[key] = {"x": it, "y": a[key], "customdata": _custom(a, key)}
+        up[key] = {"x": it, "y": a[key], "customdata": _custom(a, a[f"{key}_min"], a[f"{key}_max"])}
         if f"{key}:band" in TRACE:
             up[f"{key}:band"] = _band(it, a[f"{key}_min"], a[f"{key}_max"])
     pred = a["predicted_ms"]
-    up["predicted_ms"] = {"x": it, "y": pred,
-                          "customdata": np.column_stack([a["first"], a["last"], pred, pred])
-                          if len(it) else np.empty((0, 4))}
+    up["predicted_ms"] = {"x": it, "y": pred, "customdata": _custom(a, pred, pred)}
     strip = (top or 1.0)
     skipped = np.array([sum(1 for s in state.skipped if f <= s <= la)
                         for f, la in zip(a["first"], a["last"])], dtype=float)
@@ -252,20 +250,17 @@ def _trace_updates(view: TimelineView, state: DashboardState, a: dict[str, np.nd
         up[f"{d}_peak"] = ({"x": np.array([it[0], it[-1]], dtype=float), "y": np.array([peak, peak])}
                            if len(it) and peak else {"x": np.array([]), "y": np.array([])})
     loss = state.loss_series()
-    up["loss"] = {"x": loss["x"], "y": loss["mean"], "customdata": _binned_custom(loss)}
+    up["loss"] = {"x": loss["x"], "y": loss["mean"], "customdata": _custom(loss, loss["min"], loss["max"])}
     up["loss:band"] = _band(loss["x"], loss["min"], loss["max"])
     host, device = state.memory_series()
-    up["host_mem_gb"] = {"x": host["x"], "y": host["mean"], "customdata": _binned_custom(host)}
+    up["host_mem_gb"] = {"x": host["x"], "y": host["mean"],
+                         "customdata": _custom(host, host["min"], host["max"])}
     has_device = state.has_device_memory()
     up["device_mem_gb"] = {"x": device["x"] if has_device else np.array([]),
                            "y": device["mean"] if has_device else np.array([]),
-                           "customdata": _binned_custom(device) if has_device else np.empty((0, 4))}
+                           "customdata": _custom(device, device["min"], device["max"]) if has_device
+                           else np.empty((0, 4))}
     return up
-
-
-def _binned_custom(a: dict[str, np.ndarray]) -> np.ndarray:
-    return np.column_stack([a["first"], a["last"], a["min"], a["max"]]) if len(a["x"]) \
-        else np.empty((0, 4))
 
 
 def reconfigure_shapes(state: DashboardState, view: TimelineView, panels: list[str]) -> list[dict[str, Any]]:
@@ -300,18 +295,12 @@ def reconfigure_shapes(state: DashboardState, view: TimelineView, panels: list[s
 
 
 def _same(trace: Any, props: dict[str, Any]) -> bool:
-    """True when the trace already shows these x/y arrays (NaN-aware)."""
-    for prop in ("x", "y"):
+    """True when the trace already shows these x/y (and customdata) arrays (NaN-aware)."""
+    for prop in ("x", "y", "customdata"):
+        if prop not in props:
+            continue
         old = getattr(trace, prop)
-        new = np.asarray(props[prop], dtype=float)
-        if old is None or len(old) != len(new):
-            return False
-        if not np.array_equal(np.asarray(old, dtype=float), new, equal_nan=True):
-            return False
-    if "customdata" in props:
-        old = getattr(trace, "customdata", None)
-        new = np.asarray(props["customdata"], dtype=float)
-        if old is None or np.asarray(old, dtype=float).shape != new.shape or not np.array_equal(
-                np.asarray(old, dtype=float), new, equal_nan=True):
+        if old is None or not np.array_equal(np.asarray(old, dtype=float),
+                                             np.asarray(props[prop], dtype=float), equal_nan=True):
             return False
     return "text" not in props or list(getattr(trace, "text", None) or ()) == list(props["text"])

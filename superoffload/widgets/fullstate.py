@@ -13,9 +13,11 @@ which saw them, covers more of the run and is used instead.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from superoffload.widgets.series import DashboardState
+from superoffload.telemetry.events import Span
+from superoffload.widgets.series import SCALARS, DashboardState
 
 STATIC_POINTS = 1000
 """Bins per line in a figure that stays (the end-of-run snapshot kept in the notebook)."""
@@ -23,14 +25,25 @@ PAGE_POINTS = 2000
 """Bins per line in an exported page (`to_html`, the report)."""
 
 
+def state_from(spans: Iterable[Span], scalars: Mapping[str, Iterable[tuple[int, float]]],
+               notes: Sequence[tuple[int, str]], *, window_iterations: int,
+               max_points: int) -> DashboardState:
+    """A final `DashboardState` of a whole run: every span, the notes and the scalars the
+    dashboard draws ({name: [(iteration, value), ...]}, `series.SCALARS`)."""
+    state = DashboardState(window_iterations=window_iterations, max_points=max_points)
+    for name in SCALARS:
+        state.add_scalars(name, scalars.get(name, ()))
+    state.add_notes(notes)
+    state.add_spans(spans, final=True)
+    return state
+
+
 def state_from_recorder(recorder: Any, *, window_iterations: int, max_points: int = STATIC_POINTS,
                         live: DashboardState | None = None) -> DashboardState:
     """A final `DashboardState` of everything `recorder` holds (see the module docstring)."""
-    state = DashboardState(window_iterations=window_iterations, max_points=max_points)
-    for name in ("loss", "ratio", "skipped"):
-        state.add_scalars(name, ((s.iteration, s.value) for s in recorder.scalars(name)))
-    state.add_notes([(n.iteration, n.text) for n in recorder.notes()])
-    state.add_spans(recorder.spans(), final=True)
+    scalars = {name: [(s.iteration, s.value) for s in recorder.scalars(name)] for name in SCALARS}
+    state = state_from(recorder.spans(), scalars, [(n.iteration, n.text) for n in recorder.notes()],
+                       window_iterations=window_iterations, max_points=max_points)
     if live is None:
         return state
     ours, theirs = state.coverage(), live.coverage()

@@ -41,16 +41,17 @@ from superoffload.telemetry.metrics import (
 from superoffload.telemetry.ranks import by_rank, lane_label, summarize_by_rank
 from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets import layout as L
+from superoffload.widgets.figure import FONT, PLOT_CONFIG, build_figure, write_state
+from superoffload.widgets.fullstate import PAGE_POINTS, state_from
+from superoffload.widgets.series import SCALARS
 
 ScalarSeries = Sequence[tuple[int, float]]
 PLOTLY_JS = "plotly.min.js"
-REPORT_POINTS = 2000
-"""Bins per line of the report's figure (each keeps its min and max)."""
 _STYLE_LAYOUT: dict[str, Any] = {
     "autosize": True, "margin": {"l": 64, "r": 16, "t": 48, "b": 40}, "plot_bgcolor": "#FAFAFA",
-    "font": {"family": "Arial, Helvetica, sans-serif", "size": 12}}
+    "font": FONT}
 """The dashboard's look for the report's other charts (figure.py: FONT, plot_bgcolor)."""
-DRAWN = ("loss", "ratio", "skipped", "iteration_s")
+DRAWN = (*SCALARS, "iteration_s")
 """Recorded series the dashboard's figure already draws (no second chart)."""
 SUMMARY = ("iteration_ms", "engine_ms", "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_wall",
            "h2d_gbps_wall", "cpu_step_hidden_pct", "device_idle_pct", "exposed_optimizer_ms")
@@ -197,9 +198,9 @@ def _tables_last(summary: Summary | None, extra: Mapping[str, Any],
                  "device_idle_pct", "rollbacks"]
         head = "<th>rank</th>" + "".join(f"<th>{html.escape(vocab.METRICS[n].title)}</th>"
                                          for n in names)
-        rows = "".join(f"<tr><td>{r}</td>" + "".join(
-            f"<td>{_fmt(vocab.summary_values(sm)[n])}</td>" for n in names) + "</tr>"
-            for r, sm in ranks.items())
+        per_rank = {r: vocab.summary_values(sm) for r, sm in ranks.items()}
+        rows = "".join(f"<tr><td>{r}</td>" + "".join(f"<td>{_fmt(values[n])}</td>" for n in names)
+                       + "</tr>" for r, values in per_rank.items())
         parts.append(f"<h2>Per-rank medians</h2><p>Each rank's own iterations (the charts and "
                      f"the summary are rank {min(ranks)}'s).</p><table><tr>{head}</tr>{rows}</table>")
     return "".join(parts)
@@ -223,21 +224,14 @@ def _iteration_tables(per_iter: list[IterationMetrics],
 
 def _charts(spans: list[Span], series: Mapping[str, list[tuple[int, float]]],
             notes: list[tuple[int, str]], title: str, timeline_iterations: int) -> str:
-    from superoffload.widgets.figure import PLOT_CONFIG, build_figure, write_state
-    from superoffload.widgets.series import DashboardState
-
-    state = DashboardState(window_iterations=timeline_iterations, max_points=REPORT_POINTS)
-    for name in ("loss", "ratio", "skipped"):
-        state.add_scalars(name, series.get(name, []))
-    state.add_notes(notes)
-    state.add_spans(spans, final=True)
+    state = state_from(spans, series, notes, window_iterations=timeline_iterations,
+                       max_points=PAGE_POINTS)
     dashboard = build_figure(title=f"{title} · the dashboard's view of the whole run")
     write_state(dashboard, state, dashboard.layout.title.text)
     figures = [dashboard, _bandwidth(spans)]
     figures += [_series_chart(name, values) for name, values in series.items()
                 if name not in DRAWN and len({v for _, v in values}) > 1]
-    config = {**PLOT_CONFIG, "responsive": True}
-    return "".join(f"<div class='so-report-chart'>{f.to_html(full_html=False, include_plotlyjs=False, config=config, default_width='100%')}</div>"
+    return "".join(f"<div class='so-report-chart'>{f.to_html(full_html=False, include_plotlyjs=False, config=PLOT_CONFIG, default_width='100%')}</div>"
                    for f in figures if f is not None)
 
 
@@ -264,9 +258,8 @@ def _bandwidth(spans: list[Span]) -> Any:
 def _series_chart(name: str, values: list[tuple[int, float]]) -> Any:
     import plotly.graph_objects as go
 
-    to, _ = vocab.engine_scalar(name, 0.0)
+    to, factor = vocab.ENGINE_SCALARS.get(name, (name, 1.0))
     metric = vocab.METRICS.get(to)
-    factor = vocab.ENGINE_SCALARS.get(name, (name, 1.0))[1]
     label = metric.title if metric is not None else name
     fig = go.Figure(go.Scatter(name=label, x=[i for i, _ in values], y=[v * factor for _, v in values],
                                mode="lines", line={"color": "#1B1B1B"}))
@@ -275,4 +268,4 @@ def _series_chart(name: str, values: list[tuple[int, float]]) -> Any:
     return fig
 
 
-__all__ = ["PLOTLY_JS", "REPORT_POINTS", "write_html_report"]
+__all__ = ["PLOTLY_JS", "write_html_report"]

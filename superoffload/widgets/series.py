@@ -44,6 +44,8 @@ AB_PREFIX = "A/B"
 AB_STARTED = "A/B started"
 SKIPPED_MARK = "step skipped"
 """The engine's note for a step skipped on a non-finite gradient (runtime/iteration.py)."""
+SCALARS = ("loss", "ratio", "skipped")
+"""The engine scalars `DashboardState.add_scalars` keeps (what a view feeds it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,11 +241,10 @@ class DashboardState:
             for name in vocab.PER_ITERATION:
                 out[name] = out[f"{name}_min"] = out[f"{name}_max"] = empty
             return out
-        history = self.history_by_rank[rank]
-        grid = history["iteration_ms"].arrays()
+        arrays = {name: series.arrays() for name, series in self.history_by_rank[rank].items()}
+        grid = arrays["iteration_ms"]  # every metric has the same bins (add_point)
         out = {"iteration": grid["x"], "first": grid["first"], "last": grid["last"], "n": grid["n"]}
-        for name, series in history.items():
-            a = series.arrays()
+        for name, a in arrays.items():
             out[name], out[f"{name}_min"], out[f"{name}_max"] = a["mean"], a["min"], a["max"]
         return out
 

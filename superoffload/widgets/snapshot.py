@@ -64,8 +64,8 @@ def figure_bundle(fig: Any, lines: Sequence[str], config: dict[str, Any] | None 
     return {PLOTLY_MIME: data, "text/html": html_lines(lines), "text/plain": "\n".join(lines)}
 
 
-def text_bundle(lines: Sequence[str]) -> dict[str, Any]:
-    return {"text/html": html_lines(lines), "text/plain": "\n".join(lines)}
+def text_bundle(lines: Sequence[str], *, css_class: str = "so-snapshot") -> dict[str, Any]:
+    return {"text/html": html_lines(lines, css_class=css_class), "text/plain": "\n".join(lines)}
 
 
 def widget_bundle(widget: Any, lines: Sequence[str]) -> dict[str, Any]:
@@ -181,14 +181,9 @@ class LiveOutput:
         self.slot.show(widget_bundle(self.widget, self.lines()))
         register(self)
 
-    @property
-    def frozen(self) -> bool:
-        return self.slot.frozen
-
     def freeze(self) -> None:
         """Replace the widget with its static snapshot (no-op before `show`)."""
         unregister(self)
         if self.slot.shown:
             lines = [*self.lines(), *([EXIT_NOTE] if exiting else [])]
-            self.slot.update({"text/html": html_lines(lines, css_class=self.css_class),
-                              "text/plain": "\n".join(lines)})
+            self.slot.update(text_bundle(lines, css_class=self.css_class))

@@ -224,21 +224,21 @@ class OffloadTuner:
         self.executor.close()
 
     # ----------------------------------------------------------------- predicting
-    def _predict(self, config: OffloadConfig | None) -> tuple[Prediction | None, str, Any]:
-        """The planner's answer for `config` (any thread): prediction, its line, a simulation."""
+    def _predict(self, config: OffloadConfig | None) -> tuple[Prediction | None, str, Any, Any]:
+        """The planner's answer for `config` (any thread): prediction, its line, a simulation
+        and (change rows, ratio curve), which only `_show` stores."""
         if config is None:
-            return None, self.prediction_line, None
+            return None, self.prediction_line, None, None
         pred = predict(self.shape, self.profile, config, baseline_s=self.baseline_s)
         in_force = self.engine.config if self.engine is not None else self.base_config
-        self.changes = compare.change_rows(self.shape, self.profile, in_force, config,
-                                           TUNED_FIELDS)
-        self.curve = compare.ratio_curve(self.shape, self.profile, config)
+        compared = (compare.change_rows(self.shape, self.profile, in_force, config, TUNED_FIELDS),
+                    compare.ratio_curve(self.shape, self.profile, config))
         sim = None
         if self.preview is not None:
             from superoffload import plan
 
             sim = plan.simulate(self.shape, self.profile, schedule="superoffload", config=config)
-        return pred, prediction_text(pred), sim
+        return pred, prediction_text(pred), sim, compared
 
     def _on_control(self, change: dict[str, Any]) -> None:
         owner = change["owner"]
@@ -268,9 +268,9 @@ class OffloadTuner:
             return
         self._show(*future.result())
 
-    def _show(self, pred: Prediction | None, line: str, sim: Any) -> None:
-        if pred is not None:
-            self.prediction = pred
+    def _show(self, pred: Prediction | None, line: str, sim: Any, compared: Any = None) -> None:
+        if pred is not None:  # kept here, not in the worker: a superseded answer never lands
+            self.prediction, (self.changes, self.curve) = pred, compared
         self.prediction_line = line
         if sim is not None and self.preview is not None:
             self.preview.show_simulation(sim, profile=self.profile)

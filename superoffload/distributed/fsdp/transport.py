@@ -40,24 +40,22 @@ from typing import cast as typed
 import torch
 import torch.distributed as dist
 
-from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.zero.comm import agree_fingerprint, all_reduce_validation
 from superoffload.kernels.optimizer_batches import is_dtensor, local_shard, state_like
 from superoffload.plan.buckets import Bucket, BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
-from superoffload.runtime.guard import RanksDisagree, first_difference
-from superoffload.runtime.state import BucketBuffers, ParamState, build_buffers
-from superoffload.runtime.transfers import D2HTask, H2DTask, transfer_hint, wait_for
+from superoffload.runtime.local_transport import LocalTransport
+from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
+from superoffload.runtime.transfers import D2HTask, wait_for
 from superoffload.runtime.transport import (
+    NO_CHECKS,
     Checks,
     GlobalStats,
-    LaneOwner,
     Published,
     TransportContext,
-    validation_result,
-    validation_vector,
 )
-from superoffload.runtime.worker import Lane, Priority, make_lane
+from superoffload.runtime.worker import Priority
 
 
 def fsdp_units(model: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
@@ -74,8 +72,14 @@ def fsdp_units(model: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Paramete
     return out
 
 
-class FsdpTransport(LaneOwner):
-    """The engine's buckets over an FSDP2-sharded model (see the module docstring)."""
+class FsdpTransport(LocalTransport):
+    """The engine's buckets over an FSDP2-sharded model (see the module docstring).
+
+    The single-process transport over this rank's local shards: its lanes, D2H and H2D tasks
+    and bucket lookup are ``LocalTransport``'s; its buffers' ``params`` are the local shards
+    (views into FSDP2's shard storage). What differs: the gradients are read from the
+    DTensor parameters, validation is all-reduced, and FSDP2's all-gathers wait for the
+    publishes."""
 
     name = "fsdp"
     ordered_launch = False
@@ -87,16 +91,12 @@ class FsdpTransport(LaneOwner):
         if not dist.is_initialized():
             raise RuntimeError("FsdpTransport: initialise torch.distributed first "
                                "(superoffload.distributed.init_distributed under torchrun)")
+        super().__init__()
         self.group = group if group is not None else dist.group.WORLD
+        self.ranks: list[int] = dist.get_process_group_ranks(self.group)
         self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size(self.group)
+        self.world_size = len(self.ranks)
         self.local_ranks = self.world_size  # the prototype runs on one host
-        self._ctx: TransportContext | None = None
-        self._lanes: tuple[Lane, ...] = ()
-        self.buffers: list[BucketBuffers] = []
-        self._local: dict[int, torch.Tensor] = {}
-        """Parameter index -> its local shard (a view into FSDP2's shard storage)."""
-        self._pos: dict[int, int] = {}
         self._published: dict[int, Future[Any]] = {}
         self._hooks: list[Any] = []
 
@@ -111,8 +111,7 @@ class FsdpTransport(LaneOwner):
             raise ValueError(f"FsdpTransport: parameters {plain[:3]} are not FSDP2 shards; "
                              "call fully_shard on the model (and its blocks) before building "
                              "the engine")
-        self._lanes = tuple(make_lane(n, inline=ctx.inline, on_error=ctx.on_error)
-                            for n in ("d2h", "h2d"))
+        super().start(ctx)  # the d2h and h2d lanes
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
               flow: bool, snapshot: bool,
@@ -127,7 +126,7 @@ class FsdpTransport(LaneOwner):
                              "use OffloadConfig(ratio=1.0)")
         if snapshot:
             raise ValueError("FsdpTransport (prototype): use OffloadConfig(rollback='inverse')")
-        self.buffers, self._pos, self._local = [], {}, {}
+        self.buffers, self._pos = [], {}
         for bucket in plan.buckets:
             params = [st.params[i] for i in bucket.param_indices]
             local = [typed(torch.nn.Parameter, local_shard(p)) for p in params]
@@ -140,7 +139,6 @@ class FsdpTransport(LaneOwner):
                 alloc_device=be.alloc_device, grad_host_dtype=cast.grad_host_dtype,
                 lp_host=cast.low_precision and cast.param_on_host, moment_dtype=moments))
             self._pos.update((i, k) for k, i in enumerate(bucket.param_indices))
-            self._local.update(zip(bucket.param_indices, local))
         with torch.no_grad():  # a load: the shards take the masters' values
             for buf in self.buffers:
                 for shard_t, master in zip(buf.params, buf.master):
@@ -148,12 +146,15 @@ class FsdpTransport(LaneOwner):
         self._install_wait_hooks()
         return self.buffers
 
-    def _install_wait_hooks(self) -> None:
-        """Before FSDP2 all-gathers a unit, its buckets' last publish must have landed."""
+    def _remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
-        st = self.ctx.state
         self._hooks = []
+
+    def _install_wait_hooks(self) -> None:
+        """Before FSDP2 all-gathers a unit, its buckets' last publish must have landed."""
+        self._remove_hooks()
+        st = self.ctx.state
         for unit, params in fsdp_units(st.model):
             buckets = tuple(sorted({st.bucket_of[st.index[id(p)]] for p in params
                                     if id(p) in st.index and st.index[id(p)] in st.bucket_of}))
@@ -172,84 +173,57 @@ class FsdpTransport(LaneOwner):
     # ------------------------------------------------------------------ per iteration
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
                streamed: frozenset[int]) -> Future[Any] | None:
+        """``LocalTransport.launch`` with the gradients' local shards: FSDP2 writes each
+        DTensor parameter's ``.grad``, not its local shard's."""
         if not present:
             return None
-        buf, st, ctx = self.buffers[b], self.ctx.state, self.ctx
-        pos = [self._pos[i] for i in present]
-        grads = tuple(local_shard(st.params[i].grad) for i in present)  # type: ignore[arg-type]
+        buf, ctx = self.buffers[b], self.ctx
+        params = ctx.state.params
         return self._lanes[0].submit(D2HTask(
-            bucket=b, iteration=iteration, grads=grads,
-            grad_host=tuple(buf.grad_host[k] for k in pos),
+            bucket=b, iteration=iteration,
+            grads=tuple(local_shard(params[i].grad) for i in present),  # type: ignore[arg-type]
+            grad_host=tuple(buf.grad_host[self._pos[i]] for i in present),
             ready=ctx.backend.ready_token(), backend=ctx.backend, recorder=ctx.recorder))
 
-    def tail_stats(self, buckets: Sequence[int]) -> GradStats:
-        return GradStats(0.0, 0)  # no tail buckets (refused at build)
-
-    def tail_grads(self, b: int) -> list[torch.Tensor]:
-        raise RuntimeError("FsdpTransport has no GPU tail buckets")
-
-    def discard(self, buckets: Sequence[int]) -> None:
-        return None
-
     def reduce_stats(self, local: GradStats, present: frozenset[int],
-                     checks: Checks = Checks()) -> GlobalStats:  # noqa: B008 (frozen, immutable)
-        """One all-reduce: [sum of squares, non-finite count, the guard's checks (edited,
-        then h1, h1^2, h2, h2^2 of the hyper-parameter hash), 1 per parameter with a
-        gradient] — the layout ZeroTransport uses (runtime/guard.py)."""
-        trainable = self.ctx.state.trainable
-        totals = torch.tensor(validation_vector(local, present, checks, trainable),
-                              dtype=torch.float64)
-        with collective_guard("all_reduce (validation, FSDP2 transport)", self.group):
-            dist.all_reduce(totals, group=self.group)
-        return validation_result(totals.tolist(), trainable, self.world_size)
+                     checks: Checks = NO_CHECKS) -> GlobalStats:
+        """One all-reduce of ZeroTransport's validation vector (runtime/transport.py: the
+        shards are disjoint, so the sum of squares is exact)."""
+        return all_reduce_validation(local, present, checks, self.ctx.state.trainable,
+                                     self.group, self.world_size, torch.device("cpu"),
+                                     "all_reduce (validation, FSDP2 transport)")
 
     def agree(self, fingerprint: Mapping[str, Any]) -> None:
         """Every rank built the same model, configuration and param groups (or all raise)."""
-        ranks = list(range(self.world_size))
-        prints: list[Any] = [None] * self.world_size
-        with collective_guard("all_gather_object (rank agreement)", self.group):
-            dist.all_gather_object(prints, dict(fingerprint), group=self.group)
-        diff = first_difference(prints, ranks)
-        if diff is not None:
-            raise RanksDisagree(f"FSDP2 ranks disagree: {diff}; run the same configuration on "
-                                "every rank")
+        agree_fingerprint(fingerprint, self.group, self.ranks)
 
     def adopt(self, indices: Sequence[int]) -> None:
         """Parameters written outside the engine: their local shards become the masters."""
-        with torch.no_grad():
-            for i in indices:
-                buf, k = self.buffers[self.ctx.state.bucket_of[i]], self._pos[i]
-                buf.master[k].copy_(self._local[i])
-                if buf.lp_host is not None:
-                    buf.lp_host[k].copy_(self._local[i])
+        for i in indices:
+            buf, k = self._where(i)
+            adopt_value(buf.master[k], buf.params[k],
+                        None if buf.lp_host is None else buf.lp_host[k])
 
-    def restore(self, indices: Sequence[int]) -> None:
+    def restore(self, indices: Sequence[int]) -> list[int]:
         """Write the engine's weights back over the local shards ``indices``."""
         with torch.no_grad():
             for i in indices:
-                buf, k = self.buffers[self.ctx.state.bucket_of[i]], self._pos[i]
+                buf, k = self._where(i)
                 src = buf.lp_host if buf.lp_host is not None else buf.master
-                self._local[i].copy_(src[k])
+                buf.params[k].copy_(src[k])
         self.ctx.backend.synchronize()
+        return []
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
                 iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
-        buf, ctx = self.buffers[b], self.ctx
-        src = buf.lp_host if buf.lp_host is not None else buf.master
-        fut = self._lanes[1].submit(H2DTask(
-            bucket=b, iteration=iteration, src_host=tuple(src[k] for k in positions),
-            dst_device=tuple(buf.params[k] for k in positions), after=after,
-            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()),
-            after=(after,), priority=priority)
-        self._published[b] = fut
-        return Published(fut, after)
-
-    def home(self, index: int) -> torch.Tensor:
-        raise RuntimeError("FsdpTransport (prototype) has no weight-flow homes")
+        published = super().publish(b, positions, after, iteration, streamed, priority)
+        if published.device is not None:  # what the unit's all-gather waits for
+            self._published[b] = published.device
+        return published
 
     def stall_hint(self) -> str:
-        return (f"{transfer_hint(self._lanes)}; FSDP2's own collectives run in backward and "
-                "in its forward pre-hooks")
+        return (f"{super().stall_hint()}; FSDP2's own collectives run in backward and in its "
+                "forward pre-hooks")
 
     def export_states(self) -> dict[int, ParamState]:
         """Full (gathered) state of every trainable parameter. Collective."""
@@ -271,12 +245,8 @@ class FsdpTransport(LaneOwner):
         return out
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        for lane in self._lanes:
-            lane.close()
-        self.buffers = []
+        self._remove_hooks()
+        super().close()
 
 
 def _local_state(state: ParamState, p: torch.Tensor) -> ParamState:

@@ -24,6 +24,7 @@ submissions). Gloo and NCCL both allow different threads to drive different grou
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,14 @@ import torch.distributed as dist
 
 from superoffload.distributed.launch import collective_guard
 from superoffload.runtime.backend import Backend, GradStats, PendingStats
+from superoffload.runtime.guard import RanksDisagree, first_difference
 from superoffload.runtime.transfers import wait_for
+from superoffload.runtime.transport import (
+    Checks,
+    GlobalStats,
+    validation_result,
+    validation_vector,
+)
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
 
@@ -74,6 +82,33 @@ def issue_reduce(flat: torch.Tensor, shard: torch.Tensor, group: Any, mode: str)
     if shard.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
         raise ValueError("issue_reduce(mode='all_reduce'): shard must be a view of flat")
     return dist.all_reduce(flat, group=group, async_op=True)
+
+
+def all_reduce_validation(local: GradStats, present: frozenset[int], checks: Checks,
+                          trainable: Sequence[int], group: Any, world_size: int,
+                          device: torch.device, label: str) -> GlobalStats:
+    """One all-reduce (SUM) of every rank's ``validation_vector`` (runtime/transport.py):
+    the global statistics of an iteration. Shared by ZeroTransport and the FSDP2 transport."""
+    totals = torch.tensor(validation_vector(local, present, checks, trainable),
+                          dtype=torch.float64, device=device)
+    with collective_guard(label, group):
+        dist.all_reduce(totals, group=group)
+    return validation_result(totals.cpu().tolist(), trainable, world_size)
+
+
+def agree_fingerprint(fingerprint: Mapping[str, Any], group: Any, ranks: list[int]) -> None:
+    """All ``ranks`` of ``group`` compare ``fingerprint`` (all_gather_object: sizes may
+    differ) and raise the same ``RanksDisagree`` naming the first field that differs."""
+    prints: list[Any] = [None] * len(ranks)
+    with collective_guard("all_gather_object (rank agreement)", group):
+        dist.all_gather_object(prints, dict(fingerprint), group=group)
+    diff = first_difference(prints, ranks)
+    if diff is not None:
+        raise RanksDisagree(
+            f"data-parallel ranks disagree: {diff}. Every rank must build the same model "
+            "(names, shapes, dtypes, requires_grad), the same OffloadConfig (placement and "
+            "thread fields may differ) and the same param groups; fix the launch script so "
+            "all ranks run the same configuration")
 
 
 @dataclass(frozen=True, slots=True)

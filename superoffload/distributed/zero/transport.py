@@ -48,6 +48,8 @@ from superoffload.distributed.zero.buffers import (
 from superoffload.distributed.zero.comm import (
     GatherTask,
     ReduceTask,
+    agree_fingerprint,
+    all_reduce_validation,
     issue_reduce,
     resolve_reduce_mode,
 )
@@ -62,7 +64,6 @@ from superoffload.distributed.zero.startup import (
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
-from superoffload.runtime.guard import RanksDisagree, first_difference
 from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
 from superoffload.runtime.transport import (
     NO_CHECKS,
@@ -71,10 +72,8 @@ from superoffload.runtime.transport import (
     LaneOwner,
     Published,
     TransportContext,
-    validation_result,
-    validation_vector,
 )
-from superoffload.runtime.worker import Lane, Priority, describe, make_lane
+from superoffload.runtime.worker import Priority, describe, make_lane
 
 
 def resolve_group(group: Any) -> Any:
@@ -119,15 +118,12 @@ class ZeroTransport(LaneOwner):
         self.reduce_mode = reduce_mode
         self.headroom, self.available_arg = host_headroom, host_available_bytes
         self.host_budget: HostBudget | None = None
-        self._ctx: TransportContext | None = None
-        self._lanes: tuple[Lane, ...] = ()
         self.shards: dict[int, ShardBucket] = {}
         self.tails: dict[int, BucketBuffers] = {}
         self.homes: dict[int, torch.Tensor] = {}
         self._tail_grads: dict[int, torch.Tensor] = {}
         self._tail_work: dict[int, Any] = {}
         self._gather_stream: Any = None
-        """Trainable parameter index -> its slot in the validation all-reduce."""
 
     # ------------------------------------------------------------------ set-up
     def start(self, ctx: TransportContext) -> None:
@@ -255,26 +251,12 @@ class ZeroTransport(LaneOwner):
 
     def reduce_stats(self, local: GradStats, present: frozenset[int],
                      checks: Checks = NO_CHECKS) -> GlobalStats:
-        trainable = self.ctx.state.trainable
-        totals = torch.tensor(validation_vector(local, present, checks, trainable),
-                              dtype=torch.float64, device=self.ctx.backend.device)
-        with collective_guard("all_reduce (validation)", self.grad_group):
-            dist.all_reduce(totals, group=self.grad_group)
-        return validation_result(totals.cpu().tolist(), trainable, self.world_size)
+        return all_reduce_validation(local, present, checks, self.ctx.state.trainable,
+                                     self.grad_group, self.world_size, self.ctx.backend.device,
+                                     "all_reduce (validation)")
 
     def agree(self, fingerprint: Mapping[str, Any]) -> None:
-        """All ranks compare ``fingerprint`` (all_gather_object: sizes may differ) and raise
-        the same ``RanksDisagree`` naming the first field that differs."""
-        prints: list[Any] = [None] * len(self.ranks)
-        with collective_guard("all_gather_object (rank agreement)", self.group):
-            dist.all_gather_object(prints, dict(fingerprint), group=self.group)
-        diff = first_difference(prints, self.ranks)
-        if diff is not None:
-            raise RanksDisagree(
-                f"data-parallel ranks disagree: {diff}. Every rank must build the same model "
-                "(names, shapes, dtypes, requires_grad), the same OffloadConfig (placement and "
-                "thread fields may differ) and the same param groups; fix the launch script so "
-                "all ranks run the same configuration")
+        agree_fingerprint(fingerprint, self.group, self.ranks)
 
     def adopt(self, indices: Sequence[int]) -> None:
         st = self.ctx.state
