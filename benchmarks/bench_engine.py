@@ -18,7 +18,9 @@ processes +-10% is noise, FACTS.md) on deep copies of one model with the same ba
 one after another, each engine closed before the next is built (bounds host and device memory
 for large models). Reported: medians of iteration time, the prediction and its error,
 tokens/s, ratios, the exposed optimizer time (engine telemetry; for plain the measured
-optimizer step, exposed by construction).
+optimizer step, exposed by construction), and the peak device memory beside the planner's
+device figure (``torch.cuda.max_memory_allocated`` with --sequential on CUDA, else
+``DeviceMeter``).
 
     python benchmarks/bench_engine.py                 # CPU: the "device" is the CPU too
     python benchmarks/bench_engine.py --device cuda --layers 24 --hidden 2048 --heads 16 \\
@@ -52,6 +54,7 @@ from superoffload.models.gpt import GPTConfig
 from superoffload.plan.calibrate import fit_compute
 from superoffload.plan.schedule import engine_for
 from superoffload.plan.techniques import PAPER_CLIP_RATE
+from superoffload.runtime.device_meter import DeviceMeter
 from superoffload.telemetry.metrics import summarize
 
 
@@ -63,6 +66,10 @@ class Result:
     exposed_s: list[float] = field(default_factory=list)
     extra: dict[str, list[float]] = field(default_factory=dict)
     """Per-round telemetry medians (engine schedules only)."""
+    peak_device_bytes: float | None = None
+    """Measured peak device memory: ``torch.cuda.max_memory_allocated`` with --sequential on
+    CUDA (the allocator sees one schedule at a time), else ``DeviceMeter`` (weights,
+    gradients until freed, saved activations, device optimizer state)."""
 
     @property
     def median_s(self) -> float:
@@ -91,8 +98,17 @@ class _Plain:
                                      weight_decay=0.1, fused=True)
         self.autocast = torch.autocast(device.type, dtype=low, enabled=low != torch.float32)
         self.res = Result("plain", None)
+        self.meter = DeviceMeter(self.model)
 
     def run(self, n: int) -> Result:
+        with self.meter.track():
+            self._run(n)
+        state = sum(t.numel() * t.element_size() for st in self.opt.state.values()
+                    for t in st.values() if isinstance(t, torch.Tensor))
+        self.res.peak_device_bytes = self.meter.peak_bytes + state  # AdamW's m, v on the device
+        return self.res
+
+    def _run(self, n: int) -> None:
         for k in range(n):
             x, y = self.batches[k % len(self.batches)]
             t0 = time.perf_counter()
@@ -107,7 +123,6 @@ class _Plain:
             t2 = time.perf_counter()
             self.res.iter_s.append(t2 - t0)
             self.res.exposed_s.append(t2 - t1)  # nothing overlaps the step: all of it exposed
-        return self.res
 
     def close(self) -> None:
         self.opt.state.clear()
@@ -120,8 +135,15 @@ class _Engine:
         self.engine = so.initialize(model, optimizer={"lr": lr, "betas": (0.9, 0.95),
                                                       "weight_decay": 0.1}, config=config)
         self.res = Result(name, config)
+        self.meter = DeviceMeter(model, engine=self.engine)
 
     def run(self, n: int) -> Result:
+        with self.meter.track():
+            self._run(n)
+        self.res.peak_device_bytes = self.meter.peak_bytes
+        return self.res
+
+    def _run(self, n: int) -> None:
         # iteration time = time between consecutive returns of step(): what a training loop
         # sees, with the CPU tail of one iteration allowed to overlap the next forward
         engine, res = self.engine, self.res
@@ -144,7 +166,6 @@ class _Engine:
         res.exposed_s.append(s.exposed_optimizer_s)
         for key in ("device_idle_frac", "cpu_overlap_frac"):
             res.extra.setdefault(key, []).append(getattr(s, key))
-        return res
 
     def close(self) -> None:
         self.engine.close()
@@ -259,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     live: dict[str, _Plain | _Engine] = {}
     try:
         # plain first: its time fits the planner's compute rate, which the tuner needs
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         plain = build("plain", None)
         live["plain"] = plain
         plain.run(args.warmup)
@@ -273,15 +296,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.sequential:
             for _ in range(args.rounds - 1):
                 plain.run(args.iters)
+            if cuda:  # copies of the base model and batches are resident too: the same in
+                plain.res.peak_device_bytes = torch.cuda.max_memory_allocated(device)  # each row
             results["plain"] = plain.res
             plain.close()
             del live["plain"]
             for name, cfg in variants[1:]:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
                 runner = live[name] = build(name, cfg)
                 runner.run(args.warmup)
                 runner.res.clear()
                 for _ in range(args.rounds):
                     runner.run(args.iters)
+                if cuda:  # the allocator's own figure: this schedule alone was on the device
+                    runner.res.peak_device_bytes = torch.cuda.max_memory_allocated(device)
                 results[name] = runner.res
                 runner.close()
                 del live[name]
@@ -339,10 +368,12 @@ def _rows(results: dict[str, Result], shape: plan.ModelShape,
     zero = results["zero"].median_s if "zero" in results else None
     rows = []
     for name, r in results.items():
-        predicted = None
+        predicted = predicted_bytes = None
         if prof is not None:
             schedule = "gpu" if r.config is None else "superoffload"
-            predicted = plan.simulate(shape, prof, schedule, r.config, tech).iteration_s
+            sim = plan.simulate(shape, prof, schedule, r.config, tech)
+            predicted, predicted_bytes = sim.iteration_s, sim.memory["device"]
+        peak = r.peak_device_bytes
         rows.append({
             "schedule": name, "ratio": None if r.config is None else r.config.ratio,
             "iter_ms": r.median_s * 1e3,
@@ -351,6 +382,10 @@ def _rows(results: dict[str, Result], shape: plan.ModelShape,
             "tokens_per_s": tokens / r.median_s, "vs_plain": plain / r.median_s,
             "vs_zero": None if zero is None else zero / r.median_s,
             "exposed_optimizer_ms": statistics.median(r.exposed_s) * 1e3,
+            "device_peak_mb": None if peak is None else peak / 1e6,
+            "device_predicted_mb": None if predicted_bytes is None else predicted_bytes / 1e6,
+            "device_error": None if peak is None or predicted_bytes is None
+            else predicted_bytes / peak - 1,
             **{k: statistics.median(v) for k, v in r.extra.items() if v},
         })
     return rows
@@ -363,16 +398,21 @@ def _print(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
           f"fitted to plain ({meta['achieved_tflops'] or 0:.4g} TFLOP/s), "
           f"{' / '.join(sorted(set(meta['engine'].values())))}")
     print(f"{'schedule':<10} {'iter ms':>9} {'pred ms':>9} {'error':>7} {'tokens/s':>10} "
-          f"{'vs plain':>9} {'vs zero':>8} {'exposed opt ms':>15} {'dev idle':>9} {'overlap':>8}")
+          f"{'vs plain':>9} {'vs zero':>8} {'exposed opt ms':>15} {'dev idle':>9} {'overlap':>8} "
+          f"{'dev MB':>9} {'pred MB':>9} {'error':>7}")
     for row in rows:
         pred = f"{row['predicted_ms']:9.1f}" if row["predicted_ms"] is not None else f"{'-':>9}"
         err = f"{row['error']:+7.1%}" if row["error"] is not None else f"{'-':>7}"
         vz = f"{row['vs_zero']:7.2f}x" if row["vs_zero"] is not None else f"{'-':>8}"
         idle = f"{row['device_idle_frac']:.0%}" if "device_idle_frac" in row else "-"
         ov = f"{row['cpu_overlap_frac']:.0%}" if "cpu_overlap_frac" in row else "-"
+        gb = f"{row['device_peak_mb']:9,.1f}" if row["device_peak_mb"] is not None else f"{'-':>9}"
+        pgb = (f"{row['device_predicted_mb']:9,.1f}" if row["device_predicted_mb"] is not None
+               else f"{'-':>9}")
+        gerr = f"{row['device_error']:+7.1%}" if row["device_error"] is not None else f"{'-':>7}"
         print(f"{row['schedule']:<10} {row['iter_ms']:>9.1f} {pred} {err} "
               f"{row['tokens_per_s']:>10,.0f} {row['vs_plain']:>8.2f}x {vz} "
-              f"{row['exposed_optimizer_ms']:>15.1f} {idle:>9} {ov:>8}")
+              f"{row['exposed_optimizer_ms']:>15.1f} {idle:>9} {ov:>8} {gb} {pgb} {gerr}")
 
 
 if __name__ == "__main__":

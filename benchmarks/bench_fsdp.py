@@ -4,6 +4,10 @@ AdamW(fused=True), and so.CPUAdam, interleaved round by round in one run.
 
     flock /tmp/so-bench.lock .venv/bin/python benchmarks/bench_fsdp.py             # 2 ranks
     .venv/bin/python benchmarks/bench_fsdp.py --preset small --rounds 5            # quick
+    .venv/bin/python benchmarks/bench_fsdp.py --engine --preset tiny              # the engine
+
+``--engine``: the offload engine over FSDP2 against plain FSDP2 + so.CPUAdam,
+benchmarks/bench_fsdp_engine.py.
 
 Without torchrun's variables the script starts itself under ``torch.distributed.run`` with
 ``--ranks`` processes (gloo on the CPU). Each rank builds the same GPT (superoffload.models),
@@ -44,6 +48,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--threads", type=int, default=1, help="torch and CPUAdam threads per rank")
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    p.add_argument("--engine", action="store_true",
+                   help="time the offload engine over FSDP2 against its peers instead")
+    p.add_argument("--block", type=int, default=3,
+                   help="--engine: iterations per arm and round (the overlap spans them)")
     return p.parse_args(argv)
 
 
@@ -151,9 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if "RANK" not in os.environ:
         return relaunch(args)
-    res = run(args)
+    if args.engine:
+        import torch.distributed as dist
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_fsdp_engine import engine_table, run_engines
+
+        from superoffload.distributed import init_distributed, shutdown
+
+        torch.set_num_threads(args.threads)
+        info = init_distributed(backend="gloo", timeout_s=600)
+        res = run_engines(args, info.rank, info.world_size)
+        dist.barrier()
+        shutdown()
+        render = engine_table
+    else:
+        res = run(args)
+        render = table
     if res["rank"] == 0:
-        print(table(res))
+        print(render(res))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)

@@ -5,10 +5,16 @@
  * Maths (DESIGN.md §4; PyTorch's AdamW/Adam docs, torch.optim.AdamW):
  *   g  = grad * grad_scale                       (+ wd * p first in L2 mode)
  *   m  = b1*m + (1-b1)*g
- *   v  = b2*v + (1-b2)*(g*g)
+ *   v  = b2*v + ((1-b2)*g)*g
  *   p  = p*(1 - lr*wd) - step_size * (m / (sqrt(v)/sqrt(bc2) + eps)),  step_size = lr/bc1
  * and the inverse for rollback, in fp32, one rounding per operation (no FMA), in exactly
- * the order torch_ref.py uses, so the two agree bit for bit.
+ * the order torch_ref.py uses, so the two agree bit for bit. A negative grad_scale steps
+ * with -grad (torch.optim.AdamW's maximize=True; the sign flip is exact).
+ *
+ * The second moment multiplies (1-b2)*g first and then by g, left to right as PyTorch's
+ * `exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)` and its fused CPU kernel
+ * do: g*g alone overflows fp32 for |g| > 1.8e19, where (1-b2)*g*g is still finite (a
+ * gradient of 2.2e19 at lr 1e3 gives 4.8e35, not inf; docs/kernel.md).
  */
 #ifndef SO_SUFFIX
 #error "define SO_SUFFIX before including so_adam_body.h"
@@ -45,7 +51,7 @@ SO_INLINE void SO_FN(so_adam_loop)(const so_coeffs *restrict c, const so_seg *re
         if (!rollback) {
             if (l2) g = g + wd * w;
             m = b1 * m + omb1 * g;
-            v = b2 * v + omb2 * (g * g);
+            v = b2 * v + (omb2 * g) * g; /* not omb2 * (g * g): see the header */
             float denom = __builtin_sqrtf(v) / bc2_sqrt + eps;
             w = w * decay;
             w = w - step_size * (m / denom);
@@ -56,7 +62,7 @@ SO_INLINE void SO_FN(so_adam_loop)(const so_coeffs *restrict c, const so_seg *re
             w = w / decay;
             if (l2) g = g + wd * w;
             m = (m - omb1 * g) / b1;
-            v = (v - omb2 * (g * g)) / b2;
+            v = (v - (omb2 * g) * g) / b2; /* the very product the step added */
             v = v > 0.0f ? v : 0.0f; /* fp32 cancellation can leave v slightly negative */
         }
         p[i] = w;

@@ -45,8 +45,9 @@ static int so_coeffs_make(const so_adam_hparams *h, int rollback, so_coeffs *c) 
     if (!(c->bc2_sqrt > 0.0f && c->decay > 0.0f && c->eps >= 0.0f)) return SO_ERR_HPARAM;
     if (!(h->beta1 >= 0.0 && h->beta1 < 1.0 && h->beta2 >= 0.0 && h->beta2 < 1.0))
         return SO_ERR_HPARAM;
-    if (!(h->lr >= 0.0 && h->weight_decay >= 0.0 && h->grad_scale >= 0.0)) return SO_ERR_HPARAM;
-    if (!(c->step_size < __builtin_inff() && c->grad_scale < __builtin_inff()))
+    /* a negative grad_scale steps with -grad (maximize); NaN and inf are refused */
+    if (!(h->lr >= 0.0 && h->weight_decay >= 0.0)) return SO_ERR_HPARAM;
+    if (!(c->step_size < __builtin_inff() && __builtin_fabsf(c->grad_scale) < __builtin_inff()))
         return SO_ERR_HPARAM;
     /* the inverse divides by b1, b2 and the decay factor */
     if (rollback && !(c->b1 > 0.0f && c->b2 > 0.0f)) return SO_ERR_HPARAM;

@@ -19,7 +19,7 @@
 
 /* CDEF-BEGIN */
 /* Bumped whenever a declaration below changes; the wrapper refuses a stale build. */
-#define SO_KERNEL_ABI_VERSION 6
+#define SO_KERNEL_ABI_VERSION 7
 
 /* element types */
 #define SO_DTYPE_NONE -1
@@ -63,7 +63,8 @@ typedef struct so_adam_hparams {
     double beta2;
     double eps;
     double weight_decay;
-    double grad_scale;       /* g = grad * grad_scale (unscale and clip fused in) */
+    double grad_scale;       /* g = grad * grad_scale (unscale and clip fused in; < 0:
+                                maximize, a step with -grad) */
     int64_t step;            /* t >= 1, the step being taken (or undone) */
     int adamw_mode;          /* 1: decoupled decay (AdamW); 0: L2 (g += wd * p first) */
     int bias_correction;     /* 1: divide by 1 - beta^t; 0: do not */

@@ -37,6 +37,7 @@ LossScale = Literal["dynamic", "none"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 StepOrder = Literal["deadline", "fifo"]
 StateDtype = Literal["fp32", "bf16"]
+GradAccumOn = Literal["auto", "device", "host"]
 Live = Literal["live", "replan", "forward"]
 """How ``engine.reconfigure`` applies a field: "live" (next iteration boundary), "replan"
 (the buckets are rebuilt first) or "forward" (where the next forward starts: weight policy)."""
@@ -126,6 +127,26 @@ class OffloadConfig:
     grad_accum_steps: int = _field(1, numerics=True)
     """Micro-steps per optimizer step; buckets are offloaded on the last micro-step only."""
 
+    grad_accum_on: GradAccumOn = _field("auto")
+    """Where the gradients of offloaded buckets accumulate over ``grad_accum_steps`` > 1:
+    "device" (they stay on the device until the last micro-step: the offloaded buckets' full
+    gradients are resident, one D2H per optimizer step), "host" (each micro-step's gradients
+    leave with their bucket and are summed into the host's fp32 gradient buffer, as
+    ZeRO-Offload does: one D2H per micro-step, only ``grad_buckets_in_flight`` buckets
+    resident) or "auto" (the cost model picks: ``plan.grad_accum.choose_grad_accum``)."""
+
+    grad_buckets_in_flight: int = _field(2, live="live")
+    """Offloaded buckets whose gradients may be on the device at once after their last
+    gradient is final and before their D2H copy has landed (backward waits for the oldest
+    copy beyond it). With the bucket backward is filling, the device holds at most
+    ``grad_buckets_in_flight + 1`` offloaded buckets' gradients; the planner charges the same."""
+
+    keep_device_grads: bool = _field(False)
+    """Keep the device gradients of offloaded buckets after they left (``p.grad`` stays set
+    until ``zero_grad()``, as in a plain torch loop; the planner then charges them). Default:
+    freed once their D2H copy has landed, so ``p.grad`` is None after ``backward()`` (as under
+    DeepSpeed ZeRO-2); read them with ``engine.grad_norm()`` and ``engine.full_grad(p)``."""
+
     cpu_threads: int | None = _field(None, live="live", tuned=True)
     """Threads of the CPU optimizer; None derives them from `cpu_cores_frac`."""
 
@@ -210,6 +231,15 @@ class OffloadConfig:
         _check_choice("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
         _check_choice("step_order", self.step_order, ("deadline", "fifo"))
         _check_choice("optimizer_state_dtype", self.optimizer_state_dtype, ("fp32", "bf16"))
+        _check_choice("grad_accum_on", self.grad_accum_on, ("auto", "device", "host"))
+        _check(
+            _is_int(self.grad_buckets_in_flight) and self.grad_buckets_in_flight >= 1,
+            "grad_buckets_in_flight",
+            self.grad_buckets_in_flight,
+            "use a whole number of buckets >= 1 (2 overlaps one copy with the next bucket)",
+        )
+        _check(isinstance(self.keep_device_grads, bool), "keep_device_grads",
+               self.keep_device_grads, "use True or False")
         _check(isinstance(self.extra, dict), "extra", self.extra, "use a dict")
         _check(
             _is_int(self.adaptive_window) and self.adaptive_window >= 1,

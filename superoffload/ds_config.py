@@ -23,7 +23,7 @@ numbers, rates finite numbers.
   absent or ``device: "none"``: every bucket is stepped on the device, ratio 0), as in
   DeepSpeed, whose optimizer offload needs stage >= 1;
 - 1, 2, 3: the offload schedule. One process keeps the whole fp32 optimizer state on the
-  host; under data parallel (``distributed.zero.ZeroOffloadEngine``) gradients are
+  host; under data parallel (``distributed.fsdp.FsdpOffloadEngine``) gradients are
   reduce-scattered and each rank keeps and steps its shard of the optimizer state, i.e.
   ZeRO stage 2 for 1 and 2. Stage 3 (the SuperOffload tutorial's setting) is accepted with
   the same meaning: the engine does not partition the bf16 weights across ranks; to keep
@@ -31,6 +31,14 @@ numbers, rates finite numbers.
 
 The precision (``bf16.enabled`` / ``fp16.enabled``, else fp32) becomes
 ``OffloadConfig.precision``, which the engine checks against the model's parameters.
+
+A key left out keeps DeepSpeed's default (``deepspeed/runtime/zero/offload_config.py``):
+``offload_optimizer.ratio`` absent is 1.0 (every parameter's state on the CPU) and
+``cpuadam_cores_perc`` 0.8. Where this engine keeps its own default instead, the conversion
+says so, one line per key, in its notice (``DIFFERENCES``): a missing ``super_offload``
+(DeepSpeed: off) keeps speculation on, a missing ``pin_memory`` (DeepSpeed: false) pins the
+host buffers, a missing ``reduce_bucket_size`` (DeepSpeed: 5e8 elements) keeps 64 MiB
+buckets (paper §4.2).
 """
 
 from __future__ import annotations
@@ -55,6 +63,21 @@ _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "h
          "min_loss_scale", "auto_cast"}
 _BF16 = {"enabled"}
 _OPT_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
+DEEPSPEED_DEFAULTS = {"ratio": 1.0, "cpu_cores_frac": 0.8}
+"""OffloadConfig fields a DeepSpeed dict that offloads sets to DeepSpeed's default when its
+key is absent (``offload_optimizer.ratio`` 1.0, ``cpuadam_cores_perc`` 0.8)."""
+DIFFERENCES = {
+    "zero_optimization.offload_optimizer.super_offload":
+        "absent: DeepSpeed steps the CPU after validation (no SuperOffload); here speculation "
+        "stays on (set super_offload: false for DeepSpeed's schedule)",
+    "zero_optimization.offload_optimizer.pin_memory":
+        "absent: DeepSpeed does not pin host buffers; here they are pinned (set pin_memory: "
+        "false to match)",
+    "zero_optimization.reduce_bucket_size":
+        "absent: DeepSpeed's reduce buckets hold 5e8 elements; here buckets are 64 MiB of fp32 "
+        "gradient (set reduce_bucket_size to match)",
+}
+"""Keys whose absence this engine reads differently from DeepSpeed: one line each."""
 STAGES = (0, 1, 2, 3)
 """``zero_optimization.stage`` values accepted (their meaning: the module docstring)."""
 
@@ -128,7 +151,8 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str], *,
     ``config.extra["deepspeed"]`` (superoffload/ds_keys.py)."""
     raw, where = ds_keys.read(source)
     ds, notes = ds_keys.prepare(raw, auto)
-    config, opt = _convert(ds)
+    config, opt, differences = _convert(ds)
+    notes["defaults"] = differences
     text = ds_keys.notice(notes, where)
     if text:
         warnings.warn(text, ds_keys.DeepSpeedNotice, stacklevel=2)
@@ -137,8 +161,9 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str], *,
     return config, opt
 
 
-def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]]:
-    """The conversion proper, on a dict ``ds_keys.prepare`` has cleaned."""
+def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list[str]]:
+    """The conversion proper, on a dict ``ds_keys.prepare`` has cleaned: (config, optimizer
+    kwargs, the defaults that differ from DeepSpeed's, one line each)."""
     _unknown(ds, _TOP, "")
     fields: dict[str, Any] = {}
 
@@ -222,13 +247,26 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any]]:
                 f"superoffload.{key}={value!r} contradicts the DeepSpeed setting that gives {fields[key]!r}"
             )
     fields.update(overrides)
+    differences: list[str] = []
+    if device == "cpu":  # DeepSpeed's defaults for what the dict leaves out (module docstring)
+        given = {"ratio": "ratio" in off, "cpu_cores_frac": "cpuadam_cores_perc" in off}
+        for name, value in DEEPSPEED_DEFAULTS.items():
+            if not given[name]:
+                fields.setdefault(name, value)
+        present = {"zero_optimization.offload_optimizer.super_offload":
+                   "super_offload" in off or "speculation" in overrides,
+                   "zero_optimization.offload_optimizer.pin_memory":
+                   "pin_memory" in off or "pin_memory" in overrides,
+                   "zero_optimization.reduce_bucket_size":
+                   "reduce_bucket_size" in zero or "bucket_bytes" in overrides}
+        differences = [f"{key} {why}" for key, why in DIFFERENCES.items() if not present[key]]
     if micro is not None:
         fields["extra"] = {**fields.get("extra", {}), "train_micro_batch_size_per_gpu": micro}
     try:
         config = OffloadConfig(**fields).validate()
     except TypeError as exc:  # a wrong type that the dataclass constructor rejects
         raise ConfigError(f"DeepSpeed config: {exc}") from exc
-    return config, _optimizer(ds)
+    return config, _optimizer(ds), differences
 
 
 def _optimizer(ds: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,9 @@
   parameter-partitioning knobs, logging (``steps_per_print``, ``wall_clock_breakdown``, ...);
 * keys that would change results, or memory in a way the engine does not do, are refused by
   name with the way to get the same here (``REFUSED``);
-* the ``scheduler`` section is not run: the notice says which schedule runs instead.
+* the ``scheduler`` section is not run: the notice says which schedule runs instead;
+* a default this engine reads differently from DeepSpeed (``ds_config.DIFFERENCES``) is
+  said, one line per key left out.
 
 The listing is one ``DeepSpeedNotice`` warning per conversion (and ``config.extra
 ["deepspeed"]``), so a run says once, at its start, what of its JSON it does not use.
@@ -180,4 +182,6 @@ def notice(notes: Mapping[str, list[str]], where: str) -> str:
     if notes.get("auto"):
         parts.append('"auto" resolved: ' + ", ".join(notes["auto"]))
     parts += list(notes.get("scheduler", []))
+    if notes.get("defaults"):
+        parts.append("defaults that differ from DeepSpeed's: " + "; ".join(notes["defaults"]))
     return f"{where}: " + "; ".join(parts) if parts else ""

@@ -11,6 +11,7 @@ with the same four methods runs it too (the benchmark's baseline does exactly th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -23,6 +24,7 @@ import torch
 from superoffload.telemetry.events import Span
 from superoffload.telemetry.metrics import IterationMetrics, Summary, iteration_metrics, summarize
 from superoffload.telemetry.recorder import Recorder
+from superoffload.telemetry.window import RECENT_ITERATIONS, Window, window_of
 
 
 class EngineLike(Protocol):
@@ -100,7 +102,11 @@ class StepInfo:
     link_gbps: float
     """Recent link traffic, both directions, bytes / iteration time (GB/s); 0 without telemetry."""
     overlap: float
-    """Recent share of CPU optimizer time hidden behind device compute (nan when unknown)."""
+    """Recent share of CPU optimizer time hidden behind device compute, pooled over `window`
+    (nan when unknown)."""
+    window: Window | None = None
+    """The recent complete iterations the figures pool (`telemetry.window`), None without
+    telemetry."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -197,16 +203,20 @@ def _recorder_of(engine: EngineLike) -> Recorder | None:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Batches, n_batches: int,
-             device: torch.device, loss_reduce: LossReduce | None = None) -> float:
-    """Mean loss over `n_batches` held-out batches (model in eval mode, no gradients)."""
+             device: torch.device, loss_reduce: LossReduce | None = None,
+             on_batch: Callable[[int, int], None] | None = None) -> float:
+    """Mean loss over `n_batches` held-out batches (model in eval mode, no gradients);
+    `on_batch(done, n_batches)` after each (a progress bar)."""
     was_training = model.training
     model.eval()
     try:
         losses = []
-        for _ in range(n_batches):
+        for k in range(n_batches):
             x, y = batches.next_batch()
             loss = model(x.to(device), y.to(device))
             losses.append(float(loss_reduce(loss) if loss_reduce is not None else loss))
+            if on_batch is not None:
+                on_batch(k + 1, n_batches)
         return statistics.fmean(losses)
     finally:
         model.train(was_training)
@@ -244,6 +254,8 @@ def train(
     on_checkpoint: Callable[[Progress], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     calibrator: Any = None,
+    steps_scope: contextlib.AbstractContextManager[Any] | None = None,
+    on_eval_batch: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
     """Train until `settings.steps` optimizer steps are done; return losses, throughput and a
     telemetry summary. The learning rate follows `lr_factor` via `make_scheduler` on
@@ -260,7 +272,12 @@ def train(
 
     `calibrator`: a `runtime.autocal.AutoCalibrator` on `engine`; started here, it fits the
     planner to the first iterations by itself (issue 18) and its report is the result's
-    `calibration`."""
+    `calibration`.
+
+    `steps_scope` is entered while steps whose end `should_stop` is asked about run: from
+    the first step to the start of the last one (the CLI defers SIGINT/SIGTERM to the next
+    step boundary only there; elsewhere there is no boundary to wait for).
+    `on_eval_batch(done, total)` follows the final evaluation."""
     settings.validate()
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every={checkpoint_every!r}: use a whole number >= 0")
@@ -274,48 +291,55 @@ def train(
     recorder = _recorder_of(engine)
     if calibrator is not None:
         calibrator.start()
-    live = _LiveMetrics(recorder)
+    live = _LiveMetrics(recorder, keep_iterations=RECENT_ITERATIONS + 1)
     first_seq = recorder.last_seq if recorder is not None else -1
     model.train()
     losses: list[float] = list(done.losses)
     lrs: list[float] = list(done.lrs)
     tokens = done.tokens
     link_gbps, overlap = 0.0, math.nan
+    pooled: Window | None = None
     start = time.perf_counter()
     warm_start, warm_tokens = start, tokens
     stopped = False
-    for step in range(done.step, settings.steps):
-        x, y = batches.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = model(x, y)
-        engine.backward(loss)
-        lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
-        engine.step()
-        engine.zero_grad()
-        scheduler.step()
-        losses.append(float(loss_reduce(loss.detach()) if loss_reduce is not None
-                            else loss.detach()))
-        tokens += x.numel()
-        if step == done.step:
-            warm_start, warm_tokens = time.perf_counter(), tokens
-        if (step + 1) % settings.metrics_every == 0 or step + 1 == settings.steps:
-            recent = live.refresh()
-            if recent:
-                wall = sum(m.wall_s for m in recent)
-                moved = sum(m.d2h_bytes + m.h2d_bytes for m in recent)
-                link_gbps = moved / wall / 1e9 if wall > 0 else 0.0
-                overlap = statistics.fmean(m.cpu_overlap_frac for m in recent)
-        if on_step is not None:
-            now = time.perf_counter()
-            rate = (tokens - warm_tokens) / (now - warm_start) if step > done.step else 0.0
-            on_step(StepInfo(step=step + 1, loss=losses[-1], lr=float(scheduler.get_last_lr()[0]),
-                             tokens_per_s=rate, link_gbps=link_gbps, overlap=overlap))
-        if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
-            on_checkpoint(Progress(step=step + 1, losses=list(losses), lrs=list(lrs),
-                                   tokens=tokens))
-        if should_stop is not None and step + 1 < settings.steps and should_stop():
-            stopped = True
-            break
+    with contextlib.ExitStack() as scope:  # left before the last step, or on an error
+        if steps_scope is not None:
+            scope.enter_context(steps_scope)
+        for step in range(done.step, settings.steps):
+            if step + 1 == settings.steps:
+                scope.close()  # the last step: should_stop is not asked after it
+            x, y = batches.next_batch()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = model(x, y)
+            engine.backward(loss)
+            lrs.append(float(engine.optimizer.param_groups[0]["lr"]))
+            engine.step()
+            engine.zero_grad()
+            scheduler.step()
+            losses.append(float(loss_reduce(loss.detach()) if loss_reduce is not None
+                                else loss.detach()))
+            tokens += x.numel()
+            if step == done.step:
+                warm_start, warm_tokens = time.perf_counter(), tokens
+            if (step + 1) % settings.metrics_every == 0 or step + 1 == settings.steps:
+                recent = live.refresh()
+                if recent:  # pooled as every view pools (telemetry.window)
+                    pooled = window_of(recent[-RECENT_ITERATIONS:])
+                    both = pooled.values["d2h_gbps_wall"] + pooled.values["h2d_gbps_wall"]
+                    link_gbps = both if math.isfinite(both) else 0.0
+                    overlap = pooled.values["cpu_step_hidden_pct"] / 100.0
+            if on_step is not None:
+                now = time.perf_counter()
+                rate = (tokens - warm_tokens) / (now - warm_start) if step > done.step else 0.0
+                on_step(StepInfo(step=step + 1, loss=losses[-1], lr=float(scheduler.get_last_lr()[0]),
+                                 tokens_per_s=rate, link_gbps=link_gbps, overlap=overlap,
+                                 window=pooled))
+            if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+                on_checkpoint(Progress(step=step + 1, losses=list(losses), lrs=list(lrs),
+                                       tokens=tokens))
+            if should_stop is not None and step + 1 < settings.steps and should_stop():
+                stopped = True
+                break
     engine.synchronize()
     end = time.perf_counter()
     if calibrator is not None:
@@ -332,7 +356,8 @@ def train(
             summary = summarize(spans, skip=1)
     val_loss = None
     if val_batches is not None and settings.eval_batches and not stopped:
-        val_loss = evaluate(model, val_batches, settings.eval_batches, device, loss_reduce)
+        val_loss = evaluate(model, val_batches, settings.eval_batches, device, loss_reduce,
+                            on_eval_batch)
     window = losses[-settings.final_window:]
     return TrainResult(
         steps=len(losses),

@@ -3,10 +3,14 @@
     python tests/_contract_worker.py SCENARIO OUT_DIR ARGS_JSON
 
 Scenarios (each rank writes ``result_rank{r}.json``: the error's type and text, or None):
-  mismatch  rank 1 differs in args["field"] (lr, width, ratio, bucket_bytes, frozen,
-            max_grad_norm); every rank must raise RanksDisagree at construction, naming it
-  midrun    rank 1's LR changes after 2 steps (a scheduler stepped on one rank only): every
-            rank must raise RanksDisagree at the next step
+  mismatch  rank 1 differs in args["field"] (lr, weight_decay, width, ratio, bucket_bytes,
+            frozen, max_grad_norm); every rank must raise RanksDisagree at construction,
+            naming it
+  midrun    rank 1's args["key"] of param group 0 (default lr: halved; weight_decay: 0.2)
+            changes after 2 steps (a scheduler stepped on one rank only): every rank must
+            raise RanksDisagree at the next step
+  clipnorm  3 steps of engine.clip_grad_norm_(0.05) before step(); rank 0 writes the norms
+            it returned and the fp32 masters
   edit      rank 1 scales its gradients between backward() and step(): every rank must raise
             GradientEdited, and the iteration is rolled back on both
   write     both ranks train 2 steps, load the weights saved after step 1 into the model
@@ -23,14 +27,14 @@ from typing import Any
 
 import torch
 from _engine_ref import HYPER
+from _fsdp_dp_worker import global_data, local, make_config
 from _tiny_models import make_model
-from _zero_worker import global_data, local, make_config
 
 from superoffload.distributed import init_distributed, shutdown
-from superoffload.distributed.zero import ZeroOffloadEngine
+from superoffload.distributed.fsdp import FsdpOffloadEngine
 
 
-def build(rank: int, args: dict[str, Any]) -> tuple[torch.nn.Module, ZeroOffloadEngine]:
+def build(rank: int, args: dict[str, Any]) -> tuple[torch.nn.Module, FsdpOffloadEngine]:
     field, odd = args.get("field"), rank == 1
     kw: dict[str, Any] = {}
     if odd and field == "width":
@@ -48,11 +52,13 @@ def build(rank: int, args: dict[str, Any]) -> tuple[torch.nn.Module, ZeroOffload
     hyper = dict(HYPER)
     if odd and field == "lr":
         hyper["lr"] = HYPER["lr"] * 2
-    engine = ZeroOffloadEngine(model, hyper, make_config(run))
+    if odd and field == "weight_decay":  # HYPER's is 0.1
+        hyper["weight_decay"] = 0.2
+    engine = FsdpOffloadEngine(model, hyper, make_config(run))
     return model, engine
 
 
-def step(model: torch.nn.Module, engine: ZeroOffloadEngine, batch: Any, rank: int,
+def step(model: torch.nn.Module, engine: FsdpOffloadEngine, batch: Any, rank: int,
          world: int, edit: bool = False) -> None:
     x, y = batch
     engine.backward(model(local(x, rank, world), local(y, rank, world)))
@@ -87,9 +93,23 @@ def main() -> None:
             for k in range(2):
                 step(model, engine, data[k], rank, world)
             if rank == 1:
-                engine.optimizer.param_groups[0]["lr"] *= 0.5
+                key, group = args.get("key", "lr"), engine.optimizer.param_groups[0]
+                group[key] = group[key] * 0.5 if key == "lr" else 0.2
             step(model, engine, data[2], rank, world)
             record(out, rank, None)
+        elif scenario == "clipnorm":
+            model, engine = build(rank, {})
+            norms = []
+            for k in range(3):
+                x, y = data[k]
+                engine.backward(model(local(x, rank, world), local(y, rank, world)))
+                norms.append(float(engine.clip_grad_norm_(0.05)))
+                engine.step()
+                engine.zero_grad()
+            weights = engine.full_master_weights()
+            if rank == 0:
+                torch.save(weights, out / "clipnorm.pt")
+            record(out, rank, None, norms=norms)
         elif scenario == "edit":
             model, engine = build(rank, {})
             step(model, engine, data[0], rank, world)

@@ -71,7 +71,7 @@ def run_ranks(scenario: str, world_size: int, out_dir: Path, *, timeout_s: float
               worker: Path = WORKER) -> list[RankResult]:
     """Run `scenario` on `world_size` ranks; wait at most `timeout_s` for the ranks in
     `wait_for` (default all), then kill every rank still running. `worker`: the script each
-    rank runs (default tests/_dist_worker.py; tests/_zero_worker.py for ZeRO)."""
+    rank runs (default tests/_dist_worker.py; tests/_fsdp_dp_worker.py for data parallel)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(2):  # retry once if another process grabbed the port meanwhile
         port = free_port()

@@ -6,9 +6,11 @@ Both scenarios train our GPT made sequence-parallel with Ulysses (apply_ulysses 
 group); every rank of an sp group reads the same global batch and keeps its contiguous 1/sp
 slice of every sequence (split_sequence). The test compares with one process on the full
 sequences. Scenarios:
-  zero_sp  ZeroOffloadEngine over the world group (its default when sp > 1): optimizer state
-           sharded over every rank, gradients of the local-mean losses averaged over all ranks
-  zero_flow_sp  ZeroOffloadEngine under weight-flow (sharded state, streamed blocks)
+  fsdp_sp  FsdpOffloadEngine over the job's mesh: FSDP2 shards the model and the optimizer
+           state over the flattened (dp_shard, sp) dimensions, every rank; Ulysses'
+           all-to-all runs on the mesh's sp dimension; gradients of the local-mean losses
+           averaged over all ranks
+  fsdp_flow_sp  the same under weight-flow (the block units' shards on the host)
   flow_sp  the single-process OffloadEngine under weight-flow on every rank (replicated
            state), gradients averaged over the ranks inside backward
            (average_gradients_in_backward) before the engine takes them
@@ -25,7 +27,6 @@ from typing import Any
 import torch
 from _engine_ref import HYPER, groups_for
 
-import superoffload as so
 from superoffload.config import OffloadConfig
 from superoffload.distributed import (
     apply_ulysses,
@@ -56,7 +57,7 @@ def global_data(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def zero_config(**changes: Any) -> OffloadConfig:
+def dp_config(**changes: Any) -> OffloadConfig:
     base: dict[str, Any] = {"device": "cpu", "bucket_bytes": 64 << 10, "ratio": 0.8,
                             "speculation": "on", "rollback": "inverse", "max_grad_norm": 0.5,
                             "telemetry": False, "watchdog_s": 60.0, "pin_memory": False}
@@ -65,7 +66,7 @@ def zero_config(**changes: Any) -> OffloadConfig:
 
 
 def flow_config(**changes: Any) -> OffloadConfig:
-    return zero_config(weights="flow", prefetch_depth=1, ratio=1.0, **changes)
+    return dp_config(weights="flow", prefetch_depth=1, ratio=1.0, **changes)
 
 
 def _train(model: GPT, engine: Any, steps: int) -> list[float]:
@@ -80,45 +81,36 @@ def _train(model: GPT, engine: Any, steps: int) -> list[float]:
     return losses
 
 
-def scenario_zero_sp(out: Path, rank: int, args: dict[str, Any]) -> None:
-    from superoffload.distributed.zero import ZeroOffloadEngine
+def scenario_fsdp_sp(out: Path, rank: int, args: dict[str, Any]) -> None:
+    from superoffload.distributed.fsdp import FsdpOffloadEngine
 
+    flow = bool(args.get("flow"))
     model = apply_ulysses(make_gpt(seed=rank), get_groups().sp_group)  # rank 0's weights win
-    with ZeroOffloadEngine(model, groups_for(model, False, HYPER), zero_config()) as engine:
+    config = flow_config() if flow else dp_config()
+    with FsdpOffloadEngine(model, groups_for(model, False, HYPER), config) as engine:
         losses = _train(model, engine, STEPS)
         weights = engine.full_master_weights()
         engine.synchronize()
+        fl = engine.weights.flow
         record = {"weights": weights, "losses": losses, "world": engine.world_size,
-                  "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                  "fetches": None if fl is None else fl.stats.fetches,
+                  "blocks": None if fl is None else len(fl.blocks),
+                  "on_host": None if fl is None else all(
+                      p.device.type == "cpu" for ps in fl.params for p in ps),
                   "stats": {k: getattr(engine.stats, k)
-                            for k in ("iterations", "clipped_steps", "rollbacks", "replays")}}
-    torch.save(record, out / f"zero_sp_rank{rank}.pt")
-
-
-def scenario_zero_flow_sp(out: Path, rank: int, args: dict[str, Any]) -> None:
-    """ZeroOffloadEngine under weight-flow: sharded state, blocks streamed from host homes."""
-    from superoffload.distributed.zero import ZeroOffloadEngine
-
-    model = apply_ulysses(make_gpt(seed=rank), get_groups().sp_group)  # rank 0's weights win
-    with ZeroOffloadEngine(model, groups_for(model, False, HYPER), flow_config()) as engine:
-        assert engine.weights.flow is not None
-        losses = _train(model, engine, STEPS)
-        weights = engine.full_master_weights()
-        engine.synchronize()
-        flow = engine.weights.flow
-        record = {"weights": weights, "losses": losses, "fetches": flow.stats.fetches,
-                  "blocks": len(flow.blocks), "peak_blocks": flow.stats.peak_resident_blocks,
-                  "released": sum(p.numel() for ps in flow.params for p in ps),
-                  "streamed": sum(flow.numel)}
-    # close() made every block resident again: the model holds the latest weights
-    record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    torch.save(record, out / f"zero_flow_sp_rank{rank}.pt")
+                            for k in ("iterations", "clipped_steps", "rollbacks", "replays")},
+                  "sp_mesh_dim": get_groups().mesh.root["sp"].size()}
+    record["params"] = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    torch.save(record, out / f"{'fsdp_flow_sp' if flow else 'fsdp_sp'}_rank{rank}.pt")
 
 
 def scenario_flow_sp(out: Path, rank: int, args: dict[str, Any]) -> None:
+    from superoffload.runtime.engine import OffloadEngine
+
     model = apply_ulysses(make_gpt(seed=0), get_groups().sp_group)  # replicas start equal
     handles = average_gradients_in_backward(model.parameters(), get_groups().world_group)
-    with so.initialize(model, groups_for(model, False, HYPER), flow_config()) as engine:
+    # one single-process engine per rank (so.initialize under torchrun would be FSDP2's)
+    with OffloadEngine(model, groups_for(model, False, HYPER), flow_config()) as engine:
         assert engine.weights.active == "flow", engine.weights.active
         losses = _train(model, engine, STEPS)
         weights = engine.master_weights()
@@ -135,8 +127,7 @@ def main() -> None:
     (out / f"pid_rank{rank}.txt").write_text(str(os.getpid()))
     torch.set_num_threads(1)
     info = init_distributed(backend="gloo", timeout_s=60.0, sp=int(args.get("sp", 2)))
-    {"zero_sp": scenario_zero_sp, "flow_sp": scenario_flow_sp,
-     "zero_flow_sp": scenario_zero_flow_sp}[scenario](out, info.rank, args)
+    {"fsdp_sp": scenario_fsdp_sp, "flow_sp": scenario_flow_sp}[scenario](out, info.rank, args)
     shutdown()
 
 

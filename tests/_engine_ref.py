@@ -39,9 +39,11 @@ def groups_for(model: torch.nn.Module, two_groups: bool, hyper: dict[str, Any]) 
 def train_reference(model: torch.nn.Module, data: list, *, steps: int, gas: int = 1,
                     max_norm: float | None = None, two_groups: bool = False,
                     hyper: dict[str, Any] = HYPER, sched: Any = None,
-                    during: Any = None) -> dict[str, torch.Tensor]:
+                    during: Any = None, sum_fp32: bool = False) -> dict[str, torch.Tensor]:
     """Returns fp32 master weights by name. A step with a non-finite gradient is skipped
-    (no moment update, no step count), as the engine does on overflow."""
+    (no moment update, no step count), as the engine does on overflow. ``sum_fp32``: a
+    low-precision model's micro-step gradients are summed in fp32 (host accumulation), not
+    in ``.grad``'s own dtype."""
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
     lp = params[0].dtype != torch.float32
@@ -54,12 +56,19 @@ def train_reference(model: torch.nn.Module, data: list, *, steps: int, gas: int 
     for step in range(steps):
         if during is not None:
             max_norm = during(None, step) or max_norm
+        sums: dict[int, torch.Tensor] = {}
         for _ in range(gas):
             x, y = next(it)
             (model(x, y) / gas).backward()
-        if lp:
+            if sum_fp32:
+                for p in params:
+                    if p.grad is not None:
+                        sums[id(p)] = sums.get(id(p), 0) + p.grad.float()
+                        p.grad = None
+        if lp or sum_fp32:
             for p in params:
-                master[id(p)].grad = None if p.grad is None else p.grad.float()
+                g = sums.get(id(p)) if sum_fp32 else p.grad
+                master[id(p)].grad = None if g is None else g.float()
         grads = [master[id(p)].grad for p in params if master[id(p)].grad is not None]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         if max_norm and finite:

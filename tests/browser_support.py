@@ -59,10 +59,6 @@ def jupyter_lab(root: Path, *, start_timeout_s: float = 90.0,
     settings.mkdir(parents=True, exist_ok=True)
     # no "get notified about news?" toast over the screenshot
     (settings / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
-    notebook_settings = home / "settings" / "@jupyterlab" / "notebook-extension"
-    notebook_settings.mkdir(parents=True, exist_ok=True)
-    # every cell stays attached: no re-rendering of outputs as the page scrolls
-    (notebook_settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [
         sys.executable, "-m", "jupyterlab",
@@ -214,23 +210,32 @@ JS_CELL_ERRORS = """() => Array.from(document.querySelectorAll(
   '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]'
 )).map(e => e.innerText.slice(0, 2000))"""
 
-JS_DASHBOARD = """() => {
+JS_DASHBOARD = r"""() => {
+  // text is read with textContent: JupyterLab's default windowing skips the rendering of
+  // off-screen cells, and innerText of a skipped subtree is empty
   const box = document.querySelector('.so-dashboard');
   const status = document.querySelector('.so-dash-status');
   const trainer = document.querySelector('.so-trainer-status');
+  const plot = box ? box.querySelector('.so-liveplot') : null;
   const gd = box ? box.querySelector('.js-plotly-plot') : null;
   const trace = (name) => {  // _fullData: the arrays as drawn (data may hold base64 specs)
     if (!gd || !gd._fullData) return null;
     const t = gd._fullData.find(d => d.name === name);
     return t ? {n: t.x ? t.x.length : 0, lastX: t.x && t.x.length ? Number(t.x[t.x.length - 1]) : null} : null;
   };
+  const text = (e) => e ? e.textContent.replace(/\s+/g, ' ').trim() : '';
   return {
     live: !!gd,
+    attached: !!box,
     traces: gd && gd._fullData ? gd._fullData.length : 0,
-    draws: box && box.querySelector('.so-liveplot') ? Number(box.querySelector('.so-liveplot').dataset.draws || 0) : 0,
-    drawMs: box && box.querySelector('.so-liveplot') ? Number(box.querySelector('.so-liveplot').dataset.drawMs || 0) : 0,
-    status: status ? status.innerText : '',
-    trainer: trainer ? trainer.innerText : '',
+    draws: plot ? Number(plot.dataset.draws || 0) : 0,
+    drawMs: plot ? Number(plot.dataset.drawMs || 0) : 0,
+    pending: plot ? (plot.dataset.pending || '') : '',
+    stalls: plot ? Number(plot.dataset.stalls || 0) : 0,
+    status: text(status),
+    trainer: trainer ? trainer.textContent : '',
+    runs: gd && gd._fullData ? gd._fullData.filter(d => /^run\d/.test(d.legendgroup || '') && d.x && d.x.length)
+      .map(d => ({name: d.name, axis: d.xaxis, n: d.x.length, x0: Number(d.x[0])})) : [],
     title: gd && gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
     measured: trace('iteration time'),
     compute: trace('compute'),
@@ -256,9 +261,17 @@ JS_HISTORY = """(live) => {
     const t = gd._fullData.find(d => d.name === name && (band ? d.fill === 'toself' : d.fill !== 'toself'));
     return t ? {x: Array.from(t.x || [], Number), y: Array.from(t.y || [], Number)} : null;
   };
+  // the newest iteration on the same figure's timeline (its spans' hover text: "... · it N · ...")
+  let timeline = -1;
+  for (const t of gd._fullData.filter(d => d.xaxis === 'x' && d.text)) {
+    for (const label of Array.from(t.text)) {
+      const m = /\\bit (\\d+)\\b/.exec(String(label));
+      if (m) timeline = Math.max(timeline, Number(m[1]));
+    }
+  }
   return {title: gd.layout.title.text || '', line: pick('iteration time', false),
           band: pick('iteration time', true), loss: pick('loss', false),
-          lossBand: pick('loss', true)};
+          lossBand: pick('loss', true), timelineNewest: timeline};
 }"""
 
 JS_LAYOUT_PROBLEMS = """() => {
@@ -308,9 +321,31 @@ JS_LAYOUT_PROBLEMS = """() => {
 }"""
 
 JS_WIDGET_ERRORS = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
-  .map(e => e.innerText || '')
+  .map(e => e.textContent || '')
   .filter(t => t.includes('Error displaying widget') || t.includes('model not found') || t.includes('Traceback'))
   .map(t => t.slice(0, 500))"""
 
 JS_OUTPUT_TEXT = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
-  .map(e => e.innerText || '').join('\\n')"""
+  .map(e => e.textContent || '').join('\\n')"""
+
+JS_ON_SCREEN = """(selector) => {
+  // how much of the element the notebook shows now: its box against the notebook's scroller
+  const e = document.querySelector(selector);
+  const sc = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
+  if (!e || !sc) return null;
+  const r = e.getBoundingClientRect(), v = sc.getBoundingClientRect();
+  return {top: r.top, bottom: r.bottom, height: r.height, viewTop: v.top, viewBottom: v.bottom,
+          viewHeight: v.height, inside: r.top >= v.top - 1 && r.bottom <= v.bottom + 1};
+}"""
+
+JS_SCROLL_TO_END = """() => {
+  const sc = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
+  sc.scrollTop = sc.scrollHeight;
+  return sc.scrollTop;
+}"""
+
+JS_SCROLL_TO_TOP = """() => {
+  const sc = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
+  sc.scrollTop = 0;
+  return sc.scrollTop;
+}"""

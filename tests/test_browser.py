@@ -1,29 +1,36 @@
-"""End to end in a real browser: JupyterLab + Debian's chromium driven by Playwright.
+"""End to end in a real browser: JupyterLab (its DEFAULT settings: off-screen cells are not
+rendered) + Debian's chromium driven by Playwright, at a person's 1366x768.
 
 1. The quick-start tutorial as a person runs it (Run All, the notebook unchanged, its live
    path); checked in the page itself:
-   a. the tuner is shown before the dashboard, and the dashboard updates at least 10 times
-      while training runs;
+   a. the tuner is shown before the dashboard; Run All lands on the dashboard, which fits
+      the notebook's visible area whole; it updates at least 10 times while training runs;
+      one tuner (no static copy beside the live one);
    b. moving the tuner's ratio slider (keyboard) and pressing "Apply to engine" changes the
       engine's ratio on a later iteration, measured as an interleaved A/B whose result the
       dashboard shows, and puts the A/B band and its label on the charts;
-   c. the layout at 1366x768, 1400x1000 and 1920x1080: no figure or view wider than its
+   c. comparing runs from the dashboard's controls: the run before and after that change,
+      and a run saved under runs/, drawn on the same axes from their own start; a panel
+      hidden and shown again;
+   d. the layout at 1366x768, 1400x1000 and 1920x1080: no figure or view wider than its
       output area, no horizontal scrollbar, no legend, axis title, tick label or annotation
       clipped, no tuner label cut, no widget error;
-   d. a long run, past the 600-point bound of the series (1,300 iterations): the history still
+   e. a long run, past the 600-point bound of the series (1,300 iterations): the history still
       starts at iteration 0 and ends at the newest one, and a one-iteration stall and loss
       spike (injected into the running kernel) stay visible in the binned lines' bands;
-   e. "Stop training" stops the run: the trainer, the dashboard and the tuner say so, and
-      every live widget is replaced in place by a static snapshot (the figure of the whole
-      run, drawn again from the recorder, with the spike);
-   f. the notebook saved, its kernel shut down and reopened: no "Error displaying widget",
+   f. "Stop training" stops the run: the trainer, the dashboard and the tuner say so, and
+      every live widget is replaced in place by one static snapshot (the figure of the whole
+      run, drawn again from the recorder, with the spike; one tuner snapshot);
+   g. the notebook saved, its kernel shut down and reopened: no "Error displaying widget",
       the figure and the run's final state are there.
-2. Tutorial 08: the dashboard redraws at least 5 times while `trainer.train()` holds its cell.
-3. `superoffload train`'s report.html copied alone into an empty folder and opened from
+2. `superoffload train`'s report.html copied alone into an empty folder and opened from
    disk: every chart drawn, no console error (plotly.js is inside the file).
-Screenshots of the dashboard during the long run, of the tuner after Apply and of the report
-are written to docs/img/ when asked (SUPEROFFLOAD_UPDATE_DOC_IMAGES=1), else to
-artifacts/browser/ with a failure's screenshot and JupyterLab log.
+3. The layout check itself, and live views frozen by a kernel shut down mid-run.
+Tutorials 07 and 08: tests/test_browser_tutorials.py; the live figure's drawing rules alone:
+tests/test_browser_liveplot.py. Screenshots of the dashboard during the long run, of the
+tuner after Apply and of the report are written to docs/img/ when asked
+(SUPEROFFLOAD_UPDATE_DOC_IMAGES=1), else to artifacts/browser/ with a failure's screenshot and
+JupyterLab log.
 """
 
 from __future__ import annotations
@@ -42,20 +49,26 @@ from typing import Any
 import pytest
 
 from tests import browser_support as bs
+from tests.browser_session import (
+    IMAGES,
+    REPO,
+    SCREEN,
+    Session,
+    iteration,
+    lands_on,
+    one_tuner,
+    require_browser,
+    run_notebook,
+)
 
 # One retry: an end-to-end run through JupyterLab and chromium on a loaded 2-core machine can
 # lose a render race that has nothing to do with our code; a real defect fails twice (the
 # failing attempt's screenshot and JupyterLab log are kept in artifacts/browser/).
 pytestmark = [pytest.mark.browser, pytest.mark.flaky(reruns=1)]
 
-REPO = Path(__file__).resolve().parent.parent
 QUICK_START = REPO / "tutorials" / "01_quick_start.ipynb"
-TUTORIAL_08 = REPO / "tutorials" / "08_hf_trainer_and_fit.ipynb"
-ARTIFACTS = REPO / "artifacts" / "browser"
-# the screenshots linked from docs/jupyter.md are refreshed only when asked
-# (SUPEROFFLOAD_UPDATE_DOC_IMAGES=1 make pytest); otherwise they go to artifacts/ with the rest
-IMAGES = (REPO / "docs" / "img" if os.environ.get("SUPEROFFLOAD_UPDATE_DOC_IMAGES") == "1"
-          else ARTIFACTS)
+SAVED_RUN = "runs/earlier"
+"""A run saved in the notebook's folder before it opens (what the compare menu lists)."""
 MIN_UPDATES = 10
 LONG_RUN = 1300  # iterations: past the series' 600-point bound twice (bins of 4)
 SIZES = ((1366, 768), (1400, 1000), (1920, 1080))
@@ -79,116 +92,51 @@ print(_at)
 """
 
 
-def _require_browser() -> None:
-    if not Path(bs.CHROMIUM).exists():
-        pytest.skip(f"{bs.CHROMIUM} is absent: install it with `apt-get install chromium` "
-                    "(.ci/run does); the Playwright browser download is not used")
-    pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-    pytest.importorskip("jupyterlab", reason="pip install jupyterlab (the notebooks extra)")
-
-
-def _iteration(status: str) -> int:
-    match = re.search(r"iteration (\d+)", status)
-    return int(match.group(1)) if match else -1
-
-
-class Session:
-    """JupyterLab on a copy of one notebook, chromium on it; artifacts kept on failure."""
-
-    def __init__(self, pw: Any, url: str, name: str) -> None:
-        self.name = name
-        self.browser = pw.chromium.launch(executable_path=bs.CHROMIUM, args=bs.CHROMIUM_ARGS,
-                                          timeout=60_000)
-        self.page = self.browser.new_page(viewport={"width": 1400, "height": 1000})
-        self.page.set_default_timeout(120_000)
-        self.url = url
-        self.t0 = time.monotonic()
-
-    def phase(self, what: str) -> None:  # where the time goes, shown with `pytest -s`
-        print(f"[browser test] {time.monotonic() - self.t0:6.1f} s  {what}", flush=True)
-
-    def open(self, notebook: str) -> None:
-        self.page.goto(f"{self.url}/lab/tree/{notebook}")
-        self.page.wait_for_function(bs.JS_APP_READY)
-
-    def reload(self) -> None:
-        """Reload the page; wait until the notebook is back (its kernel may be gone)."""
-        self.page.reload()
-        self.page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
-                                    "&& window.jupyterapp.shell.currentWidget.content")
-
-    def fail_artifacts(self) -> None:
-        self.page.screenshot(path=str(ARTIFACTS / f"{self.name}_failure.png"), full_page=True)
-        print("cell errors / stderr:", *self.page.evaluate(bs.JS_CELL_ERRORS), sep="\n")
-
-    def close(self) -> None:
-        self.browser.close()
-
-
-def _run(tmp_path: Path, notebook: Path, name: str, check: Callable[[Session], None], *,
-         parameters: dict[str, Any] | None = None) -> None:
-    _require_browser()
-    from playwright.sync_api import sync_playwright
-
-    root = tmp_path / "root"
-    root.mkdir()
-    bs.prepare_notebook(notebook, root / notebook.name, parameters=parameters)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    with bs.jupyter_lab(root) as url, sync_playwright() as pw:
-        s = Session(pw, url, name)
-        try:
-            s.open(notebook.name)
-            s.phase("notebook open, kernel connected")
-            try:
-                check(s)
-                s.phase("checks passed")
-            except BaseException:
-                s.fail_artifacts()
-                raise
-            finally:
-                # never leave the kernel training: press Stop if a check failed before it
-                stop = s.page.locator(".so-trainer-stop")
-                if stop.count() and stop.first.is_enabled():
-                    stop.first.click()
-        finally:
-            s.close()
-    if (tmp_path / "jupyter.log").exists():
-        shutil.copy(tmp_path / "jupyter.log", ARTIFACTS / f"{name}_jupyter.log")
-
-
-@pytest.mark.timeout(900)
-def test_quick_start_live_long_run_stop_and_reopen_in_chromium(tmp_path: Path) -> None:
+@pytest.mark.timeout(1200)
+def test_quick_start_live_long_run_compare_stop_and_reopen_in_chromium(tmp_path: Path) -> None:
     # the notebook as a person opens it; only its time limit is raised, so a loaded machine
     # still reaches the long run's iterations before the run stops by itself
-    _run(tmp_path, QUICK_START, "quick_start", _quick_start, parameters={"MINUTES": 12})
+    run_notebook(tmp_path, QUICK_START, "quick_start", _quick_start, parameters={"MINUTES": 15},
+                 prepare=_save_an_earlier_run)
+
+
+def _save_an_earlier_run(root: Path) -> None:
+    from superoffload.telemetry.runfile import save_run
+    from tests.widgets_support import filled_recorder
+
+    save_run(filled_recorder(200, loss=4.0), root / SAVED_RUN)
 
 
 def _quick_start(s: Session) -> None:
     page = s.page
     page.evaluate(bs.JS_RUN_ALL)
     s.phase("Run All returned (training goes on in its thread)")
-    page.wait_for_selector(".so-tuner-apply")
-    page.wait_for_selector(".so-dashboard .js-plotly-plot")
+    page.wait_for_selector(".so-tuner-apply", state="attached")
+    s.wait(lambda d: (d["measured"] or {}).get("n", 0) > 0, timeout_s=240)
+    where = lands_on(s, ".so-dashboard")
+    s.phase(f"Run All landed on the dashboard: {where['height']:.0f} px of the notebook's "
+            f"{where['viewHeight']:.0f} px, all of it in view")
     order = page.evaluate("""() => {
       const t = document.querySelector('.so-tuner'), d = document.querySelector('.so-dashboard');
       return t.compareDocumentPosition(d) & Node.DOCUMENT_POSITION_FOLLOWING ? 'tuner first' : 'dashboard first';
     }""")
     assert order == "tuner first", "the tuner is shown before training starts"
-    assert page.locator(".so-tuner-ratio .widget-readout").inner_text().strip() == "0.50", \
+    assert page.locator(".so-tuner-ratio .widget-readout").text_content().strip() == "0.50", \
         "Run All leaves the ratio slider where the engine's config put it"
     assert "measuring this machine" not in page.evaluate(bs.JS_OUTPUT_TEXT), \
         "the placeholder gave its place to the tuner"
-    assert page.locator(".so-trainer-live").count() == 1, "the check cell has a live status line"
+    one_tuner(s, frozen=False)
     s.phase("tuner and dashboard rendered")
     _live_updates(s)
     _apply(s)
+    _compare(s)
     for width, height in SIZES:
         page.set_viewport_size({"width": width, "height": height})
-        page.wait_for_timeout(800)  # the figure follows the resize
+        page.locator(".so-dashboard").scroll_into_view_if_needed()
+        page.wait_for_timeout(1500)  # the figure follows the resize
         problems = page.evaluate(bs.JS_LAYOUT_PROBLEMS)
         assert problems == [], f"clipped or overflowing at {width}x{height}:\n" + "\n".join(problems)
-    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.set_viewport_size({"width": SCREEN[0], "height": SCREEN[1]})
     assert page.evaluate(bs.JS_WIDGET_ERRORS) == []
     s.phase(f"layout clean at {', '.join(f'{w}x{h}' for w, h in SIZES)}")
     spike_at = _long_run(s)
@@ -197,20 +145,19 @@ def _quick_start(s: Session) -> None:
 
 
 def _live_updates(s: Session) -> None:
-    page = s.page
-    first = page.evaluate(bs.JS_DASHBOARD)
+    first = s.dashboard()
     states: set[tuple[int, int]] = set()
     deadline = time.monotonic() + 150
     while len(states) < MIN_UPDATES:
-        d = page.evaluate(bs.JS_DASHBOARD)
+        d = s.dashboard()
         assert "running" in d["trainer"], f"training must still run while we watch: {d['trainer']!r}"
         if d["measured"] and d["measured"]["n"]:
-            states.add((_iteration(d["status"]), d["measured"]["n"]))
+            states.add((iteration(d["status"]), d["measured"]["n"]))
         assert time.monotonic() < deadline, f"only {len(states)} dashboard updates seen: {d}"
-        page.wait_for_timeout(300)
-    d = page.evaluate(bs.JS_DASHBOARD)
-    # each distinct state above was read from the drawn figure; the browser may fold several
-    # figures that arrive during one draw into the next (liveplot.py), so fewer draws is fine
+        s.page.wait_for_timeout(300)
+    d = s.dashboard()
+    # each distinct state above was read from the drawn figure; the browser folds figures
+    # that arrive during one draw into the next (liveplot.py), so fewer draws is fine
     assert d["draws"] - first["draws"] >= MIN_UPDATES // 2, (first["draws"], d["draws"])
     assert d["compute"]["n"] > 0, "the timeline draws device-compute spans"
     assert "ratio 0.50" in d["status"], d["status"]
@@ -232,38 +179,67 @@ def _apply(s: Session) -> None:
         "() => document.querySelector('.so-tuner-prediction').textContent.includes('ratio 0.80,')")
     page.wait_for_function("() => !document.querySelector('.so-tuner-apply').disabled")
     s.phase("slider at 0.80 in the kernel, Apply enabled")
-    before = _iteration(page.evaluate(bs.JS_DASHBOARD)["status"])
+    before = iteration(s.dashboard()["status"])
     page.click(".so-tuner-apply")
     page.wait_for_function(
         "() => document.querySelector('.so-tuner-status').textContent.includes('applied ratio=0.8')")
-    # the tuner measures the change as an interleaved A/B (issue 18); the dashboard shows its
-    # result line as the engine wrote it, and the ratio in force at the end is the new one
-    after = _wait(page, lambda d: "A/B measured: ratio 0.5 -> 0.8" in d["status"]
-                  and "ratio 0.80 (since it." in d["status"]
-                  and any("A/B ratio 0.5→0.8" in a for a in d["annotations"]), timeout_s=150)
+    # the tuner measures the change as an interleaved A/B; the dashboard shows its result line
+    # as the engine wrote it, and the ratio in force at the end is the new one
+    page.locator(".so-dashboard").scroll_into_view_if_needed()
+    after = s.wait(lambda d: "A/B measured: ratio 0.5 -> 0.8" in d["status"]
+                   and "ratio 0.80 (since it." in d["status"]
+                   and any("A/B ratio 0.5→0.8" in a for a in d["annotations"]), timeout_s=200)
     since = int(re.search(r"ratio 0\.80 \(since it\. (\d+)\)", after["status"]).group(1))  # type: ignore[union-attr]
     assert since > before, f"the new ratio holds from iteration {since}, after {before}"
     assert any(sh["xref"] == "x2" and int(sh["x0"]) >= before - 1 for sh in after["shapes"]), after["shapes"]
     s.phase("applied and measured; the A/B band and its label are on the charts")
-    _screenshot(page, ".so-tuner", IMAGES / "quick_start_tuner.png")
+    s.screenshot(".so-tuner", IMAGES / "quick_start_tuner.png")
+
+
+def _compare(s: Session) -> None:
+    """Runs on the same axes, from the dashboard's own controls (a person's clicks)."""
+    page = s.page
+    page.locator(".so-dashboard").scroll_into_view_if_needed()
+    page.select_option(".so-dash-compare select", label="before/after the last change")
+    d = s.wait(lambda d: len(d["runs"]) >= 2, timeout_s=120)
+    names = {r["name"] for r in d["runs"]}
+    assert any(n.startswith("before ratio 0.5 -> 0.8") for n in names), names
+    assert any(n.startswith("after (it.") for n in names), names
+    assert all(r["x0"] < 1 for r in d["runs"]), "each side drawn from its own start"
+    page.select_option(".so-dash-compare select", label=SAVED_RUN)
+    d = s.wait(lambda d: any(r["name"] == "earlier" for r in d["runs"]), timeout_s=120)
+    earlier = [r for r in d["runs"] if r["name"] == "earlier"]
+    assert {r["axis"] for r in earlier} >= {"x2", "x3", "x4", "x5"}, "every compared panel"
+    assert "comparing: before/after the last change, earlier" in page.evaluate(bs.JS_OUTPUT_TEXT)
+    s.screenshot(".so-dashboard", IMAGES / "quick_start_compare.png")
+    s.phase(f"compared with {sorted(r['name'] for r in d['runs'] if r['axis'] == 'x2')}")
+    memory_shown = """() => { const gd = document.querySelector('.so-dashboard .js-plotly-plot');
+      return !!(gd && gd.layout.xaxis6 && gd.layout.xaxis6.visible); }"""
+    page.click(".so-dash-panel-memory")  # hide a panel, then show it again
+    page.wait_for_function(f"() => !({memory_shown})()", timeout=60_000)
+    page.click(".so-dash-panel-memory")
+    page.wait_for_function(memory_shown, timeout=60_000)
+    page.click(".so-dash-compare-clear")
+    s.wait(lambda d: not d["runs"], timeout_s=120)
+    s.phase("comparison cleared")
 
 
 def _long_run(s: Session) -> int:
     """Train past the series bound, inject a stall and a loss spike, check they survive."""
     page = s.page
-    _wait(page, lambda d: _iteration(d["status"]) >= LONG_RUN - 200, timeout_s=420)
+    s.wait(lambda d: iteration(d["status"]) >= LONG_RUN - 200, timeout_s=480)
     out = page.evaluate(bs.JS_EXECUTE, SPIKE_CODE)
     assert out.strip().isdigit(), f"the spike was not injected: {out!r}"
     spike_at = int(out)
     s.phase(f"stall and loss spike injected at iteration {spike_at}")
-    d = _wait(page, lambda d: _iteration(d["status"]) >= max(LONG_RUN, spike_at + 100), timeout_s=300)
-    newest = _iteration(d["status"])
+    d = s.wait(lambda d: iteration(d["status"]) >= max(LONG_RUN, spike_at + 100), timeout_s=360)
+    newest = iteration(d["status"])
     h = page.evaluate(bs.JS_HISTORY, True)
     _check_history(h, spike_at, newest, "live")
     assert "history: iterations 0-" in d["status"] and "in bins of" in d["status"], d["status"]
     s.phase(f"long run: iteration {newest}, history {h['line']['x'][0]}..{h['line']['x'][-1]} in "
             f"{len(h['line']['x'])} bins, the spike kept")
-    _screenshot(page, ".so-dashboard", IMAGES / "quick_start_dashboard.png")
+    s.screenshot(".so-dashboard", IMAGES / "quick_start_dashboard.png")
     return spike_at
 
 
@@ -272,7 +248,12 @@ def _check_history(h: dict | None, spike_at: int, newest: int, which: str) -> No
     xs = h["line"]["x"]
     step = xs[1] - xs[0]
     assert xs[0] <= step, f"{which}: the history starts at iteration 0 (first bin at {xs[0]})"
-    assert xs[-1] >= newest - 2 * step - 5, f"{which}: it ends at the newest iteration ({xs[-1]} vs {newest})"
+    # the newest iteration of the same drawn figure (its timeline): a figure drawn a few
+    # seconds after the status line was read is not a gap in the history
+    newest = max(newest, h["timelineNewest"]) if which == "static" else h["timelineNewest"]
+    assert newest > 0, f"{which}: no timeline drawn"
+    # complete iterations only: the newest one and the one before it may still get spans
+    assert xs[-1] >= newest - 2 - 2 * step, f"{which}: it ends at the newest iteration ({xs[-1]} vs {newest})"
     assert len(xs) <= 1000 and step >= 2, f"{which}: binned past the bound ({len(xs)} bins of {step})"
 
     def band_max(band: dict, lo: float, hi: float) -> float:
@@ -292,20 +273,18 @@ def _check_history(h: dict | None, spike_at: int, newest: int, which: str) -> No
 
 def _stop(s: Session, spike_at: int) -> None:
     page = s.page
-    newest = _iteration(page.evaluate(bs.JS_DASHBOARD)["status"])
+    newest = iteration(s.dashboard()["status"])
     page.click(".so-trainer-stop")
     # a loaded machine delays the click (the kernel's main thread shares the GIL with the
     # training thread) and the static figure (drawn again from the recorder) by seconds
     page.wait_for_function(
-        "() => document.body.innerText.includes('superoffload-train: stopped')", timeout=120_000)
+        f"() => ({bs.JS_OUTPUT_TEXT})().includes('superoffload-train: stopped')", timeout=120_000)
     page.wait_for_function("() => !document.querySelector('.so-dashboard')", timeout=120_000)
     static = _wait_static(page, lambda p: "stopped" in p["title"], timeout_s=120)
     assert static["traces"] > 0
     page.wait_for_function("() => !document.querySelector('.so-trainer, .so-tuner, .so-trainer-live')",
                            timeout=120_000)
-    text = page.evaluate(bs.JS_OUTPUT_TEXT)
-    assert page.locator(".so-tuner-snapshot").count() == 1 and "offload tuner (static snapshot)" in text, \
-        "the tuner's snapshot replaced its controls"
+    one_tuner(s, frozen=True)
     _check_history(page.evaluate(bs.JS_HISTORY, False), spike_at, newest, "static")
     s.phase("stopped; static snapshots replaced every live widget")
     page.wait_for_timeout(500)
@@ -332,38 +311,13 @@ def _reopen(s: Session, spike_at: int) -> None:
     text = page.evaluate(bs.JS_OUTPUT_TEXT)
     assert f"superoffload-train: stopped, step {final.group(1)}" in text, "the run's final state survives"
     box = page.locator(".jp-RenderedPlotly img, .jp-RenderedPlotly .js-plotly-plot").first.bounding_box()
-    assert box and box["width"] > 600 and box["height"] > 600, ("the figure of the whole run survives", box)
+    assert box and box["width"] > 600 and box["height"] > 400, ("the figure of the whole run survives", box)
     s.phase("reopened: the figure and the final state, no widget error")
-
-
-@pytest.mark.timeout(600)
-def test_tutorial_08_redraws_while_trainer_train_holds_the_cell(tmp_path: Path) -> None:
-    _run(tmp_path, TUTORIAL_08, "tutorial_08", _tutorial_08, parameters={"STEPS": 150})
-
-
-def _tutorial_08(s: Session) -> None:
-    page = s.page
-    page.evaluate(bs.JS_START_RUN_ALL)
-    s.phase("Run All started")
-    page.wait_for_selector(".so-dashboard .js-plotly-plot", timeout=240_000)
-    draws: set[int] = set()
-    deadline = time.monotonic() + 240
-    train_cell = 8
-    while time.monotonic() < deadline:
-        d = page.evaluate(bs.JS_DASHBOARD)
-        if not d["live"]:
-            break
-        if "running" in d["status"] and page.evaluate(bs.JS_CELL_RUNNING, train_cell):
-            draws.add(d["draws"])
-        page.wait_for_timeout(250)
-    s.phase(f"{len(draws)} different draw counts while trainer.train() ran")
-    assert len(draws) >= 5, f"the dashboard redrew only {len(draws)} times during trainer.train()"
-    page.wait_for_function("() => document.body.innerText.includes('held-out loss')", timeout=240_000)
 
 
 @pytest.mark.timeout(300)
 def test_the_report_opens_alone_with_every_chart_drawn(tmp_path: Path) -> None:
-    _require_browser()
+    require_browser()
     from playwright.sync_api import sync_playwright
 
     run = tmp_path / "run"
@@ -398,28 +352,6 @@ def test_the_report_opens_alone_with_every_chart_drawn(tmp_path: Path) -> None:
                 page.close()
         finally:
             browser.close()
-
-
-def _screenshot(page: Any, selector: str, path: Path) -> None:
-    """The whole element: a viewport tall enough that JupyterLab does not clip it."""
-    box = page.locator(selector).bounding_box()
-    page.set_viewport_size({"width": 1400, "height": max(1000, int(box["height"]) + 300)})
-    page.locator(selector).scroll_into_view_if_needed()
-    page.wait_for_timeout(800)  # the figure follows the resize
-    page.locator(selector).screenshot(path=str(path))
-    page.set_viewport_size({"width": 1400, "height": 1000})
-
-
-def _wait(page: Any, ok: Callable[[dict], bool], timeout_s: float = 60.0) -> dict:
-    """Read the live dashboard until `ok(state)` holds (it refreshes a few times a second)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        d = page.evaluate(bs.JS_DASHBOARD)
-        if d["live"] and ok(d):
-            return d
-        if time.monotonic() > deadline:
-            raise AssertionError(f"dashboard never reached the expected state: {d}")
-        page.wait_for_timeout(250)
 
 
 def _wait_static(page: Any, ok: Callable[[dict], bool], timeout_s: float = 60.0) -> dict:
@@ -471,7 +403,7 @@ def test_the_layout_check_catches_a_view_wider_than_its_output_area(tmp_path: Pa
                    for p in problems), problems
         assert not any(p.startswith(("so-trainer", "so-tuner")) for p in problems), problems
 
-    _run(tmp_path, source, "layout_check", check)
+    run_notebook(tmp_path, source, "layout_check", check)
 
 
 @pytest.mark.timeout(300)
@@ -498,7 +430,7 @@ def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path
         page = s.page
         page.evaluate(bs.JS_RUN_ALL)
         page.wait_for_selector(".so-dashboard .js-plotly-plot")
-        page.wait_for_function("() => /iteration [1-9]/.test(document.body.innerText)")
+        page.wait_for_function(f"() => /iteration [1-9]/.test(({bs.JS_OUTPUT_TEXT})())")
         page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); }")
         page.wait_for_function("() => !document.querySelector('.so-dashboard, .so-trainer')", timeout=30_000)
         s.phase("kernel shut down mid-run: every live view frozen")
@@ -511,4 +443,4 @@ def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path
         assert re.search(r"superoffload-train: running, step [1-9]", text) and \
             "(frozen here when the kernel shut down)" in text, text[-500:]
 
-    _run(tmp_path, source, "kernel_shutdown", check)
+    run_notebook(tmp_path, source, "kernel_shutdown", check)

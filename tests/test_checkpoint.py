@@ -11,6 +11,7 @@ from _tiny_models import make_model
 
 import superoffload as so
 from superoffload.runtime.checkpoint import CheckpointMismatch
+from superoffload.runtime.ckpt_files import CheckpointCorrupt
 
 STEPS, STOP = 10, 4
 
@@ -130,8 +131,10 @@ def test_loading_never_unpickles_objects(tmp_path):
     with open(tmp_path / "engine.pt", "wb") as f:
         pickle.dump({"format": Evil()}, f)
     model, engine, _ = make()
-    with engine, pytest.raises(pickle.UnpicklingError):
+    with engine, pytest.raises(CheckpointCorrupt, match="not a superoffload checkpoint, or "
+                               "tampered; it was not loaded") as info:
         engine.load_checkpoint(str(tmp_path))
+    assert "weights_only" not in str(info.value)  # never advice to switch the check off
 
 
 def test_state_dict_roundtrip_in_memory():
@@ -262,16 +265,16 @@ def test_two_threads_saving_into_one_folder(tmp_path, monkeypatch):
 
 
 def test_a_sharded_checkpoint_in_a_plain_engine_names_the_way(tmp_path):
-    """A ZeRO checkpoint loaded into OffloadEngine said `FileNotFoundError: no checkpoint at
-    .../engine.pt`; it says the checkpoint is sharded and names ZeroOffloadEngine and
-    consolidate(), and consolidate() indeed reads it."""
+    """A data-parallel (DCP) checkpoint loaded into OffloadEngine said `FileNotFoundError: no
+    checkpoint at .../engine.pt`; it says the checkpoint is sharded and names
+    FsdpOffloadEngine and consolidate(), and consolidate() indeed reads it."""
     from superoffload.distributed import init_distributed, shutdown
-    from superoffload.distributed.zero import ZeroOffloadEngine, consolidate
+    from superoffload.distributed.fsdp import FsdpOffloadEngine, consolidate
 
     init_distributed(backend="gloo", env={}, timeout_s=30)
     try:
         model = make_model(dtype=torch.bfloat16)
-        with ZeroOffloadEngine(model, {"lr": 3e-3}, config()) as zero:
+        with FsdpOffloadEngine(model, {"lr": 3e-3}, config()) as zero:
             x = torch.randint(0, 61, (4, 12))
             zero.backward(model(x, torch.roll(x, -1, 1)))
             zero.step()
@@ -281,7 +284,7 @@ def test_a_sharded_checkpoint_in_a_plain_engine_names_the_way(tmp_path):
     _, engine, _ = make()
     with engine, pytest.raises(CheckpointMismatch, match="sharded checkpoint") as info:
         engine.load_checkpoint(str(tmp_path / "zero"))
-    assert "ZeroOffloadEngine" in str(info.value) and "consolidate(path)" in str(info.value)
+    assert "FsdpOffloadEngine" in str(info.value) and "consolidate(path)" in str(info.value)
     assert set(consolidate(str(tmp_path / "zero")).states) == {
         n for n, p in model.named_parameters() if p.requires_grad}
     # and the reverse: a single-process checkpoint given to the sharded reader

@@ -235,9 +235,9 @@ DP = ["--model", "tiny", "--batch", "4", "--seq", "32", "--steps", "40", "--eval
 def test_data_parallel_sigterm_and_resume_is_bit_identical(tmp_path: Path) -> None:
     """torchrun --nproc-per-node 2 (gloo): SIGTERM to the launcher reaches both ranks, which
     agree on the step, write one sharded checkpoint and exit 143; the resumed job matches an
-    uninterrupted one bit for bit (ZeroOffloadEngine's sharded save/load, each rank's data
+    uninterrupted one bit for bit (the FSDP2 engine's DCP save/load, each rank's data
     position and RNG)."""
-    from superoffload.distributed.zero import consolidate
+    from superoffload.distributed.fsdp import consolidate
 
     ref = _run(tmp_path, *DP, "--trace", "--out", str(tmp_path / "ref"), torchrun=True)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]

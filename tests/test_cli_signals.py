@@ -6,6 +6,10 @@ thread returns to Python code. `StopSignals` answers from a thread woken by the 
 handler: the first signal is acknowledged within a second, a second one ends the process at
 once (exit code 128 + the signal), and a single signal still stops at the step boundary.
 
+When no step runs (the final evaluation, setting up), there is no boundary to wait for: a
+signal stops the process at once, with one line (it used to say "finishing the current
+step" and live on through an evaluation of any length).
+
 The long operation here is one `hashlib.pbkdf2_hmac` call (C code that releases the GIL and
 runs no Python code, as a torch kernel does), sized in the child to last a few seconds.
 """
@@ -20,7 +24,7 @@ import sys
 import time
 
 CHILD = r"""
-import hashlib, signal, sys, time
+import contextlib, hashlib, signal, sys, time
 try:
     from superoffload.commands.signals import StopSignals
 except ImportError:  # before issue 17 it lived in checkpointing.py
@@ -33,16 +37,20 @@ def long_call(seconds):
     hashlib.pbkdf2_hmac("sha256", b"k", b"salt", int(rate * seconds))
 
 with StopSignals() as stop:
-    print("ready", flush=True)
-    t0 = time.monotonic()
-    long_call(float(sys.argv[1]))
-    print(f"long call ended after {time.monotonic() - t0:.1f} s", flush=True)
+    # a step (signals wait for its boundary), or, with "idle", work outside any step
+    steps = contextlib.nullcontext() if sys.argv[2:] == ["idle"] else stop.deferring()
+    with steps:
+        print("ready", flush=True)
+        t0 = time.monotonic()
+        long_call(float(sys.argv[1]))
+        print(f"long call ended after {time.monotonic() - t0:.1f} s", flush=True)
 print(f"signum {stop.signum}", flush=True)
 """
 
 
-def _start(seconds: float) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(seconds)], stdout=subprocess.PIPE,
+def _start(seconds: float, *mode: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(seconds), *mode],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
     assert _read_line(proc.stdout, 60.0) == "ready"
     return proc
@@ -104,3 +112,21 @@ def test_one_signal_still_stops_at_the_step_boundary() -> None:
         assert lines[0].startswith("long call ended") and lines[-1] == f"signum {signal.SIGINT}"
     finally:
         _stop(proc)
+
+
+def test_a_signal_when_no_step_runs_stops_at_once() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = _start(8.0, "idle")
+        try:
+            time.sleep(0.3)  # inside the long call, outside any step
+            t0 = time.monotonic()
+            proc.send_signal(sig)
+            code = proc.wait(timeout=5)
+            assert time.monotonic() - t0 < 1.0 and code == 128 + sig
+            name = signal.Signals(sig).name
+            assert _read_line(proc.stderr, 1.0) == (f"train: {name} received while no training "
+                                                    "step runs: stopping now (checkpoints "
+                                                    "already written are kept)")
+            assert proc.stdout is not None and proc.stdout.read().decode() == ""
+        finally:
+            _stop(proc)

@@ -75,7 +75,12 @@ EDITS = {
                         for p in m.parameters() if p.grad is not None],
     "new tensor": lambda m: [setattr(p, "grad", p.grad * 1.0)
                              for p in m.parameters() if p.grad is not None],
-    "set None": lambda m: [setattr(p, "grad", None) for p in list(m.parameters())[-1:]],
+    # offloaded parameters' gradients left with their bucket (p.grad is None already); a GPU
+    # tail one still holds its gradient: dropping it is the edit
+    "set None": lambda m: [setattr(p, "grad", None)
+                           for p in [q for q in m.parameters() if q.grad is not None][-1:]],
+    "write a freed p.grad": lambda m: [setattr(p, "grad", torch.zeros_like(p))
+                                       for p in m.parameters() if p.grad is None][:1],
 }
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel ranks keep the contract together (issue 17 §7, and §2-3 under ZeRO).
+"""Data-parallel ranks keep the contract together (issue 17 §7, and §2-3 over FSDP2).
 
 Two gloo processes (tests/_contract_worker.py). Ranks that disagree (different lr, model
 width, ratio, bucket size, a parameter frozen on one rank, max_grad_norm) used to train apart
@@ -19,8 +19,8 @@ import pytest
 import torch
 from _dist_support import run_ranks
 from _engine_ref import HYPER, max_diff
+from _fsdp_dp_worker import global_data
 from _tiny_models import make_model
-from _zero_worker import global_data
 
 WORKER = Path(__file__).with_name("_contract_worker.py")
 TIMEOUT_S = 120.0
@@ -34,7 +34,7 @@ def results(tmp_path: Path, scenario: str, args: dict | None = None) -> list[dic
 
 
 @pytest.mark.parametrize("field,named", [
-    ("lr", "param_groups"), ("width", "parameter #0"), ("ratio", "config.ratio"),
+    ("lr", "param_groups"), ("weight_decay", "param_groups"), ("width", "parameter #0"), ("ratio", "config.ratio"),
     ("bucket_bytes", "config.bucket_bytes"), ("frozen", "parameter #2"),
     ("max_grad_norm", "config.max_grad_norm"),
 ])
@@ -45,11 +45,34 @@ def test_ranks_that_disagree_all_raise_naming_the_field(tmp_path, field, named):
         assert named in r["error"] and "ranks [0]" in r["error"] and "ranks [1]" in r["error"]
 
 
-def test_hyper_parameter_changed_on_one_rank_mid_run(tmp_path):
-    got = results(tmp_path, "midrun")
+@pytest.mark.parametrize("key", ["lr", "weight_decay"])
+def test_hyper_parameter_changed_on_one_rank_mid_run(tmp_path, key):
+    """weight_decay 0.1 on rank 0 and 0.2 on rank 1 (or a halved lr): caught by the hash the
+    validation all-reduce carries, which covers every field of AdamHyper (runtime/guard.py;
+    each field one by one: tests/test_rank_agreement.py)."""
+    got = results(tmp_path, "midrun", {"key": key})
     for r in got:
         assert r["type"] == "RanksDisagree", r
-        assert "param_groups" in r["error"]
+        assert "param_groups" in r["error"] and key in r["error"]
+
+
+def test_clip_grad_norm_returns_torchs_norm_of_the_global_gradient(tmp_path):
+    """engine.clip_grad_norm_ on 2 ranks returns what torch.nn.utils.clip_grad_norm_ returns
+    on the whole batch (not a rank's share, not off by sqrt(2)), and the run matches AdamW
+    clipped by it (1e-5; 1 rank: tests/test_contract.py)."""
+    got = results(tmp_path, "clipnorm")
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    norms = []
+    for x, y in global_data(3):
+        model(x, y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+    for r in got:
+        assert r["norms"] == pytest.approx(norms, rel=1e-5), (r["norms"], norms)
+    ref = {n: p.detach() for n, p in model.named_parameters()}
+    assert max_diff(ref, torch.load(tmp_path / "clipnorm.pt")) < 1e-5
 
 
 def test_gradient_edited_on_one_rank_raises_on_both(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from _tiny_models import batches, make_model
 
 import superoffload as so
-from superoffload import ds_keys
+from superoffload import ds_config, ds_keys
 from superoffload.config import ConfigError
 
 PAPER = {  # the SuperOffload tutorial's shape of a DeepSpeed config
@@ -267,3 +268,33 @@ def test_initialize_takes_trainer_json():
             engine.step()
             engine.zero_grad()
         assert engine.iteration == 2 and engine.config.bucket_bytes == 4096
+
+
+def test_absent_keys_keep_deepspeeds_meaning_or_are_said_one_line_each():
+    """DeepSpeed's defaults (deepspeed/runtime/zero/offload_config.py): ratio 1.0 and
+    cpuadam_cores_perc 0.8 when absent; where this engine keeps its own default instead, the
+    notice says so, one line per key (ds_config.DIFFERENCES)."""
+    bare = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.warns(ds_keys.DeepSpeedNotice) as caught:
+        config, _ = so.from_deepspeed(bare)
+    assert (config.ratio, config.cpu_cores_frac) == (1.0, 0.8)
+    text = str(caught[0].message)
+    for key, why in ds_config.DIFFERENCES.items():
+        assert f"{key} {why}" in text, key
+    assert config.extra["deepspeed"]["defaults"] == [f"{k} {w}" for k, w in
+                                                     ds_config.DIFFERENCES.items()]
+    # every key given: nothing differs, nothing to say
+    full = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8, "offload_optimizer": {
+        "device": "cpu", "pin_memory": False, "super_offload": False}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config, _ = so.from_deepspeed(full)
+    assert (config.ratio, config.speculation, config.pin_memory) == (1.0, "off", False)
+    # the superoffload section may set what DeepSpeed leaves out, without a contradiction
+    ours, _ = so.from_deepspeed({**full, "superoffload": {"ratio": 0.5}})
+    assert ours.ratio == 0.5
+    # no optimizer offload: ratio 0 as before, and no DeepSpeed offload defaults to state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        none, _ = so.from_deepspeed({"zero_optimization": {"stage": 2}})
+    assert none.ratio == 0.0

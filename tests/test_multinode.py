@@ -29,7 +29,7 @@ import pytest
 import torch
 from _dist_support import alive, free_port
 
-from superoffload.distributed.zero import consolidate
+from superoffload.distributed.fsdp import consolidate
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,7 @@
-"""One engine at world size 2 (issue 10): ZeRO runs the rule book's schedule and steps a
-parameter iff some rank produced a gradient for it (as DDP + AdamW would)."""
+"""One engine at world size 2 (issue 10): the engine over FSDP2 runs the rule book's schedule
+and steps a parameter iff some rank produced a gradient for it (as DDP + AdamW would: FSDP2
+reduces zeros for a parameter a rank did not use; the engine carries which ones some rank
+used in its validation reduce)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def _ok(results: list) -> None:
         assert r.returncode == 0, f"rank {r.rank}: exit {r.returncode}\n{r.log[-4000:]}"
 
 
-def test_zero_runs_the_rule_books_schedule_at_dp2(tmp_path: Path) -> None:
+def test_fsdp_runs_the_rule_books_schedule_at_dp2(tmp_path: Path) -> None:
     configs = {"stationary": BASE, "flow": {**BASE, "weights": "flow"}}
     _ok(run_ranks("schedule", 2, tmp_path, timeout_s=120, args={"configs": configs},
                   worker=WORKER))

@@ -98,17 +98,22 @@ def test_gqa_swiglu_shape_from_numbers_matches_the_model():
 
 
 def test_activation_formula_by_hand():
-    # GPT: Korthikanti et al. 34 sbh per block (flash attention)
+    # GPT: Korthikanti et al. 34 sbh per block (flash attention) + the fp32 log-sum-exp (4a)
+    # + two LayerNorms' fp32 mean and rstd; outside the blocks the token ids and embedding
+    # dropout mask, and the head's inputs, norm statistics, fp32 log-softmax and targets
     gpt = ModelShape(layers=1, hidden=64, heads=4, vocab=10, seq=8, activation_checkpointing=False)
-    assert gpt.activation_bytes() == 34 * 8 * 64 + 8 * 8 * 10
-    # GQA + SwiGLU, no dropout: norms 4h, attention 2h + 4q + 4kv, MLP 2h + 8f
+    assert gpt.layer_activation_bytes() == [8 * (8 + 64), 8 * (34 * 64 + 4 * 4 + 2 * 8),
+                                            8 * (4 * 64 + 8 + 4 * 10 + 8)]
+    # GQA + SwiGLU, no dropout: norms 4h + two RMSNorm rstd (4 B), attention 2h + 4q + 4kv
+    # + 4a, MLP 2h + 8f
     h, q, kv, f = 64, 64, 16, 96
     llama = gpt.replace(kv_heads=1, gated_mlp=True, ffn_hidden=f, bias=False, dropout_masks=False)
-    assert llama.activation_bytes() == 8 * (4 * h + 2 * h + 4 * q + 4 * kv + 2 * h + 8 * f) + 640
+    assert llama.layer_activation_bytes()[1] == 8 * (4 * h + 2 * 4 + 2 * h + 4 * q + 4 * kv
+                                                     + 4 * 4 + 2 * h + 8 * f)
     # MoE, 1 of 4 experts per token: that expert's MLP activations + 4E fp32 router bytes
     moe = llama.replace(experts=4, experts_per_token=1)
-    assert moe.activation_bytes() == 8 * (4 * h + 2 * h + 4 * q + 4 * kv
-                                          + 1 * (2 * h + 8 * f) + 4 * 4) + 640
+    assert moe.layer_activation_bytes()[1] == 8 * (4 * h + 2 * 4 + 2 * h + 4 * q + 4 * kv
+                                                   + 4 * 4 + 1 * (2 * h + 8 * f) + 4 * 4)
     # head_dim wider than hidden / heads (Gemma-2): attention FLOPs use heads x head_dim
     wide = gpt.replace(head_dim=32)
     assert wide.layer_forward_flops()[1] - 2 * 8 * wide.active_block_params == 8 * 4 * 8 * 128
@@ -125,7 +130,11 @@ def test_training_dtype_is_not_the_configs(capsys):
     assert out["model"]["dtype"] == "float32" and out["model"]["family"] == "gemma2"
 
 
-def test_remote_code_is_refused():
+def test_remote_code_is_never_run():
+    # a type transformers ships is planned as data, its auto_map dropped (nothing imported)
+    falcon = hf_config.load("falcon-7b")
+    named = {**falcon, "auto_map": {"AutoModelForCausalLM": "x.Y"}}
+    assert ModelShape.from_hf_config(named) == ModelShape.from_hf_config(falcon)
+    # a type only its own code describes is refused
     with pytest.raises(ValueError, match="never runs code from a config"):
-        ModelShape.from_hf_config({**hf_config.load("falcon-7b"),
-                                   "auto_map": {"AutoModelForCausalLM": "x.Y"}})
+        ModelShape.from_hf_config({**named, "model_type": "falcon_custom"})

@@ -82,11 +82,24 @@ def test_shape_parameter_and_flop_counts_by_hand() -> None:
 
 
 def test_activation_bytes_by_hand() -> None:
-    # checkpointing: L * 2sbh (block inputs) + 34 sbh (one block) + 8 s b V (fp32 logits + grad)
-    assert TINY.activation_bytes() == 2 * 2 * 8 * 2 * 64 + 34 * 8 * 2 * 64 + 8 * 8 * 2 * 100
+    # what autograd keeps (plan/formulas.py), with checkpointing: the token ids (int64) and
+    # the embedding's dropout mask (8 + h per token), each block's input (2h), the head's
+    # norm and head inputs, the norm's fp32 mean and rstd, the fp32 log-softmax and the
+    # targets (4h + 8 + 4V + 8)
+    t, h, v = 16, 64, 100
+    assert TINY.layer_activation_bytes() == [t * (8 + h), 2 * t * h, 2 * t * h,
+                                             t * (4 * h + 16 + 4 * v)]
+    # one block, recomputed during its backward: Korthikanti's 34h (flash attention) + the
+    # fp32 log-sum-exp (4 B x 4 heads) + two LayerNorms' mean and rstd (2 x 8 B)
+    block = t * (34 * h + 4 * 4 + 2 * 8)
+    assert TINY.recompute_bytes() == block
+    assert TINY.loss_transient_bytes() == t * 8 * v  # two fp32 gradients of the logits
+    assert TINY.activation_bytes() == sum(TINY.layer_activation_bytes()) + max(block, t * 8 * v)
     no_flash = TINY.replace(activation_checkpointing=False, flash_attention=False)
-    per_block = 8 * 2 * 64 * (34 + 5 * 4 * 8 / 64)
-    assert no_flash.activation_bytes() == pytest.approx(2 * per_block + 8 * 8 * 2 * 100)
+    per_block = t * (34 * h + 5 * 4 * 8 + 2 * 8)  # softmax 2as + mask and output 3as, no lse
+    assert no_flash.recompute_bytes() == 0
+    assert no_flash.activation_bytes() == pytest.approx(
+        2 * per_block + t * (8 + h) + t * (4 * h + 16 + 4 * v) + t * 8 * v)
 
 
 def test_shape_rejects_bad_input() -> None:

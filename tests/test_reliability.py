@@ -155,15 +155,15 @@ def test_an_interruption_while_settling_stops_the_engine(monkeypatch: pytest.Mon
     engine.close()
 
 
-def test_zero_refuses_to_go_on_after_an_interrupted_backward() -> None:
+def test_data_parallel_refuses_to_go_on_after_an_interrupted_backward() -> None:
     from superoffload.distributed import init_distributed, shutdown
-    from superoffload.distributed.zero import ZeroOffloadEngine
+    from superoffload.distributed.fsdp import FsdpOffloadEngine
 
     init_distributed(backend="gloo", env={}, timeout_s=30)
     try:
         model = make_model(0)
-        hook = Interrupt(model, KeyboardInterrupt())
-        engine = ZeroOffloadEngine(model, HYPER, cfg())
+        engine = FsdpOffloadEngine(model, HYPER, cfg())
+        hook = Interrupt(model, KeyboardInterrupt())  # on the sharded parameter
         hook.armed = True
         with pytest.raises(KeyboardInterrupt):
             engine.backward(model(*DATA[0]))

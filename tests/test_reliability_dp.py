@@ -1,7 +1,9 @@
 """Data-parallel faults (issue 12): a stalled (SIGSTOP), not dead, rank. Every collective must
 end within the configured timeout plus a few seconds, with an error that names the rank and
 the collective, and close() must not wait long for stuck threads. (The killed path:
-tests/test_zero_dp.py::test_a_dead_rank_fails_the_survivor_fast.)"""
+tests/test_fsdp_dp.py::test_a_dead_rank_stops_the_others.) Over FSDP2 the first collective to
+fail is FSDP2's own all-gather in the survivor's next forward: its collectives run under our
+guard (distributed/fsdp/comm.py), so the message is the same."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from _dist_support import run_ranks
 
-WORKER = Path(__file__).with_name("_one_engine_worker.py")
+WORKER = Path(__file__).with_name("_fsdp_dp_worker.py")
 TIMEOUT_S = 5.0
 
 

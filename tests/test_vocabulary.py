@@ -67,8 +67,8 @@ def test_the_dashboard_names_its_lines_axes_and_status_from_the_table() -> None:
                     h2d_peak_gbps=40.0, profile_name="p")
     lines = status_lines(state, work, [Expected(0, 0.030, 0.1)], run_state=RunState.RUNNING,
                          iteration=8)
-    measured, predicted = lines[1].split(": ", 1)[1].split(" | predicted")
-    for piece in measured.split(" · ") + lines[2].split(" · "):
+    key = lines[1].split(", pooled: ", 1)[1]
+    for piece in key.split(" · "):
         head = re.sub(r" [-\d.]+[kMG]? ?\S*( \(.*\))?$", "", piece)
         assert head in LABELS or piece.endswith("tokens/s") or piece.endswith("TFLOP/s"), piece
 
@@ -82,8 +82,8 @@ def test_the_cli_summary_speaks_the_same_words(capsys) -> None:
     print_summary(result, argparse.Namespace(sample_temperature=0.0, sample_top_k=0))
     out = capsys.readouterr().out
     assert "2.29k tokens/s over 6 steps" in out
-    line = next(x for x in out.splitlines() if x.startswith("per iteration (median): "))
-    assert line == "per iteration (median): " + vocab.describe(vocab.summary_values(summary),
+    line = next(x for x in out.splitlines() if x.startswith("per iteration, "))
+    assert line == "per iteration, iterations 1-5 pooled: " + vocab.describe(vocab.summary_values(summary),
                                                                  SUMMARY_METRICS)
     assert all(vocab.METRICS[n].label in line for n in SUMMARY_METRICS)
 

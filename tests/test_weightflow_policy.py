@@ -180,12 +180,12 @@ def _largest(fits) -> int:
 
 def _predicted(n_layer: int, weights: str) -> bool:
     model = GPT(gpt_tiny(n_layer=n_layer, n_embd=WIDTH, n_head=2, block_size=SEQ))
-    shape = plan.ModelShape.from_module(model, seq=SEQ, micro_batch=MB,
+    shape = plan.ModelShape.from_module(model.to(torch.bfloat16), seq=SEQ, micro_batch=MB,
                                         activation_checkpointing=False)
     prof = plan.profiles.get("cpu-laptop").replace(device_memory_bytes=CAP / 0.95,
                                                    shared_memory=False)
     config = so.OffloadConfig(weights=weights, ratio=1.0, grad_cast="host", param_cast="host",
-                              prefetch_depth=1)
+                              prefetch_depth=1, bucket_bytes=1 << 20)  # as _trains runs it
     return not check_fits(memory(shape, prof, resolve(shape, prof, "superoffload", config, None)),
                           prof)
 
@@ -195,8 +195,9 @@ def test_largest_model_under_a_device_cap_and_the_planners_prediction():
     predicted = {w: _largest(lambda n, w=w: _predicted(n, w)) for w in ("stationary", "flow")}
     # weight-flow trains a model more than twice as deep in the same device memory
     assert measured["flow"] >= 2 * measured["stationary"] >= 2
-    # the planner (bf16 activation formula of Korthikanti et al., weights + grads +
-    # activations summed) is within one layer for stationary and two for flow on this
-    # model (docs/weightflow.md lists the numbers and where the difference comes from)
+    # the planner (its device peak: weights, the gradients in flight and what autograd
+    # keeps, plan/memory.py) is within one layer for stationary and two for flow on this
+    # model (4 and 9 predicted, 5 and 11 measured: the planner keeps 5% headroom and adds
+    # the loss's fp32 gradients, which the meter does not count; docs/weightflow.md)
     assert abs(predicted["stationary"] - measured["stationary"]) <= 1, (predicted, measured)
     assert abs(predicted["flow"] - measured["flow"]) <= 2, (predicted, measured)

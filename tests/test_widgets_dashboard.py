@@ -55,7 +55,9 @@ def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None
     assert fig.layout.yaxis4.title.text == "%" and fig.layout.yaxis3.title.text == "GB/s (log)"
     assert fig.layout.yaxis3.type == "log" and fig.layout.yaxis2.range[0] == 0
     assert fig.layout.width is None and fig.layout.autosize, "the width follows the output area"
-    assert fig.layout.title.text == "superoffload · iteration 7"
+    assert dash.title_text() == "superoffload · iteration 7" and not fig.layout.title.text, \
+        "the live figure's title is the status line above it"
+    assert dash.static_figure()[0].layout.title.text == "superoffload · iteration 7"
     assert "<" not in dash.summary(), "no markup in text output"
 
 
@@ -82,7 +84,7 @@ def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
     dash.refresh(final=True)
     for d in ("d2h", "h2d"):  # one line per direction, its own legend entry
         peak = dash.figure.data[TRACE[f"{d}_peak"]]
-        assert set(np.asarray(peak.y, dtype=float)) == {450.0} and peak.name == f"{d.upper()} peak"
+        assert set(np.asarray(peak.y, dtype=float)) == {450.0} and peak.name == f"planner's {d.upper()}"
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
     assert dash.figure.data[TRACE["predicted_ms"]].y[0] == pytest.approx(res.iteration_s * 1e3)
     assert "on profile gh200 (not calibrated; preset)" in dash.summary()
@@ -259,7 +261,9 @@ def test_the_live_view_is_a_one_way_widget_with_the_figure_in_one_trait() -> Non
     assert "Plotly.react" in dash.plot._esm and "module.exports" in dash.plot._esm
     dash.refresh()
     sent = dash.plot.figure
-    assert len(sent["data"]) == len(TRACE) and sent["layout"]["title"]["text"].startswith("superoffload")
+    # the live figure leaves its title to the status line above it (one screen at 1366x768)
+    assert len(sent["data"]) == len(TRACE) and not sent["layout"]["title"]["text"]
+    assert dash.status.value.startswith("<div class='so-dash-status'") and "superoffload" in dash.status.value
     dash.refresh()  # nothing new: nothing sent
     assert dash.plot.figure is sent
     bundle = dash._static_bundle()  # what replaces the widget when the run ends
@@ -280,9 +284,10 @@ def test_labels_and_legends_do_not_cover_one_another() -> None:
     dash = LiveDashboard(engine, shape=SHAPE, profile="gh200")
     dash.refresh(final=True)
     fig = dash.figure
-    percent = {s.name for s in fig.data if s.xaxis == "x4"}
+    percent = {s.name for s in fig.data if s.xaxis == "x4" and len(s.x)}
     assert percent == {"CPU step hidden", "device idle"}, "no 0.01 % lines on a 0-100 % axis"
-    assert {s.name for s in fig.data if s.xaxis == "x3" and s.showlegend} == {"D2H", "H2D", "D2H peak", "H2D peak"}
+    assert {s.name for s in fig.data if s.xaxis == "x3" and s.showlegend and len(s.x)} == \
+        {"D2H", "H2D", "planner's D2H", "planner's H2D"}
     (label,) = [a for a in fig.layout.annotations if a.text.startswith("A/B ")]
     assert label.text == "A/B ratio 0.5→0.8" and label.yref == "y2 domain" and label.y < 0.1
     assert label.yanchor == "bottom" and label.bgcolor == "#FFFFFF", "opaque, at the bottom"

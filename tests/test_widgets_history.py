@@ -111,7 +111,7 @@ def test_the_live_figure_and_the_static_one_draw_the_whole_run() -> None:
     assert len(line.x) <= 600 and line.x[0] == pytest.approx(1.5), "the first bin: 0..3"
     assert max(band.y) == pytest.approx(max(dash.state.series()["iteration_ms_max"]))
     titles = [fig.layout[f"xaxis{k}"].title.text or "" for k in "23456"]
-    assert any(t.startswith("iteration (bins of 4") for t in titles), titles
+    assert any(t == "iteration · bins of 4" for t in titles), titles
     assert any(line.startswith("history: iterations 0-1999 in bins of 4") for line in dash.status_lines())
     # the static figure re-reads the recorder at a finer bound: stride 2 for 2,000 iterations
     static, lines = dash.static_figure()

@@ -3,6 +3,7 @@ percentages, complete iterations only, the timeline in ms, layouts and palettes,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -24,6 +25,7 @@ from superoffload.widgets.panels import (
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState, IterationPoint
 from superoffload.widgets.timeline import span_segments, timeline_view, vlines
+from superoffload.widgets.traces import SPECS
 from tests.widgets_support import MB, filled_recorder, record_iteration
 
 
@@ -125,13 +127,13 @@ def test_an_ab_trial_is_one_event_and_its_result_is_shown_as_the_engine_wrote_it
                for k, (a, b) in enumerate([(0.5, 0.8), (0.8, 0.5)] * 2)]]
     state.add_notes(notes)
     running = status_lines(state, Workload(), [], run_state=RunState.RUNNING, iteration=30)
-    assert running[-1].startswith("A/B running since it. 10: ratio 0.5 -> 0.8")
+    assert "A/B running since it. 10: ratio 0.5 -> 0.8" in running[2]
     state.add_notes([*notes, (29, result)])
     assert state.reconfigures == [], "the switches inside a trial are not reconfigurations"
     (trial,) = state.ab_trials
     assert (trial.start, trial.end, trial.switches, trial.result) == (10, 29, 4, result)
-    assert status_lines(state, Workload(), [], run_state=RunState.STOPPED, iteration=30)[-1] == \
-        f"it. 10-29: {result}"
+    assert status_lines(state, Workload(), [], run_state=RunState.STOPPED, iteration=30)[2] \
+        .endswith(f" · it. 10-29: {result}")
 
 
 # ------------------------------------------------------------------ events and status
@@ -151,7 +153,8 @@ def test_rollbacks_replays_and_skipped_steps_are_counted_apart() -> None:
     view = timeline_view(state.timeline_spans(), skipped=state.skipped, reconfigures=state.reconfigures)
     assert (view.rollbacks.count, view.replays.count, view.skipped.count) == (2, 1, 1)
     lines = status_lines(state, Workload(), [], run_state=RunState.STOPPED, iteration=2)
-    assert "2 bucket rollbacks · 1 replays · 1 skipped steps" in lines
+    assert lines[2] == ("2 bucket rollbacks · 1 replays · 1 skipped steps · it. 1: reconfigure "
+                         "applied: ratio 0.5 -> 0.8")
     assert lines[0] == "superoffload · stopped · iteration 2"
     assert not any("<" in line for line in lines), "plain text, no markup"
 
@@ -164,12 +167,22 @@ def test_status_says_measured_vs_predicted_and_which_profile() -> None:
     lines = status_lines(state, work, [Expected(0, 0.030, 0.1)], run_state=RunState.RUNNING,
                          iteration=8)
     assert lines[0] == "superoffload · running · iteration 8 · ratio 0.50 (since it. 0)"
-    assert "predicted for 2 micro-batches: iteration time 30 ms" in lines[1]
-    assert "profile local-vm (not calibrated; measured here)" in lines[1]
-    assert "engine time 32 ms" in lines[1], "the measurement the prediction is compared with"
-    assert "tokens/s" in lines[1] and "TFLOP/s" in lines[1]
-    assert "D2H link use" in lines[2] and "of 40 GB/s peak" in lines[2]
+    # the key figures first, the window they pool named before them (telemetry.window)
+    assert lines[1].startswith("iterations 0-7, pooled: iteration time 32.9 ms (predicted 30.0 ms, "
+                               "not calibrated)"), lines[1]
+    assert "tokens/s" in lines[1] and "CPU step hidden" in lines[1]
+    text = "\n".join(lines)
+    assert "predicted for 2 micro-batches: iteration time 30.0 ms" in text
+    assert "profile local-vm (not calibrated; measured here)" in text
+    assert "engine time 32.0 ms" in text, "the measurement the prediction is compared with"
+    assert "TFLOP/s" in text
+    # the reference rate is named for what it is (a preset's peak here; fitted: "fitted rate")
+    assert "D2H link use" in text and "of the planner's 40.0 GB/s (peak)" in text
     assert not any(line.startswith("warning") for line in lines)  # 32 ms vs 30: close enough
+    fitted = status_lines(state, dataclasses.replace(work, d2h_peak_gbps=0.2, link_rate_kind="fitted"),
+                          [Expected(0, 0.030, 0.1)], run_state=RunState.RUNNING, iteration=8)
+    assert "of the planner's 0.200 GB/s (fitted rate); moving at 10x that rate (a fit, not a bound)" \
+        in "\n".join(fitted), "a measured rate above its reference is not called use of a peak"
 
 
 def _steady(state: DashboardState, its: range, engine_ms: float) -> None:
@@ -248,38 +261,52 @@ def test_no_panel_without_data() -> None:
 
 def test_grid_stacks_rows_and_every_panel_stays_inside_the_figure() -> None:
     panels = L.measured_panels(frozenset({"speed", "link", "percent", "loss", "memory"}))
-    g = L.grid(panels)
+    g = L.grid(panels, sizes=L.MEASURED_SIZES, legend_px=40)
     assert g.domains["timeline"].x == (0.0, 1.0)
-    assert g.domains["speed"].y == g.domains["link"].y  # side by side
-    assert g.domains["speed"].x[1] < g.domains["link"].x[0]
-    assert g.domains["percent"].y[1] < g.domains["speed"].y[0]  # below
+    assert g.domains["speed"].y == g.domains["link"].y == g.domains["percent"].y  # 3 columns
+    assert g.domains["speed"].x[1] < g.domains["link"].x[0] < g.domains["link"].x[1] < g.domains["percent"].x[0]
+    assert g.domains["loss"].y[1] < g.domains["speed"].y[0]  # below
+    assert g.domains["loss"].x == g.domains["speed"].x, "a short last row keeps the column width"
     for d in g.domains.values():
         assert 0 <= d.x[0] < d.x[1] <= 1 and 0 < d.y[0] < d.y[1] < 1
-    # a header band (title + legend) above each panel: nothing overlaps it
-    header = L.HEADER_PX / g.height_px
-    tops = sorted(d.y[1] for d in g.domains.values())
-    bottoms = sorted(d.y[0] for d in g.domains.values())
-    assert all(b - 1e-9 <= 1 for b in bottoms)
+    # a title band above each panel: nothing overlaps it; the legend's band above the timeline
+    header = L.MEASURED_SIZES.header_px / g.height_px
     for key, d in g.domains.items():
         above = [o for k, o in g.domains.items() if o.y[0] > d.y[1] and
                  not (o.x[1] <= d.x[0] or o.x[0] >= d.x[1])]
         assert all(o.y[0] - d.y[1] >= header - 1e-6 for o in above), key
-    assert tops and g.bottom_row == {"memory", "loss"}
-    assert L.grid(["timeline", "speed"]).height_px < g.height_px
+    assert 1 - g.domains["timeline"].y[1] >= (40 + L.MEASURED_SIZES.top_px) / g.height_px - 1e-6
+    assert g.bottom_row == {"memory", "loss", "percent"}
+    assert L.grid(["timeline", "speed"], sizes=L.MEASURED_SIZES).height_px < g.height_px
+    # one screen at 1366x768 holds the status, the controls and the figure (the browser test
+    # measures the rendered box); the figure itself stays well under the notebook's height
+    assert g.height_px <= 560, g.height_px
 
 
-def test_legends_fit_their_panels_at_the_narrowest_supported_width() -> None:
-    g = L.grid(L.measured_panels(frozenset(L.MEASURED)))
-    assert L.legends_fit(L.MEASURED, g.domains, L.MIN_WIDTH_PX) == []
+def test_panels_can_be_hidden_and_the_legend_reserves_its_lines() -> None:
+    everything = frozenset(L.MEASURED)
+    assert L.measured_panels(everything, hidden={"memory", "timeline"}) == ["speed", "link", "percent", "loss"]
+    with pytest.raises(ValueError, match="known panels"):
+        L.measured_panels(everything, hidden={"speed", "throughput"})
+    assert L.legend_lines(["a" * 10] * 3, 1000) == 1
+    assert L.legend_lines(["a" * 50] * 3, 1000) == 2
     sim = L.grid(list(L.SIMULATED), full_width=("timeline", "memory"))
     assert L.legends_fit(L.SIMULATED, sim.domains, L.MIN_WIDTH_PX) == []
-    too_long = {**L.MEASURED, "link": L.Panel("link", "x", "GB/s", ("D2H (bytes / iteration time, "
-                                                                   "while the link was busy)",) * 3)}
-    assert L.legends_fit(too_long, g.domains, L.MIN_WIDTH_PX) == ["link"]
+    too_long = {**L.SIMULATED, "link": L.Panel("link", "x", "GB/s", ("D2H (bytes / iteration time, "
+                                                                     "while the link was busy)",) * 3)}
+    assert L.legends_fit(too_long, sim.domains, L.MIN_WIDTH_PX) == ["link"]
 
 
 def test_palettes_give_each_meaning_its_own_colour() -> None:
-    groups = [set(L.LANE_COLORS.values()), set(L.METRIC_COLORS.values()), set(L.EVENT_COLORS.values()),
+    # a lane has one colour wherever it is drawn: its timeline bars and its metric lines
+    for metric, lane in L.LANE_OF_METRIC.items():
+        assert L.METRIC_COLORS[metric] == L.LANE_COLORS[lane], metric
+    prefixes = {"d2h_": "d2h", "h2d_": "h2d", "cpu_step": "cpu_optimizer", "device_idle": "device_compute"}
+    for spec in SPECS:  # every line, band and compared run drawn of a lane's own figure
+        lane = next((ln for p, ln in prefixes.items() if spec.metric.startswith(p)), None)
+        if lane is not None and spec.kind != "peak":
+            assert spec.color == L.LANE_COLORS[lane], (spec.key, spec.color)
+    groups = [set(L.LANE_COLORS.values()), set(L.RUN_COLORS.values()), set(L.EVENT_COLORS.values()),
               {L.REFERENCE_COLOR}]
     every = [c.upper() for g in groups for c in g]
     assert len(every) == len(set(every)), "no colour means two things"

@@ -81,6 +81,7 @@ def test_at_the_end_of_a_run_every_live_view_becomes_its_static_snapshot(outputs
     trainer._ipython_display_()
     trainer.show_status()  # the check cell's live status line (item 6)
     assert len(outputs.live()) == 4, "tuner, dashboard, progress line, status line: live"
+    assert len(outputs.by_id) == 4, "one output per view: no static copy beside a live one"
     trainer.start()
     release.set()
     result = trainer.wait(timeout_s=30)
@@ -88,8 +89,9 @@ def test_at_the_end_of_a_run_every_live_view_becomes_its_static_snapshot(outputs
     assert outputs.live() == [], "nothing in the saved notebook needs the kernel"
     text = outputs.text()
     assert "superoffload-train: finished, step 3 of 3" in text and "loss 2.0000" in text
-    assert "offload tuner (static snapshot)" in text
-    assert any(snap.PLOTLY_MIME in b for b in outputs.by_id.values()), "the dashboard's figure"
+    assert text.count("offload tuner (static snapshot)") == 1, "one tuner, replaced in place"
+    assert sum(snap.PLOTLY_MIME in b for b in outputs.by_id.values()) == 1, "one dashboard figure"
+    assert len(outputs.by_id) == 4, "each view's output replaced in place, none added"
 
 
 def test_views_still_live_when_the_kernel_exits_are_frozen_by_the_exit_hook(

@@ -7,6 +7,7 @@ Layout of a run folder::
                                      train.json (the run's settings and step)
     <out>/checkpoints/latest         the name of the newest complete one
     <out>/checkpoint/                the final one (--save-checkpoint)
+    <out>/.superoffload-run.lock     held by the run using the folder (commands/run_lock.py)
 
 Atomic at the folder level: a checkpoint is written into ``.partial-<name>`` next to its
 final name and renamed once complete (under torchrun by rank 0, after the engine's save has
@@ -14,7 +15,7 @@ returned on every rank: its last barrier follows the manifest); then ``latest`` 
 through a temporary file (``os.replace``), then checkpoints beyond the newest K are removed.
 A kill at any moment leaves the previous checkpoint and ``latest`` intact, plus a
 ``.partial-*`` folder that the next run in that folder removes. The engine itself writes
-each of its files atomically (``runtime/checkpoint.py``, ``distributed/zero_checkpoint.py``).
+each of its files atomically (``runtime/checkpoint.py``, ``distributed/fsdp/checkpoint.py``).
 
 What a checkpoint holds besides the engine (model, optimizer state, loss scaler, STV state,
 counters, each rank's RNG, the LR scheduler): ``extra`` = the run's settings, its
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from superoffload.commands.run_lock import lock_run_folder
 from superoffload.commands.signals import signal_name
 from superoffload.commands.train_args import UsageError, check_out, make_out
 from superoffload.train_loop import Progress
@@ -213,7 +215,7 @@ def damaged(path: Path) -> str | None:
         return engine_damaged(str(path))
     from superoffload.runtime.ckpt_files import check_digests
 
-    try:  # the sharded format (distributed/zero/checkpoint.py): every rank file's SHA-256
+    try:  # the sharded format (distributed/fsdp/checkpoint.py): every file's SHA-256
         manifest = json.loads((path / "manifest.json").read_text())
         digests = {name: str(manifest["sha256"][name]) for name in manifest["files"]}
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -342,8 +344,14 @@ def _default_out() -> Path:
     runs = Path("runs")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out, n = runs / stamp, 1
-    while out.exists():
-        out, n = runs / f"{stamp}-{n}", n + 1
+    while True:  # mkdir claims the name: two runs started in the same second get two
+        try:
+            out.mkdir(parents=True)
+            break
+        except FileExistsError:
+            out, n = runs / f"{stamp}-{n}", n + 1
+        except OSError:
+            break  # make_out says why
     make_out(out)
     latest = runs / "latest"
     try:  # best effort: a convenience link, not needed by anything
@@ -356,16 +364,23 @@ def _default_out() -> Path:
 
 
 def prepare_run_folder(out: Path | None, resume: ResumePoint | None) -> Path:
-    """The run folder, made (call on rank 0 only): --out, else the resumed run's folder,
-    else runs/<timestamp> (linked as runs/latest). Leftovers of killed saves are removed."""
+    """The run folder, made and locked for this run (call on rank 0 only): --out, else the
+    resumed run's folder, else runs/<timestamp> (linked as runs/latest). Leftovers of killed
+    saves are removed. A folder another live run holds is refused, naming its pid
+    (`run_lock`); the lock is let go by `run_lock.release_all()` when the run ends."""
     resume_run = resume.run_folder if resume is not None else None
     if out is not None:
-        check_out(out, resume_run)
+        if out.exists() and not out.is_dir():
+            check_out(out, resume_run)  # a file there: refused
         folder = make_out(out)
+        lock_run_folder(folder, f"--out {out}")  # before it is checked: a race has one winner
+        check_out(out, resume_run)
     elif resume_run is not None:
         folder = make_out(resume_run)
+        lock_run_folder(folder, f"--resume {resume.path if resume else resume_run}")
     else:
         folder = _default_out()
+        lock_run_folder(folder, str(folder))
     if resume_run is not None and folder.resolve() == resume_run.resolve() \
             and (folder / "result.json").exists():
         raise UsageError(f"--resume: the run in {folder} has finished (its result.json is "

@@ -2,12 +2,16 @@
 
     python -m superoffload plan --hf-config path/to/config.json --profile h200-pcie --seq 4096
     python -m superoffload plan --hf-config llama-2-7b --profile gh200      # a shipped config
+    python -m superoffload plan --hf-config deepseek-v2-lite.json --profile h100-sxm \
+        --allow-bf16-moments       # the SuperOffload rows may use bf16 Adam moments
 
 For each schedule -- plain (everything on the GPU), ZeRO-Offload, SuperOffload with stationary
 weights and with weight-flow -- it prints whether the model fits, device and host memory and
 the predicted iteration time (plan.simulate, plan.memory); the two SuperOffload rows are tuned
 (plan.tune with the weight policy fixed), and the fastest fitting row's OffloadConfig and the
-tuner's explanation close the report. Shipped configs: plan/hf_configs/*.json.
+tuner's explanation close the report (``--allow-bf16-moments``: the tuner may propose bf16
+Adam moments, ``plan.tune``'s rule). The report says which config keys were read and that
+a config's own code (``auto_map``) was not run. Shipped configs: plan/hf_configs/*.json.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ ROWS = (
 )
 """(label, plan schedule, fixed weight policy) per table row."""
 CONFIG_KEYS = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
-               "cpu_cores_frac", "prefetch_depth", "max_grad_norm")
+               "cpu_cores_frac", "prefetch_depth", "max_grad_norm", "optimizer_state_dtype")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +58,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-grad-norm", type=float, help="clipping threshold the run will use")
     p.add_argument("--device-gb", type=float, help="cap on device memory, GB")
     p.add_argument("--host-gb", type=float, help="cap on host memory, GB")
+    p.add_argument("--allow-bf16-moments", action="store_true",
+                   help="let the SuperOffload rows use bf16 Adam moments on the host (4 B/param "
+                        "less host memory; changes the numerics: proposed only when it pays "
+                        "or only it fits, and said so)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
@@ -118,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         cons = plan.Constraints(
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
-            max_grad_norm=args.max_grad_norm)
+            max_grad_norm=args.max_grad_norm, allow_bf16_moments=args.allow_bf16_moments)
         rows = schedule_rows(shape, prof, cons)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         return fail(str(exc), args.json)
@@ -146,17 +154,23 @@ def _model(raw: dict[str, Any], shape: Any) -> dict[str, Any]:
                  "ffn": arch.ffn, "vocab": arch.vocab, "experts": 0, "experts_per_token": 0}
     else:
         model = hf_meta.describe_model(raw, shape.to_dict())
+    read, not_read = hf_config.config_keys(raw)
     return {**model, "params": shape.params, "active_params": shape.active_params,
+            "active_params_without_embedding": shape.active_params - shape.vocab * shape.hidden,
             "tied_embeddings": shape.tied_embeddings, "seq": shape.seq,
-            "micro_batch": shape.micro_batch, "dtype": shape.dtype}
+            "micro_batch": shape.micro_batch, "dtype": shape.dtype,
+            "config_keys_read": list(read), "config_keys_not_read": list(not_read),
+            "remote_code_ignored": bool(raw.get("auto_map"))}
 
 
 def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, Any]],
             best: dict[str, Any] | None) -> str:
     gqa = f"{model['heads']} heads" + (f" ({model['kv_heads']} KV)" if model["kv_heads"] != model["heads"] else "")
     moe = (f"; MoE, {model['experts_per_token']} of {model['experts']} experts per token: "
-           f"{model['active_params'] / 1e9:.2f}B active parameters (FLOPs), all "
-           f"{model['params'] / 1e9:.2f}B in memory" if model["experts"] else "")
+           f"{model['active_params'] / 1e9:.2f}B active parameters "
+           f"({model['active_params_without_embedding'] / 1e9:.2f}B without the embedding "
+           f"table: the FLOPs), all {model['params'] / 1e9:.2f}B in memory"
+           if model["experts"] else "")
     lines = [
         f"{model['name']} ({model['family']}): {model['params'] / 1e9:.2f}B parameters "
         f"({model['params']:,}); {model['layers']} layers x {model['hidden']}, {gqa}, FFN "
@@ -166,6 +180,7 @@ def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, A
         f"({prof.host_memory_bytes / 1e9:.0f} GB); seq {shape.seq} x micro-batch "
         f"{shape.micro_batch}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}"
         + (f", {shape.dp} data-parallel ranks (figures per rank)" if shape.dp > 1 else ""),
+        _keys_line(model),
         "",
         f"{'schedule':24} {'fits':>4} {'device GB':>10} {'host GB':>8} {'iter ms':>9} {'TFLOPS':>7}  notes",
     ]
@@ -196,9 +211,21 @@ def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, A
     return "\n".join(lines)
 
 
+def _keys_line(model: dict[str, Any]) -> str:
+    """Which config keys the plan read, and that a config's own code was not run."""
+    line = (f"config keys read: {', '.join(model['config_keys_read']) or '-'}; not read: "
+            f"{', '.join(model['config_keys_not_read']) or '-'}")
+    if model["remote_code_ignored"]:
+        line += (f"\nauto_map names the model's own code: not run; planned from transformers' "
+                 f"{model['family']} as data")
+    return line
+
+
 def _settings(cfg: dict[str, Any]) -> str:
     parts = [f"ratio {cfg['ratio']:g}", f"buckets {cfg['bucket_bytes'] >> 20} MiB",
              f"cast {cfg['grad_cast']}/{cfg['param_cast']}", f"STV {cfg['speculation']}"]
+    if cfg["optimizer_state_dtype"] != "fp32":
+        parts.append(f"{cfg['optimizer_state_dtype']} moments (numerics change)")
     if cfg["weights"] == "flow":
         parts.append(f"prefetch {cfg['prefetch_depth']}")
     return ", ".join(parts)

@@ -3,9 +3,12 @@
     python -m superoffload simulate --profile gh200 --layers 40 --hidden 5120 --heads 40 \
         --seq 4096 --micro-batch 4 --schedule all --ablation
     python -m superoffload tune --profile gh200 --layers 40 --hidden 5120 --heads 40 --seq 4096
+    python -m superoffload tune --profile h100-sxm --hf-config llama-3-8b --seq 4096 \
+        --micro-batch 1           # the model from a Hugging Face config (as `plan` reads it)
     python -m superoffload simulate --profile gh200 --schedule superoffload --dp 8 \
         --collective-gbps 450        # 8 GH200 in one NVLink domain; times/memory per rank
     python -m superoffload simulate --facts h200     # predicted vs measured (FACTS.md, H200)
+    python -m superoffload capacity --seq 1024      # the largest model per schedule and profile
     python -m superoffload simulate ... --step-order fifo --tail-step unfused   # what-ifs
 """
 
@@ -52,6 +55,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     tune = sub.add_parser("tune", help="search the best OffloadConfig for a hardware profile")
     _shape_args(tune)
+    tune.add_argument("--hf-config", metavar="CONFIG",
+                      help="the model from a Hugging Face config.json (or its directory, or a "
+                           "shipped name), read as `plan --hf-config` reads it; replaces "
+                           "--layers/--hidden/--heads/--vocab")
+    tune.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                      help="with --hf-config: training dtype of the weights (default bfloat16)")
     tune.add_argument("--device-gb", type=float, help="cap on device memory, GB")
     tune.add_argument("--host-gb", type=float, help="cap on host memory, GB")
     tune.add_argument("--cpu-cores", type=int, help="host cores the job may use")
@@ -67,6 +76,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _engine_args(tune)
     tune.set_defaults(func=_tune)
 
+    cap = sub.add_parser("capacity", help="the largest Llama-shaped model each schedule trains "
+                                          "on each profile (docs/planner.md's table)")
+    cap.add_argument("--profiles", help="comma-separated preset names (default: every preset)")
+    cap.add_argument("--seq", type=int, default=1024)
+    cap.add_argument("--micro-batch", type=int, default=1)
+    cap.add_argument("--json", action="store_true", help="machine-readable output")
+    cap.set_defaults(func=_capacity)
+
+
+SHAPE_DEFAULTS = {"layers": 40, "hidden": 5120, "heads": 40, "vocab": 50257}
+"""The GPT the shape flags describe when not given (a 12.8B GPT-3-like model)."""
 
 STEP_ORDERS = {"deadline": "deadline", "edf": "deadline", "fifo": "fifo"}
 """--step-order values -> OffloadConfig.step_order ("edf" is the planner's name for "deadline")."""
@@ -103,10 +123,10 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
                    help="preset name (gh200, gb200, mi300a, h100-pcie, h200-pcie, cpu-laptop, "
                         "h200-pcie-measured), 'local' (measure this machine), or a profile "
                         "JSON file")
-    p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--hidden", type=int, default=5120)
-    p.add_argument("--heads", type=int, default=40)
-    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--layers", type=int, help=f"transformer blocks (default {SHAPE_DEFAULTS['layers']})")
+    p.add_argument("--hidden", type=int, help=f"width (default {SHAPE_DEFAULTS['hidden']})")
+    p.add_argument("--heads", type=int, help=f"attention heads (default {SHAPE_DEFAULTS['heads']})")
+    p.add_argument("--vocab", type=int, help=f"vocabulary (default {SHAPE_DEFAULTS['vocab']})")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--no-checkpointing", action="store_true",
@@ -140,10 +160,20 @@ def load_profile(name: str) -> Any:
 def _shape(args: argparse.Namespace) -> Any:
     from superoffload import plan
 
-    return plan.ModelShape(layers=args.layers, hidden=args.hidden, heads=args.heads,
-                           vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch,
-                           activation_checkpointing=not args.no_checkpointing,
-                           dp=args.dp, ranks_per_host=args.ranks_per_host)
+    common: dict[str, Any] = dict(seq=args.seq, micro_batch=args.micro_batch,
+                  activation_checkpointing=not args.no_checkpointing, dp=args.dp,
+                  ranks_per_host=args.ranks_per_host)
+    if getattr(args, "hf_config", None):
+        given = [f"--{k}" for k in SHAPE_DEFAULTS if getattr(args, k) is not None]
+        if given:
+            raise ValueError(f"--hf-config describes the model: drop {', '.join(given)}")
+        dtype = {"dtype": args.dtype} if args.dtype else {}
+        return plan.ModelShape.from_hf_config(args.hf_config, **common, **dtype)
+    if getattr(args, "dtype", None):
+        raise ValueError("--dtype applies to --hf-config only")
+    dims: dict[str, Any] = {k: v if (v := getattr(args, k)) is not None else d
+                            for k, d in SHAPE_DEFAULTS.items()}
+    return plan.ModelShape(**dims, **common)
 
 
 def _with_collective(prof: Any, args: argparse.Namespace) -> Any:
@@ -263,7 +293,7 @@ def _tune(args: argparse.Namespace) -> int:
             engine=_engine(args, ordered),
             allow_bf16_moments=args.allow_bf16_moments, **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
-    except ValueError as exc:
+    except (ValueError, TypeError, FileNotFoundError) as exc:
         return fail(str(exc), args.json)
     if args.out is not None:
         try:
@@ -286,10 +316,32 @@ def _tune(args: argparse.Namespace) -> int:
     print()
     keys = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
             "cpu_cores_frac", "prefetch_depth", "optimizer_state_dtype", "step_order",
-            "max_grad_norm")
+            "grad_accum_on", "max_grad_norm")
     print("OffloadConfig(" + ", ".join(f"{k}={getattr(cfg, k)!r}" for k in keys) + ")")
     print()
     print(_results_table([pred]))
+    return 0
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    """The largest-model table (plan/largest.py), one row per profile."""
+    from superoffload import plan
+    from superoffload.plan import largest
+
+    try:
+        names = args.profiles.split(",") if args.profiles else plan.profiles.names()
+        profiles = [load_profile(n.strip()) for n in names]
+        rows = largest.table(profiles, seq=args.seq, micro_batch=args.micro_batch)
+    except ValueError as exc:
+        return fail(str(exc), args.json)
+    if args.json:
+        print(json.dumps({"seq": args.seq, "micro_batch": args.micro_batch, "rows": rows},
+                         indent=1))
+        return 0
+    print(f"Largest Llama-shaped model (billions of parameters), seq {args.seq} x micro-batch "
+          f"{args.micro_batch}, activation checkpointing on (plan/largest.py):")
+    print()
+    print(largest.markdown(rows))
     return 0
 
 

@@ -1,29 +1,42 @@
-"""Refuse a `train` shape that is absurd for this machine, with the estimate (issue 17).
+"""Refuse a `train` run that is absurd for this machine, with the estimate (issues 17, 26).
 
 `train --seq 100000` used to raise the small GPT's position table to 100000 rows without a
 word and start a first step that had not ended after 10 minutes on 2 CPU cores (it needs
 at least 50 GB of activations and 6e14 FLOPs). Before anything is built, ``check`` estimates one
-optimizer step of the run on one rank and refuses it when
+optimizer step of the run on one rank, and the final evaluation, and refuses the run when
 
-* its memory (activations plus model state) exceeds the memory of the device that holds
-  them (the host's RAM on the CPU, the GPU's on CUDA), shared by the ranks on this host; or
-* its time at the machine's *peak* arithmetic rate exceeds ``MAX_STEP_S``.
+* the step's memory (activations plus model state) exceeds the memory of the device that
+  holds them (the host's RAM on the CPU, the GPU's on CUDA), shared by the ranks on this host;
+* one step takes longer than ``MAX_STEP_S``, or the evaluation (``--eval-batches``
+  forwards, a third of a step's FLOPs each) longer than ``MAX_EVAL_S`` and longer than the
+  training itself (``--eval-batches 100000`` after 2 steps: hours of evaluation).
 
-Both estimates are lower bounds, so nothing that could run in reasonable time is refused:
-activations as ``ACTIVATION_SHARE`` of Korthikanti et al. 2022 ("Reducing activation
-recomputation", §4: 34 bytes per token and width per 16-bit block, no seq^2 attention
-scores, i.e. flash attention; doubled for fp32; ``plan.shapes.ModelShape.activation_bytes``);
-model state at 16 bytes per parameter (weights, gradients, fp32 moments); FLOPs as 6 N per
-token plus causal
-attention's 6 L d T (half of the 12 L d T of Kaplan et al. 2020, Appendix: the causal mask
-skips half the scores); peak rates above any shipping part (``CPU_PEAK_FLOPS_PER_CORE``,
-``DEVICE_PEAK_FLOPS``), 15-20x the rate measured on this project's 2-core CI machine.
+Memory is a lower bound: activations as ``ACTIVATION_SHARE`` of Korthikanti et al. 2022
+("Reducing activation recomputation", §4: 34 bytes per token and width per 16-bit block, no
+seq^2 attention scores, i.e. flash attention; doubled for fp32;
+``plan.shapes.ModelShape.activation_bytes``); model state at 16 bytes per parameter
+(weights, gradients, fp32 moments). FLOPs: 6 N per token for the matrix products plus
+causal attention's 6 L d T (half of the 12 L d T of Kaplan et al. 2020, Appendix: the
+causal mask skips half the scores).
+
+Time is estimated in two stages, so a run that could end in reasonable time is not refused:
+first at the machine's *peak* rate (``CPU_PEAK_FLOPS_PER_CORE``, ``DEVICE_PEAK_FLOPS``,
+above any shipping part): beyond the limits even there, the run is refused. A run whose
+bound at peak is above ``PROBE_ABOVE_S`` is then measured on the CPU (``probe``: this
+machine's rate for one of the model's own matrix products and for causal attention of its
+head size, best of a few tries, well under a second), because real kernels reach a small
+part of the peak -- here 1/15 for GPT small's matrix products and 1/20 to 1/45 for causal
+attention (11-28 GFLOP/s per core at head size 32, sequence 1024-16384): `train --model tiny
+--seq 100000` is 6 min per step at peak and about 2 hours per step in fact.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,8 +45,17 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.threads import usable_cores
 
 MAX_STEP_S = 600.0
-"""A step whose lower bound is above this (10 minutes) is refused: in practice it takes 10x
-longer, and `train` runs hundreds of steps."""
+"""A step estimated above this (10 minutes) is refused: `train` runs hundreds of steps."""
+MAX_EVAL_S = 120.0
+"""A final evaluation estimated above this (2 minutes) and longer than the whole run's
+training is refused: a long run may evaluate for long (eight batches of GPT-2 at 1024 tokens
+take some 20 minutes on 2 cores, after days of training), a short one may not evaluate for
+hours. The estimate counts FLOPs only, so it is low for a small model, whose forward is
+mostly per-layer overhead (GPT tiny, 16 x 128 tokens: 32 ms a forward measured, 16 ms
+estimated); the margin covers that."""
+PROBE_ABOVE_S = 20.0
+"""A step or evaluation whose bound at peak exceeds this is measured (`probe`): below it,
+even a kernel at 1/30 of the peak keeps it within the limits."""
 CPU_PEAK_FLOPS_PER_CORE = {"fp32": 2.5e11, "bf16": 1.0e12}
 """FLOP/s of one core at best: two 512-bit FMA units at 3.9 GHz for fp32 (250 G); AMX tiles
 for bf16 (~1 T). Measured here: 12-18 GFLOP/s per core (fp32 GPT small, seq 4096-16384)."""
@@ -48,25 +70,56 @@ STATE_BYTES_PER_PARAM = 16.0
 
 
 @dataclass(frozen=True, slots=True)
+class Rates:
+    """FLOP/s this process reached for the run's own kernel shapes (`probe`)."""
+
+    dense: float
+    """One of the model's matrix products (tokens x width @ width x 4 width)."""
+    attention: float
+    """Causal attention of one head of the model's size, forward and backward."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepEstimate:
-    """Lower bounds for one optimizer step on one rank, and what the machine offers."""
+    """One optimizer step on one rank, and what the machine offers."""
 
     activation_bytes: float
-    """Activations of one rank's forward kept for its backward."""
+    """Activations of one rank's forward kept for its backward (a lower bound)."""
     memory_bytes: float
-    """Activations plus model state of one rank."""
+    """Activations plus model state of one rank (a lower bound)."""
     capacity_bytes: float
     """Memory of the device holding them, this rank's share."""
-    flops: float
-    """Arithmetic of one rank's forward and backward."""
+    dense_flops: float
+    """Arithmetic of one rank's forward and backward in matrix products (6 N per token)."""
+    attention_flops: float
+    """... and in causal attention (6 L d T per token)."""
     peak_flops: float
     """This rank's share of the machine's peak FLOP/s."""
     where: str
     """The memory's name: "host memory" or "GPU memory"."""
+    measured: Rates | None = None
+    """This machine's rates for the run's kernels, when `check` probed them."""
+
+    @property
+    def flops(self) -> float:
+        return self.dense_flops + self.attention_flops
+
+    @property
+    def peak_step_s(self) -> float:
+        """The step at the peak rate: a lower bound."""
+        return self.flops / self.peak_flops
 
     @property
     def step_s(self) -> float:
-        return self.flops / self.peak_flops
+        """The step at the measured rates when probed, else at the peak."""
+        if self.measured is None:
+            return self.peak_step_s
+        return (self.dense_flops / self.measured.dense
+                + self.attention_flops / self.measured.attention)
+
+    def eval_s(self, batches: int) -> float:
+        """`batches` evaluation forwards: a third of a step's arithmetic each."""
+        return batches * self.step_s / 3.0
 
 
 def _dims(s: RunSettings) -> tuple[int, int, int, int, int]:
@@ -102,7 +155,6 @@ def estimate(s: RunSettings, device: torch.device) -> StepEstimate:
     activations = ACTIVATION_SHARE * shape.activation_bytes() * (2.0 if s.dtype == "fp32"
                                                                    else 1.0)
     tokens = batch * seq_rank
-    flops = tokens * (6.0 * params + 6.0 * layers * width * s.seq)
     ranks = _local_ranks()
     if device.type == "cuda":
         capacity = float(torch.cuda.get_device_properties(device).total_memory)
@@ -112,22 +164,89 @@ def estimate(s: RunSettings, device: torch.device) -> StepEstimate:
         peak = usable_cores() * CPU_PEAK_FLOPS_PER_CORE[s.dtype] / ranks
         where = "host memory"
     return StepEstimate(activations, activations + STATE_BYTES_PER_PARAM * params, capacity,
-                        flops, peak, where)
+                        tokens * 6.0 * params, tokens * 6.0 * layers * width * s.seq, peak,
+                        where)
+
+
+def _best_s(fn: Callable[[], object], tries: int = 3) -> float:
+    """The fastest of `tries` runs of `fn` after one warm-up (noise only slows a run)."""
+    fn()
+    best = math.inf
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
+def probe(s: RunSettings) -> Rates:
+    """This process's FLOP/s on the CPU, in the run's dtype and threads, for one of the
+    model's matrix products and for causal attention (``scaled_dot_product_attention``, as
+    the models use) of one head, forward and backward, on up to 1024 tokens."""
+    layers, width, heads, _, _ = _dims(s)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
+    gen = torch.Generator().manual_seed(0)  # the run's own RNG stays untouched
+    tokens = min(max(1, s.batch // s.dp) * max(1, s.seq // s.sp), 1024)
+    x = torch.randn(tokens, width, generator=gen).to(dtype)
+    w = torch.randn(width, 4 * width, generator=gen).to(dtype)
+    dense = 2.0 * tokens * width * 4 * width / _best_s(lambda: x @ w)
+    seq, head = min(s.seq, 1024), max(1, width // heads)
+    q, k, v = (torch.randn(1, 1, seq, head, generator=gen).to(dtype).requires_grad_()
+               for _ in range(3))
+
+    def attend() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+
+    attention = 6.0 * head * seq * seq / _best_s(attend)  # 6 d T^2 of one head (module doc)
+    return Rates(dense, attention)
+
+
+def measured(s: RunSettings, device: torch.device) -> StepEstimate:
+    """`estimate`, measured on this machine (`probe`) when its bound at peak, for a step or
+    the evaluation, is long enough that the peak cannot vouch for it (CPU only)."""
+    est = estimate(s, device)
+    refused_anyway = est.peak_step_s > MAX_STEP_S or est.memory_bytes > est.capacity_bytes
+    longest = max(est.peak_step_s, est.eval_s(s.eval_batches))
+    if device.type == "cpu" and longest > PROBE_ABOVE_S and not refused_anyway:
+        est = replace(est, measured=probe(s))
+    return est
+
+
+def duration(seconds: float) -> str:
+    """"2.3 h", "41 min" or "50 s"."""
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
+def _rates(est: StepEstimate) -> str:
+    if est.measured is None:
+        return f"even at this machine's peak ({est.peak_flops / 1e9:,.0f} GFLOP/s per rank)"
+    return (f"at the rates this machine reached for the model's matrix products "
+            f"({est.measured.dense / 1e9:,.1f} GFLOP/s) and attention "
+            f"({est.measured.attention / 1e9:,.1f} GFLOP/s)")
 
 
 def check(s: RunSettings, device: torch.device) -> StepEstimate:
     """Raise UsageError when one step of ``s`` cannot fit or cannot end in reasonable time
-    here, with the estimates and what to change; else return the estimate."""
-    est = estimate(s, device)
+    here, or its evaluation cannot, with the estimates and what to change; else return the
+    estimate."""
+    est = measured(s, device)
     problems = []
     if est.memory_bytes > est.capacity_bytes:
         problems.append(f"needs at least {est.memory_bytes / 1e9:.1f} GB of {est.where} for "
                         f"activations and model state, this machine has "
                         f"{est.capacity_bytes / 1e9:.1f} GB per rank")
     if est.step_s > MAX_STEP_S:
-        problems.append(f"needs at least {est.flops:.2g} FLOPs, over {est.step_s / 60:.0f} "
-                        f"min per step even at this machine's peak "
-                        f"({est.peak_flops / 1e9:,.0f} GFLOP/s per rank)")
+        if est.measured is None:
+            problems.append(f"needs at least {est.flops:.2g} FLOPs, over "
+                            f"{est.step_s / 60:.0f} min per step {_rates(est)}")
+        else:
+            problems.append(f"needs {est.flops:.2g} FLOPs, about {duration(est.step_s)} per "
+                            f"step {_rates(est)}")
     if problems:
         _, _, _, _, block = _dims(s)
         model = "" if s.hf else f" (GPT {s.model} has {block} positions)"
@@ -136,6 +255,15 @@ def check(s: RunSettings, device: torch.device) -> StepEstimate:
             f"{' and '.join(problems)}; use a shorter --seq{model}, a smaller --batch"
             + ("" if s.checkpointing else ", --checkpointing")
             + (", or a GPU" if device.type == "cpu" else ""))
+    evaluation, training = est.eval_s(s.eval_batches), s.steps * est.step_s
+    if evaluation > max(MAX_EVAL_S, training):
+        fits = int(max(MAX_EVAL_S, training) / est.eval_s(1))
+        raise UsageError(
+            f"--eval-batches {s.eval_batches}: the final evaluation would take about "
+            f"{duration(evaluation)} ({s.eval_batches} forwards of {s.batch} x {s.seq} tokens "
+            f"{_rates(est)}), longer than {duration(MAX_EVAL_S)} and than the "
+            f"{s.steps} training steps ({duration(training)}); use --eval-batches {fits} or "
+            "fewer (0 skips it)")
     return est
 
 

@@ -1,21 +1,29 @@
-"""SIGINT and SIGTERM during `superoffload train`: stop at the next step boundary, and say so
-at once (docs/failure_semantics.md, "SIGINT and SIGTERM")."""
+"""SIGINT and SIGTERM during `superoffload train`: stop at the next step boundary while steps
+run, at once otherwise, and say so at once (docs/failure_semantics.md, "SIGINT and SIGTERM")."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 
 class StopSignals:
-    """SIGINT and SIGTERM ask the loop to stop at the next step boundary (and write a
-    checkpoint there) instead of killing the process mid-iteration. The handler only records
-    the signal; it then restores the previous handlers, so a second signal acts at once (a
-    second Ctrl-C raises KeyboardInterrupt). Installed only from the main thread.
+    """While steps run (inside ``deferring()``), SIGINT and SIGTERM ask the loop to stop at
+    the next step boundary (and write a checkpoint there) instead of killing the process
+    mid-iteration. The handler only records the signal; it then restores the previous
+    handlers, so a second signal acts at once (a second Ctrl-C raises KeyboardInterrupt).
+    Installed only from the main thread.
+
+    When no step runs (setting up, the last step, the final evaluation, the report), there is
+    no step boundary to wait for: the signal stops the process at once, with one line and
+    exit code 128 + the signal (it used to say "finishing the current step" and live on
+    through an evaluation of any length).
 
     Answered at once (issue 17): Python runs a signal handler only when the main thread
     returns to Python code, which one long operation (a step on a huge --seq) can delay for
@@ -30,6 +38,7 @@ class StopSignals:
     def __init__(self, *, announce: bool = True) -> None:
         self.signum = 0
         self.announce = announce
+        self._deferring = False
         self._old: dict[int, Any] = {}
         self._old_wakeup_fd = -1
         self._pipe: tuple[int, int] | None = None
@@ -53,7 +62,18 @@ class StopSignals:
             os.close(self._pipe[1])  # the watcher reads end-of-file and closes its end
             self._pipe = None
 
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """The steps: a signal inside waits for the step boundary (``signum``)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self._deferring:
+            return  # no step to finish: the watcher thread stops the process
         self.signum = signum
         self.restore()
 
@@ -71,6 +91,14 @@ class StopSignals:
                     if signum not in self.SIGNALS:
                         continue
                     received += 1
+                    # the handler records a signal that came while steps ran (the main
+                    # thread runs it before it can leave ``deferring()``)
+                    if not self._deferring and self.signum == 0:
+                        print(f"train: {signal_name(signum)} received while no training step "
+                              "runs: stopping now (checkpoints already written are kept)",
+                              file=sys.stderr, flush=True)
+                        sys.stdout.flush()
+                        os._exit(128 + signum)
                     if received == 1:
                         if self.announce:
                             name = signal_name(signum)

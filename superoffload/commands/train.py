@@ -12,7 +12,6 @@ the next step boundary and saves a checkpoint there; --resume DIR continues bit 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from dataclasses import dataclass
@@ -21,14 +20,20 @@ from typing import Any
 
 import torch
 
-from superoffload.commands import calibration, run_budget, train_dist
+from superoffload.commands import calibration, run_budget, run_lock, train_dist
 from superoffload.commands import checkpointing as ck
 from superoffload.commands.checkpointing import CheckpointFailed, prepare_run_folder
 from superoffload.commands.signals import StopSignals
 from superoffload.commands.train_args import PROG, RunSettings, UsageError, add_arguments, resolve
-from superoffload.commands.train_output import one_line, print_summary, sample_text, write_report
+from superoffload.commands.train_output import (
+    one_line,
+    print_summary,
+    progress_postfix,
+    sample_text,
+    write_report,
+)
+from superoffload.commands.train_preflight import check_resume_and_tools
 from superoffload.config import OffloadConfig
-from superoffload.telemetry import vocabulary as vocab
 
 MiB = 1 << 20
 
@@ -101,28 +106,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, 
     ]
 
 
-def _check_resume_and_tools(args: argparse.Namespace, s: RunSettings,
-                            resume: ck.ResumePoint | None, dp: Any) -> None:
-    if resume is not None:
-        if (resume.kind == "zero") != (dp is not None):
-            how = ("under torchrun with the same --dp/--sp" if resume.kind == "zero"
-                   else "without torchrun")
-            raise UsageError(f"--resume {args.resume}: the checkpoint was written by a "
-                             f"{'data-parallel' if resume.kind == 'zero' else 'single-process'}"
-                             f" run; resume it {how}")
-        if resume.step >= s.steps:
-            raise UsageError(f"--resume {args.resume}: the checkpoint is at step {resume.step} "
-                             f"of {s.steps}; that run is complete, nothing is left to train")
-    if args.trace and importlib.util.find_spec("superoffload.telemetry.trace") is None:
-        raise UsageError("--trace: this installation has no superoffload.telemetry.trace "
-                         "(the trace writer); drop --trace")
-    if s.hf:
-        from superoffload.models.hf import HF_MISSING, hf_available
-
-        if not hf_available():
-            raise UsageError(HF_MISSING)
-
-
 def run_training(args: argparse.Namespace) -> dict[str, Any]:
     """Build model, data and engine from parsed arguments; train; write the report.
     Returns the JSON-able result (the CLI prints it); a run stopped by SIGINT/SIGTERM returns
@@ -132,6 +115,7 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     try:
         return _train(_setup(args, dp, resume), args)
     finally:
+        run_lock.release_all()  # the run folder is free for the next run
         if dp is not None:
             from superoffload.distributed import shutdown
 
@@ -173,7 +157,7 @@ def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> 
     device = torch.device(dp.device) if dp is not None else _resolve_device(args.device)
     s = resolve(args, device.type, dp=dp.dp if dp else 1, sp=dp.sp if dp else 1,
                 saved=resume.run if resume is not None else None)
-    _check_resume_and_tools(args, s, resume, dp)
+    check_resume_and_tools(args, s, resume, dp)
     run_budget.check(s, device)  # an absurd --seq/--batch for this machine: refused, with why
     rank, world = (dp.rank, dp.dp * dp.sp) if dp is not None else (0, 1)
     warning = resume.fallback_warning(args.resume) if resume is not None else None
@@ -221,11 +205,8 @@ def _engine(job: _Job) -> Any:
     groups = param_groups(job.model, job.s.weight_decay)
     for g in groups:
         g.update(lr=job.s.lr, betas=(0.9, 0.95))
-    if job.dp is not None:
-        from superoffload.distributed.zero import ZeroOffloadEngine
-
-        # over the dp group when sp == 1, over all dp*sp ranks with sequence parallel
-        return ZeroOffloadEngine(job.model, groups, job.config)
+    if job.dp is not None:  # FSDP2 over the job's mesh: dp x sp, HSDP with --dp-replicate
+        return train_dist.make_engine(job.model, groups, job.config)
     return so.initialize(job.model, optimizer=groups, config=job.config)
 
 
@@ -290,9 +271,20 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
         def on_step(i: Any) -> None:
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(f"loss {i.loss:.3f} | {vocab.METRICS['tokens_per_s'].show(i.tokens_per_s)}"
-                                    f" | {vocab.METRICS['cpu_step_hidden_pct'].show(100 * i.overlap)}",
-                                    refresh=False)  # the dashboard's words (telemetry.vocabulary)
+                bar.set_postfix_str(progress_postfix(i), refresh=False)  # the dashboard's words
+
+        evaluating: list[Any] = []  # the evaluation's progress bar, once it starts
+
+        def on_eval(done: int, total: int) -> None:
+            if not quiet and not evaluating:
+                from tqdm import tqdm
+
+                if bar is not None:
+                    bar.close()  # training is done: its bar shows the last step
+                evaluating.append(tqdm(total=total, desc="eval", unit="batch",
+                                       file=sys.stderr, dynamic_ncols=True, mininterval=0.5))
+            for b in evaluating:
+                b.update(1)
 
         with StopSignals(announce=job.lead) as signals:
             def should_stop() -> bool:
@@ -305,10 +297,12 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
                                if dp is not None else None, scheduler=scheduler,
                                progress=progress, checkpoint_every=args.checkpoint_every,
                                on_checkpoint=on_checkpoint, should_stop=should_stop,
-                               calibrator=calibration.auto_calibrator(job, engine))
+                               calibrator=calibration.auto_calibrator(job, engine),
+                               steps_scope=signals.deferring(), on_eval_batch=on_eval)
             finally:
-                if bar is not None:
-                    bar.close()
+                for b in (bar, *evaluating):
+                    if b is not None:
+                        b.close()
         if result.stopped:
             signum = train_dist.max_over_ranks(signals.signum) if dp else signals.signum
             stop = ck.checkpoint_on_stop(

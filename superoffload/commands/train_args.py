@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,6 +190,11 @@ def check(s: RunSettings) -> None:
                          "drop --hf (Hugging Face models: docs/distributed.md)")
 
 
+OWN_PREFIX = ".superoffload-"
+"""Names `train` keeps in a run folder for itself (its lock, a write probe): a folder holding
+only those counts as empty."""
+
+
 def check_out(out: Path, resume_run: Path | None) -> None:
     """--out must be new or empty: a finished run's files are never overwritten. Resuming
     into the folder the checkpoint belongs to is the exception."""
@@ -196,7 +202,7 @@ def check_out(out: Path, resume_run: Path | None) -> None:
         return
     if resume_run is not None and out.resolve() == resume_run.resolve():
         return
-    if any(out.iterdir()):
+    if not out.is_dir() or any(not p.name.startswith(OWN_PREFIX) for p in out.iterdir()):
         raise UsageError(f"--out {out}: the folder exists and is not empty (another run's "
                          "files would be overwritten); choose a new folder, or --resume "
                          f"{out} to continue the run saved there")
@@ -206,7 +212,7 @@ def make_out(out: Path) -> Path:
     """Create --out (and its parents); an OSError becomes a UsageError naming the folder."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".superoffload-write-test"
+        probe = out / f"{OWN_PREFIX}write-test-{os.getpid()}"  # two runs never share it
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

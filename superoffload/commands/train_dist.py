@@ -1,5 +1,5 @@
-"""`train` under torchrun: ZeRO data parallel and Ulysses sequence parallel (issue 7;
-docs/distributed.md). Each helper here is a collective unless it says otherwise: every rank
+"""`train` under torchrun: data parallel over FSDP2 and Ulysses sequence parallel
+(docs/distributed.md). Each helper here is a collective unless it says otherwise: every rank
 calls it at the same point of the run, in the same order.
 """
 
@@ -28,6 +28,15 @@ def start(args: argparse.Namespace) -> Any:
         return init_from_args(args)
     except ValueError as exc:  # --dp x --sp not matching the launched processes
         raise UsageError(str(exc)) from None
+
+
+def make_engine(model: torch.nn.Module, groups: list[dict[str, Any]], config: Any) -> Any:
+    """The data-parallel engine: the offload engine over FSDP2, which shards the model over
+    the job's mesh (distributed/mesh.py: every dp*sp rank holds a shard; HSDP replicas with
+    --dp-replicate). The model's parameters become DTensor shards."""
+    from superoffload.distributed.fsdp import FsdpOffloadEngine
+
+    return FsdpOffloadEngine(model, groups, config)
 
 
 def make_sequence_parallel(model: torch.nn.Module, sp: int, seq: int) -> None:

@@ -19,6 +19,19 @@ SUMMARY_METRICS = ("iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_w
 """What the summary line shows, in this order (names from telemetry.vocabulary)."""
 
 
+def progress_postfix(info: Any) -> str:
+    """The progress bar's text after a step (`train_loop.StepInfo`): the loss, tokens/s since
+    the first step, and the CPU step hidden pooled over the recent iterations it names
+    ("it. 280-299"), the same figure the dashboard's status line shows for its window."""
+    hidden = vocab.METRICS["cpu_step_hidden_pct"].show(100 * info.overlap)
+    window = getattr(info, "window", None)
+    if window is not None and window.iterations:
+        hidden += f" (it. {window.first}-{window.last})" if window.iterations > 1 else \
+            f" (it. {window.first})"
+    return (f"loss {info.loss:.3f} | {vocab.METRICS['tokens_per_s'].show(info.tokens_per_s)}"
+            f" | {hidden}")
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line: its type and its message with newlines folded."""
     text = " ".join(str(exc).split()) or type(exc).__name__
@@ -65,9 +78,10 @@ def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
     resumed = f", resumed at step {r['start_step']}" if r.get("start_step") else ""
     print(f"{vocab.METRICS['tokens_per_s'].show(r['tokens_per_s'])} over {r['steps'] - r['start_step']} steps "
           f"({r['elapsed_s']:.1f} s{resumed})")
-    if s:  # the dashboard's words and units (telemetry.vocabulary)
-        values = vocab.summary_values(Summary(**s))
-        print("per iteration (median): " + vocab.describe(values, SUMMARY_METRICS))
+    if s:  # the dashboard's words, units and pooling (telemetry.vocabulary, telemetry.window)
+        summary = Summary(**s)
+        print(f"per iteration, {summary.window_label()} pooled: "
+              + vocab.describe(vocab.summary_values(summary), SUMMARY_METRICS))
     st = r["engine_stats"]
     print(f"engine: {st['clipped_steps']} clipped steps, {st['rollbacks']} bucket rollbacks, "
           f"{st['replays']} replays, {st['skipped_steps']} skipped")

@@ -4,9 +4,10 @@
     info = init_distributed(sp=2)                 # under torchrun; gloo on CPU, nccl on CUDA
     apply_ulysses(model, get_groups().sp_group)
 
-See docs/distributed.md. ZeRO-style data parallel of the offloaded optimizer state (each rank
-keeps and steps 1/N of every offloaded bucket): ``superoffload.distributed.zero`` (imported on
-demand: it pulls in the engine). Our GPT's Ulysses adapter (``apply_ulysses``,
+See docs/distributed.md. Data parallel of the offloaded optimizer state over PyTorch's FSDP2
+(each rank keeps and steps its shards; HSDP and Ulysses on one DeviceMesh, mesh.py):
+``superoffload.distributed.fsdp`` (imported on demand: it pulls in the engine). Our GPT's
+Ulysses adapter (``apply_ulysses``,
 ``remove_ulysses``, ``UlyssesSelfAttention``) lives in ``ulysses_gpt.py`` and loads on first
 use, so importing this package does not import the model zoo.
 """

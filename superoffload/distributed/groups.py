@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from superoffload.distributed.mesh import ParallelMesh, build_mesh
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
@@ -37,6 +39,9 @@ class ParallelLayout:
     """dp groups of sp consecutive ranks each."""
     dp_groups: tuple[tuple[int, ...], ...]
     """sp groups of dp ranks each, strided by sp."""
+    replicate: int = 1
+    """HSDP: the dp ranks form ``replicate`` replicas, each sharding the model over
+    ``dp // replicate`` ranks (x sp); 1 shards over every dp rank (mesh.py)."""
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(dp_rank, sp_rank) of a global rank."""
@@ -57,11 +62,13 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-def plan_parallel_layout(world_size: int, *, dp: int | None = None, sp: int = 1) -> ParallelLayout:
+def plan_parallel_layout(world_size: int, *, dp: int | None = None, sp: int = 1,
+                         replicate: int = 1) -> ParallelLayout:
     """Compute the rank lists for `--dp dp --sp sp` on `world_size` ranks (pure; no torch).
 
     `dp=None` infers dp = world_size // sp. Raises ValueError naming the numbers when
-    dp * sp != world_size.
+    dp * sp != world_size, or when `replicate` (HSDP replicas, `--dp-replicate`) does not
+    divide dp.
     """
     world_size = _positive_int("world_size", world_size)
     sp = _positive_int("sp", sp)
@@ -80,10 +87,15 @@ def plan_parallel_layout(world_size: int, *, dp: int | None = None, sp: int = 1)
             f"launch dp*sp processes or pass --dp {world_size // sp if world_size % sp == 0 else '?'}"
             f" for --sp {sp}"
         )
+    replicate = _positive_int("replicate", replicate)
+    if dp % replicate:
+        raise ValueError(
+            f"--dp-replicate {replicate} does not divide --dp {dp}: HSDP splits the dp ranks "
+            f"into replicas of equal size; use a divisor of {dp}")
     sp_groups = tuple(tuple(d * sp + s for s in range(sp)) for d in range(dp))
     dp_groups = tuple(tuple(d * sp + s for d in range(dp)) for s in range(sp))
     return ParallelLayout(world_size=world_size, dp=dp, sp=sp, sp_groups=sp_groups,
-                          dp_groups=dp_groups)
+                          dp_groups=dp_groups, replicate=replicate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,23 +106,24 @@ class ParallelGroups:
     dp_group: ProcessGroup
     """The ranks holding the same sequence shard of different batch slices."""
     sp_group: ProcessGroup
-    """The ranks splitting this rank's sequences (the Ulysses all-to-all group)."""
+    """The ranks splitting this rank's sequences (the Ulysses all-to-all group): the ``sp``
+    dimension of ``mesh``."""
     world_group: ProcessGroup
     """All ranks: average gradients over this one when training with dp x sp."""
+    mesh: ParallelMesh
+    """The job's DeviceMesh (mesh.py): FSDP2 shards over ``mesh.fsdp``."""
 
 
-def create_groups(layout: ParallelLayout, *, timeout_s: float | None = None) -> ParallelGroups:
-    """Create the dp and sp process groups of `layout` and return this rank's.
+def create_groups(layout: ParallelLayout, *, timeout_s: float,
+                  device_type: str = "cpu") -> ParallelGroups:
+    """Create the mesh of `layout` (mesh.py) and return this rank's groups.
 
     Collective: every rank must call it, in the same order relative to other group creations
     (torch.distributed.new_group's contract). ``timeout_s``: the groups' collective timeout
     (a subgroup does not inherit the world group's; without one it gets torch's 30 min).
+    ``device_type``: "cuda" for NCCL, "cpu" for gloo.
     """
-    from datetime import timedelta
-
     import torch.distributed as dist
-
-    timeout = None if timeout_s is None else timedelta(seconds=float(timeout_s))
 
     if not dist.is_initialized():
         raise RuntimeError("create_groups: torch.distributed is not initialised: call "
@@ -122,19 +135,7 @@ def create_groups(layout: ParallelLayout, *, timeout_s: float | None = None) -> 
         )
     world = dist.group.WORLD
     assert world is not None
-    # A group spanning every rank is the world group itself: no extra communicator.
-    if layout.sp == layout.world_size:
-        sp_group = world
-    else:
-        sp_sub, _ = dist.new_subgroups_by_enumeration([list(g) for g in layout.sp_groups],
-                                                      timeout=timeout)
-        assert sp_sub is not None  # every rank is in exactly one sp group
-        sp_group = sp_sub
-    if layout.dp == layout.world_size:
-        dp_group = world
-    else:
-        dp_sub, _ = dist.new_subgroups_by_enumeration([list(g) for g in layout.dp_groups],
-                                                      timeout=timeout)
-        assert dp_sub is not None  # every rank is in exactly one dp group
-        dp_group = dp_sub
-    return ParallelGroups(layout=layout, dp_group=dp_group, sp_group=sp_group, world_group=world)
+    mesh = build_mesh(dp=layout.dp, sp=layout.sp, replicate=layout.replicate,
+                      device_type=device_type, timeout_s=timeout_s)
+    return ParallelGroups(layout=layout, dp_group=mesh.dp.get_group(),
+                          sp_group=mesh.root.get_group("sp"), world_group=world, mesh=mesh)

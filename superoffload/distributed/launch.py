@@ -78,6 +78,8 @@ class DistInfo:
     dp_rank: int
     sp_rank: int
     timeout_s: float
+    replicate: int = 1
+    """HSDP replicas among the dp ranks (``--dp-replicate``); 1: plain FSDP sharding."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +126,14 @@ def resolve_backend(backend: str) -> str:
 
 
 def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-                     dp: int | None = None, sp: int = 1,
+                     dp: int | None = None, sp: int = 1, replicate: int = 1,
                      env: dict[str, str] | None = None) -> DistInfo:
-    """Initialise torch.distributed from torchrun's environment and create the dp x sp groups.
+    """Initialise torch.distributed from torchrun's environment and create the dp x sp mesh.
 
     backend: "auto" (nccl on CUDA, gloo on CPU), "gloo" or "nccl".
     timeout_s: every collective fails after this many seconds instead of hanging.
     dp, sp: parallel degrees with dp * sp == WORLD_SIZE (dp=None infers it).
+    replicate: HSDP replicas among the dp ranks (mesh.py; 1: shard over all of them).
     env: the environment to read (default os.environ; tests pass a dict).
     Calling it again in the same process with the same arguments returns the same DistInfo.
     """
@@ -141,10 +144,12 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
         raise ValueError(f"timeout_s={timeout_s!r} is invalid: use a finite number of seconds "
                          f">= {MIN_TIMEOUT_S:g}")
     if _STATE is not None:
-        if (dp not in (None, _STATE.info.dp)) or sp != _STATE.info.sp:
+        if ((dp not in (None, _STATE.info.dp)) or sp != _STATE.info.sp
+                or replicate != _STATE.info.replicate):
             raise ValueError(
                 f"init_distributed: already initialised with dp={_STATE.info.dp}, "
-                f"sp={_STATE.info.sp}; call shutdown() before re-initialising with dp={dp}, sp={sp}"
+                f"sp={_STATE.info.sp}, replicate={_STATE.info.replicate}; call shutdown() "
+                f"before re-initialising with dp={dp}, sp={sp}, replicate={replicate}"
             )
         return _STATE.info
     present = [name for name in TORCHRUN_ENV if name in env]
@@ -161,7 +166,8 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
             raise ValueError(f"RANK={rank} is not below WORLD_SIZE={world_size}: check the launcher")
     else:
         rank, world_size, local_rank = 0, 1, 0
-    layout = plan_parallel_layout(world_size, dp=dp, sp=sp)  # validate before any networking
+    # validate before any networking
+    layout = plan_parallel_layout(world_size, dp=dp, sp=sp, replicate=replicate)
 
     device = "cpu"
     if backend == "nccl":
@@ -185,7 +191,8 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     try:
-        groups = create_groups(layout, timeout_s=float(timeout_s))
+        groups = create_groups(layout, timeout_s=float(timeout_s),
+                               device_type="cuda" if backend == "nccl" else "cpu")
         processes = _exchange_processes(world_size)
     except Exception:
         if owns_group:
@@ -194,7 +201,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
     dp_rank, sp_rank = layout.coords(rank)
     info = DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                     device=device, dp=layout.dp, sp=layout.sp, dp_rank=dp_rank,
-                    sp_rank=sp_rank, timeout_s=float(timeout_s))
+                    sp_rank=sp_rank, timeout_s=float(timeout_s), replicate=layout.replicate)
     _STATE = _State(info=info, groups=groups, owns_group=owns_group, processes=processes)
     return info
 
@@ -256,6 +263,14 @@ def stopped_peers(ranks: list[int]) -> list[int]:
 def exited_peers(ranks: list[int]) -> list[int]:
     """Ranks among `ranks` on this host whose process has exited."""
     return _local_peers(ranks, _process_gone)
+
+
+def stall_cause(ranks: list[int]) -> str:
+    """Which of ``ranks`` on this host is stopped or gone, for a watchdog's message."""
+    stopped, gone = stopped_peers(ranks), exited_peers(ranks)
+    return (f"rank(s) {stopped} on this host are stopped" if stopped else
+            f"rank(s) {gone} on this host have exited" if gone else
+            "no local peer is stopped or gone: look at the other hosts' ranks")
 
 
 def collective_timeout_s() -> float:
@@ -329,6 +344,9 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sp", type=int, default=1,
                        help="sequence-parallel (Ulysses) degree; must divide the heads and the "
                        "sequence length")
+    group.add_argument("--dp-replicate", type=int, default=1,
+                       help="HSDP: split the dp ranks into this many replicas, each sharding "
+                       "the model over dp / dp-replicate ranks (default 1: shard over all)")
     group.add_argument("--dist-backend", choices=("auto", "gloo", "nccl"), default="auto",
                        help="auto: nccl with CUDA, gloo on the CPU")
     group.add_argument("--dist-timeout-s", type=timeout_arg, default=DEFAULT_TIMEOUT_S,
@@ -354,4 +372,4 @@ def timeout_arg(text: str) -> float:
 def init_from_args(args: argparse.Namespace) -> DistInfo:
     """init_distributed() with the options add_parallel_args() added."""
     return init_distributed(backend=args.dist_backend, timeout_s=args.dist_timeout_s,
-                            dp=args.dp, sp=args.sp)
+                            dp=args.dp, sp=args.sp, replicate=getattr(args, "dp_replicate", 1))

@@ -1,7 +1,9 @@
-"""Training frameworks driving the offload engine: Hugging Face `Trainer` and PyTorch Lightning.
+"""Training frameworks driving the offload engine: Hugging Face `Trainer` and Accelerate,
+PyTorch Lightning.
 
-    from superoffload.integrations.hf import SuperOffloadTrainer          # pip install 'superoffload[hf]'
-    from superoffload.integrations.lightning import SuperOffloadStrategy  # pip install 'superoffload[lightning]'
+    from superoffload.integrations.hf import SuperOffloadTrainer                  # pip install 'superoffload[hf]'
+    from superoffload.integrations.accelerate import SuperOffloadAccelerator      # pip install 'superoffload[hf]'
+    from superoffload.integrations.lightning import SuperOffloadStrategy          # pip install 'superoffload[lightning]'
 
 Each integration imports its framework, so import the submodule you use; this package itself
 imports neither. `bridge` holds what both share (engine-owned clipping and accumulation, the

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +31,7 @@ from superoffload.config import ConfigError, OffloadConfig
 from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.events import Span
 from superoffload.telemetry.metrics import IterationMetrics, iteration_metrics
+from superoffload.telemetry.window import window_values
 
 PREFIX = "superoffload/"
 """Key prefix of every logged engine metric (TensorBoard groups them under one heading);
@@ -105,8 +105,9 @@ class EngineMetrics:
     Reads only public telemetry (`Recorder.spans_since`, `iteration_metrics`; the same
     definitions as the dashboard, the CLI and the HTML report, named by
     `telemetry.vocabulary`) and `engine.stats`. An iteration is reported once the next one
-    has started (its window ends there), so a value lags one optimizer step. Over several
-    iterations a rate is total bytes (or tokens) over total time, a share the mean."""
+    has started (its window ends there), so a value lags one optimizer step. The figures
+    pool the iterations completed since the previous call (`telemetry.window`; their count is
+    `window_iterations`), as the dashboard and the CLI pool theirs."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -152,22 +153,10 @@ class EngineMetrics:
 
 
 def aggregate(done: list[IterationMetrics], tokens: Mapping[int, int]) -> dict[str, float]:
-    """The vocabulary's figures over several complete iterations: rates as totals over total
-    time (bytes / busy or wall seconds, tokens / wall seconds), shares and times as means."""
-    wall = sum(m.wall_s for m in done)
-    out = {"iteration_ms": 1e3 * wall / len(done),
-           "outside_engine_ms": 1e3 * statistics.fmean(m.outside_engine_s for m in done),
-           "exposed_optimizer_ms": 1e3 * statistics.fmean(m.exposed_optimizer_s for m in done),
-           "device_idle_pct": 100.0 * statistics.fmean(m.device_idle_frac for m in done)}
-    if sum(tokens.values()) and wall > 0:
-        out["tokens_per_s"] = sum(tokens.values()) / wall
-    for d in ("d2h", "h2d"):
-        moved = sum(getattr(m, f"{d}_bytes") for m in done)
-        busy = sum(getattr(m, f"{d}_busy_s") for m in done)
-        if moved and busy > 0:
-            out[f"{d}_gbps_busy"] = moved / busy / 1e9
-        out[f"{d}_gbps_wall"] = moved / wall / 1e9 if wall > 0 else 0.0
-    with_cpu = [m for m in done if m.cpu_step_s > 0]
-    if with_cpu:  # no value for iterations without CPU work (not "100 % hidden")
-        out["cpu_step_hidden_pct"] = 100.0 * statistics.fmean(m.cpu_overlap_frac for m in with_cpu)
-    return out
+    """The vocabulary's figures over several complete iterations, pooled as every view pools
+    them (`telemetry.window.window_values`: bytes over busy or wall seconds, hidden over all
+    CPU step time, tokens over wall seconds), with `window_iterations`, the number pooled.
+    Undefined figures (no bytes moved, no CPU work) are left out of the log."""
+    values = window_values(done, tokens=sum(tokens.values()) or None)
+    values["window_iterations"] = float(len(done))
+    return {k: v for k, v in values.items() if math.isfinite(v)}

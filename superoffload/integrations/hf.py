@@ -50,6 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import EngineMetrics, backward, engine_config
+from superoffload.kernels.torch_flags import check_flags, torch_flags
 
 ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",
                           "adamw_torch_xla", "adamw_torch_npu_fused"})
@@ -99,13 +100,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     `param_groups` *are* `engine.optimizer.param_groups` (an LR scheduler built on it changes
     the engine's learning rate) and it holds no state of its own. `step_was_skipped` tells
     accelerate (`Accelerator.optimizer_step_was_skipped`) that an fp16 overflow skipped the
-    step, so Trainer leaves the LR scheduler alone, as with DeepSpeed."""
+    step, so Trainer leaves the LR scheduler alone, as with DeepSpeed.
+
+    Being marked prepared, accelerate does not wrap it, so it does what its wrapper would:
+    `optimizer` (how `prepare_scheduler` finds a scheduler's optimizer; it used to raise
+    AttributeError there) is itself, and `step` / `zero_grad` act only when accelerate's
+    `sync_gradients` says the accumulation is complete (it used to step on every
+    micro-batch of `accelerator.accumulate`). Trainer sets that flag for every micro-step."""
 
     _is_accelerate_prepared = True  # accelerate: do not wrap, do not copy the state
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._skipped = False
+
+    @property
+    def optimizer(self) -> OffloadedOptimizer:
+        """Itself: what accelerate's optimizer wrapper calls the optimizer it wraps."""
+        return self
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -128,13 +140,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not _sync_gradients():
+            return loss  # mid-accumulation, as accelerate's wrapper
         before = self.engine.stats.skipped_steps
         self.engine.step()
         self._skipped = self.engine.stats.skipped_steps > before
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad(set_to_none)
+        if _sync_gradients():
+            self.engine.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         return self.engine.state_dict()
@@ -149,6 +164,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OffloadedOptimizer({len(self.param_groups)} groups, {self.engine.config.device})"
+
+
+def _sync_gradients() -> bool:
+    """accelerate's `sync_gradients` (True when no Accelerator is in use: nothing accumulates)."""
+    from accelerate.state import GradientState
+
+    return bool(GradientState().sync_gradients)
 
 
 class SuperOffloadTrainer(Trainer):
@@ -207,6 +229,7 @@ class SuperOffloadTrainer(Trainer):
             raise ConfigError(
                 f"TrainingArguments.optim={optim!r}: the offload engine runs AdamW; use one of "
                 f"{sorted(ADAMW_OPTIMS)} (the default 'adamw_torch' is fine)")
+        hyper = self._adamw_hyper()  # refusals first: nothing is cast yet
         import superoffload as so
 
         model = self.model if model is None else model
@@ -218,8 +241,6 @@ class SuperOffloadTrainer(Trainer):
                 if p.requires_grad and p.dtype != dtype:
                     p.data = p.data.to(dtype)
         decay = set(self.get_decay_parameter_names(model))
-        hyper = {"lr": self.args.learning_rate, "betas": (self.args.adam_beta1, self.args.adam_beta2),
-                 "eps": self.args.adam_epsilon}
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [g for g in (
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay, **hyper},
@@ -237,9 +258,43 @@ class SuperOffloadTrainer(Trainer):
         if config.device == "auto":
             config = config.replace(device=self.args.device.type)
         self.engine = so.initialize(model, groups, config, **self.engine_kwargs)
+        if getattr(self.engine, "fsdp", None) is not None:  # under torchrun: FSDP2 sharded it
+            # Trainer's path for a model that owns its placement and gradient reduction: no DDP
+            self.is_distributed_loading_by_transformers = True
         self.engine_metrics = EngineMetrics(self.engine)
         self.optimizer = OffloadedOptimizer(self.engine)
         return self.optimizer
+
+    def _adamw_hyper(self) -> dict[str, Any]:
+        """AdamW's lr, betas, eps and flags as Trainer would build it: from TrainingArguments,
+        or from ``Trainer(optimizer_cls_and_kwargs=(AdamW, {...}))`` (its own defaults then,
+        as Trainer's); the engine honours or refuses each flag (kernels/torch_flags.py).
+        ``optim_args`` is refused: Trainer's AdamW does not read it, and neither would we."""
+        if self.args.optim_args:
+            raise ConfigError(
+                f"TrainingArguments.optim_args={self.args.optim_args!r}: Trainer's AdamW does not "
+                "read optim_args, so the engine refuses them rather than ignore them; pass AdamW "
+                "flags as Trainer(optimizer_cls_and_kwargs=(torch.optim.AdamW, {'maximize': "
+                "True}))")
+        custom = getattr(self, "optimizer_cls_and_kwargs", None)
+        if custom is None:
+            return {"lr": self.args.learning_rate, "eps": self.args.adam_epsilon,
+                    "betas": (self.args.adam_beta1, self.args.adam_beta2)}
+        cls, kwargs = custom
+        if not (isinstance(cls, type) and issubclass(cls, (torch.optim.Adam, torch.optim.AdamW))):
+            raise ConfigError(f"optimizer_cls_and_kwargs={cls!r}: the offload engine runs "
+                              "AdamW; pass (torch.optim.AdamW, {...}) or Adam")
+        defaults = cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults
+        check_flags(defaults, "Trainer(optimizer_cls_and_kwargs)")  # amsgrad=True: refused
+        return {"lr": defaults["lr"], "betas": tuple(defaults["betas"]), "eps": defaults["eps"],
+                **torch_flags(defaults)}
+
+    def _defer_fsdp_gradient_reduction(self) -> Any:
+        """Trainer's no-sync for FSDP2 models: under torchrun the engine decides, per
+        micro-step, whether FSDP2 reduces (distributed/fsdp/hooks.py)."""
+        import contextlib
+
+        return contextlib.nullcontext()
 
     def _engine_backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.engine is None:

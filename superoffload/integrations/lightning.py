@@ -9,9 +9,12 @@
 Like Lightning's own `DeepSpeedStrategy` (lightning/pytorch/strategies/deepspeed.py) the
 strategy takes the optimizer `configure_optimizers` returns and hands its parameter groups
 and hyperparameters to the engine; the module's AdamW object stays what Lightning and the LR
-schedulers see, and its groups' lr / betas / eps / weight_decay are copied into the engine's
-before every backward and step, so any scheduler drives the engine. Its own `step` is never
-called (it holds no state). What it takes over:
+schedulers see, and its groups' lr / betas / eps / weight_decay and AdamW flags are copied
+into the engine's before every backward and step, so any scheduler drives the engine. Its own
+`step` is never called (it holds no state). The flags (`maximize`, `amsgrad`, `foreach`,
+`fused`, `capturable`, `differentiable`) are the engine's to honour or refuse, at `fit()` and
+when changed mid-run (superoffload/kernels/torch_flags.py: `AdamW(maximize=True)` trains as
+AdamW does, `AdamW(amsgrad=True)` is refused naming the way). What it takes over:
 * `backward` -> `engine.backward` (Lightning's `on_before_backward` / `on_after_backward`
   hooks still run); `optimizer_step` runs the closure, the `on_before_optimizer_step` hooks,
   `configure_gradient_clipping` and `engine.step()`. Lightning never clips `p.grad`:
@@ -52,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import EngineMetrics, adam_hyper, backward, engine_config
+from superoffload.kernels.torch_flags import torch_flag_keys, torch_flags
 
 PRECISIONS = frozenset({"32-true", "32", "bf16-true", "16-true", "bf16-mixed"})
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -124,7 +128,8 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         for group in opt.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
             if params:
-                groups.append({"params": params, **adam_hyper(group, adamw=adamw)})
+                groups.append({"params": params, **adam_hyper(group, adamw=adamw),
+                               **torch_flags(group)})  # honoured or refused by the engine
         self.engine = so.initialize(self.lightning_module, groups, config, **self.engine_kwargs)
         # Lightning's clipping (the default configure_gradient_clipping, a user's override,
         # self.clip_gradients in manual optimization) ends in the precision plugin's
@@ -140,8 +145,9 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
     def _sync_hyper(self) -> None:
         """The module optimizer's hyperparameters (a scheduler changed them) -> the engine's."""
         theirs, ours = self.optimizers[0].param_groups, self.engine.optimizer.param_groups
+        flags = torch_flag_keys()  # a flag set mid-run is refused at the engine's next step
         for k_ours, k_theirs in self._engine_groups:
-            for key in _HYPER_KEYS:
+            for key in (*_HYPER_KEYS, *(k for k in theirs[k_theirs] if k in flags)):
                 value = theirs[k_theirs][key]
                 ours[k_ours][key] = tuple(value) if key == "betas" else value
 

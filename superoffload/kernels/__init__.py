@@ -1,8 +1,10 @@
 """CPU Adam/AdamW kernels: the compiled CFFI module when built, else a pure-torch fallback.
 
 Public API (DESIGN.md §4, issues 2 and 11; docs/kernel.md):
-    AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode=True, bias_correction=True)
-    AdamHyper.from_group(param_group)                         # the one hyper-parameter type
+    AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode=True, bias_correction=True,
+              maximize=False)
+    AdamHyper.from_group(param_group)     # the one hyper-parameter type; torch.optim.AdamW's
+                                          # flags honoured or refused (kernels/torch_flags.py)
     prepare_adam(params, grads, exp_avgs, exp_avg_sqs, params_lp=None) -> PreparedAdam
         .step(hyper, *, step, grad_scale=1.0, threads=None, sr_seed=0, grads=None,
               options=None)
@@ -13,7 +15,7 @@ Public API (DESIGN.md §4, issues 2 and 11; docs/kernel.md):
     prepare_grad_stats(grads) -> PreparedGradStats; (threads=None) -> (sum_sq, nonfinite)
     adam_step(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1, beta2, eps,
               weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-              param_lp=None, threads=None, sr_seed=0)         # in place
+              param_lp=None, threads=None, sr_seed=0, maximize=False)   # in place
     adam_rollback(...same arguments...)                       # undoes that step, in place
     adam_step_multi / adam_rollback_multi(params, grads, exp_avgs, exp_avg_sqs, *, ...,
               params_lp=None, ...)                            # lists, ONE parallel region
@@ -85,13 +87,13 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
               eps: float, weight_decay: float = 0.0, adamw_mode: bool = True,
               bias_correction: bool = True, grad_scale: float = 1.0,
               param_lp: torch.Tensor | None = None, threads: int | None = None,
-              sr_seed: int = 0) -> None:
+              sr_seed: int = 0, maximize: bool = False) -> None:
     """One Adam(W) step over one tensor, in place (param, exp_avg, exp_avg_sq, param_lp)."""
     _impl.adam_step_multi([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr,
                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                           adamw_mode=adamw_mode, bias_correction=bias_correction,
                           grad_scale=grad_scale, params_lp=None if param_lp is None else [param_lp],
-                          threads=threads, sr_seed=sr_seed)
+                          threads=threads, sr_seed=sr_seed, maximize=maximize)
 
 
 def adam_rollback(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -99,14 +101,14 @@ def adam_rollback(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                   eps: float, weight_decay: float = 0.0, adamw_mode: bool = True,
                   bias_correction: bool = True, grad_scale: float = 1.0,
                   param_lp: torch.Tensor | None = None, threads: int | None = None,
-                  sr_seed: int = 0) -> None:
+                  sr_seed: int = 0, maximize: bool = False) -> None:
     """Undo adam_step with the same arguments (DESIGN.md §4), in place."""
     _impl.adam_rollback_multi([param], [grad], [exp_avg], [exp_avg_sq], step=step, lr=lr,
                               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                               adamw_mode=adamw_mode, bias_correction=bias_correction,
                               grad_scale=grad_scale,
                               params_lp=None if param_lp is None else [param_lp],
-                              threads=threads, sr_seed=sr_seed)
+                              threads=threads, sr_seed=sr_seed, maximize=maximize)
 
 
 adam_step_multi = _impl.adam_step_multi

@@ -35,7 +35,7 @@ except ImportError as exc:  # missing build: the package falls back to torch_ref
                       "`pip install -e .` (or `make install`)") from exc
 
 # Must equal SO_KERNEL_ABI_VERSION in cext/so_cpu_adam.h.
-EXPECTED_ABI_VERSION = 6
+EXPECTED_ABI_VERSION = 7
 
 
 class StaleBuildError(ImportError):

@@ -67,14 +67,15 @@ def device_adam_multi(params: list[torch.Tensor], grads: list[torch.Tensor],
                       weight_decay: float = 0.0, adamw_mode: bool = True,
                       bias_correction: bool = True, grad_scale: float = 1.0,
                       params_lp: list[torch.Tensor] | None = None, threads: int | None = None,
-                      sr_seed: int = 0, scratch_grads: bool = False) -> None:
+                      sr_seed: int = 0, scratch_grads: bool = False,
+                      maximize: bool = False) -> None:
     """One Adam(W) step over device tensors in place; ``params_lp`` receives the cast copy.
     ``grads`` are read only, unless ``scratch_grads=True`` lets the fused op unscale them in
     place (saves a pass). ``threads`` and ``sr_seed`` are accepted for the kernels' signature
-    and ignored (fp32 moments only)."""
+    and ignored (fp32 moments only). ``maximize``: a step with -grad (AdamW's flag)."""
     hyper = AdamHyper.checked("device_adam_multi", lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                               weight_decay=weight_decay, adamw_mode=adamw_mode,
-                              bias_correction=bias_correction)
+                              bias_correction=bias_correction, maximize=maximize)
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"device_adam_multi: step must be an int >= 1, got {step!r}")
     gs = float(grad_scale)
@@ -118,7 +119,7 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor],
     steps = torch.full((len(params),), float(step), dtype=torch.float32, device=dev).unbind()
     op = torch._fused_adamw_ if h.adamw_mode else torch._fused_adam_
     op(params, grads, exp_avgs, exp_avg_sqs, [], list(steps), lr=h.lr, beta1=h.beta1,
-       beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False,
+       beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=h.maximize,
        grad_scale=scale, found_inf=None)
 
 
@@ -130,7 +131,7 @@ def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor],
     bc2_sqrt = math.sqrt(1.0 - h.beta2**step) if h.bias_correction else 1.0
     dtype = params[0].dtype
     g32 = [x.to(dtype) if x.dtype != dtype else x for x in grads]
-    g = list(torch._foreach_mul(g32, gs))
+    g = list(torch._foreach_mul(g32, -gs if h.maximize else gs))  # maximize: -grad
     if not h.adamw_mode and h.weight_decay != 0.0:
         torch._foreach_add_(g, params, alpha=h.weight_decay)  # Adam with L2: decay in the moments
     torch._foreach_mul_(exp_avgs, h.beta1)

@@ -7,7 +7,9 @@ numbers (step count, grad_scale, stochastic-rounding seed) stay call arguments.
 
 Ranges follow ``torch.optim.AdamW`` (PyTorch docs: lr >= 0, 0 <= betas < 1, eps >= 0,
 weight_decay >= 0), plus AdamW's ``lr * weight_decay < 1`` (the decoupled decay factor
-``1 - lr * wd`` must stay positive, DESIGN.md §4).
+``1 - lr * wd`` must stay positive, DESIGN.md §4). ``maximize`` is AdamW's: the step uses
+-grad (the kernels flip the sign of their gradient scale). torch.optim.AdamW's other flags in
+a group are honoured or refused by kernels/torch_flags.py, read by ``from_group``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from superoffload.kernels.torch_flags import adamw_mode_of, check_flags
+
 DEFAULTS: dict[str, Any] = {
     # torch.optim.AdamW's defaults (PyTorch docs), plus the kernel's two switches.
     "lr": 1e-3,
@@ -25,6 +29,7 @@ DEFAULTS: dict[str, Any] = {
     "weight_decay": 1e-2,
     "adamw_mode": True,
     "bias_correction": True,
+    "maximize": False,
 }
 GROUP_KEYS = frozenset(DEFAULTS)
 """The hyper-parameter keys of a param group (besides ``params``)."""
@@ -50,6 +55,8 @@ class AdamHyper:
     weight_decay: float
     adamw_mode: bool = True
     bias_correction: bool = True
+    maximize: bool = False
+    """Step with -grad (torch.optim.AdamW's ``maximize``)."""
 
     def __post_init__(self) -> None:
         self.check("AdamHyper")
@@ -68,7 +75,7 @@ class AdamHyper:
             raise ValueError(f"{where}['eps']={self.eps!r}: use a number >= 0")
         if self.weight_decay < 0:
             raise ValueError(f"{where}['weight_decay']={self.weight_decay!r}: use a number >= 0")
-        for key in ("adamw_mode", "bias_correction"):
+        for key in ("adamw_mode", "bias_correction", "maximize"):
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{where}[{key!r}]={getattr(self, key)!r}: use True or False")
         if self.adamw_mode and self.lr * self.weight_decay >= 1.0:
@@ -78,8 +85,8 @@ class AdamHyper:
 
     @classmethod
     def checked(cls, where: str, *, lr: Any, beta1: Any, beta2: Any, eps: Any,
-                weight_decay: Any, adamw_mode: Any = True, bias_correction: Any = True
-                ) -> AdamHyper:
+                weight_decay: Any, adamw_mode: Any = True, bias_correction: Any = True,
+                maximize: Any = False) -> AdamHyper:
         """From keyword values (the kernels' signature), each real converted to ``float``;
         errors name ``where[key]`` (``where`` = the function called, for example)."""
         hyper = cls.__new__(cls)
@@ -88,13 +95,17 @@ class AdamHyper:
             object.__setattr__(hyper, key, _real(where, key, value))
         object.__setattr__(hyper, "adamw_mode", adamw_mode)
         object.__setattr__(hyper, "bias_correction", bias_correction)
+        object.__setattr__(hyper, "maximize", maximize)
         hyper.check(where)
         return hyper
 
     @classmethod
     def from_group(cls, group: Mapping[str, Any], where: str = "optimizer") -> AdamHyper:
         """From a torch-style param group (``lr``, ``betas``, ``eps``, ``weight_decay``,
-        ``adamw_mode``, ``bias_correction``; missing keys take ``DEFAULTS``)."""
+        ``adamw_mode``, ``bias_correction``, ``maximize``; missing keys take ``DEFAULTS``).
+        torch.optim.AdamW's flags in it are honoured or refused (kernels/torch_flags.py);
+        other keys (a scheduler's ``initial_lr``, a name) are ignored, as torch does."""
+        check_flags(group, where)
         g = {**DEFAULTS, **{k: v for k, v in group.items() if k != "params"}}
         betas = g["betas"]
         if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
@@ -105,8 +116,9 @@ class AdamHyper:
                            ("beta2", _real(where, "betas", betas[1])),
                            ("eps", _real(where, "eps", g["eps"])),
                            ("weight_decay", _real(where, "weight_decay", g["weight_decay"])),
-                           ("adamw_mode", g["adamw_mode"]),
-                           ("bias_correction", g["bias_correction"])):
+                           ("adamw_mode", adamw_mode_of(group, DEFAULTS["adamw_mode"], where)),
+                           ("bias_correction", g["bias_correction"]),
+                           ("maximize", g["maximize"])):
             object.__setattr__(hyper, key, value)
         hyper.check(where)
         return hyper

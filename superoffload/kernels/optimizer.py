@@ -15,9 +15,12 @@ in bf16 with stochastic rounding (20 instead of 28 B/param; accuracy in docs/ker
 
 step() makes ONE prepared kernel call per param group (per distinct step count, grad dtype
 and low-precision dtype inside the group), built once and reused until the group's
-tensors change (kernels/optimizer_batches.py). rollback() undoes the last step exactly (to a
-few ulps, DESIGN.md §4) using the gradients still in .grad; call it before
-scheduler.step() changes the learning rate.
+tensors change (kernels/optimizer_batches.py). Every group's hyper-parameters are read and
+checked before any group is stepped, so a bad value (or a refused torch.optim flag,
+kernels/torch_flags.py) written into a group mid-run raises with nothing applied.
+rollback() undoes the last step exactly (to a few ulps, DESIGN.md §4) using the gradients
+still in .grad and the hyper-parameters that step used (a scheduler's lr change in between
+does not enter the inverse).
 
 FSDP2 (issue 21; docs/distributed.md, "FSDP2"): ``DTensor`` parameters are stepped on their
 local shards (uneven and empty ones included) and the state is DTensors in the layout
@@ -49,6 +52,7 @@ from superoffload.kernels.optimizer_batches import (
     local_shard,
     state_like,
 )
+from superoffload.kernels.torch_flags import normalise_group
 from superoffload.kernels.validate import MOMENT_DTYPES, check_threads
 
 PARAM_DTYPES = (torch.float32, *LOW_PRECISION)
@@ -87,26 +91,32 @@ def _device_shard_refusal(where: str, device: torch.device) -> str:
 
 
 class CPUAdam(torch.optim.Optimizer):
-    """Adam / AdamW for fp32, bf16 or fp16 CPU parameters, backed by superoffload.kernels."""
+    """Adam / AdamW for fp32, bf16 or fp16 CPU parameters, backed by superoffload.kernels.
+
+    ``maximize``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are
+    torch.optim.AdamW's flags: ``maximize`` is honoured, ``foreach``/``fused`` accepted (our
+    kernel runs either way), ``amsgrad``/``capturable``/``differentiable`` refused unless
+    False (kernels/torch_flags.py), here and in every param group, also when set mid-run."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, adamw_mode: bool = True, threads: int | None = None,
                  bias_correction: bool = True, amsgrad: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False,
                  moment_dtype: torch.dtype | None = None,
                  fp32_optimizer_states: bool | None = None) -> None:
-        if amsgrad:
-            raise ValueError("CPUAdam does not support amsgrad=True; use torch.optim.AdamW "
-                             "(amsgrad=True) instead")
         self.threads = None if threads is None else check_threads(threads)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "adamw_mode": adamw_mode, "bias_correction": bias_correction,
-                    "amsgrad": False,
+                    "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
+                    "fused": fused, "capturable": capturable, "differentiable": differentiable,
                     "moment_dtype": _moment_dtype(moment_dtype, fp32_optimizer_states)}
         self._hyper(defaults, "CPUAdam")  # refuse bad defaults before any group
         self._cache: dict[int, GroupCache] = {}
-        # (group, batch index, batch, step number taken) of each kernel call of the last step()
-        self._last_stepped: list[tuple[int, int, Batch, int]] = []
+        # (group, batch index, batch, step number taken, hyper-parameters used) of each kernel
+        # call of the last step(): rollback() inverts each with its own hyper-parameters
+        self._last_stepped: list[tuple[int, int, Batch, int, AdamHyper]] = []
         super().__init__(params, defaults)
 
     @staticmethod
@@ -117,8 +127,10 @@ class CPUAdam(torch.optim.Optimizer):
         return AdamHyper.from_group(group, where)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if param_group.get("amsgrad", False):
-            raise ValueError("CPUAdam does not support amsgrad=True in a param group")
+        where = f"CPUAdam.param_groups[{len(self.param_groups)}]"
+        if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
+            normalise_group(param_group)  # torch's decoupled_weight_decay is our adamw_mode
+            self._hyper({**self.defaults, **param_group}, where)  # before the group joins
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         where = f"CPUAdam.param_groups[{len(self.param_groups) - 1}]"
@@ -143,21 +155,19 @@ class CPUAdam(torch.optim.Optimizer):
                                  "p.data.contiguous() first")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # load_state_dict() lands here: groups saved by torch.optim.AdamW lack our keys
+        # load_state_dict() lands here (its groups were checked first): groups saved by
+        # torch.optim.AdamW lack our keys; their decoupled_weight_decay is our adamw_mode
         super().__setstate__(state)
         for group in self.param_groups:
-            for key in ("adamw_mode", "bias_correction", "amsgrad", "moment_dtype"):
-                group.setdefault(key, self.defaults.get(key, torch.float32))
-            if group["amsgrad"]:
-                raise ValueError("CPUAdam does not support amsgrad=True in a param group")
+            normalise_group(group)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         self.__dict__.setdefault("threads", None)  # not pickled by Optimizer.__getstate__
         self.__dict__["_cache"] = {}
         self.__dict__["_last_stepped"] = []
 
     def _call(self, gi: int, bi: int, batch: Batch, step: int, grads: list[torch.Tensor],
-              rollback: bool) -> None:
-        group = self.param_groups[gi]
-        hyper = self._hyper(group, f"CPUAdam.param_groups[{gi}]")
+              hyper: AdamHyper, rollback: bool) -> None:
         run = batch.prepared.rollback if rollback else batch.prepared.step
         run(hyper, step=step, grads=batch.grads(grads), threads=self.threads,
             sr_seed=_sr_seed(step, gi, bi))
@@ -168,7 +178,10 @@ class CPUAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped: list[tuple[int, int, Batch, int]] = []
+        # every group's hyper-parameters first: a bad one raises before anything is stepped
+        hypers = [self._hyper(g, f"CPUAdam.param_groups[{gi}]")
+                  for gi, g in enumerate(self.param_groups)]
+        stepped: list[tuple[int, int, Batch, int, AdamHyper]] = []
         for gi, group in enumerate(self.param_groups):
             params = group["params"]
             grads = [p.grad for p in params]
@@ -177,24 +190,25 @@ class CPUAdam(torch.optim.Optimizer):
             for bi, batch in enumerate(batches):
                 count = batch.count()
                 assert count is not None  # current_batches rebuilt the batch otherwise
-                self._call(gi, bi, batch, count + 1, grads, rollback=False)
+                self._call(gi, bi, batch, count + 1, grads, hypers[gi], rollback=False)
                 batch.steps.add_(1.0)
-                stepped.append((gi, bi, batch, count + 1))
+                stepped.append((gi, bi, batch, count + 1, hypers[gi]))
         self._last_stepped = stepped
         return loss
 
     @torch.no_grad()
     def rollback(self) -> None:
-        """Undo the last step() with the grads still in .grad (values and step counts)."""
+        """Undo the last step() with the grads still in .grad (values and step counts), with
+        the hyper-parameters that step used, whatever the groups say now."""
         if not self._last_stepped:
             raise RuntimeError("CPUAdam.rollback(): no step to undo (rollback undoes only the "
                                "most recent step, once)")
-        if any(p.grad is None for _, _, b, _ in self._last_stepped for p in b.params):
+        if any(p.grad is None for _, _, b, _, _ in self._last_stepped for p in b.params):
             raise RuntimeError("CPUAdam.rollback() needs the gradients of the step it undoes; "
                                "a .grad was cleared (call it before zero_grad)")
-        for gi, bi, batch, step in reversed(self._last_stepped):
+        for gi, bi, batch, step, hyper in reversed(self._last_stepped):
             grads = [p.grad for p in self.param_groups[gi]["params"]]
-            self._call(gi, bi, batch, step, grads, rollback=True)
+            self._call(gi, bi, batch, step, grads, hyper, rollback=True)
             batch.steps.sub_(1.0)
         self._last_stepped = []
 
@@ -203,6 +217,10 @@ class CPUAdam(torch.optim.Optimizer):
         stay fp32 (torch casts every floating state tensor to its parameter's dtype, which
         would round an fp32 master of a bf16 parameter to bf16). A torch AdamW state of a
         bf16 model (no master) loads too: the master starts as the parameter, widened."""
+        for gi, g in enumerate(state_dict["param_groups"]):  # refused before anything loads
+            self._hyper({**self.defaults, **normalise_group(
+                {key: v for key, v in g.items() if key != "params"})},
+                f"load_state_dict: param_groups[{gi}]")
         saved = state_dict["state"]
         held = {pid: {k: st[k] for k in (*MOMENT_KEYS, MASTER_KEY) if k in st}
                 for pid, st in saved.items()}

@@ -178,10 +178,10 @@ def multi_entry_points(backend: Backend) -> tuple[AdamMulti, AdamMulti]:
 
         def multi(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1, beta2, eps,
                   weight_decay=0.0, adamw_mode=True, bias_correction=True, grad_scale=1.0,
-                  params_lp=None, threads=None, sr_seed=0) -> None:
+                  params_lp=None, threads=None, sr_seed=0, maximize=False) -> None:
             hyper = AdamHyper.checked(where, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                       weight_decay=weight_decay, adamw_mode=adamw_mode,
-                                      bias_correction=bias_correction)
+                                      bias_correction=bias_correction, maximize=maximize)
             if grads is None:
                 raise TypeError(f"{where}: grads must be a list or tuple of tensors, got None")
             tensors = check_tensors(params, grads, exp_avgs, exp_avg_sqs, params_lp)

@@ -136,7 +136,7 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
         if l2:
             g = g + c["wd"] * w
         m = c["b1"] * m + c["omb1"] * g
-        v = c["b2"] * v + c["omb2"] * (g * g)
+        v = c["b2"] * v + (c["omb2"] * g) * g  # torch's order: no overflow of g*g
         denom = _div(_sqrt(v), c["bc2_sqrt"]) + c["eps"]
         w = w * c["decay"]
         w = w - c["step_size"] * (m / denom)
@@ -147,7 +147,7 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
         if l2:
             g = g + c["wd"] * w
         m = _div(m - c["omb1"] * g, c["b1"])
-        v = _div(v - c["omb2"] * (g * g), c["b2"])
+        v = _div(v - (c["omb2"] * g) * g, c["b2"])
         v = torch.where(v > 0.0, v, _f32(0.0))  # fp32 cancellation can leave v < 0
     p.copy_(w)
     if t.moment_dtype == torch.bfloat16:

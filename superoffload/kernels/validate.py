@@ -130,7 +130,8 @@ class AdamCall:
     step: int
     """The step t >= 1 being taken (or undone): bias corrections use t."""
     grad_scale: float
-    """g = grad * grad_scale (unscale and clip fused in)."""
+    """g = grad * grad_scale (unscale and clip fused in); negative under ``hyper.maximize``
+    (a step with -grad: the sign flip is exact, in both backends)."""
     sr_seed: int
     """Stochastic-rounding stream of bf16 moments."""
     threads: int
@@ -193,7 +194,8 @@ def check_call(tensors: AdamTensors, hyper: object, *, step: object, grad_scale:
             if _f32(beta) <= 0.0:
                 raise ValueError(f"adam_rollback cannot invert a step with {name}={beta}: "
                                  f"use {name} > 0")
-    return AdamCall(tensors, hyper, step, gs, sr_seed, check_threads(threads), options)
+    return AdamCall(tensors, hyper, step, -gs if hyper.maximize else gs, sr_seed,
+                    check_threads(threads), options)
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:

@@ -24,6 +24,7 @@ from superoffload.plan import (
     cost,
     facts,
     feasible,
+    largest,
     parallel,
     probe,
     profiles,
@@ -37,6 +38,8 @@ from superoffload.plan.calibrate import (
     measurements_from_spans,
 )
 from superoffload.plan.capacity import fit_problems, gpt_by_layers, max_model_size
+from superoffload.plan.device_grads import DeviceGrads, device_grads
+from superoffload.plan.grad_accum import GradAccumChoice, choose_grad_accum
 from superoffload.plan.guard import SimulationTooLarge
 from superoffload.plan.measure import measure_local
 from superoffload.plan.memory import Memory, memory
@@ -54,6 +57,11 @@ __all__ = [
     "ENGINE_TODAY",
     "EngineVariant",
     "engine_for",
+    "DeviceGrads",
+    "GradAccumChoice",
+    "choose_grad_accum",
+    "device_grads",
+    "largest",
     "SimulationTooLarge",
     "facts",
     "fit_compute",

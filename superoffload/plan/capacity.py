@@ -13,14 +13,17 @@ per rank (each holds 1/dp of the offloaded state, memory.py).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from superoffload.config import OffloadConfig
 from superoffload.plan.feasible import search
+from superoffload.plan.grad_accum import resolve_decided
 from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
-from superoffload.plan.techniques import SCHEDULES, resolve
+from superoffload.plan.techniques import SCHEDULES
 
 MAX_LAYERS = 1000
 
@@ -37,19 +40,24 @@ def gpt_by_layers(layers: int, *, seq: int, micro_batch: int, vocab: int = 50257
 
 def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
                  config: OffloadConfig | None = None, *,
-                 allow_bf16_moments: bool = False) -> list[str]:
+                 allow_bf16_moments: bool = False,
+                 weights: Literal["stationary", "flow"] | None = None) -> list[str]:
     """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
     config, every setting that saves memory is searched (plan/feasible.py: the ratio down from
     1 when the host binds, weight-flow when the device binds, bf16 moments only when
-    `allow_bf16_moments`): the same search ``tune`` starts from."""
+    `allow_bf16_moments`): the same search ``tune`` starts from; ``weights`` ("stationary" or
+    "flow") keeps the weight policy fixed in it."""
     if config is not None or schedule != "superoffload":
         prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
         auto = None
         if config is not None and config.weights == "auto" and schedule == "superoffload":
             auto = choose_weights(shape, prof, config)  # as plan.simulate decides it
-        plan = resolve(shape, prof, schedule, config, None, auto=auto)
+        plan = resolve_decided(shape, prof, schedule, config, None, auto=auto)
         return check_fits(memory(shape, prof, plan), prof)
     dtypes = ("fp32", "bf16") if allow_bf16_moments else ("fp32",)
+    if weights is not None:
+        return list(search(shape, prof, OffloadConfig(weights=weights), fixed={"weights"},
+                           dtypes=dtypes).problems)
     return list(search(shape, prof, OffloadConfig(), dtypes=dtypes).problems)
 
 

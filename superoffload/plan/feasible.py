@@ -5,11 +5,12 @@ A setting fits when both memories hold what it keeps (plan/memory.py). The setti
 side for the other:
 
 * ``ratio`` moves whole buckets (the rule book's table, plan/buckets.py) from the device to
-  the host: an offloaded parameter's fp32 state (16 B) leaves the device and 16 B (+ the 2 B
-  pinned bf16 copy, + a snapshot) arrive on the host. With both casts on the host (no fp32
-  staging on the device) host bytes never fall and device bytes never rise as the ratio grows
-  (with data parallel the device's fp32 reduce buffers, 8 B/param of the largest host bucket,
-  grow by less than the 16 B/param a bucket frees). So of the ratios whose host side fits --
+  the host: an offloaded parameter's tail state (12 B) and resident gradient (2 B) leave the
+  device and 16 B (+ the 2 B pinned bf16 copy, + a snapshot) arrive on the host. With both
+  casts on the host (no fp32 staging on the device) host bytes never fall and device bytes
+  never rise as the ratio grows (the gradients in flight, 3 x 2 B per element of the largest
+  host bucket, and with data parallel the fp32 reduce buffers, 8 B of it, grow by no more than
+  the 14 B/param a bucket frees). So of the ratios whose host side fits --
   a prefix of the buckets, found by bisection on the bucket count -- the largest is the
   device's best chance: when the device does not fit there, no ratio fits. (With a device
   cast fixed by the caller the device side may rise by up to 8 B/param of staging per
@@ -35,6 +36,7 @@ from functools import cache
 from itertools import accumulate
 
 from superoffload.config import OffloadConfig
+from superoffload.plan.grad_accum import resolve_decided
 from superoffload.plan.memory import Memory, check_fits, fit_sides, memory
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.profiles import HardwareProfile
@@ -97,7 +99,7 @@ def search(shape: ModelShape, prof: HardwareProfile, base: OffloadConfig, *,
 
 def _memory(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,
             techniques: Techniques | None) -> Memory:
-    return memory(shape, prof, resolve(shape, prof, "superoffload", cfg, techniques))
+    return memory(shape, prof, resolve_decided(shape, prof, "superoffload", cfg, techniques))
 
 
 def _stationary(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,

@@ -13,12 +13,22 @@ Parameters of one block (GPT-2 with biases and LayerNorms; Llama-style: no biase
 FLOPs per token, forward: 2 x active matmul parameters + 4*s*q (QK^T and AV over the whole
   s x s score matrix, as torch.utils.flop_counter counts scaled_dot_product_attention);
   backward 2x, + 1x with activation checkpointing (Narayanan et al. 2021, §5.1).
-Activations per token of one block, 16-bit (Korthikanti et al. 2022 §4.1 for GPT, 34h +
-  5as: norms 4h; attention 2h (QKV input) + 2q + 2kv (Q, K) + 2kv (V) + 2q (O input)
-  [+ h dropout mask]; without flash attention + 2as (softmax) [+ 3as dropout mask and
-  output]; MLP GELU 2h + 2f + 2f [+ h mask]; gated 2h + 8f (gate, up, act, product)
-  [+ h]; MoE: k x the expert MLP + 4E router probabilities (fp32)). Dropout masks are
-  kept for GPT-2-style models (dropout on) and not for Llama-style ones (dropout 0).
+Activations: what autograd keeps for backward, 16-bit unless said (Korthikanti et al. 2022
+  §4.1, checked tensor by tensor against our GPT's saved tensors: tests/test_plan_device_memory.py).
+  Per token of one block: norms 4h (their inputs) + statistics (LayerNorm: mean and rstd
+  in fp32, 8 B each; RMSNorm: rstd, 4 B); attention 2h (QKV input) + 2q + 4kv (Q, K, V:
+  our GPT's fused QKV output) + 2q (the output, shared with O's input) + 4a (the fp32
+  log-sum-exp flash attention keeps) [+ h dropout mask]; without flash attention + 2as
+  (softmax) [+ 3as dropout mask and output]; MLP GELU 2h + 2f + 2f [+ h mask]; gated 2h +
+  8f (gate, up, act, product) [+ h]; MoE: k x the expert MLP + 4E router probabilities
+  (fp32). Dropout masks are kept for GPT-2-style models with dropout on and not for
+  dropout-free ones. Hugging Face Llama-style blocks keep a few more (rotary's pre-rotation
+  Q and K): the same formula is an estimate there.
+  Outside the blocks, per token: the token ids (int64, 8 B) [+ h embedding-dropout mask];
+  the final norm's input 2h + statistics, the head's input 2h, the fp32 log-softmax of the
+  logits 4V (the loss keeps it) and the targets (8 B); learned positions keep their ids
+  (8 B per position). At the start of backward the loss adds two fp32 gradients of the
+  logits (8V per token) that no tensor keeps: an allocator transient (loss_transient_bytes).
 Non-GEMM memory traffic per token of one block, forward, in elements (read + write; the
   element-wise passes between the matmuls, bound by device memory bandwidth): norms 2 x 2h,
   residual adds 2 x 3h, attention core 2q + 2kv (flash reads Q, K, V, writes O) [+ 4as
@@ -99,6 +109,11 @@ def attention_flops_per_token(s: Any) -> float:
     return 4.0 * s.seq * widths(s)[1]
 
 
+def norm_stats_bytes(s: Any) -> float:
+    """Statistics one norm keeps per token: LayerNorm's mean and rstd (fp32), RMSNorm's rstd."""
+    return 8.0 if s.bias else 4.0
+
+
 def activation_bytes_per_token(s: Any) -> float:
     """One block's stored activations per token, 16-bit (module docstring)."""
     h, q, kv, f = widths(s)
@@ -106,10 +121,26 @@ def activation_bytes_per_token(s: Any) -> float:
     attn = 2 * h + 4 * q + 4 * kv + (h if masks else 0)
     if not s.flash_attention:
         attn += 2 * a * seq + (3 * a * seq if masks else 0)
+    else:
+        attn += 4 * a  # the fp32 log-sum-exp per head
     mlp = 2 * h + (8 * f if s.gated_mlp else 4 * f) + (h if masks else 0)
     if s.experts:
         mlp = s.experts_per_token * mlp + 4 * s.experts
-    return float(4 * h + attn + mlp)
+    return float(4 * h + 2 * norm_stats_bytes(s) + attn + mlp)
+
+
+def edge_activation_bytes_per_token(s: Any) -> tuple[float, float]:
+    """(embedding, head) activations kept per token outside the blocks (module docstring)."""
+    h = s.hidden
+    embedding = 8.0 + (h if s.dropout_masks else 0)
+    head = 4 * h + norm_stats_bytes(s) + 4 * s.vocab + 8.0
+    return embedding, float(head)
+
+
+def loss_transient_bytes_per_token(s: Any) -> float:
+    """fp32 gradients of the log-softmax output and of the logits, alive together at the start
+    of backward (cross-entropy's backward), kept by no tensor: 8V per token."""
+    return 8.0 * s.vocab
 
 
 def nongemm_elements_per_token(s: Any) -> float:

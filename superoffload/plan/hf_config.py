@@ -222,6 +222,40 @@ def parameter_count(arch: HFArch) -> int:
     return arch.layers * one + edge
 
 
+class _Reads(dict):  # type: ignore[type-arg]
+    """A config dict that remembers which keys were looked up (``config_keys``)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        super().__init__(data)
+        self.looked_up: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.looked_up.add(key)
+        return super().get(key, default)
+
+
+def _dropout_on(cfg: Mapping[str, Any]) -> bool:
+    """Whether the config trains with dropout (then its masks are kept for backward)."""
+    return float(cfg.get("resid_pdrop", cfg.get("attention_dropout", 0.0)) or 0) > 0
+
+
+def config_keys(config_or_path: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(keys read, keys not read) of a config (see `load`): for the shipped families the keys
+    the formulas looked up, for any other the architecture's own keys transformers' config
+    class takes (plan/hf_meta.config_keys). A key not read changes nothing in the plan."""
+    raw = load(config_or_path)
+    if str(raw.get("model_type", "")) not in FAMILIES:
+        from superoffload.plan import hf_meta
+
+        return hf_meta.config_keys(raw)
+    rec = _Reads(raw)
+    describe(rec)
+    _dropout_on(rec)
+    keys = [k for k in raw if k != "model_type" and not k.startswith("_")]
+    return (tuple(sorted(k for k in keys if k in rec.looked_up)),
+            tuple(sorted(k for k in keys if k not in rec.looked_up)))
+
+
 def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: int = 1,
                  **kw: Any) -> dict[str, Any]:
     """ModelShape's fields for an HF causal LM config (see `load` for what `config_or_path`
@@ -246,7 +280,7 @@ def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: in
         other_params_override=total - arch.layers * block, kv_heads=arch.kv_heads,
         head_dim=arch.head_dim, gated_mlp=arch.family in ("llama", "mistral", "qwen2"),
         bias=arch.family in ("gpt2", "gpt_neox"),
-        dropout_masks=float(raw.get("resid_pdrop", raw.get("attention_dropout", 0.0)) or 0) > 0)
+        dropout_masks=_dropout_on(raw))
     fields["param_table"] = tuple((layer, _numel(s)) for layer, _, s in table)
     fields.update(kw)
     return fields

@@ -5,8 +5,16 @@ from formulas without transformers. Every other ``model_type`` is instantiated h
 ``AutoModelForCausalLM.from_config`` under ``torch.device("meta")`` -- no weights, no memory,
 well under a second for a 47 B MoE -- and described by ``ModelShape.from_module``
 (plan/module_shape.py: exact parameters in registration order, GQA, gated MLP, MoE total vs
-active). Needs the ``hf`` extra (``pip install 'superoffload[hf]'``); a model that needs its
-own code (``trust_remote_code``) is refused: we never run code from a config.
+active over every block). Needs the ``hf`` extra (``pip install 'superoffload[hf]'``).
+
+A config that names its own code (``auto_map``, what ``trust_remote_code`` would import:
+DeepSeek-V3's Hub config does) is planned as data when transformers ships its
+``model_type``: the architecture's own keys go to transformers' config class for that type
+and ``auto_map`` is dropped, so no code from the config runs. ``config_keys`` says which keys
+were read (the class's parameters) and which were not (``auto_map``, quantization, keys the
+shipped class does not take, such as DeepSeek-V3's ``num_nextn_predict_layers``: its
+multi-token-prediction layer is not built, and not planned). A ``model_type`` transformers
+does not ship is refused: we never run code from a config.
 
 The training dtype is not the config's ``torch_dtype`` (Gemma-2 ships ``float32`` weights and
 trains in bf16 like the others): it is ``dtype`` (default bfloat16; ``plan --dtype``).
@@ -18,6 +26,11 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
+LAYOUT_KEYS = {"moe_layer_freq": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "first_k_dense_replace": 0}
+"""Keys that decide which blocks are MoE, with the value that makes every block alike. One
+that transformers' class for the model type does not read (DeepSeek's ``moe_layer_freq``)
+is refused at any other value: the model built would not be the model described."""
 DEFAULT_DTYPE = "bfloat16"
 INSTALL = "pip install 'superoffload[hf]'"
 
@@ -35,14 +48,24 @@ def build_meta(raw: Mapping[str, Any]) -> Any:
         raise ValueError(f"HF config model_type={family!r}: reading it needs transformers "
                          f"({INSTALL}); without it the shipped families work: llama, "
                          "mistral, qwen2, gpt2, gpt_neox")
-    if raw.get("auto_map"):
-        raise ValueError(f"HF config model_type={family!r} names its own code (auto_map): "
-                         "the planner never runs code from a config; use a model type "
-                         "transformers ships, or ModelShape.from_module on your model")
     import torch
     import transformers
 
-    fields = {k: v for k, v in raw.items() if not k.startswith("_") and k != "model_type"}
+    if raw.get("auto_map") and config_class(family) is None:
+        raise ValueError(f"HF config model_type={family!r} names its own code (auto_map) and "
+                         f"transformers {transformers.__version__} does not ship that model "
+                         "type: the planner never runs code from a config; use a model type "
+                         "transformers ships, or ModelShape.from_module on your model")
+    read, _ = config_keys(raw)
+    for key, neutral in LAYOUT_KEYS.items():
+        if config_class(family) is not None and key in raw and key not in read \
+                and raw[key] not in (neutral, None):
+            raise ValueError(f"HF config model_type={family!r}: {key}={raw[key]!r} is not read "
+                             f"by transformers {transformers.__version__}'s {family} (it builds "
+                             f"the blocks as if {key}={neutral!r}), so the count would not be "
+                             "this model's; describe it with ModelShape.from_module instead")
+    fields = {k: v for k, v in raw.items()
+              if not k.startswith("_") and k not in ("model_type", "auto_map")}
     try:
         config = transformers.AutoConfig.for_model(family, **fields)
     except (ValueError, KeyError) as exc:
@@ -54,6 +77,30 @@ def build_meta(raw: Mapping[str, Any]) -> Any:
     except ValueError as exc:
         raise ValueError(f"HF config model_type={family!r} is not a causal language model "
                          f"transformers can build: {exc}") from None
+
+
+def config_class(family: str) -> Any:
+    """transformers' config class for ``model_type`` `family`, or None when it ships none."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    # a lazy mapping: only [] loads a class (its dict.get would miss one not loaded yet)
+    return CONFIG_MAPPING[family] if family in CONFIG_MAPPING else None  # noqa: SIM401
+
+
+def config_keys(raw: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(keys read, keys not read) of config dict `raw` on the meta-device path: read are the
+    parameters of transformers' config class for its model_type that the dict sets (the
+    architecture's own: not PretrainedConfig's generic ones); the rest is not read."""
+    import inspect
+
+    import transformers
+
+    cls = config_class(str(raw.get("model_type", "")))
+    common = set(inspect.signature(transformers.PretrainedConfig.__init__).parameters)
+    own = set(inspect.signature(cls.__init__).parameters) - common if cls is not None else set()
+    keys = [k for k in raw if k != "model_type" and not k.startswith("_")]
+    return (tuple(sorted(k for k in keys if k in own)),
+            tuple(sorted(k for k in keys if k not in own)))
 
 
 def shape_fields(raw: Mapping[str, Any], *, seq: int | None, micro_batch: int = 1,

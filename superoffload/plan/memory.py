@@ -1,19 +1,37 @@
 """Memory per side for each policy, and the largest model a machine can train with it.
 
-Bytes per parameter (DESIGN.md §1; mixed-precision Adam, Rajbhandari et al. 2020 "ZeRO" §3):
-  plain GPU           device: 2 (bf16 weight) + 2 (bf16 grad) + 16 (fp32 master, m, v, grad)
-  offloaded params    device: 2 (bf16 weight, stationary) + 2 (bf16 grad until its bucket leaves)
-                      host:   16 (fp32 master, m, v, grad buffer) + 2 (pinned bf16 weight copy)
+Bytes per parameter (DESIGN.md §1; mixed-precision Adam, Rajbhandari et al. 2020 "ZeRO" §3);
+``w`` is the model dtype's size (bf16/fp16 2, fp32 4):
+  weights             device: w per parameter (stationary); weight-flow keeps the GPU tail's,
+                      the embeddings, final norm and head, and (prefetch_depth + 1) of the
+                      largest blocks' (paper §4.5; runtime/weightflow.py streams the blocks)
+  gradients           device: plan/device_grads.py, the engine's rule: the tail's w per
+                      parameter until zero_grad(); the offloaded ones leave with their bucket,
+                      at most (grad_buckets_in_flight + 1) host buckets at once (all of them
+                      when kept, or accumulating on the device)
+  GPU tail state      device: fp32 master (none for an fp32 model: the weights are the master)
+                      + m + v in fp32: 12 B (fp32 model 8 B); its fused step widens a
+                      bucket's low-precision gradients to fp32 (4 B per element of the largest
+                      tail bucket, a transient of the step; kernels/device_adam.py)
+  offloaded params    host:   16 (fp32 master, m, v, grad buffer) + 2 (pinned bf16 weight copy)
                               + 12 with snapshot rollback (pre-step p, m, v; DESIGN.md §4);
                               bf16 moments (optimizer_state_dtype="bf16", docs/kernel.md):
                               m and v take 2 + 2 instead of 4 + 4, so 12 + 2, snapshot 8
-  GPU tail params     device: 2 + 2 + 16 (like plain GPU)
-  weight-flow         device keeps only (prefetch_depth + 1) layers of bf16 weights (paper §4.5);
-                      the bf16 copy of offloaded weights lives on the host (the 2 B above)
   staging             fp32 copies of two buckets per direction cast on the device (double
                       buffering; the largest bucket of the engine's table); none for a
                       direction cast on the host, none for an fp32 model (nothing to cast)
-  activations         ModelShape.activation_bytes()
+  activations         what autograd keeps, per layer (ModelShape.layer_activation_bytes)
+
+The device figure is the peak over one iteration, not a sum of everything: backward walks the
+layers from the head down, freeing each layer's activations after its backward while its
+gradients arrive (a tied head's gradient arrives with the head). At each layer the device
+holds its resident buffers, the activations of the layers not yet done (+ one recomputed
+block with checkpointing, + the loss's fp32 gradients at the head: an allocator transient),
+and the gradients the rule keeps by then; after backward, the tail step holds the gradients
+and its fp32 temporaries. With grad_accum_steps > 1 the gradients that accumulate on the
+device are resident from the start (a later micro-step). ``Memory.device_kept`` is the same
+peak without the transients: what live tensors hold (tests/test_plan_device_memory.py holds it
+to the engine's DeviceMeter within 10%).
 Data parallel (ModelShape.dp = N > 1; ZeRO §5, distributed/zero.py): bytes are per rank. The
 host's fp32 state, pinned bf16 copy and snapshot are divided by N (each rank holds its shard);
 weight-flow still needs the whole bf16 model on each host. The device keeps replicated bf16
@@ -26,6 +44,9 @@ Headroom: 5% of device memory (allocator fragmentation, CUDA context) and 10% of
 
 from __future__ import annotations
 
+import numpy as np
+
+from superoffload.plan.device_grads import DeviceGrads, device_grads
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.resolved import Resolved
@@ -35,6 +56,9 @@ DEVICE_HEADROOM = 0.95
 HOST_HEADROOM = 0.90
 MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0}
 """Bytes per parameter of one Adam moment on the host, by OffloadConfig.optimizer_state_dtype."""
+TRANSIENTS = ("loss_transient", "step_temporaries")
+"""Device parts no tensor keeps (allocator transients): ``device`` counts them,
+``device_kept`` does not."""
 
 
 def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
@@ -53,6 +77,28 @@ def largest_host_bucket(plan: Resolved) -> float:
     return float(max((b.numel for b in plan.bucket_plan.host_buckets), default=0))
 
 
+def grads_of(shape: ModelShape, plan: Resolved) -> DeviceGrads:
+    """The device-gradient rule (plan/device_grads.py) for a resolved schedule."""
+    if plan.schedule == "gpu":
+        host: list[int] = []
+    elif plan.whole_model_bucket:
+        host = [plan.host_numel]
+    else:
+        host = [b.numel for b in plan.bucket_plan.host_buckets]
+    tail = plan.bucket_plan.total_numel - sum(host)
+    return device_grads(host, tail, grad_buckets_in_flight=plan.grad_buckets_in_flight,
+                        keep_device_grads=plan.keep_device_grads,
+                        grad_accum_steps=plan.grad_accum_steps, grad_accum_on=plan.grad_accum_on,
+                        streamed_numel=streamed_numel(shape, plan))
+
+
+def streamed_numel(shape: ModelShape, plan: Resolved) -> int:
+    """Elements weight-flow streams: the blocks' (everything else stays resident)."""
+    if plan.weights != "flow" or plan.schedule == "gpu":
+        return 0
+    return int(sum(shape.layer_params()[1:-1]))
+
+
 def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     """Per-side bytes for `shape` under the resolved schedule `plan` (per rank when dp > 1).
     The "zero-offload" schedule is DeepSpeed's, with its own buffers (plan/deepspeed.py)."""
@@ -63,26 +109,35 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     n = float(shape.params)
     off = offloaded_params(shape, plan)
     tail = n - off
-    dev: dict[str, float] = {}
-    host: dict[str, float] = {}
+    w = 4.0 if shape.dtype == "float32" else 2.0
+    low = shape.dtype != "float32"  # an fp32 model casts nothing: no fp32 copies
+    resident: dict[str, float] = {}
     if plan.weights == "flow" and off > 0:
-        biggest = max(shape.layer_params())
-        dev["weights_bf16"] = 2.0 * tail + 2.0 * (plan.prefetch_depth + 1) * biggest
-        dev["grads_bf16"] = 2.0 * tail + 2.0 * biggest
+        # blocks stream, (prefetch_depth + 1) at a time; embeddings, final norm and head stay
+        per_layer = shape.layer_params()
+        edge = per_layer[0] + per_layer[-1]
+        blocks = (plan.prefetch_depth + 1) * max(per_layer[1:-1], default=0)
+        resident["weights"] = min(w * n, w * tail + w * (edge + blocks))
     else:
-        dev["weights_bf16"] = 2.0 * n
-        dev["grads_bf16"] = 2.0 * n
-    dev["tail_fp32_state"] = 16.0 * tail
+        resident["weights"] = w * n
+    resident["tail_state"] = (12.0 if low else 8.0) * tail  # master (low precision), m, v
+    resident["staging"] = resident["collective_buffers"] = 0.0
     if off > 0:
         # fp32 copies made on the device for device-side casting, two buckets in flight
         bucket_params = largest_host_bucket(plan)
-        low = plan.model_dtype != "float32"  # an fp32 model casts nothing: no fp32 copies
         per_param = (4.0 if plan.grad_cast == "device" and low else 0.0) + (
             4.0 if plan.param_cast == "device" and low else 0.0)
-        dev["staging"] = 2.0 * per_param * bucket_params
+        resident["staging"] = 2.0 * per_param * bucket_params
         if shape.dp > 1:
-            dev["collective_buffers"] = 2.0 * 4.0 * bucket_params
-    dev["activations"] = shape.activation_bytes()
+            resident["collective_buffers"] = 2.0 * 4.0 * bucket_params
+    grads = grads_of(shape, plan)
+    temporaries = 0.0
+    if low and prof.device_type == "cuda" and grads.tail_numel:
+        tail_buckets = (plan.bucket_plan.buckets if plan.schedule == "gpu"
+                        else plan.bucket_plan.device_buckets)
+        temporaries = 4.0 * max((b.numel for b in tail_buckets), default=0)
+    parts, kept = _device_peak(shape, plan, resident, grads, w, temporaries)
+    host: dict[str, float] = {}
     if off > 0:
         shard = off / shape.dp if shape.dp > 1 else off
         moments = 2.0 * MOMENT_BYTES[plan.optimizer_state_dtype]  # m and v
@@ -94,7 +149,52 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
         host["weights_bf16_pinned"] = 2.0 * (shard if plan.weights != "flow" else n)
         if plan.speculate and plan.snapshot_rollback:
             host["rollback_snapshot"] = (4.0 + moments) * shard  # pre-step p, m, v
-    return Memory(sum(dev.values()), sum(host.values()), dev, host)
+    return Memory(sum(parts.values()), sum(host.values()), parts, host, device_kept=kept)
+
+
+def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
+                 grads: DeviceGrads, w: float, temporaries: float
+                 ) -> tuple[dict[str, float], float]:
+    """(the device's parts at its peak moment, the peak without transients): backward layer by
+    layer from the head, then the tail step (module docstring)."""
+    layer, numel = shape.param_layout()
+    top = shape.layers + 1
+    arrival = layer.copy()
+    if shape.tied_embeddings:  # the tied head's gradient first arrives with the head
+        tied = np.flatnonzero((layer == 0) & (numel == shape.vocab * shape.hidden))
+        arrival[tied[:1]] = top
+    on_host = np.zeros(len(numel), dtype=bool)
+    if plan.schedule != "gpu":
+        for b in plan.bucket_plan.host_buckets:
+            on_host[list(b.param_indices)] = True
+    # gradients arrived once layer k's backward has run (k = top .. 0): a reverse cumsum
+    by_layer = np.bincount(arrival, weights=numel * ~on_host, minlength=top + 1)
+    tail_arrived = np.cumsum(by_layer[::-1])[::-1]
+    off_arrived = np.cumsum(np.bincount(arrival, weights=numel * on_host,
+                                        minlength=top + 1)[::-1])[::-1]
+    if grads.accumulating:  # a later micro-step: the tail's gradients are all there
+        tail_arrived = np.full(top + 1, float(grads.tail_numel))
+    off_res = np.asarray([grads.offloaded_resident_numel(a) for a in off_arrived])
+    grad_bytes = w * (tail_arrived + off_res)
+    act = np.cumsum(np.asarray(shape.layer_activation_bytes()))  # layers 0..k not yet done
+    recompute = np.zeros(top + 1)
+    recompute[1:top] = shape.recompute_bytes()
+    loss = np.zeros(top + 1)
+    loss[top] = shape.loss_transient_bytes()
+    step_grads = w * (grads.tail_numel + grads.kept_numel)
+    # the moments: backward after layer k (k = 0..top), then the tail step
+    moments_act = np.append(act + recompute, 0.0)
+    moments_grad = np.append(grad_bytes, step_grads)
+    moments_loss = np.append(loss, 0.0)
+    moments_temp = np.append(np.zeros(top + 1), temporaries)
+    kept_all = moments_act + moments_grad
+    total = kept_all + moments_loss + moments_temp
+    at = int(np.argmax(total))
+    parts = dict(resident)
+    parts.update(grads=float(moments_grad[at]), activations=float(act[at]) if at <= top else 0.0,
+                 recompute=float(recompute[at]) if at <= top else 0.0,
+                 loss_transient=float(moments_loss[at]), step_temporaries=float(moments_temp[at]))
+    return parts, sum(resident.values()) + float(kept_all.max())
 
 
 def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
@@ -104,6 +204,11 @@ def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
     if prof.shared_memory:
         return True, mem.device + mem.host <= host_cap
     return (mem.device <= prof.device_memory_bytes * DEVICE_HEADROOM, mem.host <= host_cap)
+
+
+def _gb(nbytes: float) -> str:
+    """Whole GB from 10 GB up, three significant digits below (a small cap still reads)."""
+    return f"{nbytes / 1e9:.0f}" if nbytes >= 9.5e9 else f"{nbytes / 1e9:.3g}"
 
 
 def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
@@ -116,13 +221,13 @@ def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
     if prof.shared_memory:
         total = mem.device + mem.host
         if not host_fits:
-            problems.append(f"needs {total / 1e9:.0f} GB of shared memory (device + host), "
-                            f"profile {prof.name} has {host_cap / 1e9:.0f} usable")
+            problems.append(f"needs {_gb(total)} GB of shared memory (device + host), "
+                            f"profile {prof.name} has {_gb(host_cap)} usable")
         return problems
     if not device_fits:
-        problems.append(f"needs {mem.device / 1e9:.0f} GB device memory, profile {prof.name} "
-                        f"has {dev_cap / 1e9:.0f} usable of {prof.device_memory_bytes / 1e9:.0f}")
+        problems.append(f"needs {_gb(mem.device)} GB device memory, profile {prof.name} "
+                        f"has {_gb(dev_cap)} usable of {_gb(prof.device_memory_bytes)}")
     if not host_fits:
-        problems.append(f"needs {mem.host / 1e9:.0f} GB host memory, profile {prof.name} has "
-                        f"{host_cap / 1e9:.0f} usable of {prof.host_memory_bytes / 1e9:.0f}")
+        problems.append(f"needs {_gb(mem.host)} GB host memory, profile {prof.name} has "
+                        f"{_gb(host_cap)} usable of {_gb(prof.host_memory_bytes)}")
     return problems

@@ -8,12 +8,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Memory:
-    """Bytes on each side and what they hold."""
+    """Bytes on each side and what they hold. ``device`` is the peak over one iteration and
+    ``device_parts`` what the device holds at that moment (they sum to it)."""
 
     device: float
     host: float
     device_parts: dict[str, float]
     host_parts: dict[str, float]
+    device_kept: float | None = None
+    """The device peak of what tensors keep (the engine's buffers, weights, gradients, what
+    autograd saves): ``device`` less the allocator's transients (the loss's gradients at the
+    start of backward, the tail step's temporaries). What a meter of live tensors such as
+    ``runtime.device_meter.DeviceMeter`` counts; None: not modelled (``device``)."""
 
     def as_dict(self) -> dict[str, float]:
         return {"device": self.device, "host": self.host}

@@ -12,8 +12,12 @@ alone cannot say:
   experts or transformers' fused ``gate_up_proj`` / ``down_proj`` tensors), shared experts
   excluded; with E experts (``num_local_experts`` / ``num_experts`` / ``n_routed_experts``) and
   k per token (``num_experts_per_tok`` / ``moe_topk``) a token runs k / E of them, so the
-  active parameters of a block are the rest + k / E of the experts (the router is in the rest);
-* dropout: masks are stored only when a dropout probability is above 0.
+  active parameters of a block are the rest + k / E of the experts (the router is in the rest).
+  Counted over every block: DeepSeek's first ``first_k_dense_replace`` blocks, Qwen-MoE's
+  ``mlp_only_layers`` / ``decoder_sparse_step`` and ``moe_layer_freq`` make some blocks dense,
+  so ``active_block_params_override`` is the blocks' mean (FLOPs use it times the blocks);
+* dropout: masks are stored only when a dropout probability is above 0 (our GPT's
+  ``GPTConfig.dropout`` too).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 EXPERT_TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k")
-DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop")
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "attn_pdrop", "dropout")
 GATE_NAMES = ("gate_proj", "gate_up_proj", ".w1.", ".w3.")
 
 
@@ -66,13 +70,15 @@ def shape_fields(module: Any, *, seq: int, micro_batch: int = 1,
         other_params_override=total - per_block * len(blocks), dtype=dtype, param_table=table)
     cfg = getattr(module, "config", None)
     if cfg is not None and hasattr(cfg, "to_dict"):  # a Hugging Face PretrainedConfig
-        fields.update(_hf_details(cfg, blocks[0], heads, hidden, per_block))
+        fields.update(_hf_details(cfg, blocks, heads, per_block))
     return fields
 
 
-def _hf_details(cfg: Any, block: Any, heads: int, hidden: int, per_block: int) -> dict[str, Any]:
-    """GQA, head width, gated MLP, dropout and MoE from an HF config and one block."""
-    out: dict[str, Any] = {"bias": any(n.endswith("bias") for n, _ in block.named_parameters()),
+def _hf_details(cfg: Any, blocks: Any, heads: int, per_block: int) -> dict[str, Any]:
+    """GQA, head width, gated MLP, dropout and MoE from an HF config and the blocks."""
+    named = [(n, p) for b in blocks for n, p in b.named_parameters()]
+    names = sorted({n for n, _ in named})
+    out: dict[str, Any] = {"bias": any(n.endswith("bias") for n in names),
                            "tied_embeddings": bool(getattr(cfg, "tie_word_embeddings", True))}
     kv = _first_int(cfg, ("num_key_value_heads", "num_kv_heads"))
     if getattr(cfg, "multi_query", False) and not getattr(cfg, "new_decoder_architecture", False):
@@ -82,7 +88,6 @@ def _hf_details(cfg: Any, block: Any, heads: int, hidden: int, per_block: int) -
     head_dim = _first_int(cfg, ("head_dim",))
     if head_dim:
         out["head_dim"] = head_dim
-    names = [n for n, _ in block.named_parameters()]
     out["gated_mlp"] = any(g in f".{n}." for n in names for g in GATE_NAMES)
     ffn = _first_int(cfg, ("moe_intermediate_size", "intermediate_size", "ffn_hidden_size",
                            "n_inner"))
@@ -93,11 +98,12 @@ def _hf_details(cfg: Any, block: Any, heads: int, hidden: int, per_block: int) -
     if drops:
         out["dropout_masks"] = any(d > 0 for d in drops)
     experts, topk = _first_int(cfg, EXPERT_COUNT_KEYS), _first_int(cfg, EXPERT_TOPK_KEYS)
-    expert_numel = sum(p.numel() for n, p in block.named_parameters() if _is_expert(n))
+    expert_numel = sum(p.numel() for n, p in named if _is_expert(n))  # every block's
     if experts and topk and expert_numel:
-        out.update(experts=experts, experts_per_token=min(topk, experts),
+        k = min(topk, experts)
+        out.update(experts=experts, experts_per_token=k,
                    active_block_params_override=per_block - round(
-                       expert_numel * (1 - min(topk, experts) / experts)))
+                       expert_numel * (1 - k / experts) / len(blocks)))
     return out
 
 

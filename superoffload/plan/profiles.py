@@ -199,6 +199,69 @@ _H200_PCIE = _pcie(
     "FACTS.md: H200 141 GB HBM3e, 4.8 TB/s",
 )
 
+def _sxm(name: str, device: str, peak: float, mem: float, bw: float, link: float,
+         nvlink: float, host: str, host_gb: float, host_bw: float, cores: int, datasheet: str,
+         server: str) -> HardwareProfile:
+    """One SXM GPU of an 8-GPU HGX/DGX server with the server's host to itself (a single-GPU
+    run; eight ranks share it: ``--dp 8 --ranks-per-host 8``)."""
+    x86_core = 0.8e9  # FACTS.md: single-pass AVX-512 probe, 828 M params/s on one thread
+    return HardwareProfile(
+        name=name,
+        device_name=device,
+        cpu_name=host,
+        device_peak_tflops=peak,
+        device_achieved_tflops=round(peak * 2 / 3, 1),
+        device_memory_bytes=mem,
+        device_mem_bw_gbps=bw,
+        host_memory_bytes=host_gb * GB,
+        host_mem_bw_gbps=host_bw,
+        cpu_cores=cores,
+        cpu_adam_params_per_s_per_core=x86_core,
+        cpu_adam_bw_efficiency=0.8,
+        h2d_gbps=link,
+        d2h_gbps=link,
+        link_latency_s=10e-6,
+        collective_gbps=nvlink,
+        collective_latency_s=5e-6,
+        device_cast_gelems=bw * 0.7 / 6,
+        host_cast_gelems=host_bw * 0.6 / 6,
+        sources=(
+            ("device_peak_tflops", f"{datasheet}: dense BF16 Tensor Core (half the sparsity figure)"),
+            ("device_achieved_tflops", "estimate: 2/3 of peak (FACTS.md: H200 SXM reaches ~790 of 989 on an 8192^3 matmul; a training step less)"),
+            ("device_memory_bytes", f"{datasheet}: GPU memory"),
+            ("device_mem_bw_gbps", f"{datasheet}: GPU memory bandwidth"),
+            ("host_memory_bytes", f"{server}: system memory (a single-GPU run has all of it)"),
+            ("host_mem_bw_gbps", "estimate: two sockets' DDR channels (theoretical) at ~80%"),
+            ("cpu_cores", f"{server}: both sockets' cores"),
+            ("cpu_adam_params_per_s_per_core", "FACTS.md: single-pass AVX-512 probe ~828 M params/s per thread"),
+            ("cpu_adam_bw_efficiency", "estimate: as the PCIe hosts (Adam-shaped traffic ~1.6x STREAM triad on x86, FACTS.md)"),
+            ("h2d_gbps", f"estimate: {datasheet} gives the PCIe link both ways together; ~85% of one direction for pinned copies"),
+            ("d2h_gbps", f"estimate: {datasheet} gives the PCIe link both ways together; ~85% of one direction for pinned copies"),
+            ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
+            ("host_cast_gelems", "estimate: 60% of host bandwidth at 6 B/element"),
+            ("collective_gbps", f"estimate from the {datasheet.split(' (')[0]}: NVLink between the server's GPUs is given both ways together; half of it per direction, the peak (NCCL reaches less)"),
+            ("collective_latency_s", "estimate: ~5 us per ring step inside an NVLink domain"),
+        ),
+        notes=f"One SXM GPU of {server.split(' datasheet')[0]}, the host to itself: PCIe to the host, NVLink between GPUs.",
+    )
+
+
+_A100_SXM = _sxm(
+    "a100-sxm", "A100 SXM 80 GB", 312.0, 80 * GB, 2039.0, 27.0, 300.0,
+    "2x AMD EPYC 7742 (Rome), 128 cores, DDR4-3200", 2048, 410.0 * 0.8, 128,
+    "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: BF16 312 TFLOPS dense / 624 sparse, 80 GB HBM2e, 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s)",
+    "DGX A100 datasheet (2x AMD EPYC 7742, 2 TB)")
+_H100_SXM = _sxm(
+    "h100-sxm", "H100 SXM 80 GB", 989.0, 80 * GB, 3350.0, 55.0, 450.0,
+    "2x Intel Xeon Platinum 8480C, 112 cores, DDR5-4800", 2048, 614.0 * 0.8, 112,
+    "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 1,979 TFLOPS with sparsity, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s)",
+    "DGX H100 datasheet (2x Intel Xeon Platinum 8480C, 2 TB)")
+_H200_SXM = _sxm(
+    "h200-sxm", "H200 SXM 141 GB", 989.0, 141 * GB, 4800.0, 55.0, 450.0,
+    "2x Intel Xeon Platinum 8480C, 112 cores, DDR5-4800", 2048, 614.0 * 0.8, 112,
+    "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: BF16 1,979 TFLOPS with sparsity, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s)",
+    "DGX H200 datasheet (2x Intel Xeon Platinum 8480C, 2 TB)")
+
 _LAPTOP = HardwareProfile(
     name="cpu-laptop",
     device_name="laptop CPU as the device (fp32, AVX2)",
@@ -240,8 +303,8 @@ _LAPTOP = HardwareProfile(
 )
 
 PROFILES: dict[str, HardwareProfile] = {
-    p.name: p.validate() for p in (_GH200, _GB200, _MI300A, _H100_PCIE, _H200_PCIE, _LAPTOP,
-                                   h200_pcie_measured())
+    p.name: p.validate() for p in (_GH200, _GB200, _MI300A, _H100_PCIE, _H200_PCIE, _A100_SXM,
+                                   _H100_SXM, _H200_SXM, _LAPTOP, h200_pcie_measured())
 }
 NAMES: tuple[str, ...] = tuple(PROFILES)
 

@@ -40,6 +40,16 @@ class Resolved:
     requested_ratio: float = 0.9
     """OffloadConfig.ratio as asked."""
     model_dtype: str = "bfloat16"
+    grad_buckets_in_flight: int = 2
+    """OffloadConfig.grad_buckets_in_flight: offloaded buckets whose gradients may wait for
+    their D2H copy on the device (plan/device_grads.py)."""
+    keep_device_grads: bool = False
+    """OffloadConfig.keep_device_grads: offloaded gradients stay on the device too."""
+    grad_accum_steps: int = 1
+    """OffloadConfig.grad_accum_steps: micro-steps per optimizer step."""
+    grad_accum_on: str = "device"
+    """Where offloaded gradients accumulate over micro-steps, decided ("device" or "host";
+    the rule book resolves "auto" with plan.grad_accum.choose_grad_accum)."""
     reasons: tuple[str, ...] = ()
     host_numel: int = field(init=False, default=0)
     """Parameters whose fp32 state and step are on the host (whole buckets; derived)."""

@@ -17,6 +17,11 @@ runs and telemetry can record the effective values:
 * an fp32 model casts nothing; fp16 gradients are widened on the device (the CPU kernel
   reads fp32 or bf16);
 * CPU optimizer threads: ``optimizer_threads`` below, the one thread rule;
+* where offloaded gradients accumulate over ``grad_accum_steps`` > 1 (``grad_accum_on``):
+  as configured; "auto" as decided by ``plan.grad_accum.choose_grad_accum`` (passed in as
+  ``grad_accum``, like the weight policy); without a decision "device" (on a CPU-only device
+  that is the decision: one memory pool, nothing to save), said in ``notes``; with one
+  micro-step the place does not matter ("device");
 * the engine's implementation choices that change the timeline (``EngineVariant``: the step
   order of offloaded buckets, the GPU tail step, the D2H stats launch, small-bucket merging):
   ``ENGINE`` is what the engine implements (since issue 11: ``ENGINE_NEXT``), and
@@ -40,7 +45,8 @@ from superoffload.threads import optimizer_threads, runtime_threads, usable_core
 
 __all__ = ["ENGINE", "ENGINE_NEXT", "ENGINE_TODAY", "STEP_ORDER_OF", "EngineVariant", "Schedule",
            "ScheduleFacts", "engine_for", "optimizer_threads", "resolve_casting",
-           "resolve_schedule", "runtime_threads", "specs_of", "usable_cores"]
+           "resolve_grad_accum", "resolve_schedule", "runtime_threads", "specs_of",
+           "usable_cores"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")
@@ -160,6 +166,8 @@ class Schedule:
     """Why a requested value changed, in plain language."""
     engine: EngineVariant = ENGINE
     """Step order, tail step and D2H launch order the schedule runs with."""
+    grad_accum_on: str = "device"
+    """Where offloaded gradients accumulate over micro-steps: "device" or "host" (decided)."""
 
     @property
     def offloaded_fraction(self) -> float:
@@ -212,11 +220,30 @@ def resolve_casting(grad_cast: str, param_cast: str, *, model_dtype: str, device
     return g, p, tuple(notes)
 
 
+def resolve_grad_accum(config: OffloadConfig, device_type: str,
+                       decided: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """(where offloaded gradients accumulate, notes): the module docstring's rule."""
+    place = config.grad_accum_on
+    if place != "auto":
+        return place, ()
+    if config.grad_accum_steps == 1:
+        return "device", ()  # nothing accumulates
+    if decided is not None:
+        if decided not in ("device", "host"):
+            raise ValueError(f"resolve_schedule: grad_accum={decided!r}; pass 'device' or 'host'")
+        return decided, ()
+    if device_type == "cpu":
+        return "device", ()  # one memory pool: the rule's answer (plan.grad_accum)
+    return "device", ("grad_accum_on='auto' not decided (plan.grad_accum.choose_grad_accum "
+                      "decides it): accumulating on the device",)
+
+
 def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
-                     weights: str | None = None) -> Schedule:
+                     weights: str | None = None, grad_accum: str | None = None) -> Schedule:
     """The schedule ``config`` runs on ``facts``. ``weights``: the decided policy when
     ``config.weights`` is "auto" (the engine decides it at the first batch, the planner by
-    ``plan.choose_weights``); otherwise ``config.weights``."""
+    ``plan.choose_weights``); otherwise ``config.weights``. ``grad_accum``: the decided place
+    when ``config.grad_accum_on`` is "auto" (``plan.grad_accum.choose_grad_accum``)."""
     policy = config.weights if weights is None else weights
     if policy not in ("stationary", "flow"):
         raise ValueError(f"resolve_schedule: weights={policy!r}; decide 'auto' first "
@@ -238,9 +265,11 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
         device_type=facts.device_type, weights=policy, profile=facts.profile, threads=threads,
         bucket_params=config.bucket_bytes / 4, moments=config.optimizer_state_dtype)
     notes += cast_notes
+    accum, accum_notes = resolve_grad_accum(config, facts.device_type, grad_accum)
+    notes += accum_notes
     return Schedule(weights=policy, requested_ratio=float(config.ratio), ratio=ratio,
                     bucket_plan=plan, grad_cast=g, param_cast=p, threads=threads, dp=facts.dp,
-                    notes=tuple(notes), engine=facts.engine)
+                    notes=tuple(notes), engine=facts.engine, grad_accum_on=accum)
 
 
 def specs_of(numels: Sequence[int], names: Sequence[str] | None = None) -> tuple[ParamSpec, ...]:

@@ -56,8 +56,8 @@ class ModelShape:
     per GPU; e.g. 8 on an 8-GPU PCIe server). At most `dp`."""
     dtype: str = "bfloat16"
     """Dtype of the trainable parameters ("float32", "bfloat16", "float16"): the rule book's
-    ``model_dtype`` (an fp32 model casts nothing and moves 4 B each way). The memory model
-    counts 16-bit weights and gradients whatever the dtype (plan/memory.py)."""
+    ``model_dtype`` (an fp32 model casts nothing and moves 4 B each way); the memory model
+    counts weights and gradients at its size (plan/memory.py)."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention); None: `heads`."""
     head_dim: int | None = None
@@ -264,15 +264,43 @@ class ModelShape:
         return sum(self.layer_forward_flops()) + sum(self.layer_backward_flops())
 
     # ------------------------------------------------------------------ activations
-    def activation_bytes(self) -> float:
-        """Peak activation memory on the device (16-bit, plan/formulas.py), plus fp32 logits
-        and their gradient; checkpointing keeps each block's input (2sbh) and one block."""
+    def layer_activation_bytes(self) -> list[float]:
+        """Bytes autograd keeps per layer at the end of forward, forward order [embedding,
+        block x layers, head] (plan/formulas.py): with checkpointing a block keeps only its
+        input (2sbh); the embedding its token ids, the head its norm and head inputs and the
+        loss's fp32 log-softmax."""
         s, b, h = self.seq, self.micro_batch, self.hidden
-        per_block = s * b * formulas.activation_bytes_per_token(self)
-        logits = 2 * 4.0 * s * b * self.vocab
+        tokens = float(s * b)
         if self.activation_checkpointing:
-            return self.layers * 2.0 * s * b * h + per_block + logits
-        return self.layers * per_block + logits
+            block = 2.0 * tokens * h
+        else:
+            block = tokens * formulas.activation_bytes_per_token(self)
+        emb, head = formulas.edge_activation_bytes_per_token(self)
+        positions = 8.0 * s if self.learned_positions else 0.0  # the position ids
+        return [tokens * emb + positions, *[block] * self.layers, tokens * head]
+
+    def saved_activation_bytes(self) -> float:
+        """Bytes autograd keeps for backward at the end of forward (all layers)."""
+        return float(sum(self.layer_activation_bytes()))
+
+    def recompute_bytes(self) -> float:
+        """With checkpointing: one block's activations, recomputed and held during its
+        backward (0 without checkpointing: they are already kept)."""
+        if not self.activation_checkpointing:
+            return 0.0
+        return float(self.seq * self.micro_batch) * formulas.activation_bytes_per_token(self)
+
+    def loss_transient_bytes(self) -> float:
+        """The loss's fp32 gradients at the start of backward: an allocator transient no
+        tensor keeps (plan/formulas.py)."""
+        return float(self.seq * self.micro_batch) * formulas.loss_transient_bytes_per_token(self)
+
+    def activation_bytes(self) -> float:
+        """Peak activation memory on the device: what autograd keeps plus the larger of the
+        loss's transient gradients and one recomputed block (a bound; plan/memory.py places
+        each at its moment of backward)."""
+        return self.saved_activation_bytes() + max(self.loss_transient_bytes(),
+                                                   self.recompute_bytes())
 
     def replace(self, **changes: Any) -> ModelShape:
         return dataclasses.replace(self, **changes)

@@ -297,3 +297,26 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
             tail_ready = dopt_free
             compute_free = max(compute_free, dopt_free)  # the step runs on the device's SMs
     return bwd_ends, chunks
+
+
+def accumulation_micro_step_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
+                              lay: Layout | None = None) -> float:
+    """Seconds of one micro-step that only accumulates (grad_accum_steps > 1: every micro-step
+    but the last): its forward and backward; accumulating on the host (ZeRO-Offload's way)
+    each host bucket's gradients also cross the link and the host adds them into its fp32
+    buffer (bus bytes: the DMA write, the read of the copy, the fp32 buffer read and written).
+    Those pipelines overlap backward as buckets complete, so the micro-step takes the slowest
+    of the three lanes in steady state (the last bucket's copy overlaps the next forward)."""
+    fwd_t, bwd_t = compute.layer_times(shape, prof)
+    compute_s = float(sum(fwd_t) + sum(bwd_t))
+    lay = lay if lay is not None else layout(shape, plan)
+    if plan.grad_accum_on != "host" or not len(lay.numel):
+        return compute_s
+    step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel,
+                          moments=plan.optimizer_state_dtype)
+    shard = np.ceil(lay.numel / shape.dp) if shape.dp > 1 else lay.numel
+    d2h_s = float(np.sum(cost.link_time_s_array(shard * step.g_bytes, prof, "d2h")))
+    if shape.dp > 1:
+        d2h_s += float(np.sum(collectives(shape, prof, plan, lay)[0]))  # the reduce-scatter
+    add_s = float(np.sum(shard)) * (2.0 * step.g_bytes + 8.0) / cost.host_bus_bps(prof)
+    return max(compute_s, d2h_s, add_s)

@@ -41,11 +41,12 @@ import numpy as np
 
 from superoffload.config import OffloadConfig
 from superoffload.plan import cost, deepspeed, parallel, sim_core
+from superoffload.plan.grad_accum import resolve_decided
 from superoffload.plan.memory import Memory, check_fits, memory, offloaded_params
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.sim_core import edf, fifo
-from superoffload.plan.techniques import Resolved, Techniques, resolve
+from superoffload.plan.techniques import Resolved, Techniques
 from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice, fmt_gb
 from superoffload.telemetry import events as ev
 
@@ -93,12 +94,22 @@ class SimResult:
     """The steady-state iteration's [start, end) on the timeline."""
     collective_s: float = 0.0
     """Per-rank seconds of reduce-scatter + all-gather + all-reduce in one iteration (0 at dp=1)."""
+    accumulation_s: float = 0.0
+    """Seconds of the grad_accum_steps - 1 micro-steps of one optimizer step that only
+    accumulate (0 without accumulation): their forward and backward, and accumulating on the
+    host the gradients' D2H and host add (plan/sim_core.accumulation_micro_step_s)."""
     _chunks: list[tuple[str, str, Any, Any, int, Any, Any]] = field(default_factory=list, repr=False)
     _timeline: list[ev.Span] | None = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:
         return not self.problems
+
+    @property
+    def optimizer_step_s(self) -> float:
+        """Expected seconds of one optimizer step: ``iteration_s`` (the micro-step that
+        steps) plus the micro-steps that only accumulate."""
+        return self.iteration_s + self.accumulation_s
 
     @property
     def timeline(self) -> list[ev.Span]:
@@ -143,6 +154,9 @@ class SimResult:
             "dp": self.shape.dp,
             "ranks_per_host": self.shape.ranks_per_host,
             "collective_s": self.collective_s,
+            "accumulation_s": self.accumulation_s,
+            "optimizer_step_s": self.optimizer_step_s,
+            "device_kept_bytes": self.memory_detail.device_kept,
         }
 
 
@@ -158,7 +172,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
     if schedule == "superoffload" and config is not None and config.weights == "auto" and (
             techniques is None or techniques.adaptive_weights):
         auto = choose_weights(shape, prof, config)  # the engine's rule (plan/weights.py)
-    plan = resolve(shape, prof, schedule, config, techniques, auto=auto)
+    plan = resolve_decided(shape, prof, schedule, config, techniques, auto=auto)
     lay = None if plan.schedule == "zero-offload" else sim_core.layout(shape, plan)
     ends, chunks = _run(shape, prof, plan, N_ITER, None, lay)
     period = float(ends[-1] - ends[-2])
@@ -171,6 +185,10 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
     window = (float(ends[-2]), float(ends[-1]))
     lanes = _lane_stats(chunks, window)
     mem = memory(shape, prof, plan)
+    accumulation = 0.0
+    if plan.schedule != "zero-offload" and plan.grad_accum_steps > 1:
+        accumulation = (plan.grad_accum_steps - 1) * sim_core.accumulation_micro_step_s(
+            shape, prof, plan, lay)
     return SimResult(
         iteration_s=expected,
         steady_iteration_s=period,
@@ -186,6 +204,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
         profile=prof.name,
         window=window,
         collective_s=_collective_s(shape, prof, plan, lay),
+        accumulation_s=accumulation,
         _chunks=chunks,
     )
 
@@ -238,7 +257,7 @@ def choose_weights(shape: ModelShape, prof: HardwareProfile, config: OffloadConf
     eff = cost.weight_flow_efficiency(shape, prof)
     act = shape.activation_bytes()
     parts = stat.memory_detail.device_parts
-    resident = parts.get("weights_bf16", 0.0) + parts.get("grads_bf16", 0.0)
+    resident = parts.get("weights", 0.0) + parts.get("grads", 0.0)
     numbers = (f"predicted {stat.iteration_s * 1e3:.3g} ms (stationary) vs "
                f"{flow.iteration_s * 1e3:.3g} ms (flow); device memory "
                f"{fmt_gb(stat.memory['device'])} vs {fmt_gb(flow.memory['device'])} of "

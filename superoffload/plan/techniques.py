@@ -100,10 +100,12 @@ __all__ = ["ENGINE_NEXT", "PAPER_CLIP_RATE", "SCHEDULES", "ZERO_OFFLOAD", "Resol
 
 def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
             config: OffloadConfig | None, techniques: Techniques | None, *,
-            auto: Any = None) -> Resolved:
+            auto: Any = None, accum: Any = None) -> Resolved:
     """Turn (schedule, config, techniques) into a Resolved schedule: the rule book decides what
     the engine runs (plan.schedule), then the ablation switches apply. 'auto' fields ask the
-    cost model; ``auto``: the WeightChoice for weights="auto". "zero-offload" is DeepSpeed
+    cost model; ``auto``: the WeightChoice for weights="auto"; ``accum``: the GradAccumChoice
+    for grad_accum_on="auto" (plan.grad_accum.resolve_decided decides it first; without one
+    the rule book accumulates on the device and says so). "zero-offload" is DeepSpeed
     ZeRO-2 + offload_optimizer and ignores
     `techniques` (but its rollback_rate); "gpu" keeps everything on the device."""
     if schedule not in SCHEDULES:
@@ -155,7 +157,10 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
                           usable_cores=prof.cpu_cores, local_ranks=1, profile=prof,
                           engine=engine)
     # prof is already this rank's share of the host (parallel.rank_profile), hence local_ranks=1
-    rules = resolve_schedule(cfg.replace(**changes) if changes else cfg, facts, weights=weights)
+    if accum is not None and cfg.grad_accum_on == "auto":
+        reasons.append(accum.reason)
+    rules = resolve_schedule(cfg.replace(**changes) if changes else cfg, facts, weights=weights,
+                             grad_accum=None if accum is None else accum.place)
     reasons.extend(rules.notes)
     if cfg.speculation == "adaptive":
         speculate = tech.stv and tech.rollback_rate < cfg.adaptive_threshold
@@ -182,5 +187,9 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
         engine=rules.engine,
         requested_ratio=float(cfg.ratio),
         model_dtype=shape.dtype,
+        grad_buckets_in_flight=cfg.grad_buckets_in_flight,
+        keep_device_grads=cfg.keep_device_grads,
+        grad_accum_steps=cfg.grad_accum_steps,
+        grad_accum_on=rules.grad_accum_on,
         reasons=tuple(reasons),
     )

@@ -205,7 +205,7 @@ _BF16_WHAT = ("the host's Adam moments in bf16 with stochastic rounding: 8 B/par
               "through the CPU step (28 -> 20 for the fp32 step) and 4 B/param less host "
               "memory; accuracy (docs/kernel.md): median relative error ~0.4% in m and ~1.5% "
               "in v against fp32 moments, rollback exact to a few bf16 roundings")
-_ALLOW = "Constraints(allow_bf16_moments=True), tune --allow-bf16-moments"
+_ALLOW = "Constraints(allow_bf16_moments=True), plan/tune --allow-bf16-moments"
 
 
 def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,

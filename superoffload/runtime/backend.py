@@ -66,6 +66,13 @@ class Backend(Protocol):
         self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], ready: Any
     ) -> GradStats | PendingStats: ...
 
+    def d2h_add(self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+                add: Sequence[bool], ready: Any) -> None:
+        """Host accumulation (``OffloadConfig.grad_accum_on="host"``): move ``grads`` into
+        the fp32 host buffers ``dst``, adding where ``add`` is True and copying elsewhere
+        (a parameter's first micro-step); returns once the host buffers hold the result."""
+        ...
+
     def stream(self, kind: str) -> Any:
         """The device stream of "d2h" or "h2d" work (None: the current one; CPU: None)."""
         ...
@@ -128,6 +135,15 @@ class CPUBackend:
             for g, d in zip(grads, dst):
                 d.copy_(g)  # casts when the policy moves fp32 (device-side cast)
         return stats
+
+    def d2h_add(self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+                add: Sequence[bool], ready: Any) -> None:
+        with torch.no_grad():
+            for g, d, a in zip(grads, dst, add):
+                if a:
+                    d.add_(g)  # widens a bf16/fp16 gradient into the fp32 sum
+                else:
+                    d.copy_(g)
 
     def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any:
         with torch.no_grad():
@@ -194,6 +210,31 @@ class CUDABackend:
             done = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
             done.record(stream)
         return PendingStats(done, stats_host)
+
+    def d2h_add(self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+                add: Sequence[bool], ready: Any) -> None:
+        """Each gradient crosses in its own dtype into a pinned staging buffer (the caching
+        host allocator reuses them), then the host adds it into the fp32 sum: ZeRO-Offload's
+        CPU-side accumulation. The lane waits for the copy (a blocking event, no spinning)."""
+        stream = self.d2h_stream
+        staged: list[torch.Tensor] = []
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for g in grads:
+                host = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_memory)
+                host.copy_(g, non_blocking=True)
+                g.record_stream(stream)  # the caller may free the gradient at once
+                staged.append(host)
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        done.synchronize()
+        with torch.no_grad():
+            for h, d, a in zip(staged, dst, add):
+                if a:
+                    d.add_(h)
+                else:
+                    d.copy_(h)
 
     def h2d(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> Any:
         stream = self.h2d_stream

@@ -11,25 +11,35 @@ written to a temporary name, fsynced, then renamed over the old one (``os.replac
 on POSIX), so a write killed midway leaves the previous checkpoint loadable and a flipped
 byte is refused on load naming the file. Loading uses ``torch.load(weights_only=True)``:
 tensors and plain data only. ``meta.json`` beside it (for humans and tools) records the
-file's SHA-256.
+file's SHA-256 and size, and those of the file the save replaces (``replaces``): it is
+written after the new file is complete and before the rename, so ``engine.pt`` is always
+the file it describes or, after a save stopped between the two, the one it replaces. Any
+other file (one copied in from another save) is refused, naming both; a file of another
+size, or not a regular file (a link to ``/dev/zero``), is refused without reading it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from superoffload.config import NUMERICS_FIELDS, OffloadConfig
 from superoffload.runtime.ckpt_files import (
-    check_digests,
+    CheckpointCorrupt,
+    FileDigest,
+    file_sha256,
     folder_lock,
-    read_verified,
+    load_payload,
+    read_regular,
+    regular_size,
     write_atomic,
     write_text_atomic,
 )
@@ -224,8 +234,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: Any = None) -> str:
     """Write ``path/engine.pt`` atomically (sealed with its checksum, ckpt_files.py) and
-    ``path/meta.json`` (the file's SHA-256, for tools); returns the file path. Nothing is
-    created when the engine has failed (the state is gathered first)."""
+    ``path/meta.json`` (the file's SHA-256 and size, and those of the file it replaces);
+    returns the file path. Nothing is created when the engine has failed (the state is
+    gathered first)."""
     payload = engine_state_dict(engine)
     payload["rng"] = rng_state()
     payload["extra"] = extra
@@ -233,29 +244,34 @@ def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: 
     os.makedirs(path, exist_ok=True)
     final = os.path.join(path, FILENAME)
     with folder_lock(path):  # two threads saving here: both files come from one save
-        digest = write_atomic(payload, final)
-        meta = {"format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
+        installed = _read_manifest(path)
+
+        def publish(digest: FileDigest) -> None:  # the new file is complete, not yet renamed
+            meta: dict[str, Any] = {
+                "format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
                 "parameters": len(payload["signature"]),
                 "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}}}
-        write_text_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+            if installed is not None and os.path.exists(final):
+                meta["replaces"] = installed.this.to_dict()
+            write_text_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
+
+        write_atomic(payload, final, before_replace=publish)
     return final
 
 
 def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     """Restore everything saved by ``save`` (checksums verified); returns its ``extra``."""
     file = os.path.join(path, FILENAME)
-    if not os.path.exists(file):
-        if os.path.exists(os.path.join(path, "manifest.json")):  # zero/checkpoint.MANIFEST
+    if not os.path.lexists(file):
+        if os.path.exists(os.path.join(path, "manifest.json")):  # distributed/fsdp/checkpoint.py
             raise CheckpointMismatch(
-                f"{path} holds a sharded checkpoint (manifest.json and one file per rank, "
-                "written by ZeroOffloadEngine under torchrun), not engine.pt: load it with "
-                "superoffload.distributed.zero.ZeroOffloadEngine(...).load_checkpoint(path) "
-                "(any world size), or read its full fp32 weights with "
-                "superoffload.distributed.zero.consolidate(path).state_dict()")
+                f"{path} holds a sharded checkpoint (manifest.json and every rank's files, "
+                "written by the data-parallel engine under torchrun), not engine.pt: load it "
+                "with superoffload.distributed.fsdp.FsdpOffloadEngine(...).load_checkpoint(path) "
+                "(any world size; so.initialize under torchrun builds one), or read its full fp32 "
+                "weights with superoffload.distributed.fsdp.consolidate(path).state_dict()")
         raise FileNotFoundError(f"no checkpoint at {file}")
-    # the sealed checksum refuses a corrupt file; meta.json is written after engine.pt, so
-    # a save killed between the two leaves it older: that only warns
-    payload = read_verified(file, sha256=_recorded_sha256(path), stale_ok=True)
+    payload = _read_checked(path)
     load_engine_state_dict(engine, payload)
     set_rng_state(payload["rng"])
     if lr_scheduler is not None:
@@ -266,29 +282,110 @@ def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
 
 
 def damaged(path: str) -> str | None:
-    """Why the checkpoint at ``path`` is not whole, in a few words; None when its file matches
-    the SHA-256 ``meta.json`` recorded, or when none was recorded (nothing to check without
-    loading it). A file whose digest differs is read in full: a ``meta.json`` older than its
-    file (a save killed between the two) still loads."""
+    """Why the checkpoint at ``path`` is not whole, in a few words; None when its file is the
+    one ``meta.json`` describes (or the one that save replaces: a save stopped before its
+    rename), or when no manifest was written (nothing to check without loading it)."""
     file = os.path.join(path, FILENAME)
-    sha = _recorded_sha256(path)
-    if sha is None:
-        return None if os.path.exists(file) else f"{FILENAME} is missing"
-    reason = check_digests(path, {FILENAME: sha})
-    if reason is None:
-        return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the older manifest: expected here
-            read_verified(file, sha256=sha, stale_ok=True)
-    except Exception as exc:
-        return f"{reason}, and it does not load ({type(exc).__name__})"
+        size = regular_size(file)
+    except FileNotFoundError:
+        return f"{FILENAME} is missing"
+    except CheckpointCorrupt:
+        return f"{FILENAME} is not a regular file"
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return None
+    if not manifest.by_size(size):
+        return f"{FILENAME} has {size:,} bytes, {META} records {manifest.sizes()}"
+    try:
+        sha = file_sha256(file)
+    except OSError as exc:
+        return f"{FILENAME} cannot be read ({exc.strerror or exc})"
+    if manifest.by_sha(sha) is None:
+        return f"{FILENAME} does not match the SHA-256 its {META} records"
     return None
 
 
-def _recorded_sha256(path: str) -> str | None:
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """One save's file as ``meta.json`` records it."""
+
+    digest: FileDigest
+    iteration: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sha256": self.digest.sha256, "bytes": self.digest.nbytes,
+                "iteration": self.iteration}
+
+    def describe(self) -> str:
+        it = "?" if self.iteration is None else self.iteration
+        return f"iteration {it}, {self.digest.nbytes:,} bytes, SHA-256 {self.digest.sha256[:12]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """``meta.json``: the save it describes (``this``) and the file that save replaces."""
+
+    this: Recorded
+    replaces: Recorded | None
+
+    def records(self) -> list[Recorded]:
+        return [r for r in (self.this, self.replaces) if r is not None]
+
+    def by_size(self, size: int) -> list[Recorded]:
+        return [r for r in self.records() if r.digest.nbytes in (size, -1)]
+
+    def by_sha(self, sha: str) -> Recorded | None:
+        return next((r for r in self.records() if r.digest.sha256 == sha), None)
+
+    def sizes(self) -> str:
+        return " or ".join(f"{r.digest.nbytes:,} bytes" for r in self.records())
+
+
+def _read_manifest(path: str) -> Manifest | None:
+    """``meta.json``'s records, or None (no meta.json, or one written before checksums)."""
     try:
         with open(os.path.join(path, META)) as f:
-            return str(json.load(f)["files"][FILENAME]["sha256"])
+            meta = json.load(f)
+        entry = meta["files"][FILENAME]
+        this = Recorded(FileDigest(str(entry["sha256"]), int(entry.get("bytes", -1))),
+                        meta.get("iteration"))
+        old = meta.get("replaces")
+        replaces = None if old is None else Recorded(
+            FileDigest(str(old["sha256"]), int(old["bytes"])), old.get("iteration"))
     except (OSError, KeyError, ValueError, TypeError):
-        return None  # no meta.json, or one written before checksums existed
+        return None
+    return Manifest(this, replaces)
+
+
+def _read_checked(path: str) -> dict[str, Any]:
+    """``engine.pt``'s payload, refused unless it is a regular file that ``meta.json``
+    describes (module docstring); without a manifest its sealed checksum alone decides."""
+    file, meta = os.path.join(path, FILENAME), os.path.join(path, META)
+    size = regular_size(file)
+    manifest = _read_manifest(path)
+    if manifest is None:
+        return load_payload(read_regular(file, size), file)
+    if not manifest.by_size(size):
+        raise CheckpointCorrupt(
+            f"{file} is not the file {meta} describes ({manifest.this.describe()}): it has "
+            f"{size:,} bytes, so it was copied in from another save or is truncated; it was "
+            f"not read. Copy that save's {META} along with it, or load an older checkpoint")
+    data = read_regular(file, size)
+    sha = hashlib.sha256(data).hexdigest()
+    found = manifest.by_sha(sha)
+    if found is manifest.this:
+        return load_payload(data, file)
+    if found is not None:  # the save meta.json describes stopped before its rename
+        warnings.warn(
+            f"{meta} describes a save that did not finish ({manifest.this.describe()}): it "
+            f"stopped before replacing {file}, which still holds the save before it "
+            f"({found.describe()}); loading that one", RuntimeWarning, stacklevel=3)
+        return load_payload(data, file)
+    payload = load_payload(data, file)  # a flipped byte fails its sealed checksum here
+    theirs = Recorded(FileDigest(sha, size), payload.get("iteration"))
+    raise CheckpointCorrupt(
+        f"{file} is not the file {meta} describes: {META} records {manifest.this.describe()}, "
+        f"{FILENAME} holds {theirs.describe()} (its own sealed checksum is intact), a file "
+        f"copied in from another save; it was not loaded. Copy that save's {META} along with "
+        f"it, or remove {meta} to load {FILENAME} on its sealed checksum alone")

@@ -9,7 +9,11 @@ Every checkpoint file (``engine.pt``; ZeRO's ``rankNNNNN-of-NNNNN.pt``) is
   the metadata is an error naming the file and the entry;
 * **hashed**: the SHA-256 of the file's bytes, computed while writing, goes into the folder's
   manifest (``meta.json``, ZeRO's ``manifest.json``) so tools can check files without
-  PyTorch, and ZeRO refuses a rank file from another save (a mix of two saves);
+  PyTorch, and a file from another save (a mix of two saves) is refused naming both;
+* **read with care**: only a regular file is read (a link to ``/dev/zero`` would be read
+  without end, a FIFO would block), only when its size is one its manifest allows, and
+  only tensors and plain data are unpickled (``weights_only=True``): a file carrying pickled
+  objects is refused as not ours, without advice to switch the check off;
 * **atomic**: written to ``<name>.tmp-<pid>-<n>`` (unique per save, so two threads saving
   into one folder never share a temporary), fsynced, renamed (POSIX rename is atomic), so
   a killed write leaves the previous file. The next save removes temporaries that no live
@@ -31,11 +35,12 @@ import io
 import itertools
 import os
 import pickle
+import re
 import shutil
+import stat
 import threading
-import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +59,9 @@ _folder_locks: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictiona
 
 
 class CheckpointCorrupt(ValueError):
-    """A checkpoint file's contents do not match their checksum."""
+    """A checkpoint file is not what it should be, and nothing was loaded from it: its
+    contents do not match their checksum, it is not a regular file, it is not the file its
+    manifest describes, or it is not a superoffload checkpoint at all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,10 +211,13 @@ def write_text_atomic(path: str, text: str) -> None:
         os.replace(tmp, path)
 
 
-def write_atomic(payload: dict[str, Any], final: str) -> FileDigest:
+def write_atomic(payload: dict[str, Any], final: str, *,
+                 before_replace: Callable[[FileDigest], None] | None = None) -> FileDigest:
     """Seal ``payload``, ``torch.save`` it to a temporary name, fsync, rename over ``final``.
-    A disk too full for it raises ``no_space`` (before writing, when the free space reported
-    is already too small)."""
+    ``before_replace(digest)`` runs once the temporary is complete, before the rename (the
+    engine writes its manifest there, so the manifest always names the file in place or the
+    one about to replace it). A disk too full for it raises ``no_space`` (before writing,
+    when the free space reported is already too small)."""
     clean_orphans(final)
     needed = payload_nbytes(payload)
     try:
@@ -231,39 +241,94 @@ def write_atomic(payload: dict[str, Any], final: str) -> FileDigest:
             if cause is not exc:  # the OS error torch.save turned into "unexpected pos"
                 raise cause from exc
             raise
+        digest = FileDigest(writer.h.hexdigest(), writer.n)
+        if before_replace is not None:
+            before_replace(digest)
         os.replace(tmp, final)  # readers see the old file or the new one
-    return FileDigest(writer.h.hexdigest(), writer.n)
+    return digest
 
 
-def read_verified(file: str, *, sha256: str | None = None,
-                  stale_ok: bool = False) -> dict[str, Any]:
-    """Load ``file`` (tensors and plain data only: ``weights_only=True``); check the file's
-    SHA-256 against ``sha256`` when given and the sealed checksum always. ``stale_ok``: a
-    SHA-256 that differs while the sealed checksum passes only warns (one file whose
-    manifest is written after it, and may be from the previous save)."""
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"no checkpoint file at {file}")
-    with open(file, "rb") as f:
-        data = f.read()
-    digest_ok = sha256 is None or hashlib.sha256(data).hexdigest() == sha256
-    if not digest_ok and not stale_ok:
+def regular_size(file: str) -> int:
+    """The size of checkpoint file ``file`` (a link is followed); ``CheckpointCorrupt``
+    without opening it when it is not a regular file."""
+    try:
+        st = os.stat(file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint file at {file}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorrupt(
+            f"checkpoint file {file} is not a regular file (it is {_kind(st.st_mode)}"
+            f"{_link_target(file)}); it was not read. Put the checkpoint's own file there")
+    return st.st_size
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _link_target(file: str) -> str:
+    return f", a link to {os.path.realpath(file)}" if os.path.islink(file) else ""
+
+
+def read_regular(file: str, size: int) -> bytes:
+    """The ``size`` bytes of regular file ``file`` (``regular_size``); a file swapped or
+    grown since is refused, never read past ``size`` + 1 bytes."""
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise CheckpointCorrupt(f"checkpoint file {file} changed while it was opened; it "
+                                    "was not read")
+        data = f.read(size + 1)
+    if len(data) != size:
+        raise CheckpointCorrupt(f"checkpoint file {file} changed while it was read ({len(data)}"
+                                f" bytes, {size} expected); it was not loaded")
+    return data
+
+
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def load_payload(data: bytes, file: str) -> dict[str, Any]:
+    """``torch.load`` of a checkpoint file's bytes, tensors and plain data only
+    (``weights_only=True``), and its sealed checksum verified. A pickled object raises
+    ``CheckpointCorrupt``: a superoffload checkpoint never holds one, so the file is not
+    ours or was tampered with (torch's own message would advise turning the check off)."""
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _GLOBAL.search(str(exc))
+        what = f"object {found.group(1)}" if found else "object"
+        raise CheckpointCorrupt(
+            f"checkpoint file {file}: not a superoffload checkpoint, or tampered; it was not "
+            f"loaded (it holds a pickled {what}, where a checkpoint holds only tensors and "
+            "plain data). Load a checkpoint written by save_checkpoint()") from None
+    except Exception as exc:
+        raise CheckpointCorrupt(f"checkpoint file {file} cannot be read ({exc}); it is corrupt "
+                                "or truncated: load an older checkpoint") from exc
+    if not isinstance(payload, dict):
+        raise CheckpointCorrupt(f"checkpoint file {file}: not a superoffload checkpoint (it "
+                                f"holds a {type(payload).__name__}); it was not loaded")
+    check_seal(payload, file)
+    return dict(payload)
+
+
+def read_verified(file: str, *, sha256: str | None = None) -> dict[str, Any]:
+    """Load ``file`` (a regular file; tensors and plain data only); check the file's SHA-256
+    against ``sha256`` when given (its manifest's: a file from another save is refused) and
+    the sealed checksum always."""
+    data = read_regular(file, regular_size(file))
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointCorrupt(
             f"checkpoint file {file} does not match the SHA-256 its manifest records: it is "
             "corrupt, or it belongs to another save (a save killed midway leaves a mix). Load "
             "an older checkpoint")
-    try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise  # weights_only refused an object: not corruption, a file that is not ours
-    except Exception as exc:
-        raise CheckpointCorrupt(f"checkpoint file {file} cannot be read ({exc}); it is corrupt "
-                                "or truncated: load an older checkpoint") from exc
-    check_seal(payload, file)
-    if not digest_ok:  # the file is whole: its manifest is from an older save
-        warnings.warn(f"the manifest beside {file} is older than the file (a save killed "
-                      "between writing the two; their checksums differ, the checkpoint itself "
-                      "checks out)", RuntimeWarning, stacklevel=3)
-    return dict(payload)
+    return load_payload(data, file)
 
 
 def file_sha256(file: str, chunk_bytes: int = 16 << 20) -> str:
@@ -281,7 +346,10 @@ def check_digests(folder: str, digests: Mapping[str, str]) -> str | None:
     for name, want in digests.items():
         file = os.path.join(folder, name)
         try:
+            regular_size(file)  # a link to /dev/zero is never read
             got = file_sha256(file)
+        except CheckpointCorrupt:
+            return f"{name} is not a regular file"
         except OSError as exc:
             return f"{name} cannot be read ({exc.strerror or exc})"
         if got != want:

@@ -5,8 +5,8 @@ backward, where a bucket is offloaded the moment its last gradient is final and 
 speculatively on the CPU; ``step()`` validates, rolls back / replays / skips as the verdict
 says, and steps the GPU tail buckets on the device. ``EngineState`` (state.py) books the
 parameters and buckets; ``plan.schedule.resolve_schedule`` decides what runs (the planner
-calls it too); a ``Transport`` moves gradients and weights (``LocalTransport`` here, ZeRO's in
-``superoffload.distributed.zero``: the same engine); ``IterationScheduler`` (scheduler.py,
+calls it too); a ``Transport`` moves gradients and weights (``LocalTransport`` here, FSDP2's in
+``superoffload.distributed.fsdp``: the same engine); ``IterationScheduler`` (scheduler.py,
 settle.py) runs the bucket lifecycle. A lane's exception is raised in the training thread at
 its next call as an ``EngineError``. docs/engine.md, "The parts".
 """
@@ -25,10 +25,11 @@ from superoffload.config import RECONFIGURABLE, OffloadConfig
 from superoffload.kernels import AdamHyper
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for, resolve_schedule
-from superoffload.runtime import guard
+from superoffload.runtime import guard, micro_steps
 from superoffload.runtime import hooks as engine_hooks
 from superoffload.runtime.backend import Backend, make_backend
 from superoffload.runtime.casting import CastPolicy, cast_policy
+from superoffload.runtime.departures import resolve_grad_accum
 from superoffload.runtime.device_clock import CudaClock
 from superoffload.runtime.engine_contract import TorchContract
 from superoffload.runtime.errors import EngineClosed, EngineError, FailureBox, WatchdogTimeout
@@ -60,9 +61,8 @@ __all__ = ["EngineError", "EngineStats", "OffloadEngine"]
 
 
 class OffloadEngine(TorchContract):
-    """See the module docstring. Build with ``superoffload.initialize``. The torch-optimizer
-    surface (state dicts, checkpoints, clip_grad_norm_, grad transforms, add_param_group) is
-    ``TorchContract`` (runtime/engine_contract.py)."""
+    """See the module docstring; build with ``superoffload.initialize``. The torch-optimizer
+    surface (state dicts, checkpoints, clipping, add_param_group...) is ``TorchContract``."""
 
     def __init__(
         self,
@@ -192,8 +192,16 @@ class OffloadEngine(TorchContract):
     def _build(self, states: Mapping[int, ParamState]) -> None:
         """Resolve the schedule and (re)allocate every bucket from placement-free ``states``."""
         st = self.state
-        schedule = resolve_schedule(self.config, self._facts(), weights=self.weights.active)
-        self.cast: CastPolicy = cast_policy(schedule, self.model_dtype)
+        place, why = resolve_grad_accum(self.config, self.backend.device.type, self.transport,
+                                        self.weights.shape_for_planning, self.weights.profile,
+                                        self.weights.active)
+        if why:  # "auto": the planner's cost model decided (runtime/departures.py)
+            self.telemetry.note(self.iteration, f"grad_accum_on='auto': {place} ({why})")
+        schedule = resolve_schedule(self.config, self._facts(), weights=self.weights.active,
+                                    grad_accum=place)
+        self.scheduler.sum_on_host = place == "host"
+        self.cast: CastPolicy = cast_policy(schedule, self.model_dtype,
+                                            sum_on_host=self.scheduler.sum_on_host)
         st.schedule = schedule
         st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
         st.buffers = self.transport.build(
@@ -208,12 +216,12 @@ class OffloadEngine(TorchContract):
             self.telemetry.note(self.iteration, note)
 
     def rebuild(self) -> None:
-        """Re-plan the buckets from the current state (after a drain): reconfigure, switching
-        the weight policy."""
+        """Re-plan the buckets from the current state (after a drain; a weight policy switch)."""
         self._build(self.transport.export_states())
 
     def refresh_schedule(self) -> None:
-        schedule = resolve_schedule(self.config, self._facts(), weights=self.weights.active)
+        schedule = resolve_schedule(self.config, self._facts(), weights=self.weights.active,
+                                    grad_accum=self.schedule.grad_accum_on)
         old = self.schedule
         if (schedule.bucket_plan, schedule.grad_cast, schedule.param_cast) != (
                 old.bucket_plan, old.grad_cast, old.param_cast):
@@ -237,14 +245,8 @@ class OffloadEngine(TorchContract):
         by ``grad_accum_steps``. Interrupted, the iteration is rolled back (docs/failure_
         semantics.md)."""
         self.raise_if_failed()
-        it = self.scheduler.current
-        if it.micro_step >= self.config.grad_accum_steps:
-            raise EngineError(
-                f"backward() was called {it.micro_step + 1} times since the last step() with "
-                f"OffloadConfig.grad_accum_steps={self.config.grad_accum_steps}: the last "
-                "micro-step's buckets are already offloaded and stepped, so another gradient "
-                "cannot join them. Call step() after every grad_accum_steps backward() calls "
-                "(raise grad_accum_steps to accumulate more); nothing was changed")
+        it, sched = self.scheduler.current, self.scheduler
+        micro_steps.check_backward(sched, self.config)
         if it.micro_step == 0:
             self.reconfigurer.apply_pending()
             self.writes.adopt_written()  # weights written since the last step (torch semantics)
@@ -252,14 +254,18 @@ class OffloadEngine(TorchContract):
         scale = self.scaler.loss_scale / (self.config.grad_accum_steps if scale_wrt_gas else 1)
         try:
             try:
+                sched.in_engine_backward = True  # the gradient hooks tell the user's passes
                 with self.telemetry.device_span(LANE_COMPUTE, KIND_BACKWARD,
                                                 iteration=self.iteration):
                     (loss * scale if scale != 1.0 else loss).backward()
             finally:
+                sched.in_engine_backward = False
                 self.weights.end_backward()
             it.losses.append(loss.detach())
             if it.armed:
-                self.scheduler.launch_remaining()  # buckets some of whose params got no grad
+                sched.launch_remaining()  # buckets some of whose params got no grad
+            elif sched.sum_on_host:
+                sched.accumulate_remaining()  # this micro-step's gradients all leave
         except BaseException as exc:
             self._interrupted(exc, "backward()")
             raise
@@ -272,11 +278,12 @@ class OffloadEngine(TorchContract):
     def _step_impl(self) -> None:
         self.raise_if_failed()
         it = self.scheduler.current
-        if 0 < it.micro_step < self.config.grad_accum_steps:
+        if 0 < micro_steps.done(self.scheduler) < self.config.grad_accum_steps:
             return  # DeepSpeed semantics: step() every micro-step, acts on the boundary
         try:
             self.weights.end_backward()
             if it.micro_step == 0:  # gradients from a plain loss.backward(): no overlap, no STV
+                micro_steps.check_plain_passes(self.scheduler, self.config, "step()")
                 self._arm_without_backward()
             n = self.iteration
             finish_iteration(self.scheduler)
@@ -309,12 +316,13 @@ class OffloadEngine(TorchContract):
 
     def _zero_grad_impl(self, set_to_none: bool = True) -> None:
         it = self.scheduler.current
-        if 0 < it.micro_step < self.config.grad_accum_steps:
+        if 0 < micro_steps.done(self.scheduler) < self.config.grad_accum_steps:
             return  # mid-accumulation: keep the partial sums
         if it.micro_step:  # after backward, before step(): discard the iteration, as torch
             self.raise_if_failed()  # drops the gradients and its step does nothing
             self.scheduler.abort()
             self.synchronize()
+        it.plain.clear()  # the user's own backward passes are discarded with their sums
         for i in self.state.trainable:
             p = self.state.params[i]
             if p.grad is None:
@@ -375,7 +383,7 @@ class OffloadEngine(TorchContract):
         self.closed = True
         self._shut_down()
         self.transport.close()
-        self.scheduler.pending.clear()
+        self.scheduler.publishes.pending.clear()
         self.scheduler.reset()
         self.state.buffers = []
         if self.failures.failed and not seen:

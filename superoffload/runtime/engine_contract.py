@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from superoffload.runtime import checkpoint, guard
+from superoffload.runtime import checkpoint, guard, micro_steps
 from superoffload.runtime import hooks as engine_hooks
-from superoffload.runtime.optim_view import new_group
+from superoffload.runtime.optim_view import is_torch_state_dict, load_torch_state, new_group
 from superoffload.runtime.scheduler import Iteration
 from superoffload.runtime.settle import validate_early
 from superoffload.runtime.state import ParamState, initial_state
@@ -133,7 +133,12 @@ class TorchContract:
         return checkpoint.engine_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """An engine state dict, or a ``torch.optim`` AdamW/Adam state dict (migrating a run:
+        ``runtime/optim_view.py`` ``load_torch_state``)."""
         self._settled("load_state_dict()")
+        if is_torch_state_dict(state_dict):
+            load_torch_state(self, state_dict)
+            return
         checkpoint.load_engine_state_dict(self, state_dict)
 
     def save_checkpoint(self, path: str, extra: Any = None, *,
@@ -173,14 +178,7 @@ class TorchContract:
                 and math.isfinite(max_norm) and max_norm > 0):
             raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): use a positive finite "
                              "number (OffloadConfig.max_grad_norm=None disables clipping)")
-        it, gas = self.scheduler.current, self.config.grad_accum_steps
-        if 0 < it.micro_step < gas:
-            raise guard.ContractError(
-                f"clip_grad_norm_() after backward() {it.micro_step} of {gas} "
-                "(OffloadConfig.grad_accum_steps): the gradients are still accumulating; call it "
-                "after the last micro-step's backward(), just before step()")
-        if it.micro_step == 0:  # a plain loss.backward(): the buckets launch now
-            self._arm_without_backward()
+        self._gradients_final("clip_grad_norm_()")
         norm, nonfinite = validate_early(self.scheduler, float(max_norm))
         if error_if_nonfinite and nonfinite:
             raise RuntimeError(
@@ -188,6 +186,65 @@ class TorchContract:
                 "it cannot be clipped. To disable this error and scale the gradients by the "
                 "non-finite norm anyway, set `error_if_nonfinite=False`")
         return torch.tensor(norm, dtype=torch.float32)
+
+    def _gradients_final(self, what: str) -> None:
+        """``what`` reads this iteration's final gradients: after the last micro-step's
+        backward, before ``step()``; a plain ``loss.backward()`` loop's buckets launch now."""
+        it, gas = self.scheduler.current, self.config.grad_accum_steps
+        done = micro_steps.done(self.scheduler)
+        if done == 0:
+            raise guard.ContractError(f"{what} before any backward() since the last step(): "
+                                      "there is no gradient yet; call it after backward()")
+        if done < gas:
+            raise guard.ContractError(
+                f"{what} after backward() {done} of {gas} (OffloadConfig.grad_accum_steps): "
+                "the gradients are still accumulating; call it after the last micro-step's "
+                "backward(), just before step()")
+        if it.micro_step == 0:  # a plain loss.backward() loop: the buckets launch now
+            micro_steps.check_plain_passes(self.scheduler, self.config, what)
+            self._arm_without_backward()
+
+    def grad_norm(self) -> float:
+        """The global 2-norm of this iteration's unscaled gradient, over every bucket and
+        rank: what ``step()`` clips by and ``clip_grad_norm_`` returns (inf/nan when one is
+        non-finite), without clipping. Read-only; between the last micro-step's
+        ``backward()`` and ``step()`` (on every rank under data parallel: it reduces), or
+        after ``step()``: the norm that step validated."""
+        self.raise_if_failed()
+        sched = self.scheduler
+        if micro_steps.done(sched) == 0 and sched.current.validated is None:
+            if sched.last_grad_norm is None:
+                raise guard.ContractError("grad_norm() before any backward(): there is no "
+                                          "gradient yet; call it after backward()")
+            return sched.last_grad_norm
+        self._gradients_final("grad_norm()")
+        return validate_early(sched, None)[0]
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s gradient as a plain torch loop holds it in ``.grad`` (unscaled, summed
+        over the micro-steps, averaged over data-parallel ranks), in fp32: a copy from its
+        host buffer for an offloaded parameter (whose ``.grad`` left the device with its
+        bucket), from the device for a GPU tail one; None when it got no gradient. Between
+        the last micro-step's ``backward()`` and ``step()`` (DeepSpeed's
+        ``safe_get_full_grad``). Read-only: change gradients with
+        ``register_grad_transform``."""
+        self.raise_if_failed()
+        st, sched = self.state, self.scheduler
+        i = st.index.get(id(param))
+        if i is None or i not in st.bucket_of:
+            raise ValueError("full_grad: the tensor is not a trainable parameter of the "
+                             "engine's model (pass one of model.parameters())")
+        self._gradients_final("full_grad()")
+        flight = sched.current.flights.get(st.bucket_of[i])
+        if flight is None or i not in flight.present:
+            return None
+        if flight.stats is not None:  # the move has landed (CUDA: its event too)
+            sched.wait(flight.stats, f"gradients of bucket {flight.bucket}").resolve()
+        g = self.transport.full_grad(i)
+        if g is None:
+            return None
+        scale = sched.scaler.loss_scale * self.transport.grad_divisor
+        return g.detach().to(torch.float32, copy=True).div_(scale)
 
     def register_grad_transform(self, fn: Any) -> RemovableHandle:
         """``fn(name, grad) -> Tensor | None`` runs on every gradient when it is final, before
@@ -265,6 +322,10 @@ class TorchContract:
         if self.scheduler.current.micro_step and not self.failures.failed:
             with contextlib.suppress(Exception):  # a failure is reported by close() below
                 self.scheduler.abort()
+            # its offloaded gradients left with their buckets: drop the rest too, so the new
+            # engine starts from no gradient rather than from half of this iteration's
+            for p in self.trainable_params():
+                p.grad = None
         self._closed_why = why
         self.close()
 

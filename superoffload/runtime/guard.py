@@ -110,6 +110,17 @@ def _live_owner(params: Sequence[torch.Tensor], engine: Any) -> tuple[int, Any] 
     return None
 
 
+def owner(param: torch.Tensor) -> Any | None:
+    """The live engine that owns ``param`` (None when none does): how a framework
+    integration finds the engine behind ``engine.optimizer``."""
+    with _owners_lock:
+        entry = _owners.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    engine = entry[1]()
+    return engine if engine is not None and engine.alive else None
+
+
 def release(params: Sequence[torch.Tensor], engine: Any) -> None:
     with _owners_lock:
         for p in params:
@@ -123,8 +134,9 @@ class Contract:
 
     def __init__(self, state: EngineState) -> None:
         self.state = state
-        self._grads: dict[int, tuple[int, int]] = {}
-        """Parameter index -> (id of the gradient taken at launch, its version then)."""
+        self._grads: dict[int, tuple[int, int, bool]] = {}
+        """Parameter index -> (id of the gradient taken at launch, its version then, whether
+        the engine freed it once moved)."""
         self._lock = threading.Lock()  # launches may run on autograd's device threads
         self.tainted: str | None = None
         """Why the model's weights are a mix the engine could not undo (a racing write to a
@@ -135,30 +147,32 @@ class Contract:
         self.rebase(state.trainable)
 
     # ------------------------------------------------------------------ gradients
-    def took(self, indices: Iterable[int]) -> None:
-        """The engine takes these parameters' gradients now (a bucket launches)."""
+    def took(self, indices: Iterable[int], *, freeing: bool = False) -> None:
+        """The engine takes these parameters' gradients now (a bucket launches); ``freeing``:
+        it lets go of their device copies once moved (``p.grad`` becomes None, as under
+        DeepSpeed ZeRO-2), so any ``p.grad`` seen later is an edit."""
         params = self.state.params
         with self._lock:
             for i in indices:
                 g = params[i].grad
                 if g is not None:
-                    self._grads[i] = (id(g), g._version)
+                    self._grads[i] = (id(g), g._version, freeing)
 
     def forget_grads(self) -> None:
         with self._lock:
             self._grads.clear()
 
-    def edited(self, freed: frozenset[int]) -> list[str]:
-        """Names of the parameters whose gradient changed since it was taken; ``freed``: the
-        ones the engine itself let go (weight-flow frees a streamed gradient once moved)."""
+    def edited(self) -> list[str]:
+        """Names of the parameters whose gradient changed since it was taken: another tensor
+        or an in-place write, set to None, or (a gradient the engine freed) set again."""
         params, names, out = self.state.params, self.state.names, []
         with self._lock:
-            for i, (gid, version) in self._grads.items():
+            for i, (gid, version, freed) in self._grads.items():
                 g = params[i].grad
-                if g is None:
-                    if i not in freed:
+                if freed:
+                    if g is not None:
                         out.append(names[i])
-                elif id(g) != gid or g._version != version:
+                elif g is None or id(g) != gid or g._version != version:
                     out.append(names[i])
         return out
 
@@ -168,11 +182,13 @@ class Contract:
         return GradientEdited(
             f"the gradient of {len(names)} parameter(s) ({shown}) changed after the engine had "
             "taken it (between backward() and step(): torch.nn.utils.clip_grad_norm_, p.grad "
-            "edits, a new p.grad). Buckets leave for the CPU while backward runs, so such an "
+            "edits, a new p.grad; an offloaded parameter's gradient has left the device and "
+            "p.grad is None). Buckets leave for the CPU while backward runs, so such an "
             "edit would reach some of them and not others. The iteration was rolled back. "
             "Supported ways: engine.clip_grad_norm_(max_norm) (returns the total norm, clips "
             "every bucket), OffloadConfig.max_grad_norm, or engine.register_grad_transform(fn) "
-            "to change each gradient before it leaves (docs/failure_semantics.md)")
+            "to change each gradient before it leaves; read one with engine.full_grad(p) "
+            "and the norm with engine.grad_norm() (docs/failure_semantics.md)")
 
     # ------------------------------------------------------------------ weights
     def rebase(self, indices: Iterable[int]) -> None:
@@ -258,8 +274,10 @@ def fingerprint(state: EngineState, config: Any, hypers: Sequence[AdamHyper]
     return fp
 
 
-def hyper_tuple(h: AdamHyper) -> tuple[Any, ...]:
-    return (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw_mode, h.bias_correction)
+def hyper_tuple(h: AdamHyper) -> tuple[tuple[str, Any], ...]:
+    """Every field of a param group's ``AdamHyper`` as (name, value) pairs: read from the
+    dataclass, so a hyper-parameter added there is compared and hashed without a list here."""
+    return tuple((f.name, getattr(h, f.name)) for f in fields(h))
 
 
 def first_difference(prints: Sequence[Mapping[str, Any]], ranks: Sequence[int]) -> str | None:

@@ -70,7 +70,7 @@ class _Timeline(PicklableHook):
             return
         if raise_if_failed is not None:
             raise_if_failed()
-        sched.check_writes_before_forward()  # a write racing a publish, before any module
+        sched.publishes.check_writes_before_forward()  # a write racing a publish, before any module
         if torch.is_grad_enabled():  # evaluation forwards stay out of the training timeline
             self.starts.append(sched.recorder.mark())  # the device's clock (recorder.py)
 
@@ -109,7 +109,7 @@ class _WaitWeights(PicklableHook):
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         sched = self.ref()
         if sched is not None and module is self.owner():
-            sched.wait_for_weights(self.indices)
+            sched.publishes.wait_for_weights(self.indices)
 
 
 class _GradReady(PicklableHook):

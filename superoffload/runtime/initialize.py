@@ -1,5 +1,6 @@
 """``superoffload.initialize``: build an engine from a model, hyper-parameters and a configuration
-(an ``OffloadConfig`` or a DeepSpeed-style dict, converted once at this edge)."""
+(an ``OffloadConfig`` or a DeepSpeed-style dict, converted once at this edge). Under torchrun
+(several processes) the engine runs over FSDP2 (``superoffload.distributed.fsdp``)."""
 
 from __future__ import annotations
 
@@ -36,4 +37,24 @@ def initialize(model: torch.nn.Module,
     elif not isinstance(config, OffloadConfig):
         raise TypeError(f"config: pass an OffloadConfig, a DeepSpeed-style dict or its JSON "
                         f"file's path, not {type(config).__name__}")
+    if data_parallel():  # under torchrun: the engine over FSDP2 (docs/distributed.md)
+        from superoffload.distributed.fsdp import FsdpOffloadEngine
+
+        return FsdpOffloadEngine(model, optimizer, config, telemetry, **kwargs)
     return OffloadEngine(model, optimizer, config, telemetry, **kwargs)
+
+
+def data_parallel() -> bool:
+    """More than one process in the job (torch.distributed started, or torchrun's
+    WORLD_SIZE > 1, in which case it is started here: superoffload.distributed's
+    ``init_distributed``, gloo on the CPU, NCCL with GPUs)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from superoffload.distributed import init_distributed
+
+        init_distributed()
+        return True
+    return False

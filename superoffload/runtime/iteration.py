@@ -67,6 +67,14 @@ class Iteration:
     hypers: list[AdamHyper] = field(default_factory=list)
     """Per param group, read when the iteration's last micro-step began."""
     fired: dict[int, set[int]] = field(default_factory=dict)
+    """Per bucket, its parameters whose gradient is final in the last micro-step."""
+    moved: dict[int, set[int]] = field(default_factory=dict)
+    """Host accumulation, an earlier micro-step: per bucket, the parameters whose gradient
+    of this micro-step is final (the bucket leaves when all have)."""
+    plain: dict[int, int] = field(default_factory=dict)
+    """Per parameter, post-accumulate-grad hooks seen outside ``engine.backward`` (plain
+    ``loss.backward()``): their maximum is the number of backward passes since the last
+    step, the micro-steps of that loop."""
     ready: set[int] = field(default_factory=set)
     next_launch: int = 0
     flights: dict[int, Flight] = field(default_factory=dict)

@@ -44,6 +44,7 @@ class LocalTransport(LaneOwner):
 
     name = "local"
     ordered_launch = False
+    sums_on_host = True
     grad_divisor = 1
     rank = 0
     local_ranks = 1
@@ -75,21 +76,41 @@ class LocalTransport(LaneOwner):
         return self.buffers
 
     def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[Any] | None:
+               streamed: frozenset[int], *, accumulated: frozenset[int] | None = None,
+               final: bool = True) -> Future[Any] | None:
         buf = self.buffers[b]
-        if buf.on_device or not present:
+        if buf.on_device or not (present or accumulated):
             return None
-        pos = [self._pos[i] for i in present]
         ctx = self.ctx
-        fut = self._lanes[0].submit(D2HTask(
-            bucket=b, iteration=iteration,
-            grads=tuple(buf.params[k].grad for k in pos),  # type: ignore[misc]
-            grad_host=tuple(buf.grad_host[k] for k in pos),
-            ready=ctx.backend.ready_token(), backend=ctx.backend, recorder=ctx.recorder))
-        for k in pos:  # weight-flow: the gradient has left, free its device copy (§4.5)
-            if buf.bucket.param_indices[k] in streamed:
-                buf.params[k].grad = None
-        return fut
+        grads = tuple(self.device_grad(i) for i in present)
+        views = tuple(buf.grad_host[self._pos[i]] for i in present)
+        if accumulated is None:  # one D2H per optimizer step: the final gradients
+            task = D2HTask(bucket=b, iteration=iteration, grads=grads,  # type: ignore[arg-type]
+                           grad_host=views, ready=ctx.backend.ready_token(),
+                           backend=ctx.backend, recorder=ctx.recorder)
+        else:  # host accumulation: this micro-step's gradients join the fp32 host sums
+            summed = sorted(set(present) | accumulated)
+            task = D2HTask(
+                bucket=b, iteration=iteration, grads=grads,  # type: ignore[arg-type]
+                grad_host=views, ready=ctx.backend.ready_token(), backend=ctx.backend,
+                recorder=ctx.recorder, add=tuple(i in accumulated for i in present),
+                stats_host=tuple(buf.grad_host[self._pos[i]] for i in summed),
+                want_stats=final)
+        return self._lanes[0].submit(task)
+
+    def device_grad(self, index: int) -> torch.Tensor | None:
+        """The device gradient of parameter ``index`` as this transport moves it."""
+        return self.ctx.state.params[index].grad
+
+    def full_grad(self, index: int) -> torch.Tensor | None:
+        """The gradient of parameter ``index`` as the optimizer will read it (loss-scaled,
+        summed over micro-steps): its host buffer for a host bucket (once its D2H landed),
+        the device ``.grad`` for a tail bucket. None when it got no gradient."""
+        buf, k = self._where(index)
+        if buf.on_device:
+            g = buf.params[k].grad
+            return None if g is None else g.detach()
+        return buf.grad_host[k]
 
     def tail_stats(self, buckets: Sequence[int]) -> GradStats:
         grads = [p.grad for b in buckets for p in self.buffers[b].params if p.grad is not None]

@@ -14,15 +14,16 @@ from typing import Any
 import torch
 
 from superoffload.kernels.hyper import DEFAULTS, AdamHyper
-
-_KNOWN = set(DEFAULTS) | {"params"}
+from superoffload.kernels.torch_flags import normalise_group, torch_flag_keys
 
 
 def _check_group(group: Mapping[str, Any], where: str) -> None:
-    unknown = sorted(set(group) - _KNOWN)
+    # ours, and torch.optim.AdamW's flags (each honoured or refused: kernels/torch_flags.py)
+    known = set(DEFAULTS) | torch_flag_keys() | {"params"}
+    unknown = sorted(set(group) - known)
     if unknown:
         raise ValueError(
-            f"optimizer{where}: unknown key(s) {unknown}; use {sorted(_KNOWN - {'params'})}"
+            f"optimizer{where}: unknown key(s) {unknown}; use {sorted(known - {'params'})}"
         )
     AdamHyper.from_group(group, where=f"optimizer{where}")  # one set of rules (kernels/hyper.py)
 
@@ -44,7 +45,7 @@ def param_groups_from(
         if "params" in optimizer:
             raise ValueError("optimizer['params']: pass a list of groups to choose parameters")
         params = [p for p in model.parameters() if p.requires_grad]
-        return [{**DEFAULTS, **optimizer, "params": params}]
+        return [{**DEFAULTS, **normalise_group(dict(optimizer)), "params": params}]
     groups: list[dict[str, Any]] = []
     seen: set[int] = set()
     for k, g in enumerate(optimizer):
@@ -56,7 +57,7 @@ def param_groups_from(
             if id(p) in seen:
                 raise ValueError(f"optimizer[{k}]: a parameter appears in more than one group")
             seen.add(id(p))
-        groups.append({**DEFAULTS, **g, "params": params})
+        groups.append({**DEFAULTS, **normalise_group(dict(g)), "params": params})
     return groups
 
 
@@ -65,7 +66,8 @@ def defaults_from(optimizer: Mapping[str, Any] | Sequence[Mapping[str, Any]] | N
     """The defaults a group added later inherits (torch: the optimizer's constructor keyword
     arguments): the hyper-parameters given as one dict, else AdamW's."""
     if isinstance(optimizer, Mapping):
-        return {**DEFAULTS, **{k: v for k, v in optimizer.items() if k != "params"}}
+        return {**DEFAULTS, **normalise_group(
+            {k: v for k, v in optimizer.items() if k != "params"})}
     return dict(DEFAULTS)
 
 
@@ -74,9 +76,10 @@ def new_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]) -> di
     hyper-parameters once the defaults are filled in; the parameters that require grad."""
     if not isinstance(param_group, Mapping) or "params" not in param_group:
         raise TypeError("add_param_group: pass a dict with a 'params' list, as torch does")
-    _check_group({**defaults, **param_group}, ".add_param_group")
+    group = normalise_group(dict(param_group))
+    _check_group({**defaults, **group}, ".add_param_group")
     params = [p for p in _as_list(param_group["params"]) if p.requires_grad]
-    return {**param_group, "params": params}
+    return {**group, "params": params}
 
 
 def _as_list(params: Any) -> list[torch.nn.Parameter]:
@@ -141,3 +144,63 @@ class EngineOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         self._load_fn(state_dict)
+
+
+# ---------------------------------------------------------------------------- migrating a run
+def is_torch_state_dict(state_dict: Any) -> bool:
+    """A ``torch.optim`` optimizer's ``state_dict()`` (``state`` keyed by parameter number,
+    ``param_groups`` with ``params`` lists), not an engine checkpoint (which has a format)."""
+    return (isinstance(state_dict, Mapping) and "format" not in state_dict
+            and isinstance(state_dict.get("state"), Mapping)
+            and isinstance(state_dict.get("param_groups"), list))
+
+
+def load_torch_state(engine: Any, state_dict: Mapping[str, Any]) -> None:
+    """``engine.optimizer.load_state_dict(adamw.state_dict())``: migrate a run from
+    ``torch.optim.AdamW``/``Adam`` (or ``so.CPUAdam``), as torch's own ``load_state_dict``
+    does: the engine's param groups must list the same parameters in the same order as the
+    torch optimizer's (torch numbers them that way); each group takes the saved
+    hyper-parameters (and flags: honoured or refused first, kernels/torch_flags.py), each
+    parameter its ``exp_avg``, ``exp_avg_sq`` and ``step``; the fp32 masters are the weights
+    the model holds (load them with ``model.load_state_dict`` before or after: a write is
+    adopted). Everything is checked before anything changes. ``engine`` is the engine
+    (runtime/engine_contract.py calls this between iterations)."""
+    groups, saved = engine.optimizer.param_groups, state_dict["param_groups"]
+    mine, theirs = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved]
+    if mine != theirs:
+        raise ValueError(
+            f"load_state_dict: the torch optimizer state has param groups of {theirs} "
+            f"parameters, the engine {mine}: build the engine with the same groups in the same "
+            "order (so.initialize(model, [{'params': [...], ...}, ...])), as torch's "
+            "load_state_dict requires")
+    merged = []
+    for k, (g, s) in enumerate(zip(groups, saved)):
+        hyper = normalise_group({key: v for key, v in s.items()
+                                 if key not in ("params", "param_names")})
+        # keys torch keeps (a scheduler's initial_lr) come along; flags are checked here
+        AdamHyper.from_group({**g, **hyper}, f"load_state_dict: param_groups[{k}]")
+        merged.append(hyper)
+    st, moments = engine.state, {}
+    for g, s in zip(groups, saved):
+        for p, pid in zip(g["params"], s["params"]):
+            entry = state_dict["state"].get(pid)
+            if entry is None:
+                continue  # no step taken yet in torch: fresh moments, as torch would
+            i = st.index[id(p)]
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in entry or tuple(entry[key].shape) != tuple(p.shape):
+                    raise ValueError(f"load_state_dict: state of parameter {st.names[i]!r} "
+                                     f"has no {key} of shape {tuple(p.shape)}: not an Adam "
+                                     "state of this model")
+            moments[i] = (entry["exp_avg"], entry["exp_avg_sq"], int(entry.get("step", 0)))
+    engine.synchronize()
+    with engine.resident_weights():
+        engine.writes.adopt_written(where=" before load_state_dict")
+        states = engine.export_states()
+        for i, s in states.items():
+            m, v, step = moments.get(i, (torch.zeros_like(s.master), torch.zeros_like(s.master), 0))
+            states[i] = type(s)(s.master, m.detach().to("cpu", torch.float32).reshape(s.master.shape),
+                                v.detach().to("cpu", torch.float32).reshape(s.master.shape), step)
+        engine.restore(states)
+    for g, hyper in zip(groups, merged):
+        g.update(hyper)

@@ -29,6 +29,7 @@ import torch
 from superoffload.config import OffloadConfig
 from superoffload.kernels import AdamHyper
 from superoffload.runtime.backend import Backend
+from superoffload.runtime.departures import Departures
 from superoffload.runtime.errors import (
     EngineError,
     FailureBox,
@@ -38,6 +39,7 @@ from superoffload.runtime.errors import (
 from superoffload.runtime.guard import Contract
 from superoffload.runtime.iteration import EngineStats, Flight, Iteration
 from superoffload.runtime.loss_scaler import LossScaler
+from superoffload.runtime.publishes import Publishes
 from superoffload.runtime.rollback_guard import Rescue
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import (
@@ -53,7 +55,6 @@ from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.transport import Transport
 from superoffload.runtime.worker import Barrier, Lane, Priority, describe
-from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -75,7 +76,10 @@ class IterationScheduler:
         self.stats = EngineStats()
         self.iteration = 0
         self.current = Iteration()
-        self.pending: dict[int, Future[Any]] = {}
+        self.publishes = Publishes(
+            state=state, contract=contract, backend=backend, recorder=recorder,
+            transport=transport, wait=self.wait, streamed=streamed,
+            iteration=lambda: self.iteration)
         """Per bucket, the last publish a module must wait for before it runs."""
         self.home_ready: dict[int, Future[Any]] = {}
         """Weight-flow: per bucket, the last step/gather that wrote its host homes."""
@@ -83,6 +87,13 @@ class IterationScheduler:
         """Every worker task and publish since the last drain (chained ones included)."""
         self._launch_lock = threading.Lock()  # hooks may fire on autograd's device threads
         self._count_lock = threading.Lock()   # lane callbacks; never held while launching
+        self.departures = Departures(state, transport, contract, self.wait)
+        """How gradients leave the device: freed once moved, the bound, host sums."""
+        self.sum_on_host = False
+        """Gradients accumulate on the host (the engine's resolved ``grad_accum_on``)."""
+        self.last_grad_norm: float | None = None  # the last step's (engine.grad_norm())
+        self.in_engine_backward = False
+        """``engine.backward`` is running: other backward passes are the user's own."""
 
     # ------------------------------------------------------------------ iteration state
     @property
@@ -95,29 +106,45 @@ class IterationScheduler:
         still running, so a run that never synchronizes does not accumulate them)."""
         self.current = Iteration()
         self.contract.forget_grads()
+        self.departures.in_flight.clear()  # validation waited for every copy
         self.outstanding = [f for f in self.outstanding if not f.done()]
 
     def reset(self) -> None:
         """Forget a partial iteration (after a load or a rebuild)."""
         self.current = Iteration()
         self.contract.forget_grads()
+        self.departures.reset()
         self.home_ready.clear()
+
+    def _configure_departures(self, *, sum_on_host: bool) -> None:
+        cfg = self.config()
+        self.departures.configure(bound=cfg.grad_buckets_in_flight,
+                                  release=not cfg.keep_device_grads, sum_on_host=sum_on_host)
 
     def begin_micro_step(self, hypers: Callable[[], list[AdamHyper]]) -> Iteration:
         it = self.current
         if it.micro_step == 0:
             it.speculate = self.adaptive.enabled
             self.stats.speculation_enabled = self.adaptive.enabled
+            self._configure_departures(sum_on_host=self.sum_on_host)
         it.micro_step += 1
         it.armed = it.micro_step >= self.config().grad_accum_steps
+        it.moved = {}
         if it.armed:
             it.hypers = hypers()
         return it
 
+    def plain_passes(self) -> int:
+        """Backward passes the user ran with plain ``loss.backward()`` since the last step."""
+        plain = self.current.plain
+        return max(plain.values()) if plain else 0
+
     def arm_without_backward(self, hypers: Callable[[], list[AdamHyper]]) -> None:
-        """``step()`` after a plain ``loss.backward()``: every bucket launches now, no STV."""
+        """``step()`` after plain ``loss.backward()``: every bucket launches now, no STV (the
+        gradients summed in ``.grad`` over the loop's backward passes)."""
         it = self.current
         it.speculate, it.armed, it.hypers = False, True, hypers()
+        self._configure_departures(sum_on_host=False)
         self.launch_remaining()
 
     # ------------------------------------------------------------------ launching
@@ -125,13 +152,38 @@ class IterationScheduler:
         """Post-accumulate-grad hook of parameter ``index`` (tied: fires once, after all uses)."""
         it = self.current
         if not it.armed:
-            return  # not the last micro-step: gradients keep accumulating in .grad
+            if not self.in_engine_backward:  # the user's loss.backward(): count the pass
+                with self._launch_lock:
+                    it.plain[index] = it.plain.get(index, 0) + 1
+            elif self.sum_on_host:  # an earlier micro-step: the bucket leaves to be summed
+                self._collect(index, it.moved, self._accumulate)
+            return  # device accumulation: gradients keep summing in .grad
+        self._collect(index, it.fired, self._ready)
+
+    def _collect(self, index: int, fired_of: dict[int, set[int]],
+                 complete: Callable[[int], None]) -> None:
         b = self.state.bucket_of[index]
         with self._launch_lock:
-            fired = it.fired.setdefault(b, set())
+            fired = fired_of.setdefault(b, set())
             fired.add(index)
             if len(fired) == len(self.bucket_params(b)):
-                self._ready(b)
+                complete(b)
+
+    def _accumulate(self, b: int) -> None:
+        """Host accumulation, an earlier micro-step: bucket ``b``'s gradients of this
+        micro-step leave to join the host sums (runtime/departures.py)."""
+        moving = self.departures.moving(b)
+        if moving and not self.state.buffers[b].on_device:
+            fut = self.departures.depart(b, moving, self.iteration, self.streamed(), final=False)
+            if fut is not None:
+                self.outstanding.append(fut)
+
+    def accumulate_remaining(self) -> None:
+        """After an earlier micro-step's backward: buckets some of whose parameters got no
+        gradient in it leave with what they have."""
+        with self._launch_lock:
+            for b in range(len(self.state.buffers)):
+                self._accumulate(b)
 
     def launch_remaining(self) -> None:
         """After the last backward: buckets some of whose parameters got no gradient."""
@@ -159,14 +211,16 @@ class IterationScheduler:
             it.next_launch += 1
 
     def _launch(self, b: int) -> None:
-        it, st = self.current, self.state
+        it, st, dep = self.current, self.state, self.departures
         buf = st.buffers[b]
-        present = frozenset(i for i in self.bucket_params(b) if st.params[i].grad is not None)
+        moving = dep.moving(b)
+        present = frozenset(moving) | dep.summed(b)  # host accumulation: earlier micro-steps
         if self.transforms:
-            self.transform(present)
-        self.contract.took(present)  # an edit from now on would reach only some buckets
+            self.transform(moving)
         streamed = self.streamed()
-        stats = self.transport.launch(b, tuple(sorted(present)), self.iteration, streamed)
+        # an edit from now on would reach only some buckets
+        self.contract.took(moving, freeing=dep.frees(b, streamed))
+        stats = dep.depart(b, moving, self.iteration, streamed, final=True)
         calls = make_calls(buf, present, st.group_of, st.steps, it.hypers)
         fl = Flight(b, buf.on_device, present, calls, stats)
         it.flights[b] = fl
@@ -226,6 +280,7 @@ class IterationScheduler:
         self.transport.discard([fl.bucket for fl in flights if fl.on_device])
         self.current = Iteration()
         self.contract.forget_grads()
+        self.departures.reset()  # the next first micro-step restarts every host sum
 
     def recover(self, exc: BaseException, where: str, synchronize: Callable[[], None]) -> None:
         """An iteration will not finish (``exc`` in ``where``): undo it, or refuse to go on —
@@ -295,7 +350,7 @@ class IterationScheduler:
         pub = self.transport.publish(b, tuple(members_of(calls)), after, self.iteration,
                                      self.streamed(), self.deadline(b))
         if pub.device is not None:
-            self.pending[b] = pub.device
+            self.publishes.pending[b] = pub.device
             self.outstanding.append(pub.device)
         if pub.home is not None:
             self.home_ready[b] = pub.home
@@ -330,54 +385,6 @@ class IterationScheduler:
             self.failures.raise_if_failed()
             raise
 
-    def wait_for_weights(self, indices: Iterable[int]) -> None:
-        """Forward pre-hook of a module: its own buckets' last publish, nothing else (§4.2).
-        A parameter written while that publish was in flight raced the copy lane: the write is
-        discarded (the published weights restored) and ``WeightsWrittenInFlight`` raised."""
-        bucket_of = self.state.bucket_of
-        buckets = {bucket_of[i] for i in indices if i in bucket_of}
-        for b in sorted(buckets):
-            fut = self.pending.pop(b, None)
-            if fut is None:
-                continue
-            if self.contract.written([i for i in indices if bucket_of.get(i) == b],
-                                     self.streamed()):  # a write inside the forward itself
-                self.pending[b] = fut
-                self.discard_racing_writes()  # every bucket still in flight, then raise
-            t0 = self.recorder.now()
-            self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
-            self.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, self.recorder.now(),
-                              iteration=self.iteration, bucket=b)
-
-    def discard_racing_writes(self) -> None:
-        """Wait for every publish still in flight (from the training thread's view: not yet
-        waited for by a forward or a synchronize). If a parameter of those buckets was written
-        meanwhile, the write raced the copy lane, whatever the timing: every write since
-        ``step()`` is discarded (the published weights restored, so no mix of written and
-        published buckets) and ``WeightsWrittenInFlight`` raised (runtime/weight_writes.py)."""
-        bucket_of, pending = self.state.bucket_of, dict(self.pending)
-        written = self.contract.written(self.state.trainable, self.streamed()) if pending else []
-        racing = [i for i in written if bucket_of.get(i) in pending]
-        for b, fut in pending.items():
-            self.backend.wait(self.wait(fut, f"{self.transport.name} publish of bucket {b}"))
-            self.pending.pop(b, None)
-        self.backend.synchronize()
-        if racing:
-            lost = self.transport.restore(written) or []
-            self.contract.rebase(written)
-            raise self.contract.in_flight_error(racing, lost)
-
-    def check_writes_before_forward(self) -> None:
-        """Root forward pre-hook: a write racing an in-flight publish is refused before any
-        module runs (``discard_racing_writes``); other writes wait for the next iteration's
-        adoption."""
-        if not self.pending:
-            return
-        bucket_of = self.state.bucket_of
-        if any(bucket_of.get(i) in self.pending
-               for i in self.contract.written(self.state.trainable, self.streamed())):
-            self.discard_racing_writes()
-
     def drain_pending(self, lanes: Sequence[Lane]) -> None:
         """Every lane has run what was submitted; every publish has landed."""
         for lane in lanes:
@@ -390,4 +397,4 @@ class IterationScheduler:
         outstanding, self.outstanding = self.outstanding, []
         for fut in outstanding:
             self.wait(fut, "a task submitted before synchronize()")
-        self.discard_racing_writes()
+        self.publishes.discard_racing_writes()

@@ -26,6 +26,7 @@ import math
 
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.guard import RanksDisagree, hyper_hash, hyper_tuple
+from superoffload.runtime.overflow_verdict import host_bucket, tail_buckets
 from superoffload.runtime.scheduler import Flight, IterationScheduler
 from superoffload.runtime.steps import device_step, make_calls
 from superoffload.runtime.stv import Action, Verdict, verdict
@@ -57,7 +58,7 @@ def finish_iteration(sched: IterationScheduler) -> Verdict:
 def checks(sched: IterationScheduler) -> Checks:
     """This rank's contract checks for the validation reduce (runtime/guard.py)."""
     it, cfg = sched.current, sched.config()
-    return Checks(edited=bool(sched.contract.edited(sched.streamed())),
+    return Checks(edited=bool(sched.contract.edited()),
                   hyper_hash=hyper_hash(it.hypers, cfg.max_grad_norm))
 
 
@@ -72,8 +73,13 @@ def validate(sched: IterationScheduler, flights: list[Flight]) -> GlobalStats:
         stats = sched.wait(fl.stats, f"gradients of bucket {fl.bucket}").resolve()
         if stats.nonfinite:
             sched.stats.nonfinite_buckets += 1
+        else:  # a step that would write a non-finite state is a non-finite step too
+            nonfinite += host_bucket(sched, fl, stats.sum_sq, clip_threshold(sched))
         sum_sq += stats.sum_sq
         nonfinite += stats.nonfinite
+    if not local.nonfinite:
+        nonfinite += tail_buckets(sched, [fl for fl in flights if fl.on_device], local.sum_sq,
+                                  clip_threshold(sched))
     present = frozenset().union(*(fl.present for fl in flights))
     glob = sched.transport.reduce_stats(GradStats(sum_sq, nonfinite), present, checks(sched))
     rec.add(LANE_COMPUTE, KIND_VALIDATE, t0, rec.now(), iteration=sched.iteration)
@@ -90,7 +96,7 @@ def check_again(sched: IterationScheduler, glob: GlobalStats) -> GlobalStats:
 
 def enforce(sched: IterationScheduler, glob: GlobalStats) -> None:
     if glob.edited:
-        names = sched.contract.edited(sched.streamed())
+        names = sched.contract.edited()
         if not names:  # edited on another rank only
             names = [f"<on {glob.edited} other rank(s)>"]
         raise sched.contract.edit_error(names)
@@ -101,14 +107,16 @@ def enforce(sched: IterationScheduler, glob: GlobalStats) -> None:
         raise RanksDisagree("data-parallel ranks step with different hyper-parameters")
 
 
-def validate_early(sched: IterationScheduler, max_norm: float) -> tuple[float, int]:
-    """``engine.clip_grad_norm_``: validate now (every bucket's statistics, every rank), keep
-    the result for ``step()``, lower the iteration's threshold. Returns (total norm of the
-    unscaled gradient, non-finite count)."""
+def validate_early(sched: IterationScheduler, max_norm: float | None) -> tuple[float, int]:
+    """``engine.clip_grad_norm_`` / ``engine.grad_norm``: validate now (every bucket's
+    statistics, every rank), keep the result for ``step()``, lower the iteration's threshold
+    to ``max_norm`` (None: read only). Returns (total norm of the unscaled gradient,
+    non-finite count)."""
     it = sched.current
+    if max_norm is not None:  # first: validation knows the step will be clipped
+        it.clip_norm = max_norm if it.clip_norm is None else min(it.clip_norm, max_norm)
     if it.validated is None:
         it.validated = validate(sched, [it.flights[b] for b in sorted(it.flights)])
-    it.clip_norm = max_norm if it.clip_norm is None else min(it.clip_norm, max_norm)
     glob, n = it.validated, sched.transport.grad_divisor
     if glob.nonfinite or not math.isfinite(glob.sum_sq):
         return math.inf, max(glob.nonfinite, 1)
@@ -191,6 +199,7 @@ def close_iteration(sched: IterationScheduler, v: Verdict, loss_scale: float) ->
     if it.losses:  # the only host sync for the loss: after the step, not inside backward
         rec.scalar("loss", n, float(sum(float(x) for x in it.losses) / len(it.losses)))
     rec.scalar("grad_norm", n, v.grad_norm)
+    sched.last_grad_norm = v.grad_norm
     rec.scalar("loss_scale", n, loss_scale)
     schedule = sched.state.schedule
     rec.scalar("ratio", n, schedule.ratio if schedule is not None else 0.0)  # effective ratio

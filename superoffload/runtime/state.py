@@ -257,6 +257,8 @@ class EngineState:
                     f"module {name!r} produces sparse gradients (sparse=True); the engine "
                     "offloads dense gradients: build it with sparse=False")
         for i, p in enumerate(self.params):
+            if p.device.type == "cpu" and hasattr(p, "device_mesh"):
+                continue  # an FSDP2 shard kept on the host by CPUOffloadPolicy (weight-flow)
             if p.device.type != device.type or (device.type == "cuda"
                                                  and p.device.index != device.index):
                 raise ValueError(f"model parameter {self.names[i]!r} is on {p.device} but "

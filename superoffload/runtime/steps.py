@@ -37,6 +37,7 @@ from superoffload.runtime.rollback_guard import (
     risky,
 )
 from superoffload.runtime.state import BucketBuffers
+from superoffload.runtime.state_overflow import StateOverflow, may_overflow, trial
 from superoffload.runtime.transfers import wait_for
 from superoffload.telemetry.events import (
     KIND_CPU_STEP,
@@ -100,7 +101,8 @@ def run_calls(
                 [buffers.exp_avg[i] for i in idx], [buffers.exp_avg_sq[i] for i in idx],
                 step=call.step, lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps,
                 weight_decay=h.weight_decay, adamw_mode=h.adamw_mode,
-                bias_correction=h.bias_correction, grad_scale=grad_scale, params_lp=lp)
+                bias_correction=h.bias_correction, grad_scale=grad_scale, params_lp=lp,
+                maximize=h.maximize)
             continue
         key = (idx, fixed)
         prep = buffers.prepared.get(key)
@@ -163,9 +165,11 @@ class StepTask:
     """A replay: the rollback it follows (False when the speculative step had not run, e.g.
     declined under "auto": then this is the bucket's first step, not a replay)."""
 
-    def run(self) -> bool | Rescue:
+    def run(self) -> bool | Rescue | StateOverflow:
         """True when the step ran (a ``Rescue`` under ``rollback="auto"`` when elements beyond
-        the inverse's bound were kept: truthy, handed to the rollback through this result)."""
+        the inverse's bound were kept: truthy, handed to the rollback through this result); a
+        falsy ``StateOverflow`` when it would have written a non-finite p, m or v and was not
+        taken (runtime/state_overflow.py: validation counts the bucket as non-finite)."""
         buf = self.buffers
         rescue: Rescue | None = None
         if self.after is not None:
@@ -173,6 +177,13 @@ class StepTask:
             stats = stats.resolve()  # resolve: the copy landed
             if stats.nonfinite and self.skip_nonfinite:
                 return False
+            if may_overflow(stats.sum_sq, self.grad_scale, [c.hyper for c in self.calls]):
+                bad = trial(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
+                            threads=self.threads,  # never in a sane run
+                            seeds=[sr_seed(self.seed, buf.bucket.id, c.step, k)
+                                   for k, c in enumerate(self.calls)])
+                if bad:
+                    return StateOverflow(bad)
             if self.guard is not None:
                 kept = self.guard.protect(buf, self.calls, self.grad_scale, stats.sum_sq)
                 if kept is False:
@@ -267,13 +278,14 @@ class Guard:
         total = 0
         for call in calls:
             limit = rho_limit(call.hyper.beta1, call.hyper.beta2)
+            scale = -grad_scale if call.hyper.maximize else grad_scale  # the kernel's g
             for run in flat_runs(buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host,
                                  buf.lp_host, call.members):
                 total += run[0].numel()
-                if not prechecked_risky(run, call.hyper, grad_scale, limit, self.threads):
+                if not prechecked_risky(run, call.hyper, scale, limit, self.threads):
                     continue  # the common case: one read of g and v in C, nothing beyond
                 idx = risky(run[3], run[0], run[1], run[2], hyper=call.hyper,
-                            grad_scale=grad_scale, limit=limit)
+                            grad_scale=scale, limit=limit)
                 if idx is not None:
                     runs.append(run)
                     index.append(idx)

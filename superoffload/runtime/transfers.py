@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.backend import Backend, GradStats, PendingStats
+from superoffload.runtime.backend import Backend, GradStats, PendingStats, host_stats
 from superoffload.runtime.errors import WatchdogTimeout
 from superoffload.runtime.worker import Lane, describe, explain
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
@@ -78,13 +78,28 @@ class D2HTask:
     """Backend token recorded when the last gradient was final (a CUDA event, or None)."""
     backend: Backend
     recorder: Recorder
+    add: tuple[bool, ...] | None = None
+    """Host accumulation (``OffloadConfig.grad_accum_on="host"``): per gradient, add it into
+    its fp32 host sum (True) or start the sum (False); None: a plain copy."""
+    stats_host: tuple[torch.Tensor, ...] | None = None
+    """Host accumulation, last micro-step: the bucket's statistics are those of these summed
+    host views (read after the move), not of the device gradients."""
+    want_stats: bool = True
+    """False for an earlier micro-step of host accumulation: nothing validates it."""
 
-    def run(self) -> GradStats | PendingStats:
+    def run(self) -> GradStats | PendingStats | None:
         with self.recorder.device_span(
             LANE_D2H, KIND_D2H, stream=self.backend.stream("d2h"), iteration=self.iteration,
-            bucket=self.bucket, nbytes=tensors_nbytes(self.grad_host),
+            bucket=self.bucket,  # what crosses: the host dtype when the device casts first
+            nbytes=tensors_nbytes(self.grad_host if self.add is None else self.grads),
         ):
-            return self.backend.d2h(self.grads, self.grad_host, self.ready)
+            if self.add is None:
+                return self.backend.d2h(self.grads, self.grad_host, self.ready)
+            if self.grads:
+                self.backend.d2h_add(self.grads, self.grad_host, self.add, self.ready)
+        if not self.want_stats:
+            return None
+        return host_stats(self.stats_host if self.stats_host is not None else self.grad_host)
 
 
 @dataclass(frozen=True, slots=True)

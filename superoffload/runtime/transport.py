@@ -5,8 +5,8 @@ what differs between one process and ZeRO data parallel is only how data moves:
 
 * single process (``LocalTransport``): a host bucket's gradients go device -> host (D2H),
   the CPU steps the whole bucket, the new weights go host -> device (H2D);
-* ZeRO (``superoffload.distributed.zero.ZeroTransport``): gradients are reduce-scattered,
-  each rank steps its 1/N shard, the new weights are all-gathered (paper §4.6).
+* data parallel (``superoffload.distributed.fsdp.FsdpTransport``): FSDP2 reduce-scatters the
+  gradients, each rank steps its shards, FSDP2 all-gathers the new weights (paper §4.6).
 
 A transport allocates the buckets (it knows where each piece lives), starts a bucket's
 gradient movement and returns the bucket's local validation statistics as a future,
@@ -143,6 +143,9 @@ class Transport(Protocol):
     rank: int
     local_ranks: int
     """Ranks sharing this host's cores and memory (the thread rule splits the cores)."""
+    sums_on_host: bool
+    """``launch`` takes ``accumulated=`` and ``final=`` (``OffloadConfig.grad_accum_on=
+    "host"``: every micro-step's gradients are summed into the host buffers)."""
 
     def start(self, ctx: TransportContext) -> None:
         """Once, before the first build: lanes, groups, collective set-up."""
@@ -164,8 +167,16 @@ class Transport(Protocol):
                streamed: frozenset[int]) -> Future[Any] | None:
         """A bucket's gradients are final: start moving them. Returns the local validation
         statistics of what this rank will step (host buckets), None for tail buckets.
-        ``streamed``: parameter indices weight-flow streams (their device gradient may be
-        freed once moved)."""
+        ``streamed``: parameter indices weight-flow streams. The caller frees the device
+        gradients once this returns (runtime/departures.py): the transport's task must hold
+        what it still reads. With ``sums_on_host``, keywords ``accumulated`` (parameters
+        whose host buffer already holds a partial sum: add into it, copy elsewhere) and
+        ``final`` (False: an earlier micro-step, no statistics wanted)."""
+        ...
+
+    def full_grad(self, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s whole gradient as the optimizer will read it (loss-scaled,
+        summed over micro-steps and ranks), once its move has landed; None without one."""
         ...
 
     def tail_stats(self, buckets: Sequence[int]) -> GradStats:

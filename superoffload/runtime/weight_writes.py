@@ -13,7 +13,7 @@ counters); this module acts on it:
   shard under ZeRO) and host low-precision copy become the written values; a note says so;
 * a write made while the parameter's new weights were still being published (after
   ``step()``, before the forward that waits for them or ``synchronize()``) raced the copy
-  lane: the forward pre-hook (``IterationScheduler.wait_for_weights``) or this adoption
+  lane: the forward pre-hook (``Publishes.wait_for_weights``) or this adoption
   discards it and raises ``WeightsWrittenInFlight`` -- deterministic, whatever the timing;
 * ``model.load_state_dict`` is made safe and exact by hooks on the model: it first waits for
   every publish (and under weight-flow materializes the streamed blocks, whose parameters are
@@ -68,8 +68,8 @@ class WeightWrites:
                 "elements outside their block's forward); the write changed nothing. Write "
                 "streamed weights inside `with engine.resident_weights():` or with "
                 "model.load_state_dict(...), which makes them resident first")
-        if any(self.state.bucket_of.get(i) in self.sched.pending for i in written):
-            self.sched.discard_racing_writes()  # raises
+        if any(self.state.bucket_of.get(i) in self.sched.publishes.pending for i in written):
+            self.sched.publishes.discard_racing_writes()  # raises
         self.transport.adopt(written)
         self.contract.rebase(written)
         self.recorder.note(self.sched.iteration, (

@@ -181,6 +181,17 @@ class WeightPolicyController:
         return ModelShape.from_module(self.engine.model, seq=seq, micro_batch=mb,
                                       activation_checkpointing=ckpt)
 
+    def shape_for_planning(self) -> ModelShape:
+        """``shape()`` once the batch is known (``seq_len``/``micro_batch``, or the first
+        forward); before that the model's own context length at micro-batch 1."""
+        if self._batch is not None:
+            return self.shape()
+        cfg = getattr(self.engine.model, "config", None)
+        seq = next((int(v) for k in ("block_size", "max_position_embeddings", "n_positions",
+                                     "seq_len") if isinstance(v := getattr(cfg, k, None), int)),
+                   2048)
+        return ModelShape.from_module(self.engine.model, seq=seq, micro_batch=1)
+
     def _decide(self) -> str:
         cap = self.device_budget_bytes
         choice = choose_weights(self.shape(), self.profile(),

@@ -159,3 +159,65 @@ def analyse(a_blocks: Sequence[Sequence[float]], b_blocks: Sequence[Sequence[flo
                     old_ms=statistics.median(a_all) * 1e3, new_ms=statistics.median(b_all) * 1e3,
                     predicted_change=predicted_change, iterations=iterations,
                     pair_changes=tuple(rs))
+
+
+MAX_PAIRS = 96
+"""The most pairs one change is measured over, lengthened or not: past that, noise this
+large for a change this small is not worth the training time, and the result says so."""
+
+
+def combine(results: Sequence[ABResult]) -> ABResult:
+    """Several trials of one change as one: all their pair changes pooled into one median
+    and one interval (each trial's pairs are ABA-blocked on their own, so pooling keeps the
+    design). The arms' milliseconds are the trials' medians' median."""
+    if not results:
+        raise ValueError("combine: no A/B results")
+    first = results[0]
+    if any(r.changes != first.changes for r in results):
+        raise ValueError("combine: the trials measured different changes")
+    rs = [r_ for res in results for r_ in res.pair_changes]
+    lo, hi, coverage = median_interval(rs)
+    return ABResult(changes=dict(first.changes), change=statistics.median(rs), ci=(lo, hi),
+                    confidence=coverage, pairs=len(rs), block=first.block,
+                    old_ms=statistics.median(r.old_ms for r in results),
+                    new_ms=statistics.median(r.new_ms for r in results),
+                    predicted_change=first.predicted_change,
+                    iterations=(first.iterations[0], results[-1].iterations[1]),
+                    pair_changes=tuple(rs))
+
+
+def resolves(result: ABResult) -> bool:
+    """Whether the interval tells the predicted change from no change: it excludes 0 or the
+    prediction (without a prediction: it excludes 0)."""
+    excludes_zero = not result.within_noise
+    p = result.predicted_change
+    if p is None:
+        return excludes_zero
+    return excludes_zero or not result.ci[0] <= p <= result.ci[1]
+
+
+def pairs_needed(result: ABResult) -> int | None:
+    """Pairs at which the interval should be narrower than the distance between the
+    predicted change and 0 (its width shrinks as 1/sqrt(pairs)); None when nothing can
+    resolve it: no prediction, a predicted change of 0, or an interval of width 0."""
+    p = result.predicted_change
+    width = result.ci[1] - result.ci[0]
+    if p is None or p == 0 or not width > 0:
+        return None
+    return max(result.pairs + 1, math.ceil(result.pairs * (width / abs(p)) ** 2))
+
+
+def lengthen(result: ABResult, max_pairs: int = MAX_PAIRS) -> tuple[int, str]:
+    """(more pairs to run, why) for a result that does not resolve its predicted change:
+    the estimate of `pairs_needed`, or 0 with the reason it cannot (over `max_pairs`)."""
+    if resolves(result):
+        return 0, "the interval already tells the predicted change from no change"
+    need = pairs_needed(result)
+    if need is None:
+        return 0, "nothing to resolve: no predicted change to tell from no change"
+    if need > max_pairs:
+        return 0, (f"cannot resolve: at this noise ({result.ci[0]:+.1%} to {result.ci[1]:+.1%} "
+                   f"over {result.pairs} pairs) telling {result.predicted_change:+.1%} from no "
+                   f"change needs ~{need} pairs, over the {max_pairs} this measures at most")
+    return need - result.pairs, (f"~{need - result.pairs} more pairs should narrow the interval "
+                                 f"below the predicted {result.predicted_change:+.1%}")

@@ -4,10 +4,10 @@ pure tools telemetry/metrics.py measures timelines with (engine-recorded and sim
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 
 Interval = tuple[float, float]
-
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -45,19 +45,25 @@ def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 
 
 def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """Union(a) minus union(b), as a sorted disjoint list."""
+    """Union(a) minus union(b), as a sorted disjoint list. One merge pass over both sorted
+    lists: `j` only moves forward, and an interval of b that covers several of a's is met
+    once per interval of a that it ends (O(n log n) for the sorts, O(n) after)."""
     out: list[Interval] = []
     ub = union(b)
+    j = 0
     for start, end in union(a):
+        while j < len(ub) and ub[j][1] <= start:
+            j += 1  # b intervals wholly before this one (and before every later one)
         cur = start
-        for bs, be in ub:
-            if be <= cur or bs >= end:
-                continue
+        k = j
+        while k < len(ub) and ub[k][0] < end:
+            bs, be = ub[k]
             if bs > cur:
                 out.append((cur, bs))
             cur = max(cur, be)
             if cur >= end:
                 break
+            k += 1
         if cur < end:
             out.append((cur, end))
     return out
@@ -69,28 +75,41 @@ def clip(intervals: Iterable[Interval], window: Interval) -> list[Interval]:
 
 
 class Disjoint:
-    """A sorted disjoint interval list with O(log n) window queries (the timeline of a long
-    run has ~10^4 spans; clipping it once per iteration must not be quadratic)."""
+    """A sorted disjoint interval list with O(log n) window queries: the timeline of a long
+    run has ~10^5 spans and is queried a few times per iteration, so a query must not walk
+    (or copy) the list. Two binary searches find the intervals a window touches; a prefix
+    sum of their lengths gives the covered length without visiting them."""
 
     def __init__(self, intervals: Iterable[Interval]) -> None:
         self.items = union(intervals)
+        self.starts = [s for s, _ in self.items]
         self.ends = [e for _, e in self.items]
+        self.prefix = [0.0, *itertools.accumulate(e - s for s, e in self.items)]
+        """prefix[k]: total length of items[:k]."""
+
+    def _touching(self, window: Interval) -> tuple[int, int]:
+        """(i, j): items[i:j] are the intervals with a part inside `window`."""
+        lo, hi = window
+        return bisect.bisect_right(self.ends, lo), bisect.bisect_left(self.starts, hi)
 
     def clip(self, window: Interval) -> list[Interval]:
+        """The intervals' parts inside `window`, sorted (O(log n + parts))."""
         lo, hi = window
-        out: list[Interval] = []
-        for start, end in self.items[bisect.bisect_right(self.ends, lo):]:
-            if start >= hi:
-                break
-            out.append((max(start, lo), min(end, hi)))
+        i, j = self._touching(window)
+        out = [(max(s, lo), min(e, hi)) for s, e in self.items[i:j]]  # a slice: O(j - i)
         return [iv for iv in out if iv[1] > iv[0]]
 
     def length_in(self, window: Interval) -> float:
-        return sum(e - s for s, e in self.clip(window))
+        """Length of self ∩ `window` (O(log n): a prefix sum less the two cut ends)."""
+        lo, hi = window
+        i, j = self._touching(window)
+        if j <= i or hi <= lo:
+            return 0.0
+        total = self.prefix[j] - self.prefix[i]
+        total -= max(0.0, lo - self.starts[i])    # the first interval starts before lo
+        total -= max(0.0, self.ends[j - 1] - hi)  # the last one ends after hi
+        return max(total, 0.0)
 
     def overlap(self, intervals: Iterable[Interval]) -> float:
         """Length of union(intervals) ∩ self."""
         return sum(self.length_in(iv) for iv in union(intervals))
-
-
-# ------------------------------------------------------------------ per-iteration metrics

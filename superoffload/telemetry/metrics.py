@@ -12,8 +12,9 @@ Legend (per iteration i):
                 time (the rate the link achieved while moving), `*_gbps_wall` = bytes / wall_s
                 (the rate averaged over the iteration; what the link costs the iteration)
   link utilisation
-                `*_gbps_wall` / the link's peak, in percent: the share of the link's capacity the
-                iteration used (`link_utilisation_pct`; the peak comes from a hardware profile)
+                `*_gbps_wall` / the link's reference rate, in percent (`link_utilisation_pct`;
+                the rate is the planner's: a preset's peak, this machine's best measured
+                copy, or a rate fitted to a run, which a measured rate can exceed)
   overlap       share of i's CPU-optimizer time that ran while the device computed
                 (paper §4.2: the point of bucketization is to hide the CPU step behind backward)
   outside the engine
@@ -25,14 +26,14 @@ Legend (per iteration i):
                 did no model compute: the optimizer time the next forward waited for. For a
                 ZeRO-Offload schedule it is the whole CPU step; SuperOffload aims to shrink it
                 to the GPU tail step (paper §4.2, Fig. 5)
+Several iterations are summed up as `telemetry.window` pools them (`Summary`).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from superoffload.telemetry.events import (
@@ -59,13 +60,12 @@ from superoffload.telemetry.intervals import (
     subtract,
     union,
 )
+from superoffload.telemetry.window import GB, window_values
 
 __all__ = ["GB", "Disjoint", "Interval", "IterationMetrics", "Summary", "bandwidth_series",
            "clip", "device_busy", "intersect", "iteration_metrics", "length",
            "link_utilisation_pct", "model_compute", "spans_to_dataframe", "subtract",
            "summarize", "summarize_metrics", "to_dataframe", "to_records", "union"]
-
-GB = 1e9
 
 _COMPUTE_KINDS = (KIND_FORWARD, KIND_BACKWARD, KIND_WEIGHT_FETCH)
 _OPTIMIZER_LANES = (LANE_CPU, LANE_H2D, LANE_DEVICE_OPT)
@@ -92,7 +92,8 @@ class IterationMetrics:
     cpu_step_s: float
     """Union of this iteration's CPU-optimizer spans (wherever they fall)."""
     cpu_overlap_frac: float
-    """Share of cpu_step_s that ran while the device was busy (1.0 when there was no CPU work)."""
+    """cpu_hidden_s / cpu_step_s: the share that ran while the device was busy (1.0 when
+    there was no CPU work; the vocabulary's figure is NaN then)."""
     exposed_optimizer_s: float
     """Optimizer time after backward during which the device did no model compute."""
     d2h_bytes: int
@@ -114,6 +115,9 @@ class IterationMetrics:
     outside_engine_s: float = 0.0
     """Time in the window during which no lane worked (any iteration's spans): the training
     loop's own work between steps (data loading, logging, a framework's bookkeeping)."""
+    cpu_hidden_s: float = 0.0
+    """The part of cpu_step_s that ran while the device was busy (what a window pools:
+    `telemetry.window`)."""
 
 
 def link_utilisation_pct(gbps_wall: float, peak_gbps: float | None) -> float:
@@ -150,50 +154,80 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / GB if seconds > 0 else 0.0
 
 
+@dataclass(slots=True)
+class _Group:
+    """One iteration's spans, sorted by what `iteration_metrics` asks of them (one pass)."""
+
+    compute_start: float = math.inf
+    last_end: float = -math.inf
+    cpu: list[Interval] = field(default_factory=list)
+    d2h: list[Interval] = field(default_factory=list)
+    h2d: list[Interval] = field(default_factory=list)
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    backward_end: float = -math.inf
+    optimizer_end: float = -math.inf
+    rollbacks: int = 0
+    replays: int = 0
+
+    def add(self, s: Span) -> None:
+        self.last_end = max(self.last_end, s.end_s)
+        lane, kind = s.lane, s.kind
+        if lane == LANE_COMPUTE:
+            self.compute_start = min(self.compute_start, s.start_s)
+            if kind == KIND_BACKWARD:
+                self.backward_end = max(self.backward_end, s.end_s)
+        elif lane == LANE_CPU:
+            self.cpu.append((s.start_s, s.end_s))
+        elif lane == LANE_D2H:
+            self.d2h.append((s.start_s, s.end_s))
+            self.d2h_bytes += s.nbytes
+        elif lane == LANE_H2D:
+            self.h2d.append((s.start_s, s.end_s))
+            self.h2d_bytes += s.nbytes
+        if lane in _OPTIMIZER_LANES or kind in _OPTIMIZER_KINDS:
+            self.optimizer_end = max(self.optimizer_end, s.end_s)
+        if kind == KIND_ROLLBACK:
+            self.rollbacks += 1
+        elif kind == KIND_REPLAY:
+            self.replays += 1
+
+
 def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
     """One `IterationMetrics` per iteration that has device-compute spans, ascending.
-    Pass the whole timeline: an iteration's CPU work and the next forward overlap."""
-    by_iter: dict[int, list[Span]] = {}
+    Pass the whole timeline: an iteration's CPU work and the next forward overlap.
+
+    O(n log n) in the number of spans: one pass groups them, the lanes' unions are built
+    once (`Disjoint`), and each iteration asks them O(1) window queries of O(log n) each
+    (a 10^5-span run must not take minutes: tests/test_metrics.py measures the growth)."""
+    groups: dict[int, _Group] = {}
     for s in spans:
-        by_iter.setdefault(s.iteration, []).append(s)
-    starts = {
-        it: min(s.start_s for s in group if s.lane == LANE_COMPUTE)
-        for it, group in by_iter.items()
-        if any(s.lane == LANE_COMPUTE for s in group)
-    }
-    order = sorted(starts)
+        g = groups.get(s.iteration)
+        if g is None:
+            g = groups[s.iteration] = _Group()
+        g.add(s)
+    order = sorted(it for it, g in groups.items() if g.compute_start < math.inf)
     busy = Disjoint(device_busy(spans))
     compute = Disjoint(model_compute(spans))
     cpu_all = Disjoint((s.start_s, s.end_s) for s in spans if s.lane == LANE_CPU)
     any_lane = Disjoint((s.start_s, s.end_s) for s in spans)
     out: list[IterationMetrics] = []
     for k, it in enumerate(order):
-        group = by_iter[it]
-        start = starts[it]
-        if k + 1 < len(order):
-            end = starts[order[k + 1]]
-        else:
-            end = max(s.end_s for s in group)
+        g = groups[it]
+        start = g.compute_start
+        end = groups[order[k + 1]].compute_start if k + 1 < len(order) else g.last_end
         wall = max(end - start, 0.0)
         window = (start, end)
         compute_s = busy.length_in(window)
         cpu_busy_s = cpu_all.length_in(window)
-        cpu_own = union(_intervals(s for s in group if s.lane == LANE_CPU))
+        cpu_own = union(g.cpu)
         cpu_step_s = length(cpu_own)
         overlap_s = busy.overlap(cpu_own)
-        backward_ends = [s.end_s for s in group if s.lane == LANE_COMPUTE and s.kind == KIND_BACKWARD]
-        opt_ends = [s.end_s for s in group
-                    if s.lane in _OPTIMIZER_LANES or s.kind in _OPTIMIZER_KINDS]
         exposed = 0.0
-        if backward_ends and opt_ends:
-            tail = (max(backward_ends), max(opt_ends))
-            if tail[1] > tail[0]:
-                exposed = (tail[1] - tail[0]) - compute.length_in(tail)
-        d2h = [s for s in group if s.lane == LANE_D2H]
-        h2d = [s for s in group if s.lane == LANE_H2D]
-        d2h_bytes = sum(s.nbytes for s in d2h)
-        h2d_bytes = sum(s.nbytes for s in h2d)
-        d2h_busy, h2d_busy = length(_intervals(d2h)), length(_intervals(h2d))
+        if g.backward_end > -math.inf and g.optimizer_end > g.backward_end:
+            tail = (g.backward_end, g.optimizer_end)
+            exposed = (tail[1] - tail[0]) - compute.length_in(tail)
+        d2h_busy, h2d_busy = length(g.d2h), length(g.h2d)
         out.append(
             IterationMetrics(
                 iteration=it,
@@ -206,17 +240,18 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
                 cpu_step_s=cpu_step_s,
                 cpu_overlap_frac=overlap_s / cpu_step_s if cpu_step_s > 0 else 1.0,
                 exposed_optimizer_s=max(exposed, 0.0),
-                d2h_bytes=d2h_bytes,
-                h2d_bytes=h2d_bytes,
-                d2h_gbps_busy=_gbps(d2h_bytes, d2h_busy),
-                h2d_gbps_busy=_gbps(h2d_bytes, h2d_busy),
-                d2h_gbps_wall=_gbps(d2h_bytes, wall),
-                h2d_gbps_wall=_gbps(h2d_bytes, wall),
-                rollbacks=sum(1 for s in group if s.kind == KIND_ROLLBACK),
-                replays=sum(1 for s in group if s.kind == KIND_REPLAY),
+                d2h_bytes=g.d2h_bytes,
+                h2d_bytes=g.h2d_bytes,
+                d2h_gbps_busy=_gbps(g.d2h_bytes, d2h_busy),
+                h2d_gbps_busy=_gbps(g.h2d_bytes, h2d_busy),
+                d2h_gbps_wall=_gbps(g.d2h_bytes, wall),
+                h2d_gbps_wall=_gbps(g.h2d_bytes, wall),
+                rollbacks=g.rollbacks,
+                replays=g.replays,
                 d2h_busy_s=d2h_busy,
                 h2d_busy_s=h2d_busy,
                 outside_engine_s=max(wall - any_lane.length_in(window), 0.0),
+                cpu_hidden_s=overlap_s,
             )
         )
     return out
@@ -227,17 +262,20 @@ def iteration_metrics(spans: Sequence[Span]) -> list[IterationMetrics]:
 
 @dataclass(frozen=True, slots=True)
 class Summary:
-    """Medians over iterations (after `skip` warm-up iterations) and totals over all."""
+    """A run's figures pooled over its iterations after `skip` warm-up ones
+    (`telemetry.window`: totals over totals, the definition every view uses), and totals
+    over all of them. Times are per iteration (seconds), rates GB/s, shares fractions."""
 
     iterations: int
     """Iterations in the timeline (totals count all of them)."""
-    iterations_in_medians: int
-    """Iterations the medians are taken over (after the skipped warm-up)."""
+    iterations_in_window: int
+    """Iterations the pooled figures cover (after the skipped warm-up)."""
     wall_s: float
     compute_s: float
     device_idle_frac: float
     cpu_busy_frac: float
     cpu_overlap_frac: float
+    """Pooled: CPU step time under device work / CPU step time (NaN: no CPU work)."""
     exposed_optimizer_s: float
     d2h_gbps_busy: float
     h2d_gbps_busy: float
@@ -247,32 +285,47 @@ class Summary:
     h2d_bytes_total: int
     rollbacks_total: int
     replays_total: int
+    first_in_window: int = -1
+    """First and last iteration the pooled figures cover (the window a view names)."""
+    last_in_window: int = -1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-
-_MEDIAN_FIELDS = ("wall_s", "compute_s", "device_idle_frac", "cpu_busy_frac",
-                  "cpu_overlap_frac", "exposed_optimizer_s", "d2h_gbps_busy", "h2d_gbps_busy",
-                  "d2h_gbps_wall", "h2d_gbps_wall")
+    def window_label(self) -> str:
+        """"iterations 1-299" (what the pooled figures cover)."""
+        if self.first_in_window == self.last_in_window:
+            return f"iteration {self.first_in_window}"
+        return f"iterations {self.first_in_window}-{self.last_in_window}"
 
 
 def summarize_metrics(metrics: Sequence[IterationMetrics], *, skip: int = 0) -> Summary:
-    """Medians over `metrics[skip:]` (all of them when fewer remain: the first iterations pay
-    one-off costs), totals over all of `metrics` (a rollback in warm-up still happened)."""
+    """Pooled figures over `metrics[skip:]` (all of them when fewer remain: the first
+    iterations pay one-off costs), totals over all of `metrics` (a rollback in warm-up still
+    happened)."""
     if skip < 0:
         raise ValueError(f"summarize: skip={skip} must be >= 0")
     ms = list(metrics[skip:]) or list(metrics)
-    med = {name: statistics.median(getattr(m, name) for m in ms) if ms else math.nan
-           for name in _MEDIAN_FIELDS}
+    v = window_values(ms)
     return Summary(
         iterations=len(metrics),
-        iterations_in_medians=len(ms),
+        iterations_in_window=len(ms),
+        wall_s=v["iteration_ms"] / 1e3,
+        compute_s=sum(m.compute_s for m in ms) / len(ms) if ms else math.nan,
+        device_idle_frac=v["device_idle_pct"] / 100.0,
+        cpu_busy_frac=v["cpu_busy_pct"] / 100.0,
+        cpu_overlap_frac=v["cpu_step_hidden_pct"] / 100.0,
+        exposed_optimizer_s=v["exposed_optimizer_ms"] / 1e3,
+        d2h_gbps_busy=v["d2h_gbps_busy"],
+        h2d_gbps_busy=v["h2d_gbps_busy"],
+        d2h_gbps_wall=v["d2h_gbps_wall"],
+        h2d_gbps_wall=v["h2d_gbps_wall"],
         d2h_bytes_total=sum(m.d2h_bytes for m in metrics),
         h2d_bytes_total=sum(m.h2d_bytes for m in metrics),
         rollbacks_total=sum(m.rollbacks for m in metrics),
         replays_total=sum(m.replays for m in metrics),
-        **med,
+        first_in_window=ms[0].iteration if ms else -1,
+        last_in_window=ms[-1].iteration if ms else -1,
     )
 
 

@@ -11,6 +11,8 @@ Legend: an iteration's *window* runs from its first device-compute span to the n
 iteration's first one (`telemetry.metrics`). *Busy* rates divide by the time a lane was moving
 bytes, *wall* rates by the window: a link that moved 1 GB in 10 ms of a 1 s iteration reads
 100 GB/s while moving and 1 GB/s per iteration. D2H = gradients out, H2D = weights in.
+Over several iterations every figure is *pooled* (`telemetry.window`: the window's totals
+divided as one iteration's are), and a view says which iterations it pools.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superoffload.telemetry.metrics import IterationMetrics, Summary, link_utilisation_pct
+from superoffload.telemetry.window import WINDOW_NAMES, window_values
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +60,9 @@ class Metric:
 
 
 def format_value(value: float, unit: str) -> str:
-    """A number in its unit, 3 significant digits (k/M/G suffixes for rates), "-" for NaN."""
+    """A number in its unit as a person reads it: 3 significant digits without exponents
+    ("37.9 ms", "0.0139 GB/s"), times past a second in seconds or minutes ("1.75 s",
+    "2 min 05 s", never "1.75e+03 ms"), k/M/G suffixes for token rates, "-" for NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if unit == "%":
@@ -66,11 +71,36 @@ def format_value(value: float, unit: str) -> str:
         return f"{value:.1f} %" if value < 10 else f"{value:.0f} %"
     if unit == "count":
         return f"{int(value)}"
+    if unit == "ms":
+        return format_ms(value)
     if unit in ("tokens/s",):
         for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
             if abs(value) >= div:
                 return f"{value / div:.3g}{suffix} {unit}"
-    return f"{value:.3g} {unit}".rstrip()
+    return f"{plain(value)} {unit}".rstrip()
+
+
+def plain(value: float) -> str:
+    """3 significant digits, no exponent between 1e-4 and 1e6 ("1750", "0.0139", "37.9")."""
+    size = abs(value)
+    if size == 0 or not 1e-4 <= size < 1e6:
+        return f"{value:.3g}"
+    digits = max(0, 2 - math.floor(math.log10(size)))
+    return f"{value:.{digits}f}"
+
+
+def format_ms(ms: float) -> str:
+    """A duration given in ms: "0.452 ms", "37.9 ms", "1.75 s", "2 min 05 s", "3 h 02 min"."""
+    if ms < 1000:
+        return f"{plain(ms)} ms"
+    seconds = ms / 1e3
+    if seconds < 60:
+        return f"{plain(seconds)} s"
+    minutes, sec = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
 
 
 _TABLE = (
@@ -101,13 +131,14 @@ _TABLE = (
     Metric("h2d_gbps_wall", "H2D per iteration", "GB/s", "link",
            "weight bytes sent to the device / iteration time"),
     Metric("d2h_link_use_pct", "D2H link use", "%", "link",
-           "D2H per iteration / the link's peak (hardware profile), in percent"),
+           "D2H per iteration / the planner's D2H rate (the profile's: a preset's peak, this "
+           "machine's best measured copy, or a rate fitted to a run), in percent"),
     Metric("h2d_link_use_pct", "H2D link use", "%", "link",
-           "H2D per iteration / the link's peak (hardware profile), in percent"),
+           "H2D per iteration / the planner's H2D rate (as for D2H), in percent"),
     # overlap
     Metric("cpu_step_hidden_pct", "CPU step hidden", "%", "overlap",
-           "share of the iteration's CPU optimizer time that ran while the device worked "
-           "(no value when the iteration had no CPU work)"),
+           "CPU optimizer time that ran while the device worked / all CPU optimizer time of "
+           "the iterations (no value when they had no CPU work)"),
     Metric("cpu_busy_pct", "CPU optimizer busy", "%", "overlap",
            "time the CPU optimizer lane worked inside the window / iteration time"),
     Metric("device_idle_pct", "device idle", "%", "overlap",
@@ -132,6 +163,8 @@ _TABLE = (
     Metric("clipped_steps", "clipped steps", "count", "stv", "optimizer steps that clipped (run total)"),
     Metric("skipped_steps", "skipped steps", "count", "stv",
            "steps skipped on a non-finite gradient (run total)"),
+    Metric("window_iterations", "iterations pooled", "count", "time",
+           "complete iterations a logged figure pools (those since the previous log)"),
     # memory
     Metric("host_mem_gb", "host memory", "GB", "memory",
            "the engine's host_mem_bytes scalar, else this process's resident memory"),
@@ -142,11 +175,9 @@ _TABLE = (
 METRICS: dict[str, Metric] = {m.name: m for m in _TABLE}
 """Every metric by name, in display order."""
 
-PER_ITERATION = ("iteration_ms", "engine_ms", "outside_engine_ms", "exposed_optimizer_ms",
-                 "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_wall", "h2d_gbps_wall",
-                 "cpu_step_hidden_pct", "cpu_busy_pct", "device_idle_pct", "rollbacks", "replays")
+PER_ITERATION = WINDOW_NAMES
 """What `iteration_values` derives from spans alone (tokens/s, TFLOP/s and link use need
-the workload or the link's peak)."""
+the workload or the link's reference rate)."""
 
 ENGINE_SCALARS: dict[str, tuple[str, float]] = {
     "loss": ("loss", 1.0),
@@ -178,24 +209,10 @@ def engine_scalar(name: str, value: float) -> tuple[str, float]:
 
 
 def iteration_values(m: IterationMetrics) -> dict[str, float]:
-    """The `PER_ITERATION` metrics of one iteration, in their units (NaN where undefined: a
-    direction that moved no bytes has no rate, an iteration without CPU work hides none)."""
-    nan = math.nan
-    return {
-        "iteration_ms": m.wall_s * 1e3,
-        "engine_ms": (m.wall_s - m.outside_engine_s) * 1e3,
-        "outside_engine_ms": m.outside_engine_s * 1e3,
-        "exposed_optimizer_ms": m.exposed_optimizer_s * 1e3,
-        "d2h_gbps_busy": m.d2h_gbps_busy if m.d2h_bytes else nan,
-        "h2d_gbps_busy": m.h2d_gbps_busy if m.h2d_bytes else nan,
-        "d2h_gbps_wall": m.d2h_gbps_wall,
-        "h2d_gbps_wall": m.h2d_gbps_wall,
-        "cpu_step_hidden_pct": 100.0 * m.cpu_overlap_frac if m.cpu_step_s > 0 else nan,
-        "cpu_busy_pct": 100.0 * m.cpu_busy_frac,
-        "device_idle_pct": 100.0 * m.device_idle_frac,
-        "rollbacks": float(m.rollbacks),
-        "replays": float(m.replays),
-    }
+    """The `PER_ITERATION` metrics of one iteration, in their units: the window of one
+    iteration (`telemetry.window.window_values`; NaN where undefined: a direction that moved
+    no bytes has no rate, an iteration without CPU work hides none)."""
+    return window_values([m])
 
 
 def workload_values(iteration_ms: float, *, tokens_per_iteration: float | None = None,
@@ -222,7 +239,8 @@ def link_use_values(d2h_gbps_wall: float, h2d_gbps_wall: float, *, d2h_peak_gbps
 
 
 def summary_values(s: Summary) -> dict[str, float]:
-    """A run's medians (`metrics.Summary`) and totals in the vocabulary's names and units."""
+    """A run's pooled figures (`metrics.Summary`, over its window) and totals (over the
+    whole run) in the vocabulary's names and units."""
     return {
         "iteration_ms": s.wall_s * 1e3,
         "exposed_optimizer_ms": s.exposed_optimizer_s * 1e3,

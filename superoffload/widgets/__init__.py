@@ -3,7 +3,9 @@
     from superoffload.widgets import LiveDashboard, OffloadTuner, BackgroundTrainer
 
 `LiveDashboard` draws the engine's timeline, link GB/s while moving, overlap, iteration time
-against the planner's prediction, loss and memory live (or a simulated result);
+against the planner's prediction, loss and memory live (or a simulated result), on one
+screen, with smoothing, a wall-clock axis, panels to hide, runs to compare (`BEFORE_AFTER`:
+this run around its last change) and CSV export;
 `OffloadTuner` shows the planner's prediction for every setting and applies settings to a
 running engine; `BackgroundTrainer` runs training off the cell so the widgets stay
 interactive. `notebook_ci()` tells a notebook to take its short CI path. Every live view is
@@ -35,6 +37,7 @@ _LAZY = {
     "RunState": "superoffload.widgets.runstate",
     "placeholder": "superoffload.widgets.snapshot",
     "freeze_all": "superoffload.widgets.snapshot",
+    "BEFORE_AFTER": "superoffload.widgets.compare",
 }
 
 

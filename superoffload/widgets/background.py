@@ -203,7 +203,12 @@ class BackgroundTrainer:
 
     def freeze(self) -> None:
         """Replace the progress line and every live status line shown with static text of
-        the current state (at the run's end, and by the kernel's exit hook)."""
+        the current state (at the run's end, and by the kernel's exit hook). At the kernel's
+        exit the run is asked to stop first: its thread dies with the process anyway, and
+        while it trains it competes for the interpreter with the snapshots that must reach
+        the notebook before the kernel is gone."""
+        if snap.exiting:
+            self._stop.set()
         for out in self._outputs:
             out.freeze()
 

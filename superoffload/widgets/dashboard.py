@@ -2,60 +2,64 @@
 simulated one (`show_simulation`).
 
     dash = LiveDashboard(engine, shape=model, seq=64, micro_batch=8)   # prediction beside
-    dash                              # last expression of a cell: status line + figure
+    dash                              # last expression of a cell: status, controls, figure
     BackgroundTrainer(step_fn, dashboard=dash).start()   # refreshes a few times a second
-    ...
-    dash.to_html("artifacts/dashboard.html")
+    dash.set_view(smoothing=0.6, x_axis="wall clock", hidden={"memory"})
+    dash.compare("runs/baseline")     # a saved run on the same axes (or BEFORE_AFTER)
+    dash.save_run("runs/this-one"); dash.to_csv("metrics.csv"); dash.to_html("dashboard.html")
 
 Measured runs get the measured layout (timeline in ms, iteration time measured vs predicted,
-link GB/s while moving against the peak, percent, loss, memory: `figure.py`), simulated
-results the simulated one (`simfigure.py`). A live dashboard shows its figure in one
-`LivePlot` (liveplot.py: kernel -> browser only, so a busy kernel still hears the tuner),
-created once (it ships ~5 MB of JavaScript); a refresh updates the figure's traces in place
-and sends it when something changed, at `refresh_hz` or slower when a refresh takes long
-(a loaded machine keeps its cores for training). When the run ends (and when the kernel
-shuts down) the widget is replaced in place by a static figure drawn from the whole
-recorded run (`fullstate.py`, snapshot.py), so a saved notebook reopens with the figure.
+link GB/s while moving against the planner's rate, percent, loss, memory: `figure.py`),
+simulated results the simulated one (`simfigure.py`). A live dashboard is one box: a status
+line (the key figures pooled over the last complete iterations, the window named; details
+fold away), a row of controls (`toolbar.py`: panels, smoothing, x axis, compare, CSV) and
+one `LivePlot` (liveplot.py: kernel -> browser only, so a busy kernel still hears the
+tuner; it draws the newest figure whenever it is on screen), sized to fit one screen at
+1366x768. A refresh updates the figure's traces in place and sends it when something
+changed, at `refresh_hz` or slower when a refresh takes long (a loaded machine keeps its
+cores for training). When the run ends (and when the kernel shuts down) the box is replaced
+in place by a static figure drawn from the whole recorded run (`fullstate.py`,
+snapshot.py), so a saved notebook reopens with the figure.
 """
 
 from __future__ import annotations
 
-import html
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from superoffload.widgets import _env
+from superoffload.widgets import _env, exports
 from superoffload.widgets import snapshot as snap
+from superoffload.widgets.comparison import Comparison
 from superoffload.widgets.figure import PLOT_CONFIG, build_figure, write_state
 from superoffload.widgets.fullstate import PAGE_POINTS, STATIC_POINTS, state_from_recorder
 from superoffload.widgets.live_view import live_view
-from superoffload.widgets.panels import Expected, Workload, status_lines
+from superoffload.widgets.panels import STATUS_HEAD, Expected, Workload, rank_lines, status_lines
 from superoffload.widgets.predict import ProfileChoice, resolve_profile, to_shape
 from superoffload.widgets.prediction import Predictor
+from superoffload.widgets.refresher import Refresher, check_hz
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import SCALARS, DashboardState
 from superoffload.widgets.sources import is_recorder, memory_bytes, resolve_source
+from superoffload.widgets.toolbar import Toolbar
+from superoffload.widgets.view import ViewOptions
 
-SNAPSHOT_EVERY_S = 5.0
 FROM_SPANS_WINDOW = 50
 """At most this many iterations on a static dashboard's timeline (`from_spans`)."""
 
 
 class LiveDashboard:
-    """Status line and figure of a run (see the module docstring). Spans of several ranks
-    (`from_spans(telemetry.ranks.merge_rank_spans([...]))`) get per-rank lanes."""
+    """Status, controls and figure of a run (module docstring); spans of several ranks get
+    per-rank lanes (`from_spans(telemetry.ranks.merge_rank_spans([...]))`)."""
 
     def __init__(self, source: Any = None, *, shape: Any = None, seq: int | None = None,
                  micro_batch: int = 1, profile: Any = None, window_iterations: int = 4,
                  refresh_hz: float = 2.0, live: bool | None = None,
-                 title: str = "superoffload", calibrate_after: int | None = 10) -> None:
-        if not refresh_hz > 0:
-            raise ValueError(f"refresh_hz={refresh_hz} must be > 0 (refreshes per second, ~2-5)")
+                 title: str = "superoffload", calibrate_after: int | None = 10,
+                 runs_dir: str | Path = "runs") -> None:
         self.engine, self.recorder = resolve_source(source)
-        self.refresh_hz = float(refresh_hz)
+        self.refresh_hz = check_hz(refresh_hz, "refresh_hz")
         self.base_title = title
         self.state = DashboardState(window_iterations=window_iterations)
         self.live = _env.live_widgets_available() if live is None else bool(live)
@@ -64,34 +68,36 @@ class LiveDashboard:
                 f"live=True needs {', '.join(_env.missing_for_live())}: {_env.INSTALL_HINT}")
         self.shape = to_shape(shape, seq=seq, micro_batch=micro_batch) if shape is not None else None
         want_profile = profile is not None or self.shape is not None or self.engine is not None
-        self.predictor = Predictor(
-            self.engine, self.recorder, self.shape, resolve_profile(profile) if want_profile else None,
-            calibrate_after=calibrate_after, measured_here=profile is None)
+        choice = resolve_profile(profile) if want_profile else None
+        self.predictor = Predictor(self.engine, self.recorder, self.shape, choice,
+                                   calibrate_after=calibrate_after,
+                                   measured_here=choice is not None and choice.of_this_machine)
         self.run_state: RunState | None = None
         self.simulation: Any = None
         self.sim: Any = None
         """The simulated layout's figures (`simfigure.SimFigures`) after `show_simulation`."""
         self.figure: Any = build_figure(title=title) if _env.plotly_available() else None
-        following = self.live and self.recorder is not None
-        views: tuple[Any, Any, Any] = live_view(PLOT_CONFIG) if following else (None, None, None)
+        self.view = ViewOptions()
+        """Hidden panels, smoothing, x axis (`set_view`; the toolbar's controls)."""
+        self.comparison = Comparison()
+        """Runs drawn beside this one (`compare`)."""
+        toolbar = Toolbar(self, runs_dir) if self.live and self.recorder is not None else None
+        self.toolbar: Any = toolbar
+        views: tuple[Any, Any, Any] = (live_view(PLOT_CONFIG, toolbar.box) if toolbar is not None
+                                       else (None, None, None))
         self.status, self.plot, self.widget = views
         self.refreshes = 0
-        self.error: BaseException | None = None
         self._main = snap.Slot("dashboard")
-        self._snapshot = snap.Slot("dashboard-snapshot")
-        self._last_snapshot = 0.0
         self._seq = -1
         self._scalar_t: dict[str, float] = {}
         self._lock = threading.RLock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._refresher = Refresher(self.refresh, self.refresh_hz, name="superoffload dashboard")
 
     # ----------------------------------------------------------------- sources
     @classmethod
     def from_spans(cls, source: Any, *, title: str = "timeline", **kw: Any) -> LiveDashboard:
-        """A static dashboard of a finished run: a list of spans (e.g. a merged multi-rank
-        timeline) or a Recorder (its notes and scalars too), every iteration in the series,
-        the last `FROM_SPANS_WINDOW` on the timeline."""
+        """A static dashboard of a finished run (spans, e.g. several ranks merged, or a
+        Recorder with its notes and scalars): the last `FROM_SPANS_WINDOW` on the timeline."""
         kw.setdefault("live", False)
         if isinstance(source, Iterable) and not is_recorder(source):
             spans = list(source)
@@ -167,12 +173,6 @@ class LiveDashboard:
         """The last calibration on this run (`plan.autocal.CalibrationReport`), or None."""
         return self.predictor.calibration
 
-    def use_calibration(self, report: Any) -> None:
-        """Predict with the profile `report` fitted to this run (`plan.autocal`)."""
-        with self._lock:
-            self.predictor.use_calibration(report)
-            self.predictor.update(self.state)
-
     def calibrate(self) -> Any:
         """Fit the profile to this run's telemetry now and predict with it from the next
         iteration (`Predictor.calibrate`); returns the `plan.autocal.CalibrationReport`.
@@ -183,24 +183,62 @@ class LiveDashboard:
             self._redraw()
         return report
 
-    def _redraw(self) -> None:
+    def _redraw(self, *, titled: bool = False) -> None:
         lines = self.status_lines()
         if self.status is not None:
-            self.status.value = snap.html_lines(lines, css_class="so-dash-status")
+            self.status.value = snap.html_lines(lines, css_class="so-dash-status", fold_after=STATUS_HEAD)
         if self.figure is not None and self.simulation is None:
-            changed = write_state(self.figure, self.state, self.title_text(), work=self.work,
-                                  expected=self.expected)
+            # the live view's status line is its title; a figure that stays carries its own
+            title = self.title_text() if titled or self.plot is None else ""
+            changed = write_state(self.figure, self.state, title, work=self.work,
+                                  expected=self.expected, view=self.view,
+                                  overlays=self.comparison.overlays(self.recorder, self.state))
             if self.plot is not None and (changed or not self.plot.figure):
                 self.plot.show_figure(self.figure)
-        now = time.monotonic()
-        if self._snapshot.shown and (now - self._last_snapshot > SNAPSHOT_EVERY_S):
-            self._snapshot.update(snap.text_bundle(["static snapshot (updated every few seconds "
-                                                    "while the run goes):", *lines]))
-            self._last_snapshot = now
+
+    # ----------------------------------------------------------------- the view
+    def set_view(self, **changes: Any) -> ViewOptions:
+        """Change how the figure is drawn (`view.ViewOptions`): hidden=panel keys,
+        smoothing=0..0.999 (EMA of every per-iteration line), x_axis="iteration" or "wall
+        clock"; redraws at once; returns the new options."""
+        with self._lock:
+            self.view = self.view.with_changes(**changes)
+        self._changed()
+        return self.view
+
+    def compare(self, *sources: Any) -> list[str]:
+        """Draw other runs beside this one, on the same axes, each from its own start: folders
+        under runs/ (`save_run`, or `superoffload train`'s output), Recorders, engines, span
+        lists, or `widgets.compare.BEFORE_AFTER` (this run before and after its newest change
+        of settings). No sources: compare with nothing. Returns the runs' labels."""
+        with self._lock:
+            self.comparison.set(sources)
+        self._changed()
+        return self.comparison.labels()
+
+    def _changed(self) -> None:
+        """The view or the comparison changed: redraw now, show it in the controls."""
+        with self._lock:
+            self._redraw()
+        if self.toolbar is not None:
+            self.toolbar.sync()
+
+    def save_run(self, folder: str | Path, *, name: str | None = None) -> Path:
+        """Keep this run under `folder` (e.g. "runs/ratio-0.5") to compare with later
+        (`telemetry.runfile.save_run`); returns the folder."""
+        return exports.save_run(self.recorder, folder, name=name, title=self.base_title)
+
+    def csv_text(self) -> str:
+        """Every per-iteration series of the whole recorded run (and its loss and ratio), one
+        row per iteration, as CSV (`telemetry.csvfile`)."""
+        return exports.csv_text(self.recorder, self.base_title)
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write `csv_text()` to `path`; returns the path."""
+        return exports.write_text(path, self.csv_text())
 
     def set_run_state(self, state: RunState) -> None:
-        """Told by the trainer; when the run ends, a final refresh and the live figure is
-        replaced by a static one of the whole run."""
+        """Told by the trainer; a run that ends gets a last refresh and its static figure."""
         self.run_state = state
         if state.ended:
             self.stop()
@@ -210,15 +248,15 @@ class LiveDashboard:
             self._redraw()
 
     def finalize(self, *, whole_run: bool = True) -> None:
-        """Swap the live widget for the static figure of the whole run (in place; at the
-        kernel's exit, `whole_run=False`: the live state's figure, which is at hand)."""
+        """Swap the live widget for the static figure of the whole run, in place (at the
+        kernel's exit, `whole_run=False`: the live state's figure, at hand)."""
         with self._lock:
-            self._redraw()
-            if self._main.shown:
-                self._main.update(self._static_bundle() if whole_run else
-                                  snap.figure_bundle(self.figure, self.status_lines(), PLOT_CONFIG))
-            if self._snapshot.shown:
-                self._snapshot.update(snap.text_bundle(["final state:", *self.status_lines()]))
+            if self._main.shown and whole_run:
+                self._main.update(self._static_bundle())
+            elif self._main.shown:  # at exit: one serialization, nothing sent to the live view
+                write_state(self.figure, self.state, self.title_text(), work=self.work,
+                            expected=self.expected, view=self.view)
+                self._main.update(snap.figure_bundle(self.figure, self.status_lines(), PLOT_CONFIG))
             snap.unregister(self)
 
     def freeze(self) -> None:
@@ -229,53 +267,34 @@ class LiveDashboard:
         if self.run_state is RunState.RUNNING:
             self.run_state = RunState.STOPPED
         self.finalize(whole_run=False)
-        if self._snapshot.shown:
-            self._snapshot.update(snap.text_bundle(["final state:", *self.status_lines(), snap.EXIT_NOTE]))
 
     def start(self, hz: float | None = None) -> LiveDashboard:
         """Refresh from a daemon thread until `stop()`; returns self."""
         if hz is not None:
-            if not hz > 0:
-                raise ValueError(f"hz={hz} must be > 0")
-            self.refresh_hz = float(hz)
+            self.refresh_hz = self._refresher.hz = check_hz(hz)
         if self.recorder is None:
             raise ValueError("this dashboard has no engine or recorder to follow (static view)")
         if self.running:
             return self
-        self._stop.clear()
         if self._main.shown and self.widget is not None and self._main.frozen:
             # a second run after the first one ended: the live figure comes back in place
             self._main.update(snap.widget_bundle(self.widget, self.status_lines()))
             snap.register(self)
-        parent = _env.capture_output_parent()
-        self._thread = threading.Thread(target=self._run, args=(parent,),
-                                        name="superoffload-dashboard", daemon=True)
-        self._thread.start()
+        self._refresher.start()
         return self
-
-    def _run(self, parent: Any) -> None:
-        _env.bind_thread_output(parent)
-        try:
-            while not self._stop.is_set():
-                t0 = time.perf_counter()
-                self.refresh()
-                took = time.perf_counter() - t0
-                # a timer, not a poll; and never more than ~1/4 of a core on refreshes
-                self._stop.wait(max(1.0 / self.refresh_hz, 3.0 * took))
-        except BaseException as exc:  # surface in the cell that started us, then stop
-            self.error = exc
-            print(f"superoffload dashboard stopped: {exc!r}")
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the refresher thread (the caller refreshes once more if it wants)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-        self._thread = None
+        self._refresher.stop(timeout_s)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._refresher.running
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the refresher, if anything did."""
+        return self._refresher.error
 
     # ----------------------------------------------------------------- reading
     def title_text(self) -> str:
@@ -307,23 +326,14 @@ class LiveDashboard:
         cover = state.coverage()
         if cover is not None and state.stride() > 1:
             lines.append(f"history: iterations {cover[0]}-{cover[1]} in bins of {state.stride()} "
-                         "(line = mean, band = min..max of each bin)")
+                         "(line = each bin pooled, band = its min..max)")
         return lines
 
     def summary(self) -> str:
-        """Plain-text summary (what a terminal sees instead of the figure)."""
-        from superoffload.telemetry.vocabulary import describe
-
-        lines = self.status_lines()
-        if len(self.state.history_by_rank) > 1:  # data parallel: one line per rank
-            for rank in sorted(self.state.history_by_rank):
-                recent = self.state.recent(rank)
-                if len(recent["iteration"]):
-                    last = {k: float(v[-1]) for k, v in recent.items()}
-                    lines.append(f"rank {rank}: " + describe(last, (
-                        "iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct",
-                        "device_idle_pct")))
-        lines.append(f"timeline: {len(self.state.timeline_spans())} spans drawn")
+        """Plain-text summary (what a terminal sees instead of the figure): the status, one
+        line per rank when several trained, the spans drawn."""
+        lines = [*self.status_lines(), *rank_lines(self.state),
+                 f"timeline: {len(self.state.timeline_spans())} spans drawn"]
         return "\n".join(lines)
 
     def _engine_iteration(self) -> int | None:
@@ -348,7 +358,8 @@ class LiveDashboard:
             return go.Figure(self.figure), self.status_lines()
         state = self.full_state(max_points)
         fig = build_figure(title=self.base_title)
-        write_state(fig, state, self.title_text(), work=self.work, expected=self.expected)
+        write_state(fig, state, self.title_text(), work=self.work, expected=self.expected,
+                    view=self.view, overlays=self.comparison.overlays(self.recorder, state))
         return fig, self.status_lines(state)
 
     def _static_bundle(self) -> dict[str, Any]:
@@ -372,9 +383,6 @@ class LiveDashboard:
         if live:
             self._main.show(snap.widget_bundle(self.widget, self.status_lines()))
             snap.register(self)
-            self._snapshot.show(snap.text_bundle(["static snapshot (updated every few seconds "
-                                                  "while the run goes):", *self.status_lines()]))
-            self._last_snapshot = time.monotonic()
         else:
             if self.recorder is not None and not self.live and _env.missing_for_live():
                 print(f"[superoffload] live widgets need {', '.join(_env.missing_for_live())}: "
@@ -387,10 +395,6 @@ class LiveDashboard:
         offline; drawn from the recorder, not the live view); returns the path."""
         _env.require_plotly("LiveDashboard.to_html")
         fig, lines = self.static_figure(max_points)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, config=PLOT_CONFIG)
-        path.write_text("<!doctype html><html><head><meta charset='utf-8'><title>"
-                        f"{html.escape(self.base_title)}</title></head><body>"
-                        f"{snap.html_lines(lines)}{body}</body></html>", encoding="utf-8")
-        return path
+        return exports.write_text(path, exports.page(fig, lines, self.base_title,
+                                                     include_plotlyjs=include_plotlyjs,
+                                                     config=PLOT_CONFIG))

@@ -24,26 +24,32 @@ import numpy as np
 @dataclass(slots=True)
 class Bin:
     """The iterations of one bin, reduced. NaN values count as present but are left out of
-    the statistics (an iteration without CPU work has no "CPU step hidden")."""
+    the statistics (an iteration without CPU work has no "CPU step hidden"). The mean is
+    weighted: with each iteration's denominator as its weight (`telemetry.window.WEIGHTS`)
+    it is the bin's pooled figure, the same definition as every other view's."""
 
     first: int
     last: int
     n: int = 0
     finite: int = 0
     total: float = 0.0
+    """Σ value x weight."""
+    weight: float = 0.0
+    """Σ weight (of the finite values)."""
     lo: float = math.inf
     lo_at: int = -1
     hi: float = -math.inf
     hi_at: int = -1
 
-    def add(self, iteration: int, value: float) -> None:
+    def add(self, iteration: int, value: float, weight: float = 1.0) -> None:
         self.first = min(self.first, iteration)
         self.last = max(self.last, iteration)
         self.n += 1
         if math.isnan(value):
             return
         self.finite += 1
-        self.total += value
+        self.total += value * weight
+        self.weight += weight
         if value < self.lo:
             self.lo, self.lo_at = value, iteration
         if value > self.hi:
@@ -55,6 +61,7 @@ class Bin:
         self.n += other.n
         self.finite += other.finite
         self.total += other.total
+        self.weight += other.weight
         if other.lo < self.lo:
             self.lo, self.lo_at = other.lo, other.lo_at
         if other.hi > self.hi:
@@ -62,7 +69,8 @@ class Bin:
 
     @property
     def mean(self) -> float:
-        return self.total / self.finite if self.finite else math.nan
+        """Σ value x weight / Σ weight (NaN without a finite value of positive weight)."""
+        return self.total / self.weight if self.weight > 0 else math.nan
 
 
 @dataclass
@@ -81,14 +89,15 @@ class Binned:
         if self.max_bins < 4:
             raise ValueError(f"max_bins={self.max_bins} must be >= 4 (bins kept per series)")
 
-    def add(self, iteration: int, value: float) -> None:
-        """Add one iteration's value (any order; an iteration added twice counts twice)."""
+    def add(self, iteration: int, value: float, weight: float = 1.0) -> None:
+        """Add one iteration's value (any order; an iteration added twice counts twice) with
+        its weight in the bin's mean (1: a plain mean)."""
         it = int(iteration)
         key = it // self.stride
         b = self.bins.get(key)
         if b is None:
             b = self.bins[key] = Bin(it, it)
-        b.add(it, float(value))
+        b.add(it, float(value), float(weight))
         self.count += 1
         while len(self.bins) > self.max_bins:
             self._double()

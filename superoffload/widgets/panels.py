@@ -27,7 +27,7 @@ import numpy as np
 
 from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.metrics import link_utilisation_pct
-from superoffload.telemetry.vocabulary import METRICS, format_value
+from superoffload.telemetry.vocabulary import METRICS, format_value, plain
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState
 
@@ -71,6 +71,16 @@ class Workload:
     """Where the profile comes from ("measured on this machine ...", "preset")."""
     micro_batches: int = 1
     """Micro-batches per optimizer step (the engine's grad_accum_steps)."""
+    link_rate_kind: str = "peak"
+    """What the profile's link rates are: "peak" (a preset's datasheet figure), "measured"
+    (this machine's best copy in `plan.measure_local`) or "fitted" (calibrated to a run: a
+    fit, which a measured rate may exceed; never called a peak)."""
+
+    @property
+    def link_rate_name(self) -> str:
+        """"peak", "measured best copy" or "fitted rate": what a view calls the reference."""
+        return {"peak": "peak", "measured": "measured best copy"}.get(self.link_rate_kind,
+                                                                     "fitted rate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +172,10 @@ CALIBRATE_LINE = "dash.calibrate()"
 def status_lines(state: DashboardState, work: Workload, expected: Sequence[Expected], *,
                  run_state: RunState | None, iteration: int | None,
                  ratio_fallback: float | None = None, title: str = "superoffload") -> list[str]:
-    """The dashboard's status, one plain-text line each (see the module docstring)."""
+    """The dashboard's status, one plain-text line each (see the module docstring): the
+    run's state, then the key figures pooled over the last complete iterations (the window
+    named first), a warning when there is one, the events; the details after them
+    (`STATUS_HEAD` lines are what a view shows unfolded)."""
     head = [title]
     if run_state is not None:
         head.append(run_state.value)
@@ -174,42 +187,83 @@ def status_lines(state: DashboardState, work: Workload, expected: Sequence[Expec
     elif ratio_fallback is not None:
         head.append(f"ratio {ratio_fallback:.2f}")
     lines = [" · ".join(head)]
-    recent = state.recent()
+    details: list[str] = []
     if state.plotted_rank is None:
         lines.append("waiting for the first complete iteration (an iteration is complete once "
                      "the one after the next has started)")
     else:
-        lines += _measured_lines(state, recent, work, expected, run_state)
-    lines.append(f"{state.total_rollbacks} bucket rollbacks · {state.total_replays} replays · "
-                 f"{len(state.skipped)} skipped steps")
-    if state.reconfigures:
-        at, text = state.reconfigures[-1]
-        lines.append(f"it. {at}: {text}")
+        key, warning, details = _measured_lines(state, work, expected, run_state)
+        lines.append(key)
+        if warning:
+            lines.append(warning)
+    events = [f"{state.total_rollbacks} bucket rollbacks · {state.total_replays} replays · "
+              f"{len(state.skipped)} skipped steps"]
     if state.ab_trials:
         t = state.ab_trials[-1]
         if t.end is None:
-            lines.append(f"A/B running since it. {t.start}: {t.what}; old and new settings "
-                         "alternate, the measured change follows")
+            events.append(f"A/B running since it. {t.start}: {t.what}; old and new settings "
+                          "alternate, the measured change follows")
         else:
-            lines.append(f"it. {t.start}-{t.end}: {t.result}")
-    return lines
+            events.append(f"it. {t.start}-{t.end}: {t.result}")
+    elif state.reconfigures:
+        at, text = state.reconfigures[-1]
+        events.append(f"it. {at}: {text}")
+    lines.append(" · ".join(events))
+    if state.ab_trials and state.reconfigures:
+        at, text = state.reconfigures[-1]
+        details.append(f"last change: it. {at}: {text}")
+    return lines + details
 
 
-def _measured_lines(state: DashboardState, recent: dict[str, np.ndarray], work: Workload,
-                    expected: Sequence[Expected], run_state: RunState | None) -> list[str]:
+STATUS_HEAD = 3
+"""Status lines a view shows unfolded (state, key figures, events; a warning line too);
+the rest (prediction, link use, calibration, history) folds under "details"."""
+
+
+def _measured_lines(state: DashboardState, work: Workload, expected: Sequence[Expected],
+                    run_state: RunState | None) -> tuple[str, str, list[str]]:
+    """(the key figures line, a warning or "", detail lines), every figure pooled over the
+    window the key line names (`telemetry.window`, the definition every view uses)."""
     M = METRICS
-    lines = []
-    ms = _median(recent["iteration_ms"][-20:])
-    engine = _median(recent["engine_ms"][-20:])
-    n = min(20, len(recent["iteration"]))
-    measured = [f"{M['iteration_ms'].label} {format_value(ms, 'ms')}",
-                f"{M['engine_ms'].label} {format_value(engine, 'ms')}"]
-    rates = vocab.workload_values(ms, tokens_per_iteration=work.tokens_per_iteration,
-                                  flops_per_iteration=work.flops_per_iteration)
-    measured += [M[k].show(v) for k, v in rates.items()]
-    text = f"measured (median of the last {n}): " + " · ".join(measured)
-    if expected:
-        e = max(expected, key=lambda x: x.from_iteration)
+    win = state.recent_window()
+    values = dict(win.values)
+    if win.iterations:  # tokens and FLOPs per iteration over the mean iteration time: pooled too
+        values.update(vocab.workload_values(values["iteration_ms"],
+                                            tokens_per_iteration=work.tokens_per_iteration,
+                                            flops_per_iteration=work.flops_per_iteration))
+    time_part = f"{M['iteration_ms'].label} {format_value(values['iteration_ms'], 'ms')}"
+    e = max(expected, key=lambda x: x.from_iteration) if expected else None
+    if e is not None:
+        how = "calibrated" if e.calibrated else "not calibrated"
+        time_part += f" (predicted {format_value(e.iteration_s * 1e3, 'ms')}, {how})"
+    parts = [time_part]
+    if "tokens_per_s" in values:
+        parts.append(M["tokens_per_s"].show(values["tokens_per_s"]))
+    for d in ("d2h", "h2d"):
+        if not math.isnan(values[f"{d}_gbps_busy"]):
+            parts.append(M[f"{d}_gbps_busy"].show(values[f"{d}_gbps_busy"]))
+    parts += [M[k].show(values[k]) for k in ("cpu_step_hidden_pct", "device_idle_pct")]
+    key = f"{win.label()}, pooled: " + " · ".join(parts)
+    details = [_prediction_line(values, work, e)]
+    link = _link_line(values, work)
+    if link:
+        details.append(link)
+    recent = state.recent()
+    gap = prediction_gap(recent["iteration"], recent["engine_ms"], expected)
+    warning = ""
+    if gap is not None and (run_state is None or run_state is RunState.RUNNING):
+        warning = (f"warning: engine time {gap.factor:.1f}x the prediction for "
+                   f"{gap.iterations} iterations; {CALIBRATE_LINE} fits the profile to this run")
+    return key, warning, details
+
+
+def _prediction_line(values: dict[str, float], work: Workload, e: Expected | None) -> str:
+    M = METRICS
+    measured = [M["engine_ms"].show(values["engine_ms"])]
+    if "tflops" in values:
+        measured.append(M["tflops"].show(values["tflops"]))
+    text = "measured: " + " · ".join(measured)
+    if e is not None:
         pred = [f"{M['iteration_ms'].label} {format_value(e.iteration_s * 1e3, 'ms')}"]
         pred += [M[k].show(v) for k, v in vocab.workload_values(
             e.iteration_s * 1e3, tokens_per_iteration=work.tokens_per_iteration).items()]
@@ -218,23 +272,37 @@ def _measured_lines(state: DashboardState, recent: dict[str, np.ndarray], work: 
         how = "calibrated" if e.calibrated else "not calibrated"
         text += (f" | predicted{steps}: {' · '.join(pred)} on profile {work.profile_name}"
                  f" ({how}{'; ' + work.profile_note if work.profile_note else ''})")
-    lines.append(text)
-    gap = prediction_gap(recent["iteration"], recent["engine_ms"], expected)
-    if gap is not None and (run_state is None or run_state is RunState.RUNNING):
-        lines.append(f"warning: the engine time has been {gap.factor:.1f}x the prediction for "
-                     f"{gap.iterations} iterations: the profile misses something on this "
-                     f"machine; run {CALIBRATE_LINE} to fit it to this run")
+    return text
+
+
+def _link_line(values: dict[str, float], work: Workload) -> str:
+    """Link use against the planner's rates, named for what they are; a measured rate above
+    a fitted one is said to be so (the fit is no bound)."""
     parts = []
-    for d, peak in (("d2h", work.d2h_peak_gbps), ("h2d", work.h2d_peak_gbps)):
-        rate = _median(recent[f"{d}_gbps_busy"][-20:])
-        if math.isnan(rate):
+    for d, ref in (("d2h", work.d2h_peak_gbps), ("h2d", work.h2d_peak_gbps)):
+        busy = values[f"{d}_gbps_busy"]
+        if not ref or math.isnan(busy):
             continue
-        part = M[f"{d}_gbps_busy"].show(rate)
-        if peak:
-            use = link_utilisation_pct(_median(recent[f"{d}_gbps_wall"][-20:]), peak)
-            part += f" ({M[f'{d}_link_use_pct'].show(use)} of {peak:.3g} GB/s peak)"
+        use = link_utilisation_pct(values[f"{d}_gbps_wall"], ref)
+        part = (f"{METRICS[f'{d}_link_use_pct'].show(use)} of the planner's {plain(ref)} GB/s "
+                f"({work.link_rate_name})")
+        if busy > ref:
+            part += (f"; moving at {busy / ref:.3g}x that rate"
+                     + (" (a fit, not a bound)" if work.link_rate_kind == "fitted" else ""))
         parts.append(part)
-    parts.append(M["cpu_step_hidden_pct"].show(_median(recent["cpu_step_hidden_pct"][-20:])))
-    parts.append(M["device_idle_pct"].show(_median(recent["device_idle_pct"][-20:])))
-    lines.append(" · ".join(parts))
-    return lines
+    return " · ".join(parts)
+
+
+def rank_lines(state: DashboardState) -> list[str]:
+    """One line per rank when several trained (data parallel): each rank's recent window,
+    pooled; none for a single rank."""
+    if len(state.history_by_rank) < 2:
+        return []
+    out = []
+    for rank in sorted(state.history_by_rank):
+        win = state.recent_window(rank)
+        if win.iterations:
+            out.append(f"rank {rank}, {win.label()} pooled: " + vocab.describe(win.values, (
+                "iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct",
+                "device_idle_pct")))
+    return out

@@ -30,6 +30,12 @@ class ProfileChoice:
         return str(getattr(self.profile, "name", "?"))
 
     @property
+    def of_this_machine(self) -> bool:
+        """Whether the profile describes the machine at hand (measured here, or probed from a
+        measured one: "local-..."): only such a profile may be fitted to a run here."""
+        return self.note.startswith("measured") or self.name.startswith("local-")
+
+    @property
     def calibrated(self) -> bool:
         """Whether the profile's compute rate was fitted to a measured run of the engine
         (``plan.calibrate.calibration_state``): the flag a view shows beside a prediction."""

@@ -3,7 +3,7 @@
     write_html_report(engine.telemetry, "runs/latest/report.html", title="GPT small, CPU")
 
 What it holds, top to bottom, full width:
-  1. the summary: the run's medians in the metric vocabulary (`telemetry.vocabulary`: the
+  1. the summary: the run's pooled figures in the metric vocabulary (`telemetry.vocabulary`: the
      same words, units and definitions as the dashboard, the CLI and the logs), the loss,
      the engine's notes;
   2. the dashboard's own figure of the whole run (`figure.build_figure` + `write_state` on a
@@ -12,7 +12,7 @@ What it holds, top to bottom, full width:
   3. the link's traffic over time (per direction, in the dashboard's colours: D2H red, H2D
      blue) and one chart per other recorded series (learning rate, grad norm, ...), each
      titled with its vocabulary label and unit;
-  4. the settings and the full medians as tables, last.
+  4. the settings and the full pooled figures as tables, last.
 
 plotly.js is embedded once in the file (~4.8 MB), so the page opens offline, alone, without a
 `plotly.min.js` beside it; `inline_js=False` writes it beside the page instead (several
@@ -55,7 +55,7 @@ DRAWN = (*SCALARS, "iteration_s")
 """Recorded series the dashboard's figure already draws (no second chart)."""
 SUMMARY = ("iteration_ms", "engine_ms", "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_wall",
            "h2d_gbps_wall", "cpu_step_hidden_pct", "device_idle_pct", "exposed_optimizer_ms")
-"""The summary's medians, in this order."""
+"""The summary's pooled figures, in this order."""
 _STYLE = ("body{font-family:Arial,Helvetica,sans-serif;margin:1.2em 1.5em}"
           ".so-report-summary{font-size:14px;line-height:1.5}"
           ".so-report-chart{width:100%}"
@@ -100,7 +100,7 @@ def write_html_report(
     extra:   the run's settings (model, device, ...), shown in a table at the end.
     notes:   plain-language events to list (added to a recorder's own notes).
     timeline_iterations: the timeline shows the last this-many iterations (bars stay legible).
-    skip:    warm-up iterations left out of the summary medians.
+    skip:    warm-up iterations left out of the summary's pooled figures.
     inline_js: embed plotly.js (the file opens alone, offline); False: write it beside.
     """
     if timeline_iterations < 1:
@@ -167,8 +167,8 @@ def _summary(summary: Summary | None, series: Mapping[str, list[tuple[int, float
     if summary is None:
         return "<p>No iterations were recorded (telemetry off, or no device spans).</p>"
     values = vocab.summary_values(summary)
-    lines = [f"{summary.iterations} iterations; median of {summary.iterations_in_medians} "
-             "(after the warm-up): " + vocab.describe(values, SUMMARY[:2]),
+    lines = [f"{summary.iterations} iterations; {summary.window_label()} pooled (after the "
+             "warm-up; totals over totals): " + vocab.describe(values, SUMMARY[:2]),
              vocab.describe(values, SUMMARY[2:])]
     loss = series.get("loss")
     if loss:
@@ -191,7 +191,8 @@ def _tables_last(summary: Summary | None, extra: Mapping[str, Any],
     if summary is not None:
         values = vocab.summary_values(summary)
         named = {vocab.METRICS[k].title: v for k, v in values.items() if not math.isnan(v)}
-        parts.append("<h2>Medians per iteration (totals for counts)</h2><p>Definitions: "
+        parts.append(f"<h2>Per iteration, {summary.window_label()} pooled (totals for "
+                     "counts)</h2><p>Definitions: "
                      "<code>superoffload/telemetry/vocabulary.py</code>.</p>" + _kv_table(named))
     if ranks:
         names = ["iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct",
@@ -201,7 +202,7 @@ def _tables_last(summary: Summary | None, extra: Mapping[str, Any],
         per_rank = {r: vocab.summary_values(sm) for r, sm in ranks.items()}
         rows = "".join(f"<tr><td>{r}</td>" + "".join(f"<td>{_fmt(values[n])}</td>" for n in names)
                        + "</tr>" for r, values in per_rank.items())
-        parts.append(f"<h2>Per-rank medians</h2><p>Each rank's own iterations (the charts and "
+        parts.append(f"<h2>Per rank, pooled</h2><p>Each rank's own iterations (the charts and "
                      f"the summary are rank {min(ranks)}'s).</p><table><tr>{head}</tr>{rows}</table>")
     return "".join(parts)
 

@@ -34,6 +34,7 @@ from superoffload.telemetry import metrics
 from superoffload.telemetry import ranks as rank_util
 from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.events import KIND_REPLAY, KIND_ROLLBACK, LANES, Span
+from superoffload.telemetry.window import RECENT_ITERATIONS, WEIGHTS, Window, window_of
 from superoffload.widgets.history import Binned
 from superoffload.widgets.timeline import LANE_LABELS
 
@@ -56,16 +57,28 @@ class IterationPoint:
     values: dict[str, float]
     moved_bytes: int
     """D2H + H2D bytes (0: the link panel has nothing to draw)."""
+    metrics: metrics.IterationMetrics | None = None
+    """What the figures were derived from: a window pools these (`telemetry.window`); None
+    for a point fed without spans (each figure then weighs 1)."""
+
+    @property
+    def time_s(self) -> float:
+        """Start of the iteration on the recorder's clock (NaN without metrics)."""
+        return self.metrics.start_s if self.metrics is not None else math.nan
 
 
 def iteration_points(spans: Sequence[Span]) -> list[IterationPoint]:
     """Per-iteration points (ascending) of ONE rank's spans."""
-    return [IterationPoint(m.iteration, vocab.iteration_values(m), m.d2h_bytes + m.h2d_bytes)
+    return [IterationPoint(m.iteration, vocab.iteration_values(m), m.d2h_bytes + m.h2d_bytes, m)
             for m in metrics.iteration_metrics(spans)]
 
 
+TIME_KEY = "time_s"
+"""The history's wall-clock series (each bin's mean start time): the x of the wall-clock axis."""
+
+
 def _history(max_points: int) -> dict[str, Binned]:
-    return {name: Binned(max_points) for name in vocab.PER_ITERATION}
+    return {name: Binned(max_points) for name in (*vocab.PER_ITERATION, TIME_KEY)}
 
 
 @dataclass
@@ -113,6 +126,8 @@ class DashboardState:
     spans_seen: int = 0
     complete_through: int = -1
     """Newest iteration whose point is final."""
+    first_time_s: float | None = None
+    """Start of the first iteration with a point (recorder seconds): 0 of the wall-clock axis."""
     _notes_seen: int = 0
 
     def __post_init__(self) -> None:
@@ -156,8 +171,15 @@ class DashboardState:
         if history is None:
             history = self.history_by_rank[rank] = _history(self.max_points)
             self.recent_by_rank[rank] = deque(maxlen=self.recent_points)
+        m = point.metrics
+        if m is not None and (self.first_time_s is None or m.start_s < self.first_time_s):
+            self.first_time_s = m.start_s
         for name, series in history.items():
-            series.add(point.iteration, point.values.get(name, math.nan))
+            if name == TIME_KEY:
+                series.add(point.iteration, point.time_s)
+                continue
+            weight = WEIGHTS[name](m) if m is not None else 1.0
+            series.add(point.iteration, point.values.get(name, math.nan), weight)
         self.recent_by_rank[rank].append(point)
         self.moved_bytes += point.moved_bytes
 
@@ -237,16 +259,26 @@ class DashboardState:
         rank = self._rank(rank)
         if rank is None:
             empty = np.array([], dtype=float)
-            out = {k: empty for k in ("iteration", "first", "last", "n")}
+            out = {k: empty for k in ("iteration", "first", "last", "n", TIME_KEY)}
             for name in vocab.PER_ITERATION:
                 out[name] = out[f"{name}_min"] = out[f"{name}_max"] = empty
             return out
         arrays = {name: series.arrays() for name, series in self.history_by_rank[rank].items()}
         grid = arrays["iteration_ms"]  # every metric has the same bins (add_point)
-        out = {"iteration": grid["x"], "first": grid["first"], "last": grid["last"], "n": grid["n"]}
-        for name, a in arrays.items():
+        out = {"iteration": grid["x"], "first": grid["first"], "last": grid["last"], "n": grid["n"],
+               TIME_KEY: arrays[TIME_KEY]["mean"]}
+        for name in vocab.PER_ITERATION:
+            a = arrays[name]
             out[name], out[f"{name}_min"], out[f"{name}_max"] = a["mean"], a["min"], a["max"]
         return out
+
+    def recent_window(self, rank: int | None = None, count: int = RECENT_ITERATIONS) -> Window:
+        """The last `count` complete iterations pooled (`telemetry.window`): the status
+        line's figures, named by `Window.label()`."""
+        rank = self._rank(rank)
+        points = list(self.recent_by_rank.get(rank, ())) if rank is not None else []
+        ms = [p.metrics for p in points[-count:] if p.metrics is not None]
+        return window_of(ms)
 
     def recent(self, rank: int | None = None) -> dict[str, np.ndarray]:
         """The last `recent_points` complete iterations as they are: "iteration" and each

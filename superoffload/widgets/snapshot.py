@@ -48,9 +48,20 @@ def _line(k: int, text: str) -> str:
     return html.escape(text)
 
 
-def html_lines(lines: Sequence[str], *, css_class: str = "so-snapshot") -> str:
-    """Plain-text lines as escaped HTML (the first one bold, a "warning:" line coloured)."""
-    body = "<br>".join(_line(k, t) for k, t in enumerate(lines))
+def html_lines(lines: Sequence[str], *, css_class: str = "so-snapshot",
+               fold_after: int | None = None) -> str:
+    """Plain-text lines as escaped HTML (the first one bold, a "warning:" line coloured).
+    `fold_after`: the lines past the first `fold_after` (warnings excepted: they stay in
+    view) fold under a "details" toggle, closed (a status that fits one screen)."""
+    shown = list(enumerate(lines))
+    folded: list[tuple[int, str]] = []
+    if fold_after is not None:
+        shown = [(k, t) for k, t in enumerate(lines) if k < fold_after or t.startswith("warning:")]
+        folded = [(k, t) for k, t in enumerate(lines) if (k, t) not in shown]
+    body = "<br>".join(_line(k, t) for k, t in shown)
+    if folded:
+        body += ("<details class='so-details'><summary style='cursor:pointer;color:#555'>details"
+                 "</summary>" + "<br>".join(_line(k, t) for k, t in folded) + "</details>")
     return (f"<div class='{css_class}' style='font-family:sans-serif;font-size:12px;line-height:1.45'>"
             f"{body}</div>")
 

@@ -42,7 +42,18 @@ def workload(shape: Any, choice: ProfileChoice | None, micro_batches: int = 1) -
         flops_per_iteration=float(shape.executed_flops) * micro_batches if shape is not None else None,
         d2h_peak_gbps=getattr(prof, "d2h_gbps", None), h2d_peak_gbps=getattr(prof, "h2d_gbps", None),
         profile_name=choice.name if choice is not None else "",
-        profile_note=choice.note if choice is not None else "", micro_batches=micro_batches)
+        profile_note=choice.note if choice is not None else "", micro_batches=micro_batches,
+        link_rate_kind=link_rate_kind(choice))
+
+
+def link_rate_kind(choice: ProfileChoice | None) -> str:
+    """What the profile's link rates are (`panels.Workload.link_rate_kind`): fitted to a run
+    (a calibrated profile), this machine's measured best copy, or a preset's peak."""
+    if choice is None:
+        return "peak"
+    if choice.calibrated:
+        return "fitted"
+    return "measured" if choice.of_this_machine else "peak"
 
 
 def predicted_step(shape: Any, profile: Any, config: Any, micro_batches: int = 1) -> tuple[float, float]:

@@ -2,9 +2,11 @@
 
 A per-iteration line names its `telemetry.vocabulary` metric: its hover text says the
 metric's label and unit, and its panel's y axis carries that unit (one vocabulary for every
-view). Lines of a long run are drawn per bin of the history (`history.Binned`): the mean as
-the line, the minimum..maximum of each bin as a light band behind it, so one slow
-iteration or one loss spike stays visible however many iterations share a bin.
+view). Lines of a long run are drawn per bin of the history (`history.Binned`): the bin's
+pooled value as the line (optionally smoothed: `smoothing.ema`), the minimum..maximum of
+each bin as a light band behind it, so one slow iteration or one loss spike stays visible
+however many iterations share a bin. Compared runs get fixed slots of their own (`run{k}:`),
+empty until a run is loaded; one legend lists every series once.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class TraceSpec:
     name: str
     """Legend entry (short: the panel title and the hover text carry the rest)."""
     kind: str
-    """"span", "line", "dash", "band", "peak", "marker", "vline", "text"."""
+    """"span", "line", "dash", "band", "peak", "marker", "vline", "text", "run" (a compared
+    run's line: `symbol` holds its dash)."""
     color: str
     symbol: str = ""
     legend: bool = True
@@ -33,8 +36,15 @@ class TraceSpec:
     group: str = ""
     """Legend group: clicking the entry hides every trace of the group (a line and its band,
     an event's markers on the timeline and on the iteration-time panel)."""
-    legend_panel: str = ""
-    """The panel whose legend lists this trace (default: its own)."""
+
+
+OVERLAY_METRICS: tuple[tuple[str, str], ...] = (
+    ("iteration_ms", "speed"), ("d2h_gbps_busy", "link"), ("h2d_gbps_busy", "link"),
+    ("cpu_step_hidden_pct", "percent"), ("device_idle_pct", "percent"), ("loss", "loss"))
+"""(metric, panel) of the lines a compared run adds: in the metric's colour, in the run's
+line style (`layout.RUN_DASHES`)."""
+MAX_OVERLAYS = len(L.RUN_DASHES)
+"""Runs that can be compared at once beside the live one (a trace slot each, fixed)."""
 
 
 def _specs() -> list[TraceSpec]:
@@ -45,8 +55,8 @@ def _specs() -> list[TraceSpec]:
     out += [
         TraceSpec("boundary", "timeline", "iteration start", "vline", L.REFERENCE_COLOR, legend=False),
         TraceSpec("boundary_text", "timeline", "iteration", "text", "#555555", legend=False),
-        # events: listed once, in the timeline's legend, by their iteration-time markers
-        # (same legend group: one click hides both)
+        # events: listed once in the legend, by their iteration-time markers (same legend
+        # group: one click hides both)
         TraceSpec("rollback", "timeline", "rollback", "marker", ev["rollback"], "x-thin-open",
                   legend=False, group="rollback"),
         TraceSpec("replay", "timeline", "replay", "marker", ev["replay"], "diamond-open",
@@ -55,7 +65,8 @@ def _specs() -> list[TraceSpec]:
                   legend=False, group="skipped"),
     ]
     lines = (
-        # (key, panel, legend name, kind, colour, band)
+        # (key, panel, legend name, kind, colour, band): one legend for the figure, so a
+        # name says what the line is without its panel (D2H is D2H in every panel)
         ("iteration_ms", "speed", "iteration time", "line", mc["iteration_ms"], True),
         ("engine_ms", "speed", "engine time", "line", mc["engine_ms"], False),
         ("d2h_gbps_busy", "link", "D2H", "line", mc["d2h"], True),
@@ -63,8 +74,8 @@ def _specs() -> list[TraceSpec]:
         ("cpu_step_hidden_pct", "percent", "CPU step hidden", "line", mc["overlap"], True),
         ("device_idle_pct", "percent", "device idle", "line", mc["idle"], True),
         ("loss", "loss", "loss", "line", mc["loss"], True),
-        ("host_mem_gb", "memory", "host", "line", mc["host_mem"], False),
-        ("device_mem_gb", "memory", "device", "line", mc["device_mem"], False),
+        ("host_mem_gb", "memory", "host memory", "line", mc["host_mem"], False),
+        ("device_mem_gb", "memory", "device memory", "line", mc["device_mem"], False),
     )
     for key, panel, name, kind, color, band in lines:
         if band:  # behind its line: drawn first
@@ -73,17 +84,21 @@ def _specs() -> list[TraceSpec]:
         out.append(TraceSpec(key, panel, name, kind, color, metric=key, group=key))
     out += [
         TraceSpec("predicted_ms", "speed", "predicted", "dash", mc["predicted"], metric="iteration_ms"),
-        TraceSpec("d2h_peak", "link", "D2H peak", "peak", mc["d2h_peak"], metric="d2h_gbps_busy"),
-        TraceSpec("h2d_peak", "link", "H2D peak", "peak", mc["h2d_peak"], metric="h2d_gbps_busy"),
-        # events on the iteration-time panel, listed in the timeline's legend (the speed
-        # panel's own legend has no room for them at 900 px)
+        TraceSpec("d2h_peak", "link", "planner's D2H", "peak", mc["d2h_peak"], metric="d2h_gbps_busy"),
+        TraceSpec("h2d_peak", "link", "planner's H2D", "peak", mc["h2d_peak"], metric="h2d_gbps_busy"),
         TraceSpec("speed_rollback", "speed", "rollback", "marker", ev["rollback"], "x-thin-open",
-                  group="rollback", legend_panel="timeline"),
+                  group="rollback"),
         TraceSpec("speed_replay", "speed", "replay", "marker", ev["replay"], "diamond-open",
-                  group="replay", legend_panel="timeline"),
+                  group="replay"),
         TraceSpec("speed_skipped", "speed", "skipped step", "marker", ev["skipped"], "square",
-                  group="skipped", legend_panel="timeline"),
+                  group="skipped"),
     ]
+    line_color = {key: color for key, _, _, _, color, _ in lines}
+    for k, dash in enumerate(L.RUN_DASHES):  # compared runs: empty until one is loaded
+        for j, (metric, panel) in enumerate(OVERLAY_METRICS):
+            out.append(TraceSpec(f"run{k}:{metric}", panel, f"run {k + 1}", "run",
+                                 line_color[metric], symbol=dash, legend=j == 0, metric=metric,
+                                 group=f"run{k}"))
     return out
 
 
@@ -96,8 +111,8 @@ EVENT_ROWS = {"rollback": 0.97, "replay": 0.91, "skipped": 0.85}
 
 
 def legend_name(panel: str) -> str:
-    suffix = L.AXIS[panel]
-    return f"legend{suffix}" if suffix else "legend"
+    """The figure has one legend (a series has one colour and one entry in every panel)."""
+    return "legend"
 
 
 def rgba(color: str, alpha: float) -> str:
@@ -106,11 +121,15 @@ def rgba(color: str, alpha: float) -> str:
     return f"rgba({r},{g},{b},{alpha})"
 
 
+_HOVER_FORMAT = {"ms": ",.1f", "%": ".1f", "GB/s": ".3~g", "nats": ".3f", "GB": ".3~g"}
+"""d3 formats of hover values by unit: "1,750.0 ms", never "1.75e+3 ms"."""
+
+
 def make_trace(go: Any, spec: TraceSpec) -> Any:
     """The empty plotly trace of `spec` (the figure fills its arrays)."""
     suffix = L.AXIS[spec.panel]
     common = {"x": [], "y": [], "name": spec.name, "xaxis": f"x{suffix}", "yaxis": f"y{suffix}",
-              "legend": legend_name(spec.legend_panel or spec.panel), "showlegend": spec.legend}
+              "legend": legend_name(spec.panel), "showlegend": spec.legend}
     if spec.group:
         common["legendgroup"] = spec.group
     if spec.kind == "span":
@@ -132,17 +151,26 @@ def make_trace(go: Any, spec: TraceSpec) -> Any:
     if spec.kind == "band":
         return go.Scatter(mode="lines", fill="toself", fillcolor=rgba(spec.color, 0.18),
                           line={"width": 0, "color": spec.color}, hoverinfo="skip", **common)
-    metric = METRICS[spec.metric]
+    metric = METRICS.get(spec.metric)
+    unit = metric.unit if metric is not None else "nats"
+    if spec.kind == "run":
+        hover = f"%{{fullData.name}} · it +%{{x}}: %{{y:{_HOVER_FORMAT.get(unit, '.3g')}}} {unit}<extra></extra>"
+        return go.Scatter(mode="lines", connectgaps=False, hovertemplate=hover, opacity=0.8,
+                          line={"color": spec.color, "width": 1.5, "dash": spec.symbol}, **common)
+    assert metric is not None, spec.key
     if spec.kind == "peak":
         return go.Scatter(mode="lines", line={"color": spec.color, "width": 1.5, "dash": "dot"},
                           hovertemplate=f"{spec.name}: %{{y:.3g}} {metric.unit}<extra></extra>",
                           **common)
     # lines only (hundreds of SVG markers redrawn a few times a second choke a slow page), and
     # a hover template instead of per-point text: a refresh re-sends only the numbers.
-    # customdata per bin: first and last iteration, minimum, maximum
+    # customdata per bin: first and last iteration, minimum, maximum, the bin's own value
+    # (the line is its smoothed value when smoothing is on)
     label = "predicted" if spec.key == "predicted_ms" else metric.label
-    hover = (f"it %{{customdata[0]}}-%{{customdata[1]}}: %{{y:.3g}} {metric.unit}"
-             f" (min %{{customdata[2]:.3g}}, max %{{customdata[3]:.3g}})<extra>{label}</extra>")
+    fmt = _HOVER_FORMAT.get(metric.unit, ".3g")
+    hover = (f"it %{{customdata[0]}}-%{{customdata[1]}}: %{{customdata[4]:{fmt}}} {metric.unit}"
+             f" (min %{{customdata[2]:{fmt}}}, max %{{customdata[3]:{fmt}}}; line %{{y:{fmt}}})"
+             f"<extra>{label}</extra>")
     return go.Scatter(mode="lines", connectgaps=False, hovertemplate=hover, customdata=[],
                       line={"color": spec.color, "width": 2,
                             "dash": "dash" if spec.kind == "dash" else "solid"}, **common)

@@ -10,8 +10,9 @@ the last is predicted), and rewrites the prediction table. The profile is this m
 measured one unless another is given, and the title says which. With an engine attached,
 "Apply to engine" sends the changed fields to `engine.reconfigure(...)` (in force from the
 next iteration); it is disabled when nothing can take the change (no engine, an engine
-that cannot reconfigure, nothing changed). A small static snapshot under the controls
-keeps the last settings and prediction readable in a saved notebook.
+that cannot reconfigure, nothing changed). One tuner per display: when the run ends (or the
+kernel exits) its controls are replaced IN PLACE by a static snapshot of the settings, the
+prediction and the status, so a saved notebook shows the tuner once, readable.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 from superoffload.config import OffloadConfig
 from superoffload.runtime import step_listener
-from superoffload.widgets import _env
+from superoffload.telemetry.abtest import combine, lengthen, resolves
+from superoffload.widgets import _env, tuner_widgets
 from superoffload.widgets import snapshot as snap
 from superoffload.widgets import tuner_compare as compare
 from superoffload.widgets import tuner_live as live
@@ -32,17 +34,13 @@ from superoffload.widgets.debounce import Executor, Inline, LatestOnly
 from superoffload.widgets.predict import ProfileChoice, describe, resolve_profile, to_shape
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.tuner_core import (
-    CHOICES,
-    LABELS,
     TUNED_FIELDS,
     Prediction,
     apply_block_reason,
-    baseline_iteration_s,
+    baseline_result,
     bucket_options,
     engine_changes,
-    format_bytes,
     predict,
-    prediction_rows,
     prediction_text,
     reconfigurable_fields,
     setting_notes,
@@ -71,7 +69,9 @@ class OffloadTuner:
         if self._derived_threads:  # the slider needs a number: what cpu_cores_frac gives here
             self.values["cpu_threads"] = self._default_threads()
         self._shown_default_threads = self.values["cpu_threads"]
-        self.baseline_s = baseline_iteration_s(self.shape, self.profile) if compare_baseline else None
+        self.baseline = baseline_result(self.shape, self.profile) if compare_baseline else None
+        """The ZeRO-Offload simulation the prediction is compared with (None: not compared)."""
+        self.baseline_s = float(self.baseline.iteration_s) if self.baseline is not None else None
         self.prediction: Prediction | None = None
         self.prediction_line = ""
         self.run_state: RunState | None = None
@@ -85,6 +85,9 @@ class OffloadTuner:
         """The A/B of the last Apply (``ABTrial``), while and after it runs."""
         self.ab_results: list[Any] = []
         """Every finished A/B (``telemetry.abtest.ABResult``), oldest first."""
+        self.measured: Any = None
+        """The last change's measurement, every trial of it pooled (``abtest.combine``)."""
+        self._extending = False
         self.changes: list[Any] = []
         """``tuner_compare.ChangeRow`` per control that differs from the settings in force."""
         self.curve: list[tuple[float, float | None]] = []
@@ -94,11 +97,16 @@ class OffloadTuner:
         self._seq = itertools.count()
         self._latest = 0
         self._quiet = False
-        self._snapshot = snap.Slot("tuner-snapshot")
         self.live_outputs: list[snap.LiveOutput] = []
         """Where the controls are shown; each is frozen in place into the snapshot when the
         run ends or the kernel exits (a reopened notebook shows it, not "model not found")."""
-        self.widget: Any = self._build_widgets() if _env.has_module("ipywidgets") else None
+        # the widgets `tuner_widgets.build` makes (None without ipywidgets)
+        self.notes_html: Any = None
+        self.prediction_html: Any = None
+        self.apply_button: Any = None
+        self.measure_button: Any = None
+        self.status_html: Any = None
+        self.widget: Any = tuner_widgets.build(self) if _env.has_module("ipywidgets") else None
         self.executor: Executor = LatestOnly(debounce_s) if self.widget is not None and debounce_s > 0 else Inline()
         self._show(*self._predict(self.config))
         self.calibrator: Any = live.start_calibrator(self, calibrate_after, profile is None)
@@ -109,6 +117,9 @@ class OffloadTuner:
         """The engine ran long enough: predict with the profile fitted to it."""
         self.choice = ProfileChoice(report.profile, f"calibrated on this run: {report.line()}")
         self.profile = report.profile
+        if self.baseline is not None:  # like with like: ZeRO-Offload on the same profile
+            self.baseline = baseline_result(self.shape, self.profile)
+            self.baseline_s = float(self.baseline.iteration_s) if self.baseline is not None else None
         self._show(*self._predict(self.config))
 
     # ----------------------------------------------------------------- state
@@ -192,6 +203,7 @@ class OffloadTuner:
         else:
             try:
                 if measure and step_listener.supported(self.engine):
+                    self._extending = False  # a new change: its own measurement
                     self.trial = live.start_trial(self, changes)
                 else:
                     self.engine.reconfigure(**changes)
@@ -214,10 +226,49 @@ class OffloadTuner:
         return changes
 
     def record_trial(self, trial: Any) -> None:
-        """In the training thread, when an A/B ends with a result."""
+        """In the training thread, when an A/B ends with a result: the measurement of the
+        change (pooled with the earlier trials of it when "Measure longer" ran one), and
+        whether measuring longer can tell the predicted change from no change."""
         self.ab_results.append(trial.result)
-        self.status_line = f"measured: {trial.result.line()}"
+        extends = self._extending and self.measured is not None
+        self.measured = combine([self.measured, trial.result]) if extends else trial.result
+        self._extending = False
+        more, why = lengthen(self.measured)
+        self.status_line = f"measured: {self.measured.line()}" + (f"; {why}" if not resolves(
+            self.measured) else "")
+        if self.widget is not None:
+            self.measure_button.disabled = more == 0
+            self.measure_button.tooltip = why
         self._show_status()
+
+    def measure_longer(self) -> Any:
+        """Run more pairs of the last measured change (old settings back first, then the
+        alternation, the new ones left in force), as many as `abtest.lengthen` estimates
+        will tell the predicted change from no change; the result pools every pair. Returns
+        the trial, or None (with the reason in the status line) when it cannot resolve."""
+        if self.engine is None or self.measured is None:
+            raise ValueError("measure_longer: no measured change yet (Apply a change first)")
+        more, why = lengthen(self.measured)
+        if more == 0:
+            self.status_line = f"measured: {self.measured.line()}; {why}"
+            self._show_status()
+            return None
+        self._extending = True
+        self.trial = live.extend_trial(self, self.measured, more)
+        self.status_line = f"measuring longer: {more} more pairs of {self.measured.block} iterations"
+        if self.widget is not None:
+            self.measure_button.disabled = True
+        self._show_status()
+        return self.trial
+
+    def measure_longer_from_button(self) -> None:
+        with contextlib.suppress(ValueError, TypeError):  # the status line says why
+            self.measure_longer()
+
+    def show_calibration(self) -> None:
+        """Show what calibration changed, live: updated when the planner fits its profile to
+        the run, frozen with the tuner at the run's end (`tuner_live.show_calibration`)."""
+        live.show_calibration(self)
 
     def close(self) -> None:
         """Stop the prediction worker thread."""
@@ -229,7 +280,7 @@ class OffloadTuner:
         and (change rows, ratio curve), which only `_show` stores."""
         if config is None:
             return None, self.prediction_line, None, None
-        pred = predict(self.shape, self.profile, config, baseline_s=self.baseline_s)
+        pred = predict(self.shape, self.profile, config, baseline=self.baseline)
         in_force = self.engine.config if self.engine is not None else self.base_config
         compared = (compare.change_rows(self.shape, self.profile, in_force, config, TUNED_FIELDS),
                     compare.ratio_curve(self.shape, self.profile, config))
@@ -240,7 +291,8 @@ class OffloadTuner:
             sim = plan.simulate(self.shape, self.profile, schedule="superoffload", config=config)
         return pred, prediction_text(pred), sim, compared
 
-    def _on_control(self, change: dict[str, Any]) -> None:
+    def on_control(self, change: dict[str, Any]) -> None:
+        """A control moved (the widgets' observer): predict the new setting off this thread."""
         owner = change["owner"]
         name = next(n for n, c in self.controls.items() if c is owner)
         self.values[name] = change["new"]
@@ -289,67 +341,11 @@ class OffloadTuner:
         cores = int(getattr(self.profile, "cpu_cores", os.cpu_count() or 1))
         return max(1, round(cores * self.base_config.cpu_cores_frac))
 
-    def _build_widgets(self) -> Any:
-        import ipywidgets as w
-
-        c = self.controls
-        full = w.Layout(width="100%", margin="2px 0px")  # no side margins: 100 % fits its cell
-        c["ratio"] = w.FloatSlider(value=float(self.values["ratio"]), min=0.0, max=1.0, step=0.05,
-                                   readout_format=".2f", continuous_update=True, layout=full)
-        c["bucket_bytes"] = w.SelectionSlider(options=bucket_options(self.values["bucket_bytes"]),
-                                              value=self.values["bucket_bytes"], layout=full)
-        for name, options in CHOICES.items():
-            c[name] = w.ToggleButtons(options=list(options), value=self.values[name],
-                                      style={"button_width": "86px"})
-        max_threads = max(int(getattr(self.profile, "cpu_cores", 1)), int(self.values["cpu_threads"]))
-        c["cpu_threads"] = w.IntSlider(value=int(self.values["cpu_threads"]), min=1, max=max_threads,
-                                       layout=full)
-        rows = []
-        for name in TUNED_FIELDS:
-            control = c.get(name)
-            if control is None:
-                continue
-            control.observe(self._on_control, names="value")
-            control.add_class(f"so-tuner-{name.replace('_', '-')}")
-            label = w.HTML(value=f"<span title='OffloadConfig.{name}'>{html.escape(LABELS.get(name, name))}</span>")
-            rows += [label, control]
-        grid = w.GridBox(rows, layout=w.Layout(grid_template_columns="minmax(150px, 230px) minmax(0, 1fr)",
-                                               grid_gap="4px 12px", width="auto", align_items="center"))
-        self.notes_html = w.HTML(value="")
-        self.notes_html.add_class("so-tuner-notes")
-        self.prediction_html = w.HTML(value="", layout=w.Layout(width="auto"))
-        self.prediction_html.add_class("so-tuner-prediction")
-        self.apply_button = w.Button(description="Apply to engine", button_style="primary",
-                                     disabled=True, layout=w.Layout(width="auto", min_width="150px"))
-        self.apply_button.add_class("so-tuner-apply")
-        self.apply_button.on_click(lambda _button: self._apply_from_button())
-        self.status_html = w.HTML(value="", layout=w.Layout(width="auto", flex="1 1 0%"))
-        self.status_html.add_class("so-tuner-status")
-        title = w.HTML(value=f"<b>offload tuner</b> · {html.escape(describe(self.shape, self.choice))}")
-        box = w.VBox([title, grid, self.notes_html, self.prediction_html,
-                      w.HBox([self.apply_button, self.status_html], layout=w.Layout(width="auto"))],
-                     layout=w.Layout(width="auto", max_width="980px"))  # auto: 100 % + margins overflowed
-        box.add_class("so-tuner")
-        return box
-
     def render_prediction(self, pred: Prediction | None, line: str) -> str:
-        # name the settings the table is for: a slider moves faster than the kernel answers
-        shown = (f"ratio {float(self.values['ratio']):.2f}, "
-                 f"{format_bytes(self.values['bucket_bytes'])} buckets")
-        head = f"<div><b>predicted</b> for {html.escape(shown)} on {html.escape(self.choice.name)}</div>"
-        if pred is None:
-            return head + f"<div style='color:#C00000'>{html.escape(line)}</div>"
-        cells = []
-        for label, value, ok in prediction_rows(pred):
-            style = " style='color:#C00000;font-weight:bold'" if ok is False else ""
-            cells.append(f"<tr><th style='text-align:left;padding-right:12px'>{html.escape(label)}</th>"
-                         f"<td{style}>{html.escape(value)}</td></tr>")
-        curve = (f"<div class='so-tuner-curve-box'>{compare.curve_svg(self.curve, float(self.values['ratio']))}"
-                 f"<div>{html.escape(compare.curve_summary(self.curve))}</div></div>") if self.curve else ""
-        return (head + f"<table style='border-collapse:collapse'>{''.join(cells)}</table>"
-                + compare.change_table_html(self.changes) + curve)
+        """The prediction table as HTML (`tuner_widgets.prediction_html`)."""
+        return tuner_widgets.prediction_html(self, pred, line)
 
-    def _apply_from_button(self) -> None:
+    def apply_from_button(self) -> None:
         # A button callback has no cell to raise into: the status line carries the error.
         with contextlib.suppress(ValueError, TypeError):
             self.apply()
@@ -362,10 +358,9 @@ class OffloadTuner:
         self.apply_button.tooltip = blocked or "engine.reconfigure(...) with the changed settings"
         run = f"training {self.run_state.value} · " if self.run_state is not None else ""
         text = run + self.status_line
-        if blocked is not None and self.engine is not None and not self.status_line.startswith("applied"):
+        if blocked is not None and self.engine is not None and self.status_line == "not applied yet":
             text = run + blocked
         self.status_html.value = html.escape(text)
-        self._snapshot.update(snap.text_bundle(self._snapshot_lines()))
 
     def _snapshot_lines(self) -> list[str]:
         settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
@@ -384,9 +379,8 @@ class OffloadTuner:
             print(f"[superoffload] tuner controls need a notebook: {reason}; tuner.set(ratio=...) works here")
             return
         out = snap.LiveOutput("tuner", self.widget, self._snapshot_lines, css_class="so-tuner-snapshot")
-        out.show()
+        out.show()  # the only output of this display: frozen in place when the run ends
         self.live_outputs.append(out)
-        self._snapshot.show(snap.text_bundle(self._snapshot_lines()))
 
     def summary(self) -> str:
         settings = ", ".join(f"{k}={v}" for k, v in self.values.items())

@@ -72,6 +72,9 @@ class Prediction:
     microbenchmarks' (docs/planner.md, "Accuracy")."""
     calibration: str = ""
     """One line saying which (for a view)."""
+    baseline_why: str = ""
+    """Why it is faster or slower than ZeRO-Offload here, from the two simulated schedules
+    (`baseline_why`)."""
 
     @property
     def speedup_vs_baseline(self) -> float | None:
@@ -80,8 +83,10 @@ class Prediction:
         return self.baseline_s / self.iteration_s
 
 
-def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: float | None = None) -> Prediction:
-    """Simulate one SuperOffload iteration of `shape` on `profile` with `config`."""
+def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: float | None = None,
+            baseline: Any = None) -> Prediction:
+    """Simulate one SuperOffload iteration of `shape` on `profile` with `config`; `baseline`
+    (the ZeRO-Offload `SimResult`, `baseline_result`) adds the comparison and its reason."""
     from superoffload import plan
     from superoffload.plan.calibrate import calibration_state
     from superoffload.plan.memory import DEVICE_HEADROOM, HOST_HEADROOM
@@ -93,7 +98,9 @@ def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: floa
     host_cap = getattr(profile, "host_memory_bytes", None)
     return Prediction(
         iteration_s=float(res.iteration_s), tflops=float(res.tflops), device_bytes=device,
-        host_bytes=host, baseline_s=baseline_s, fits=_fits(res),
+        host_bytes=host, fits=_fits(res),
+        baseline_s=float(baseline.iteration_s) if baseline is not None else baseline_s,
+        baseline_why=baseline_why(res, baseline, profile) if baseline is not None else "",
         problems=tuple(getattr(res, "problems", ()) or ()), tokens=int(shape.tokens),
         effective_ratio=_number(getattr(res, "plan", None), ("ratio",)),
         device_capacity_bytes=float(dev_cap) * DEVICE_HEADROOM if dev_cap else None,
@@ -103,14 +110,57 @@ def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: floa
     )
 
 
-def baseline_iteration_s(shape: Any, profile: Any) -> float | None:
-    """The ZeRO-Offload schedule's iteration time, the paper's point of comparison."""
+def baseline_result(shape: Any, profile: Any) -> Any:
+    """The ZeRO-Offload schedule's simulation, the paper's point of comparison (None when it
+    cannot be simulated: the baseline may not fit where ours does)."""
     from superoffload import plan
 
     try:
-        return float(plan.simulate(shape, profile, schedule="zero-offload", config=None).iteration_s)
-    except ValueError:  # the baseline may not fit where ours does
+        return plan.simulate(shape, profile, schedule="zero-offload", config=None)
+    except ValueError:
         return None
+
+
+def baseline_iteration_s(shape: Any, profile: Any) -> float | None:
+    """The ZeRO-Offload schedule's iteration time (None: not simulated)."""
+    res = baseline_result(shape, profile)
+    return float(res.iteration_s) if res is not None else None
+
+
+_LANE_WORDS = {
+    "device_compute": "device compute",
+    "d2h": "gradient copies out (D2H)",
+    "cpu_optimizer": "CPU optimizer",
+    "h2d": "weight copies in (H2D)",
+    "device_optimizer": "the GPU tail buckets stepped on the device",
+}
+
+
+def baseline_why(ours: Any, zero: Any, profile: Any) -> str:
+    """Why SuperOffload's iteration is shorter or longer than ZeRO-Offload's, read off the two
+    simulated schedules (paper §4.2: ZeRO-Offload steps every bucket on the CPU after
+    backward, so the device waits for the whole CPU step; SuperOffload steps buckets under
+    backward and keeps the last ones on the device)."""
+    def busy_ms(res: Any, lane: str) -> float:
+        return 1e3 * float(getattr(res.lanes.get(lane), "busy_s", 0.0))
+
+    def idle_ms(res: Any) -> float:
+        return 1e3 * float(getattr(res.lanes.get("device_compute"), "idle_s", 0.0))
+
+    if float(ours.iteration_s) <= float(zero.iteration_s):
+        text = (f"ZeRO-Offload steps every bucket on the CPU after backward, so the device waits "
+                f"{idle_ms(zero):.3g} ms per iteration; SuperOffload steps them under backward "
+                f"(device idle {idle_ms(ours):.3g} ms)")
+    else:
+        lane = max(_LANE_WORDS, key=lambda k: busy_ms(ours, k) - busy_ms(zero, k))
+        more = busy_ms(ours, lane) - busy_ms(zero, lane)
+        text = (f"SuperOffload adds {more:.3g} ms per iteration of {_LANE_WORDS[lane]} on the "
+                f"critical path, more than the {idle_ms(zero) - idle_ms(ours):.3g} ms of device "
+                "waiting it saves")
+    if getattr(profile, "device_type", "cuda") == "cpu":
+        text += ("; the \"device\" here is this CPU (no GPU): model and optimizer share its "
+                 "cores, so this says little about a GPU machine")
+    return text
 
 
 def memory_bytes(memory: Any) -> tuple[float | None, float | None]:
@@ -204,6 +254,8 @@ def prediction_rows(pred: Prediction) -> list[tuple[str, str, bool | None]]:
     if speedup is not None:
         rows.append(("vs ZeRO-Offload", f"{speedup:.2f}x faster" if speedup >= 1 else
                      f"{1 / speedup:.2f}x slower", None))
+        if pred.baseline_why:
+            rows.append(("why", pred.baseline_why, None))
     if pred.effective_ratio is not None:
         rows.append(("ratio that runs", f"{pred.effective_ratio:.2f}", None))
     rows.append(("calibrated", "yes: fitted to a run of the engine" if pred.calibrated else

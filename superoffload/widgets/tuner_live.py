@@ -24,6 +24,19 @@ def start_trial(tuner: Any, changes: dict[str, Any]) -> Any:
                    predicted_change=after / before - 1.0, on_done=tuner.record_trial).start()
 
 
+def extend_trial(tuner: Any, measured: Any, pairs: int) -> Any:
+    """More pairs of the change `measured` (an ``ABResult``): the old settings back in force
+    first (A comes first), then `pairs` alternations ending on the new ones; its result goes
+    to ``tuner.record_trial``, which pools it with `measured`."""
+    from superoffload.runtime.ab_trial import ABTrial
+
+    old = {k: a for k, (a, _b) in measured.changes.items()}
+    new = {k: b for k, (_a, b) in measured.changes.items()}
+    tuner.engine.reconfigure(**old)
+    return ABTrial(tuner.engine, old, new, block=measured.block, pairs=pairs,
+                   predicted_change=measured.predicted_change, on_done=tuner.record_trial).start()
+
+
 def start_calibrator(tuner: Any, after: int | None, measured_here: bool) -> Any:
     """An AutoCalibrator on the tuner's engine, or None: no engine, no step hooks, `after`
     None, or a profile that is not this machine's measured one (a preset describes another
@@ -31,10 +44,56 @@ def start_calibrator(tuner: Any, after: int | None, measured_here: bool) -> Any:
     engine = tuner.engine
     if engine is None or not after or not step_listener.supported(engine):
         return None
-    if not (measured_here or tuner.choice.name.startswith("local-")):
+    if not (measured_here or tuner.choice.of_this_machine):
         return None
     from superoffload.runtime.autocal import AutoCalibrator
 
     calibrator = AutoCalibrator(engine, tuner.shape, tuner.profile, after=after).start()
     calibrator.on_calibrated(tuner.use_calibration)
     return calibrator
+
+
+def calibration_lines(tuner: Any) -> list[str]:
+    """What calibration changed (plain text): the planner before and after it was fitted to
+    this run, or what it is waiting for."""
+    report = tuner.calibrator.report if tuner.calibrator is not None else None
+    if tuner.calibrator is None:
+        return ["no calibration: the tuner has no engine whose run it could fit, or its profile "
+                "is not this machine's"]
+    if report is None:
+        after = getattr(tuner.calibrator, "after", "the first")
+        at = getattr(tuner.engine, "iteration", "?")
+        return [f"waiting for calibration: the planner fits its profile to this run after {after} "
+                f"steady iterations (the engine is at iteration {at}); this line updates then"]
+    return [report.line(),
+            f"before: predicted {report.before_s * 1e3:.2f} ms vs measured {report.measured_s * 1e3:.2f} ms "
+            f"({report.error_before:+.0%}); after: {report.after_s * 1e3:.2f} ms ({report.error_after:+.0%})"]
+
+
+def show_calibration(tuner: Any) -> None:
+    """A live view of `calibration_lines` in the running cell: it changes when the planner
+    calibrates, and is frozen in place with the tuner when the run ends (outside a notebook:
+    printed once)."""
+    import html
+
+    from superoffload.widgets import _env
+    from superoffload.widgets import snapshot as snap
+
+    if not (_env.in_notebook() and _env.has_module("ipywidgets")):
+        print("\n".join(calibration_lines(tuner)))
+        return
+    import ipywidgets as w
+
+    def text() -> str:
+        return "<br>".join(html.escape(line) for line in calibration_lines(tuner))
+
+    label = w.HTML(value=text(), layout=w.Layout(width="auto"))
+    label.add_class("so-calibration")
+    out = snap.LiveOutput("calibration", label, lambda: calibration_lines(tuner),
+                          css_class="so-calibration-snapshot")
+    out.show()
+    tuner.live_outputs.append(out)
+    if tuner.calibrator is not None:
+        tuner.calibrator.on_calibrated(lambda _report: setattr(label, "value", text()))
+    if tuner.run_state is not None and tuner.run_state.ended:
+        out.freeze()

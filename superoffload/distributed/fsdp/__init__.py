@@ -1,16 +1,21 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``) and superoffload (issue 21; docs/distributed.md,
-"FSDP2").
+"""The offload engine over PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``):
+data parallel of the offloaded state (docs/distributed.md, "FSDP2 under the engine").
 
-``so.CPUAdam`` steps FSDP2 models as they are (DTensor parameters, local shards, DCP
-checkpoints): no code from this package is needed for that. ``FsdpTransport`` is a PROTOTYPE
-of the offload engine riding FSDP2's collectives instead of its own ZeRO transport
-(transport.py; the measured comparison is in the docs):
+    from superoffload.distributed import init_distributed
+    from superoffload.distributed.fsdp import FsdpOffloadEngine
+    init_distributed()                                       # under torchrun
+    engine = FsdpOffloadEngine(model, {"lr": 3e-4}, config)  # shards the model if needed
 
-    from superoffload.distributed.fsdp import FsdpTransport
-    fully_shard(block) for each block; fully_shard(model)
-    engine = OffloadEngine(model, {"lr": 3e-4}, OffloadConfig(ratio=1.0), transport=FsdpTransport())
+Modules: units.py (FSDP2 units; sharding a plain model), transport.py (the engine's
+transport over the local shards), hooks.py (ordering FSDP2's collectives with the engine),
+flow.py (weight-flow as FSDP2's host-offloaded units), engine.py, checkpoint.py (DCP),
+legacy.py (reading the former ZeRO engine's checkpoints, to convert them).
+``so.CPUAdam`` steps FSDP2 models without any of this (kernels/optimizer.py).
 """
 
-from superoffload.distributed.fsdp.transport import FsdpTransport, fsdp_units
+from superoffload.distributed.fsdp.checkpoint import consolidate
+from superoffload.distributed.fsdp.engine import FsdpOffloadEngine
+from superoffload.distributed.fsdp.transport import FsdpTransport
+from superoffload.distributed.fsdp.units import fsdp_units, shard_model
 
-__all__ = ["FsdpTransport", "fsdp_units"]
+__all__ = ["FsdpOffloadEngine", "FsdpTransport", "consolidate", "fsdp_units", "shard_model"]

@@ -1,33 +1,17 @@
-"""PROTOTYPE: the offload engine's transport over FSDP2 (issue 21 §5; docs/distributed.md,
-"FSDP2 under the engine").
+"""The offload engine's transport over FSDP2 (docs/distributed.md, "Data parallel over FSDP2").
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) already moves what ``ZeroTransport`` moves:
-it reduce-scatters each unit's gradients in backward and all-gathers its weights before the
-unit's next forward. So this transport issues NO collective per bucket. It rides FSDP2's
-hooks instead:
-
-* gradients: FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after it
-  wrote the reduce-scattered (averaged, so ``grad_divisor`` = 1) shard into ``.grad``
-  (torch 2.13 ``_fsdp_collectives.foreach_reduce``; with CPUOffloadPolicy the D2H copy is
-  then synchronous). The engine's own hook (runtime/hooks.py) therefore sees each parameter
-  as final once, and a bucket launches when all of its parameters' units have reduced.
-  ``launch`` copies the LOCAL shards of the gradients into the bucket's host buffer (the
-  engine's D2H task) and returns their partial statistics;
-* the CPU step and STV are the engine's, over this rank's local shards (each rank owns
-  FSDP2's dim-0 shard of every parameter, possibly empty);
-* validation: one all-reduce of [sum of squares, non-finite count, which parameters had a
-  gradient] (the shards are disjoint, so the sum is exact);
-* weights: ``publish`` copies the stepped fp32 master (or its bf16 copy) into the
-  DTensor's local shard (the engine's H2D task), the memory FSDP2 all-gathers from. FSDP2
-  all-gathers a unit in ITS forward pre-hook, before the engine's per-module wait hooks
-  run, so this transport adds a forward pre-hook with ``prepend=True`` on every FSDP module
-  that waits for the last publish of the buckets holding that unit's parameters.
-
-Limits of the prototype (each refused with a message at ``build``): every bucket offloaded
-(``ratio=1.0``: no GPU tail), weight-stationary only, the CPU device (gloo; the CUDA path
-would need the H2D copy ordered before FSDP2's all-gather stream, not tried). Checkpoints:
-``export_states`` gathers full tensors (collective); the engine's single-process checkpoint
-files are not sharded.
+FSDP2 (``fully_shard``) reduce-scatters each unit's gradients in backward and all-gathers its
+weights before the unit's forward, so this transport issues no collective per bucket: it is
+the single-process transport (``LocalTransport``: D2H/H2D lanes, tasks, buffers) over this
+rank's local shards. FSDP2 calls a sharded parameter's post-accumulate-grad hooks once the
+averaged shard is in ``.grad`` (torch 2.13 ``foreach_reduce``; ``grad_divisor`` = 1), so a
+bucket launches when its units have reduced and ``device_grad`` hands the D2H lane the local
+shard. The CPU step, STV, rollback and the GPU tail's device step run on the local shards.
+Validation is one all-reduce over every rank (shards are disjoint; under HSDP only the first
+replica adds its sum of squares), "present" meaning what some rank used (hooks.py). A
+``publish`` writes the stepped master (or bf16 copy) into the local shards FSDP2 all-gathers
+from, and each unit's prepended pre-hook waits for it (hooks.py). Weight-flow is FSDP2's own
+(flow.py): the engine streams nothing (``streamed`` is empty here).
 """
 
 from __future__ import annotations
@@ -40,14 +24,20 @@ from typing import cast as typed
 import torch
 import torch.distributed as dist
 
-from superoffload.distributed.zero.comm import agree_fingerprint, all_reduce_validation
+from superoffload.distributed.budget import HostBudget, agree_host_budget, plan_host_bytes
+from superoffload.distributed.fsdp import hooks
+from superoffload.distributed.fsdp.comm import guard_collectives
+from superoffload.distributed.fsdp.flow import check_flow_units
+from superoffload.distributed.fsdp.units import Unit, fsdp_units
+from superoffload.distributed.launch import stall_cause
+from superoffload.distributed.validation import agree_fingerprint, all_reduce_validation
 from superoffload.kernels.optimizer_batches import is_dtensor, local_shard, state_like
 from superoffload.plan.buckets import Bucket, BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.local_transport import LocalTransport
 from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
-from superoffload.runtime.transfers import D2HTask, wait_for
+from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.transport import (
     NO_CHECKS,
     Checks,
@@ -55,31 +45,12 @@ from superoffload.runtime.transport import (
     Published,
     TransportContext,
 )
-from superoffload.runtime.worker import Priority
-
-
-def fsdp_units(model: torch.nn.Module) -> list[tuple[Any, list[torch.nn.Parameter]]]:
-    """Each ``fully_shard``-ed module with the parameters it manages itself (its own minus
-    those of nested FSDP modules), outermost first."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    out = []
-    for unit in units:
-        nested = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
-                  for p in m.parameters()}
-        out.append((unit, [p for p in unit.parameters() if id(p) not in nested]))
-    return out
+from superoffload.runtime.worker import Priority, describe
 
 
 class FsdpTransport(LocalTransport):
-    """The engine's buckets over an FSDP2-sharded model (see the module docstring).
-
-    The single-process transport over this rank's local shards: its lanes, D2H and H2D tasks
-    and bucket lookup are ``LocalTransport``'s; its buffers' ``params`` are the local shards
-    (views into FSDP2's shard storage). What differs: the gradients are read from the
-    DTensor parameters, validation is all-reduced, and FSDP2's all-gathers wait for the
-    publishes."""
+    """The engine's buckets over an FSDP2-sharded model (see the module docstring). ``mesh``:
+    the model's (2-D: HSDP); ``host_*``: the host memory check's inputs (budget.py)."""
 
     name = "fsdp"
     ordered_launch = False
@@ -87,111 +58,183 @@ class FsdpTransport(LocalTransport):
     grad_divisor = 1
     """FSDP2 averages the gradients over the ranks in its reduce-scatter."""
 
-    def __init__(self, *, group: Any = None) -> None:
+    def __init__(self, *, mesh: Any = None, host_available_bytes: int | None = None,
+                 host_headroom: float | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("FsdpTransport: initialise torch.distributed first "
                                "(superoffload.distributed.init_distributed under torchrun)")
         super().__init__()
-        self.group = group if group is not None else dist.group.WORLD
+        self.mesh = mesh
+        self.group: Any = dist.group.WORLD
         self.ranks: list[int] = dist.get_process_group_ranks(self.group)
         self.rank = dist.get_rank()
         self.world_size = len(self.ranks)
-        self.local_ranks = self.world_size  # the prototype runs on one host
+        self.local_ranks = 1
+        self.first_replica = True
+        """HSDP: this rank belongs to the first replica (its shards count in the norm)."""
+        self.shard_ranks = self.world_size
+        """Ranks one replica's shards are spread over (HSDP: world size / replicas)."""
+        self.host_budget: HostBudget | None = None
+        self._budget_args = (host_available_bytes, host_headroom)
         self._published: dict[int, Future[Any]] = {}
-        self._hooks: list[Any] = []
+        self._handles: list[Any] = []
+        self.units: list[Unit] = []
+        self._prefetch: dict[int, list[Any]] = {}
+        self.usage = hooks.UsageLog()
+        self.sync_rule: Any = None
+        """The engine's: weakly, ``() -> bool``, does this micro-step reduce (hooks.py)."""
+        self.waiter: Any = None
+        """The engine's: weakly, its scheduler's ``wait(future, what)`` (lane failures)."""
 
     # ------------------------------------------------------------------ set-up
     def start(self, ctx: TransportContext) -> None:
+        from superoffload.distributed.budget import count_local_ranks
+
         self._ctx = ctx
-        if ctx.fingerprint is not None:
+        if ctx.fingerprint is not None:  # before any collective whose sizes depend on it
             self.agree(ctx.fingerprint)
         st = ctx.state
         plain = [st.names[i] for i in st.trainable if not is_dtensor(st.params[i])]
         if plain:
             raise ValueError(f"FsdpTransport: parameters {plain[:3]} are not FSDP2 shards; "
                              "call fully_shard on the model (and its blocks) before building "
-                             "the engine")
+                             "the engine, or build FsdpOffloadEngine, which shards it")
+        self.units = fsdp_units(st.model)
+        if self.mesh is None:
+            self.mesh = st.params[st.trainable[0]].device_mesh  # type: ignore[attr-defined]
+        if self.mesh.ndim == 2:  # HSDP: (replicate, shard)
+            self.first_replica = self.mesh.get_local_rank(0) == 0
+        self.shard_ranks = self.mesh.size(self.mesh.ndim - 1)
+        modules = [m for u in self.units for m in u.modules]
+        for module in modules:  # ranks may use different parameters (DDP's semantics)
+            module.set_reduce_scatter_unused_params(True, recurse=False)
+        guard_collectives([u.modules[0] for u in self.units])  # a dead peer: DistributedError
+        self.local_ranks = count_local_ranks(self.group)
         super().start(ctx)  # the d2h and h2d lanes
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
               flow: bool, snapshot: bool,
               moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
+        """Each rank allocates its local shard of every bucket from ``states`` (full tensors,
+        or DTensors of the parameters' layout) and writes the masters into the shards (a
+        load, a resharded resume)."""
         st, be = self.ctx.state, self.ctx.backend
-        if flow:
-            raise ValueError("FsdpTransport (prototype): weights='flow' is not supported; FSDP2 "
-                             "owns where the weights live: use OffloadConfig(weights="
-                             "'stationary')")
-        if any(b.on_device for b in plan.buckets):
-            raise ValueError("FsdpTransport (prototype): GPU tail buckets are not supported; "
-                             "use OffloadConfig(ratio=1.0)")
-        if snapshot:
-            raise ValueError("FsdpTransport (prototype): use OffloadConfig(rollback='inverse')")
+        if flow and be.device.type != "cpu":
+            check_flow_units(self.units, st.model)
+        numels = [[local_shard(st.params[i]).numel() for i in b.param_indices]
+                  for b in plan.buckets if not b.on_device]
+        available, headroom = self._budget_args  # every rank agrees before allocating
+        self.host_budget = plan_host_bytes(numels, dtype=st.model_dtype, snapshot=snapshot,
+                                           moments=moments, local_ranks=self.local_ranks,
+                                           available=available, headroom=headroom)
+        agree_host_budget(self.host_budget, self.group, self.rank)
         self.buffers, self._pos = [], {}
         for bucket in plan.buckets:
             params = [st.params[i] for i in bucket.param_indices]
             local = [typed(torch.nn.Parameter, local_shard(p)) for p in params]
             local_states = [_local_state(states[i], p)
                             for i, p in zip(bucket.param_indices, params)]
-            shard = Bucket(bucket.id, bucket.param_indices, sum(t.numel() for t in local),
-                           on_device=False)
+            with torch.no_grad():  # the shards take the masters' values
+                for shard, state in zip(local, local_states):
+                    shard.copy_(state.master)
+            shard_bucket = Bucket(bucket.id, bucket.param_indices,
+                                  sum(t.numel() for t in local), on_device=bucket.on_device)
             self.buffers.append(build_buffers(
-                shard, local, local_states, alloc_host=be.alloc_host,
+                shard_bucket, local, local_states, alloc_host=be.alloc_host,
                 alloc_device=be.alloc_device, grad_host_dtype=cast.grad_host_dtype,
                 lp_host=cast.low_precision and cast.param_on_host, moment_dtype=moments))
             self._pos.update((i, k) for k, i in enumerate(bucket.param_indices))
-        with torch.no_grad():  # a load: the shards take the masters' values
-            for buf in self.buffers:
-                for shard_t, master in zip(buf.params, buf.master):
-                    shard_t.copy_(master)
-        self._install_wait_hooks()
+        self._install_hooks()
         return self.buffers
 
-    def _remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def _install_wait_hooks(self) -> None:
-        """Before FSDP2 all-gathers a unit, its buckets' last publish must have landed."""
+    def _install_hooks(self) -> None:
         self._remove_hooks()
         st = self.ctx.state
-        for unit, params in fsdp_units(st.model):
-            buckets = tuple(sorted({st.bucket_of[st.index[id(p)]] for p in params
-                                    if id(p) in st.index and st.index[id(p)] in st.bucket_of}))
-            if buckets:
-                self._hooks.append(unit.register_forward_pre_hook(
-                    self._wait_hook(buckets), prepend=True))
+        bucket_of = st.bucket_of
+        prefetch = self._prefetch
+        self._handles = hooks.install(
+            self.units, index={id(p): i for i, p in enumerate(st.params) if i in bucket_of},
+            buckets_of=lambda idx: tuple(sorted({bucket_of[i] for i in idx})),
+            prefetched=lambda unit: prefetch.get(id(unit), []), wait=self._wait_published,
+            sync=self._sync, log=self.usage)
 
-    def _wait_hook(self, buckets: tuple[int, ...]) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            for b in buckets:
-                fut = self._published.get(b)
-                if fut is not None:
-                    wait_for(fut, self.ctx.watchdog_s(), f"publish of bucket {b}")
-        return hook
+    def set_prefetch(self, units: Sequence[Any], depth: int) -> None:
+        """FSDP2 all-gathers the next ``depth`` of ``units`` (forward order) during each
+        one's forward; the publish waits follow (a prefetched unit's all-gather is issued
+        in its predecessor's pre-hook)."""
+        self._prefetch = {}
+        for k, unit in enumerate(units):
+            ahead = list(units[k + 1:k + 1 + depth])
+            unit.set_modules_to_forward_prefetch(ahead)
+            self._prefetch[id(unit)] = ahead
+        if self._ctx is not None and self.buffers:
+            self._install_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _wait_published(self, buckets: tuple[int, ...]) -> None:
+        """Before FSDP2 all-gathers a unit: its buckets' last publish has landed (through the
+        engine's wait when it gave one: a lane's failure surfaces as the engine's error)."""
+        futures = [f for b in buckets if (f := self._published.get(b)) is not None]
+        engine_wait = None if self.waiter is None else self.waiter()
+        watchdog = self.ctx.watchdog_s()
+
+        def wait(f: Future[Any]) -> Any:
+            if engine_wait is not None:
+                return engine_wait(f, "publish before FSDP2's all-gather")
+            return wait_for(f, watchdog, "publish before FSDP2's all-gather")
+
+        hooks.wait_publish(futures, wait, self.units[0].modules[0] if self.units else None)
+
+    def _sync(self) -> bool | None:
+        rule = None if self.sync_rule is None else self.sync_rule()
+        return None if rule is None else bool(rule())
 
     # ------------------------------------------------------------------ per iteration
-    def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[Any] | None:
-        """``LocalTransport.launch`` with the gradients' local shards: FSDP2 writes each
-        DTensor parameter's ``.grad``, not its local shard's."""
-        if not present:
-            return None
-        buf, ctx = self.buffers[b], self.ctx
-        params = ctx.state.params
-        return self._lanes[0].submit(D2HTask(
-            bucket=b, iteration=iteration,
-            grads=tuple(local_shard(params[i].grad) for i in present),  # type: ignore[arg-type]
-            grad_host=tuple(buf.grad_host[self._pos[i]] for i in present),
-            ready=ctx.backend.ready_token(), backend=ctx.backend, recorder=ctx.recorder))
+    def device_grad(self, index: int) -> torch.Tensor | None:
+        """FSDP2 writes each DTensor parameter's ``.grad``: its local shard moves."""
+        g = self.ctx.state.params[index].grad
+        return None if g is None else local_shard(g)
+
+    def full_grad(self, index: int) -> torch.Tensor | None:
+        """The gradient the optimizer reads, as a DTensor of the parameter's layout (this
+        rank's host buffer as its local shard; ``.full_tensor()`` gathers it, collective)."""
+        from torch.distributed.tensor import DTensor
+
+        buf, k = self._where(index)
+        p = self.ctx.state.params[index]
+        if buf.on_device:
+            g = p.grad
+            return None if g is None else g.detach()
+        return DTensor.from_local(buf.grad_host[k].to(p.device), p.device_mesh,  # type: ignore[attr-defined]
+                                  p.placements, run_check=False, shape=p.shape,  # type: ignore[attr-defined]
+                                  stride=p.stride())
+
+    def tail_stats(self, buckets: Sequence[int]) -> GradStats:
+        grads = [g for b in buckets for i in self.buffers[b].bucket.param_indices
+                 if (g := self.device_grad(i)) is not None]
+        if not grads:
+            return GradStats(0.0, 0)
+        stats = self.ctx.backend.device_stats(grads)
+        return stats if self.first_replica else GradStats(0.0, stats.nonfinite)
+
+    def tail_grads(self, b: int) -> list[torch.Tensor]:
+        buf = self.buffers[b]
+        return [g if (g := self.device_grad(i)) is not None else torch.zeros_like(p)
+                for i, p in zip(buf.bucket.param_indices, buf.params)]
 
     def reduce_stats(self, local: GradStats, present: frozenset[int],
                      checks: Checks = NO_CHECKS) -> GlobalStats:
-        """One all-reduce of ZeroTransport's validation vector (runtime/transport.py: the
-        shards are disjoint, so the sum of squares is exact)."""
-        return all_reduce_validation(local, present, checks, self.ctx.state.trainable,
-                                     self.group, self.world_size, torch.device("cpu"),
-                                     "all_reduce (validation, FSDP2 transport)")
+        """One all-reduce of the validation vector over every rank; "present" is what this
+        rank used (FSDP2 reduced zeros for the rest)."""
+        used = present & frozenset(self.usage.used)
+        if not self.first_replica:
+            local = GradStats(0.0, local.nonfinite)
+        return all_reduce_validation(local, used, checks, self.ctx.state.trainable,
+                                     self.group, self.world_size, "all_reduce (validation)")
 
     def agree(self, fingerprint: Mapping[str, Any]) -> None:
         """Every rank built the same model, configuration and param groups (or all raise)."""
@@ -201,32 +244,47 @@ class FsdpTransport(LocalTransport):
         """Parameters written outside the engine: their local shards become the masters."""
         for i in indices:
             buf, k = self._where(i)
-            adopt_value(buf.master[k], buf.params[k],
-                        None if buf.lp_host is None else buf.lp_host[k])
+            if buf.master[k].data_ptr() != buf.params[k].data_ptr():  # fp32 tail: p is it
+                adopt_value(buf.master[k], buf.params[k],
+                            None if buf.lp_host is None else buf.lp_host[k])
 
     def restore(self, indices: Sequence[int]) -> list[int]:
         """Write the engine's weights back over the local shards ``indices``."""
+        lost = []
         with torch.no_grad():
             for i in indices:
                 buf, k = self._where(i)
                 src = buf.lp_host if buf.lp_host is not None else buf.master
-                buf.params[k].copy_(src[k])
+                if src[k].data_ptr() != buf.params[k].data_ptr():
+                    buf.params[k].copy_(src[k])
+                else:
+                    lost.append(i)  # an fp32 tail shard is its own master
         self.ctx.backend.synchronize()
-        return []
+        return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
                 iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
-        published = super().publish(b, positions, after, iteration, streamed, priority)
+        # FSDP2's shards are the weights' only home: always written (weight-flow included),
+        # the whole bucket: a parameter some rank stepped speculatively and no rank used is
+        # rolled back, and its restored value must land too (settle replays only the used)
+        every = tuple(range(len(self.buffers[b].params)))
+        published = super().publish(b, every, after, iteration, frozenset(), priority)
         if published.device is not None:  # what the unit's all-gather waits for
             self._published[b] = published.device
         return published
 
+    def home(self, index: int) -> torch.Tensor:
+        raise RuntimeError("FsdpTransport: weight-flow is FSDP2's (flow.py); the engine "
+                           "streams no block itself")
+
     def stall_hint(self) -> str:
-        return (f"{super().stall_hint()}; FSDP2's own collectives run in backward and in its "
-                "forward pre-hooks")
+        lanes = ", ".join(describe(lane) for lane in self._lanes)
+        return (f"transfer lanes: {lanes}; FSDP2's collectives run in backward and in its "
+                f"forward pre-hooks, over ranks {self.ranks}: {stall_cause(self.ranks)}")
 
     def export_states(self) -> dict[int, ParamState]:
-        """Full (gathered) state of every trainable parameter. Collective."""
+        """Every trainable parameter's state as DTensors of its layout (CPU local shards):
+        no communication; ``build`` takes them back (a re-plan), DCP saves them."""
         from torch.distributed.tensor import DTensor
 
         st = self.ctx.state
@@ -235,22 +293,38 @@ class FsdpTransport(LocalTransport):
             for k, i in enumerate(buf.bucket.param_indices):
                 p = st.params[i]
 
-                def full(t: torch.Tensor, p: Any = p) -> torch.Tensor:
+                def dt(t: torch.Tensor, p: Any = p) -> torch.Tensor:
                     return DTensor.from_local(
-                        t.detach().float().clone(), p.device_mesh, p.placements,
-                        run_check=False, shape=p.shape, stride=p.stride()).full_tensor()
+                        t.detach().to("cpu", torch.float32, copy=True), p.device_mesh,
+                        p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
-                out[i] = ParamState(full(buf.master[k]), full(buf.exp_avg[k]),
-                                    full(buf.exp_avg_sq[k]), st.steps[i])
+                out[i] = ParamState(dt(buf.master[k]), dt(buf.exp_avg[k]),
+                                    dt(buf.exp_avg_sq[k]), st.steps[i])
         return out
 
     def close(self) -> None:
         self._remove_hooks()
+        self.usage.close()
+        self._published.clear()
         super().close()
 
 
+def full_cpu(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a DTensor whose local shard is on the CPU (``export_states``):
+    gathered on the mesh's device (NCCL gathers device tensors), returned on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    if mesh.device_type != "cpu":
+        t = DTensor.from_local(t.to_local().to(mesh.device_type), mesh,  # type: ignore[attr-defined]
+                               t.placements, run_check=False, shape=t.shape,  # type: ignore[attr-defined]
+                               stride=t.stride())
+    return t.full_tensor().cpu()  # type: ignore[attr-defined,no-any-return]
+
+
 def _local_state(state: ParamState, p: torch.Tensor) -> ParamState:
-    """This rank's shard of a parameter's state (DTensor, or a full tensor from a load)."""
+    """This rank's shard of a parameter's state (a DTensor, or a full tensor from a load)."""
     master, exp_avg, exp_avg_sq = (local_shard(state_like(t, p, torch.float32))
                                    for t in (state.master, state.exp_avg, state.exp_avg_sq))
     return ParamState(master, exp_avg, exp_avg_sq, state.step)
+

@@ -1,0 +1,211 @@
+"""Data parallel: the offload engine over PyTorch's FSDP2 (paper §4.6; docs/distributed.md).
+
+``FsdpOffloadEngine`` is ``OffloadEngine`` (runtime/engine.py) built with ``FsdpTransport``:
+the same iteration core; FSDP2 reduce-scatters the gradients and all-gathers the weights,
+each rank keeps and steps the fp32 masters and moments of its own shards. Build it on every
+rank after ``init_distributed()`` (``so.initialize`` does under torchrun); a model not
+sharded yet is sharded here over the job's mesh (units.py, mesh.py). Besides the transport:
+DCP checkpoints (checkpoint.py); ``master_weights()`` gathers (collective) and
+``state_dict()`` holds DTensors, as torch optimizers over FSDP2 do; ``reconfigure()`` is
+collective and cannot switch the weight policy (FSDP2 places a unit's shards when it shards
+it); ``weights="auto"`` runs weight-stationary (every rank must choose alike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from superoffload.config import RECONFIGURABLE, ConfigError, OffloadConfig
+from superoffload.distributed.budget import HostBudget
+from superoffload.distributed.fsdp import checkpoint
+from superoffload.distributed.fsdp.flow import FsdpFlow
+from superoffload.distributed.fsdp.transport import FsdpTransport, full_cpu
+from superoffload.distributed.fsdp.units import block_modules, is_sharded, shard_model
+from superoffload.distributed.validation import agree_fingerprint
+from superoffload.plan.schedule import ScheduleFacts
+from superoffload.runtime import guard
+from superoffload.runtime.engine import OffloadEngine
+from superoffload.runtime.errors import EngineError, IterationInterrupted
+from superoffload.runtime.optim_view import hypers_of, param_groups_from
+from superoffload.runtime.state import EngineState
+from superoffload.telemetry.recorder import Recorder
+
+
+def job_mesh() -> Any:
+    """The mesh ``init_distributed`` built (mesh.py), else a 1-D mesh over every rank."""
+    from superoffload.distributed import launch
+
+    try:
+        return launch.get_groups().mesh.fsdp
+    except RuntimeError:  # torch.distributed started by someone else
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def agree_before_sharding(model: torch.nn.Module, optimizer: Any, config: OffloadConfig) -> None:
+    """Every rank built the same model, configuration and param groups (runtime/guard.py's
+    fingerprint), or all raise ``RanksDisagree``: checked before rank 0's weights are
+    broadcast, which with another model's shapes would fail inside the backend."""
+    groups = param_groups_from(model, optimizer)
+    state = EngineState.from_model(model, groups)
+    group = dist.group.WORLD
+    agree_fingerprint(guard.fingerprint(state, config, hypers_of(groups)), group,
+                      dist.get_process_group_ranks(group))
+
+
+def remap_groups(optimizer: Any, before: dict[int, str],
+                 after: dict[str, torch.nn.Parameter]) -> Any:
+    """Param groups naming the model's parameters from before sharding, rewritten to the
+    DTensor parameters ``fully_shard`` put in their place (same names)."""
+    if optimizer is None or isinstance(optimizer, Mapping):
+        return optimizer  # hyper-parameters only: the engine takes the model's parameters
+    out = []
+    for g in optimizer:
+        params = g.get("params")
+        if params is None:
+            out.append(g)
+            continue
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        out.append({**g, "params": [after[before[id(p)]] if id(p) in before else p
+                                    for p in params]})
+    return out
+
+
+class FsdpOffloadEngine(OffloadEngine):
+    """Data-parallel offload engine over FSDP2 (see the module docstring). Same training API
+    as ``OffloadEngine``; plus ``full_master_weights()`` (collective) and DCP checkpoints.
+
+    ``mesh``: the DeviceMesh to shard over (default: the job's, mesh.py); ``mp_policy``:
+    FSDP2's ``MixedPrecisionPolicy`` for a model this engine shards;
+    ``host_available_bytes`` / ``host_headroom``: the host memory check's inputs
+    (distributed/budget.py). Other keywords go to ``OffloadEngine``."""
+
+    def __init__(self, model: torch.nn.Module,
+                 optimizer: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+                 config: OffloadConfig, telemetry: Recorder | None = None, *,
+                 mesh: Any = None, mp_policy: Any = None,
+                 host_available_bytes: int | None = None, host_headroom: float | None = None,
+                 **kwargs: Any) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("FsdpOffloadEngine: call superoffload.distributed."
+                               "init_distributed() first (under torchrun)")
+        config = config.validate()
+        auto = config.weights == "auto"
+        if auto:
+            config = config.replace(weights="stationary")
+        if is_sharded(model):
+            if mp_policy is not None:
+                raise ValueError("FsdpOffloadEngine(mp_policy=...): the model is sharded "
+                                 "already; pass the policy to your fully_shard calls")
+        else:  # the ranks agree before the broadcast, whose sizes depend on the model
+            agree_before_sharding(model, optimizer, config)
+            before = {id(p): n for n, p in model.named_parameters()}
+            shard_model(model, mesh if mesh is not None else job_mesh(),
+                        bucket_bytes=config.bucket_bytes,
+                        blocks_on_host=config.weights == "flow", mp_policy=mp_policy,
+                        group=dist.group.WORLD)
+            optimizer = remap_groups(optimizer, before, dict(model.named_parameters()))
+        self.fsdp = FsdpTransport(mesh=mesh, host_available_bytes=host_available_bytes,
+                                  host_headroom=host_headroom)
+        self._thread = threading.get_ident()
+        super().__init__(model, optimizer, config, telemetry, transport=self.fsdp, **kwargs)
+        self.fsdp.sync_rule = weakref.WeakMethod(self._grad_sync)
+        self.fsdp.waiter = weakref.WeakMethod(self.scheduler.wait)
+        if auto:
+            self.telemetry.note(0, "weights='auto' runs weight-stationary under data parallel "
+                                   "(every rank must choose alike)")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def rank(self) -> int:
+        return self.fsdp.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.fsdp.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.fsdp.local_ranks
+
+    @property
+    def host_budget(self) -> HostBudget | None:
+        return self.fsdp.host_budget
+
+    @property
+    def reconfigurable(self) -> frozenset[str]:
+        return RECONFIGURABLE - {"weights"}
+
+    # ------------------------------------------------------------------ the engine's parts
+    def _facts(self) -> ScheduleFacts:
+        # the ranks the offloaded state is split over (the planner's dp; HSDP: one replica's),
+        # though FSDP2 averages the gradients itself
+        return dataclasses.replace(super()._facts(), dp=self.fsdp.shard_ranks)
+
+    def new_flow(self, depth: int) -> FsdpFlow:  # type: ignore[override]
+        blocks = {id(b) for b in block_modules(self.model)}
+        units = [m for u in self.fsdp.units for m in u.modules if id(m) in blocks]
+        return FsdpFlow(units, self.fsdp, depth)
+
+    def _grad_sync(self) -> bool:
+        """Root forward: does this micro-step's backward reduce-scatter (hooks.py)?"""
+        sched = self.scheduler
+        micro = sched.current.micro_step
+        if micro == 0:  # a new optimizer step: forget which parameters were used
+            self.fsdp.usage.used.clear()
+        return micro + 1 >= self.config.grad_accum_steps or sched.sum_on_host
+
+    def _interrupted(self, exc: BaseException, where: str) -> None:
+        """An iteration that will not finish cannot be undone on this rank alone: FSDP2's
+        collectives of the other ranks no longer match. The engine fails, saying how to
+        recover (one process rolls the iteration back instead: runtime/scheduler.py)."""
+        if isinstance(exc, EngineError) or self.failures.failed:
+            return  # a lane failure: already the engine's error
+        self.failures.record("training", IterationInterrupted(
+            f"{where} was interrupted ({exc!r}) under data parallel: the other ranks' "
+            "collectives no longer match this rank's, so the iteration cannot be undone; "
+            "the engine stops rather than train on a mix of two batches. Recover: load the "
+            "last checkpoint into new engines on every rank (engine.load_checkpoint)"))
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Collective: call it on every rank, from the training thread, between iterations;
+        the ranks agree on ``changes`` before they are queued (applied at the next iteration
+        on every rank, as one process applies them)."""
+        if threading.get_ident() != self._thread:
+            raise ConfigError("reconfigure() under data parallel is a collective: call it on "
+                              "every rank from the training thread (the one that built the "
+                              "engine), between iterations")
+        self.fsdp.agree({"reconfigure": sorted((k, repr(v)) for k, v in changes.items())})
+        super().reconfigure(**changes)
+
+    # ------------------------------------------------------------------ state
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """Full fp32 master of every trainable parameter (CPU). Collective."""
+        self._settled("master_weights()")
+        self.synchronize()
+        return {self.state.names[i]: full_cpu(s.master) for i, s in self.export_states().items()}
+
+    def full_master_weights(self) -> dict[str, torch.Tensor]:
+        """``master_weights()``: the name the former ZeRO engine used."""
+        return self.master_weights()
+
+    def save_checkpoint(self, path: str, extra: Any = None, *, lr_scheduler: Any = None) -> str:
+        """DCP checkpoint (checkpoint.py): every rank writes its shards. Collective."""
+        self._settled("save_checkpoint()")
+        return checkpoint.save(self, path, extra=extra, lr_scheduler=lr_scheduler)
+
+    def load_checkpoint(self, path: str, *, lr_scheduler: Any = None) -> Any:
+        """Load a checkpoint written by any world size (DCP reshards; a former ZeRO
+        checkpoint is converted). Collective; returns ``extra``."""
+        self._settled("load_checkpoint()")
+        return checkpoint.load(self, path, lr_scheduler=lr_scheduler)

@@ -1,0 +1,397 @@
+"""Hugging Face Accelerate with the offload engine: an `Accelerator` (docs/integrations.md).
+
+    from superoffload.integrations.accelerate import SuperOffloadAccelerator
+    accelerator = SuperOffloadAccelerator(gradient_accumulation_steps=2,
+                                          offload_config=so.presets.gh200())   # the one change
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for batch in loader:                      # the loop of any Accelerate script, unchanged
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    accelerator.save_state("ckpt")            # ... accelerator.load_state("ckpt") resumes exactly
+
+Like the Lightning strategy, and like accelerate's own DeepSpeed path
+(accelerate/accelerator.py sends `backward` to DeepSpeed's engine and lets it clip), the
+accelerator takes over what the engine must own and leaves the script alone:
+
+* `prepare(optimizer)` accepts the optimizer an Accelerate script builds
+  (`torch.optim.AdamW` / `Adam`: the engine is built from its groups and hyper-parameters,
+  which stay what schedulers see and are copied into the engine before every backward and
+  step), or an engine's own `engine.optimizer`, or the Trainer integration's
+  `OffloadedOptimizer`. It returns `OffloadAcceleratedOptimizer`, which steps and zeroes only
+  when `accelerator.sync_gradients` (as accelerate's `AcceleratedOptimizer` does) and never
+  round-trips the engine's state (accelerate's wrapper copies an optimizer's whole state at
+  prepare). An LR scheduler built on the object you passed is prepared as usual.
+* `backward(loss)` -> `engine.backward(loss / gradient_accumulation_steps)`: the loss plain
+  Accelerate backpropagates, with the buckets leaving for the CPU during backward.
+* `clip_grad_norm_(model.parameters(), max_norm)` -> `engine.clip_grad_norm_`: returns the
+  total norm as torch does; the engine clips every bucket inside its step (paper §4.3).
+* `save_state` / `load_state`: the optimizer's state is `engine.state_dict()` (fp32 masters,
+  moments, step counts, loss scaler, STV state) plus the torch optimizer's groups (the lr a
+  scheduler set); accelerate saves the weights, scheduler, RNG and data positions as always.
+* Refused, naming the way: several processes (use torchrun with the engine's data-parallel
+  path, docs/distributed.md), `mixed_precision="fp16"` (its GradScaler scales `p.grad`,
+  which the engine replaces: use "bf16", or fp16 weights and the engine's loss scale), an
+  accumulation that ends early (a data loader whose length is not a multiple of the
+  accumulation steps: accelerate steps on the partial sums, the engine after exactly
+  `gradient_accumulation_steps` backwards), clipping by value or over part of the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "superoffload.integrations.accelerate needs accelerate: pip install 'superoffload[hf]'"
+    ) from exc
+
+from superoffload.config import ConfigError, OffloadConfig
+from superoffload.integrations.bridge import EngineMetrics, adam_hyper, engine_config
+from superoffload.kernels.torch_flags import torch_flag_keys, torch_flags
+from superoffload.runtime.guard import owner
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class OffloadAcceleratedOptimizer(torch.optim.Optimizer):
+    """What `SuperOffloadAccelerator.prepare` returns for an optimizer: the engine's step.
+
+    NOTE: like accelerate's `AcceleratedOptimizer` it does not call `Optimizer.__init__`; its
+    `param_groups` are those of the object passed to `prepare` (`optimizer`), which LR
+    schedulers change; `step` / `zero_grad` act only when `accelerator.sync_gradients`."""
+
+    _is_accelerate_prepared = True  # accelerate: prepared, do not wrap again
+
+    def __init__(self, accelerator: SuperOffloadAccelerator, optimizer: torch.optim.Optimizer,
+                 engine: Any = None) -> None:
+        self.accelerator = accelerator
+        self.optimizer = optimizer
+        """The object passed to `prepare` (`prepare_scheduler` matches schedulers by it)."""
+        self.engine = engine
+        """The engine: given (`engine.optimizer`, `OffloadedOptimizer`) or built at `bind`."""
+        self.built = False
+        """Whether the accelerator built the engine (and closes it in `free_memory`)."""
+        self._pairs: list[tuple[int, int]] = []
+        """(engine group, torch group) indices whose hyper-parameters are copied over."""
+        self._micro = 0
+        self._skipped = False
+
+    # ------------------------------------------------------------------ torch surface
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """An fp16 overflow skipped the last step (accelerate then keeps the scheduler)."""
+        return self._skipped
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.accelerator.sync_gradients:
+            return loss  # mid-accumulation: accelerate's optimizer does nothing either
+        engine = self.bound()
+        gas = self.accelerator.gradient_accumulation_steps
+        if self._micro != gas:
+            raise ConfigError(
+                f"accelerate ended an accumulation after {self._micro} of {gas} backward "
+                "passes (at the end of the data loader, whose length is not a multiple of "
+                "gradient_accumulation_steps); the engine steps after exactly that many. Give "
+                "the loader a length that is a multiple of it (DataLoader(drop_last=True)), "
+                "or Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin("
+                "num_steps=..., sync_with_dataloader=False))")
+        self.sync_hyper()
+        before = engine.stats.skipped_steps
+        engine.step()
+        # NOTE: the engine stepped on the passed optimizer's behalf; tell its LR scheduler
+        # (torch/optim/lr_scheduler.py `patch_track_step_called` sets the same flag), or torch
+        # warns that lr_scheduler.step() ran before optimizer.step()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self._micro = 0
+        self._skipped = engine.stats.skipped_steps > before
+        return loss
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        if self.accelerator.sync_gradients:
+            self.bound().zero_grad(True if set_to_none is None else set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The engine's state; with a torch optimizer passed, also its groups (the lr a
+        scheduler set)."""
+        engine = self.bound()
+        if not self.built:
+            return engine.state_dict()
+        return {"superoffload_engine": engine.state_dict(),
+                "torch_optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        engine = self.bound()
+        if self.built:
+            if "superoffload_engine" not in state_dict:
+                raise ConfigError(
+                    "load_state: the optimizer state holds no superoffload engine state; it was "
+                    "not saved by SuperOffloadAccelerator (load the model's weights only and "
+                    "start the optimizer afresh)")
+            self.optimizer.load_state_dict(state_dict["torch_optimizer"])
+            state_dict = state_dict["superoffload_engine"]
+        engine.load_state_dict(state_dict)
+        self._micro = 0
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.built:
+            raise NotImplementedError(
+                "add_param_group on a torch optimizer the accelerator turned into an engine: "
+                "pass every group before prepare(), or build the engine yourself "
+                "(so.initialize) and prepare engine.optimizer, whose add_param_group works")
+        self.optimizer.add_param_group(param_group)
+
+    def train(self) -> None:
+        """Accelerate calls this for schedule-free optimizers; AdamW has no modes."""
+
+    def eval(self) -> None:
+        """See `train`."""
+
+    def __repr__(self) -> str:
+        return f"OffloadAcceleratedOptimizer({self.optimizer.__class__.__name__}, {self.engine!r})"
+
+    # ------------------------------------------------------------------ engine
+    def bound(self) -> Any:
+        if self.engine is None:
+            raise RuntimeError(
+                "SuperOffloadAccelerator: no engine yet for this optimizer: pass its model to "
+                "accelerator.prepare() too (the engine is built on the model)")
+        return self.engine
+
+    def bind(self, models: Iterable[torch.nn.Module]) -> bool:
+        """Build the engine on the model holding the optimizer's parameters, once it has been
+        prepared; False while it has not."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        ids = {id(p) for p in params}
+        model = next((m for m in models if ids <= {id(p) for p in m.parameters()}), None)
+        if model is None:
+            return False
+        import superoffload as so
+
+        opt, acc = self.optimizer, self.accelerator
+        adamw = isinstance(opt, torch.optim.AdamW) or bool(opt.defaults.get("decoupled_weight_decay"))
+        groups = []
+        for k, group in enumerate(opt.param_groups):
+            trained = [p for p in group["params"] if p.requires_grad]
+            if trained:
+                groups.append({"params": trained, **adam_hyper(group, adamw=adamw),
+                               **torch_flags(group)})  # flags: honoured or refused
+                self._pairs.append((len(groups) - 1, k))
+        config = acc.engine_config()
+        self.engine = so.initialize(acc.unwrap_model(model), groups, config, **acc.engine_kwargs)
+        self.built = True
+        return True
+
+    def sync_hyper(self) -> None:
+        """The torch optimizer's hyper-parameters and flags (a scheduler set them) -> the
+        engine's groups, before each backward and step (the engine reads them then)."""
+        if not self.built:
+            return  # the groups are the engine's own
+        theirs, ours = self.optimizer.param_groups, self.bound().optimizer.param_groups
+        flags = torch_flag_keys()  # a flag set mid-run is honoured or refused at the next step
+        for k_ours, k_theirs in self._pairs:
+            for key in (*_HYPER_KEYS, *(k for k in theirs[k_theirs] if k in flags)):
+                value = theirs[k_theirs][key]
+                ours[k_ours][key] = tuple(value) if key == "betas" else value
+
+    def count_backward(self) -> None:
+        self._micro += 1
+
+
+def engine_of(optimizer: Any) -> Any | None:
+    """The engine behind `engine.optimizer` or an `OffloadedOptimizer`; None for a torch
+    optimizer (the accelerator builds one)."""
+    engine = getattr(optimizer, "engine", None)
+    if engine is not None:  # integrations.hf.OffloadedOptimizer
+        return engine
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    engines = {id(e): e for e in (owner(p) for p in params) if e is not None}
+    found = next(iter(engines.values()), None)
+    if len(engines) == 1 and found is not None and found.optimizer is optimizer:
+        return found
+    if engines:
+        raise ConfigError(
+            f"accelerator.prepare({type(optimizer).__name__}): its parameters belong to a live "
+            "offload engine already; prepare that engine's engine.optimizer instead (a second "
+            "engine would train the same weights from other moments)")
+    return None
+
+
+class SuperOffloadAccelerator(Accelerator):
+    """`accelerate.Accelerator` whose optimizer is the offload engine (module docstring).
+
+    `offload_config`: an OffloadConfig or a DeepSpeed-style dict (default `OffloadConfig()`)
+    for the engine built from a torch optimizer; its `grad_accum_steps` comes from
+    `gradient_accumulation_steps` (a contradiction is a ConfigError). `engine_kwargs` go to
+    `so.initialize`. Every other argument is `Accelerator`'s. The engine is
+    `accelerator.engine` once prepared; `accelerator.engine_metrics.collect()` gives its
+    metrics for `accelerator.log`."""
+
+    def __init__(self, *args: Any,
+                 offload_config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                 engine_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.distributed_type != DistributedType.NO:
+            raise ConfigError(
+                f"SuperOffloadAccelerator runs one process, this launch is {self.distributed_type}"
+                " with several: launch it with plain `python`, or train data-parallel with "
+                "torchrun and the engine's own data-parallel path (docs/distributed.md)")
+        if self.mixed_precision == "fp16":
+            raise ConfigError(
+                "Accelerator(mixed_precision='fp16') with SuperOffloadAccelerator: its "
+                "GradScaler scales p.grad, which the engine replaces; use mixed_precision="
+                "'bf16' or 'no' (fp16 weights, model.half(), train with the engine's own "
+                "dynamic loss scale)")
+        self.offload_config = offload_config
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.engine_metrics: EngineMetrics | None = None
+
+    @property
+    def offload_optimizers(self) -> list[OffloadAcceleratedOptimizer]:
+        return [o for o in self._optimizers if isinstance(o, OffloadAcceleratedOptimizer)]
+
+    @property
+    def engine(self) -> Any:
+        """The engine (None before `prepare` saw its model)."""
+        bound = [o.engine for o in self.offload_optimizers if o.engine is not None]
+        return bound[0] if bound else None
+
+    def engine_config(self) -> OffloadConfig:
+        """`offload_config` with this accelerator's accumulation steps and device."""
+        config = engine_config(
+            self.offload_config, max_grad_norm=None,
+            grad_accum_steps=self.gradient_accumulation_steps,
+            names=("accelerator.clip_grad_norm_(max_norm)",
+                   "Accelerator(gradient_accumulation_steps)"))
+        return config.replace(device=self.device.type) if config.device == "auto" else config
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """`Accelerator.prepare`; then each torch optimizer becomes an engine on its model."""
+        result = super().prepare(*args, device_placement=device_placement)
+        for opt in self.offload_optimizers:
+            if opt.engine is None:
+                opt.bind(self._models)
+        engines = {id(e): e for e in (o.engine for o in self.offload_optimizers) if e is not None}
+        if len(engines) > 1:
+            raise ConfigError(f"SuperOffloadAccelerator drives one engine (one model and its "
+                              f"optimizer); {len(engines)} were prepared")
+        if engines and self.engine_metrics is None:
+            self.engine_metrics = EngineMetrics(next(iter(engines.values())))
+        return result
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: Any = None) -> OffloadAcceleratedOptimizer:
+        if isinstance(optimizer, OffloadAcceleratedOptimizer):
+            if optimizer not in self._optimizers:
+                self._optimizers.append(optimizer)
+            return optimizer
+        engine = engine_of(optimizer)
+        if engine is None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ConfigError(
+                f"accelerator.prepare({type(optimizer).__name__}): the offload engine runs "
+                "Adam/AdamW; pass torch.optim.AdamW (or Adam) with your hyper-parameters, or "
+                "an engine's engine.optimizer")
+        if engine is not None:
+            self._check_engine(engine)
+        wrapped = OffloadAcceleratedOptimizer(self, optimizer, engine)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def _check_engine(self, engine: Any) -> None:
+        gas = self.gradient_accumulation_steps
+        if engine.config.grad_accum_steps != gas:
+            raise ConfigError(
+                f"the engine's OffloadConfig.grad_accum_steps={engine.config.grad_accum_steps} "
+                f"contradicts Accelerator(gradient_accumulation_steps={gas}): build the engine "
+                f"with OffloadConfig(grad_accum_steps={gas}), or prepare a torch AdamW and let "
+                "the accelerator build the engine")
+
+    # ------------------------------------------------------------------ training
+    def _offload_for(self) -> OffloadAcceleratedOptimizer | None:
+        for opt in self.offload_optimizers:
+            if opt.engine is not None:
+                return opt
+        return None
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`engine.backward` of the loss plain Accelerate backpropagates (divided by the
+        accumulation steps)."""
+        opt = self._offload_for()
+        if opt is None:
+            return super().backward(loss, **kwargs)
+        if kwargs:
+            raise ConfigError(f"accelerator.backward(loss, {', '.join(kwargs)}=...): the engine "
+                              "runs the backward pass itself and takes no options")
+        self._check_engine(opt.bound())
+        opt.sync_hyper()  # the engine launches CPU steps during backward: the lr of this step
+        gas = self.gradient_accumulation_steps
+        opt.bound().backward(loss / gas if gas != 1 else loss, scale_wrt_gas=False)
+        opt.count_backward()
+        return None
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """`engine.clip_grad_norm_` when `parameters` are the engine's: the total norm, and
+        every bucket clipped inside the step."""
+        opt = self._offload_for()
+        if opt is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        params = list(parameters)
+        engine = opt.bound()
+        ours = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
+        given = {id(p) for p in params if p.requires_grad}
+        if not given & ours:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        if given != ours:
+            raise ConfigError(
+                f"accelerator.clip_grad_norm_ over {len(given & ours)} of the engine's "
+                f"{len(ours)} parameters: the engine clips by the global norm of all of them "
+                "(what its speculation validates); pass model.parameters()")
+        return engine.clip_grad_norm_(float(max_norm), norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        if self._offload_for() is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        raise ConfigError(
+            "accelerator.clip_grad_value_: the engine clips by the global norm only, inside its "
+            "step; use accelerator.clip_grad_norm_(model.parameters(), max_norm)")
+
+    def free_memory(self, *objects: Any) -> Any:
+        """Close the engines this accelerator built (the model keeps its trained weights),
+        then `Accelerator.free_memory`."""
+        for opt in self.offload_optimizers:
+            if opt.built and opt.engine is not None:
+                opt.engine.close()
+        self.engine_metrics = None
+        return super().free_memory(*objects)
+
+
+__all__ = ["OffloadAcceleratedOptimizer", "SuperOffloadAccelerator", "engine_of"]

@@ -1,0 +1,123 @@
+"""The live figure's browser side (`widgets/liveplot.py`) alone in Chromium: no JupyterLab, a
+fake widget model, the real plotly.js. What a person needs of it, each checked on the page:
+
+* a view off screen draws nothing while figures arrive, and draws the NEWEST one as soon as
+  it is scrolled into view (JupyterLab's default windowing skips off-screen cells, and Run
+  All leaves the dashboard off screen);
+* a draw that never settles does not block the next ones: after the timeout the newest
+  figure is drawn on a fresh element (the wedge seen with `drawing` held forever);
+* a burst of figures is folded: far fewer draws than figures, the last one drawn.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from superoffload.widgets import liveplot
+from tests import browser_support as bs
+
+pytestmark = pytest.mark.browser
+
+PAGE = """<!doctype html><html><head><meta charset='utf-8'><script src='{plotly}'></script></head>
+<body style='margin:0'><div id='spacer' style='height:3000px'>spacer</div><div id='view' style='width:800px'></div>
+<script>
+window.figureOf = (n) => ({{data: [{{x: Array.from({{length: n}}, (_, i) => i), y: Array.from({{length: n}}, (_, i) => i * i),
+                          type: 'scatter', mode: 'lines', name: 'n' + n}}], layout: {{height: 300, title: {{text: 'figure ' + n}}}}}});
+window.makeModel = () => {{
+  const state = {{figure: {{}}, config: {{}}}}, listeners = {{}};
+  return {{state, get: (k) => state[k], on: (ev, cb) => (listeners[ev] = listeners[ev] || []).push(cb),
+          set: (k, v) => {{ state[k] = v; (listeners['change:' + k] || []).forEach(cb => cb()); }}}};
+}};
+window.start = async (js) => {{
+  const url = URL.createObjectURL(new Blob([js], {{type: 'text/javascript'}}));
+  const mod = await import(url);
+  window.model = makeModel();
+  window.view = document.getElementById('view');
+  mod.default.render({{model: window.model, el: window.view}});
+}};
+window.drawn = () => {{
+  const gd = window.view.querySelector('.js-plotly-plot');
+  const ds = window.view.dataset;
+  return {{draws: Number(ds.draws || 0), stalls: Number(ds.stalls || 0), pending: ds.pending || '',
+          title: gd && gd.layout && gd.layout.title ? gd.layout.title.text : '',
+          points: gd && gd._fullData && gd._fullData.length ? gd._fullData[0].x.length : 0,
+          plots: window.view.querySelectorAll('.js-plotly-plot').length}};
+}};
+</script></body></html>"""
+
+
+@pytest.fixture
+def page(tmp_path: Path) -> Any:
+    if not Path(bs.CHROMIUM).exists():
+        pytest.skip(f"{bs.CHROMIUM} is absent: apt-get install chromium")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    html = tmp_path / "liveplot.html"
+    html.write_text(PAGE.format(plotly=liveplot.plotly_bundle().as_uri()))
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=bs.CHROMIUM, args=bs.CHROMIUM_ARGS)
+        try:
+            p = browser.new_page(viewport={"width": 1000, "height": 700})
+            errors: list[str] = []
+            p.on("pageerror", lambda e: errors.append(str(e)))
+            p.goto(html.as_uri())
+            p.evaluate("(js) => window.start(js)", liveplot.render_js())
+            yield p
+            assert errors == [], errors
+        finally:
+            browser.close()
+
+
+def _send(page: Any, n: int) -> None:
+    page.evaluate("(n) => window.model.set('figure', window.figureOf(n))", n)
+
+
+def _wait_drawn(page: Any, title: str, timeout_ms: int) -> dict[str, Any]:
+    page.wait_for_function("(t) => window.drawn().title === t", arg=title, timeout=timeout_ms)
+    return page.evaluate("() => window.drawn()")
+
+
+def test_an_off_screen_view_draws_the_newest_figure_when_it_is_scrolled_into_view(page: Any) -> None:
+    for n in range(1, 6):  # the view is below a 3000 px spacer: off screen
+        _send(page, n)
+        page.wait_for_timeout(100)
+    page.wait_for_timeout(500)
+    before = page.evaluate("() => window.drawn()")
+    assert before["draws"] == 0 and before["pending"] == "hidden", before
+    page.evaluate("() => window.view.scrollIntoView()")
+    after = _wait_drawn(page, "figure 5", 5000)
+    assert after["points"] == 5 and after["pending"] == "", after
+    page.evaluate("() => window.scrollTo(0, 0)")  # off screen again, newer figures arrive
+    _send(page, 7)
+    page.wait_for_timeout(500)
+    assert page.evaluate("() => window.drawn()")["title"] == "figure 5"
+    page.evaluate("() => window.view.scrollIntoView()")
+    assert _wait_drawn(page, "figure 7", 5000)["points"] == 7
+
+
+def test_a_draw_that_never_settles_does_not_block_the_next_ones(page: Any) -> None:
+    page.evaluate("() => window.view.scrollIntoView()")
+    _send(page, 2)
+    _wait_drawn(page, "figure 2", 5000)
+    # the next draw hangs for good (what an off-screen cell's draw did under windowing)
+    page.evaluate("""() => {
+      const hooks = window.view.soLivePlot, react = hooks.react;
+      hooks.react = (...a) => { hooks.react = react; return new Promise(() => {}); };
+    }""")
+    _send(page, 3)
+    page.wait_for_timeout(300)
+    _send(page, 4)  # arrives while the hung draw holds its element
+    got = _wait_drawn(page, "figure 4", liveplot.DRAW_TIMEOUT_MS + 5000)
+    assert got["stalls"] == 1 and got["points"] == 4 and got["plots"] == 1, got
+    _send(page, 5)  # and it keeps drawing at its usual pace afterwards
+    assert _wait_drawn(page, "figure 5", 3000)["stalls"] == 1
+
+
+def test_a_burst_of_figures_is_folded_into_few_draws_ending_on_the_newest(page: Any) -> None:
+    page.evaluate("() => window.view.scrollIntoView()")
+    page.evaluate("() => { for (let n = 1; n <= 60; n++) window.model.set('figure', window.figureOf(n * 100)); }")
+    got = _wait_drawn(page, "figure 6000", 10_000)
+    assert got["points"] == 6000 and got["draws"] < 10, json.dumps(got)

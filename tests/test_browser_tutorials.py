@@ -1,0 +1,121 @@
+"""Tutorials 08 and 07 in a real browser, as a person runs them: JupyterLab's DEFAULT settings
+(off-screen cells are not rendered), a 1366x768 window, Run All.
+
+1. Tutorial 08 (`trainer.train()` holds its cell): the dashboard is off screen while the
+   first data arrives, waits without drawing, draws the newest figure as soon as it is
+   scrolled into view, and keeps redrawing while the cell trains (the live figure used to
+   stay empty for the whole run: one draw started off screen never finished and blocked all
+   later ones).
+2. Tutorial 07: Run All ends on live views, not on text frozen at the first steps: the "what
+   calibration changed" section fills in by itself once the planner has calibrated, the
+   trainer's status line keeps counting, and the dashboard (the last cell) draws the run; one
+   tuner during the run, one snapshot of it (and of the calibration) after Stop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests import browser_support as bs
+from tests.browser_session import (
+    REPO,
+    Session,
+    iteration,
+    one_tuner,
+    run_notebook,
+)
+
+pytestmark = [pytest.mark.browser, pytest.mark.flaky(reruns=1)]
+
+TUTORIAL_07 = REPO / "tutorials" / "07_tuning_for_your_machine.ipynb"
+TUTORIAL_08 = REPO / "tutorials" / "08_hf_trainer_and_fit.ipynb"
+
+
+@pytest.mark.timeout(900)
+def test_tutorial_08_draws_the_newest_figure_whenever_it_comes_into_view(tmp_path) -> None:
+    run_notebook(tmp_path, TUTORIAL_08, "tutorial_08", _tutorial_08, parameters={"STEPS": 200})
+
+
+def _train_cell(s: Session) -> int:
+    """The index of the cell that calls trainer.train()."""
+    return int(s.page.evaluate("""() => window.jupyterapp.shell.currentWidget.content.widgets
+        .findIndex(c => c.model.type === 'code' && c.model.sharedModel.getSource().includes('trainer.train()'))"""))
+
+
+def _tutorial_08(s: Session) -> None:
+    page = s.page
+    page.evaluate(bs.JS_START_RUN_ALL)
+    s.phase("Run All started")
+    train_cell = _train_cell(s)
+    page.wait_for_selector(".so-dashboard", state="attached", timeout=300_000)
+    # away from the dashboard, as a person reading the tutorial's top is, while training starts
+    page.evaluate(bs.JS_SCROLL_TO_TOP)
+    hidden = s.wait(lambda d: d["pending"] == "hidden" and iteration(d["status"]) >= 5,
+                    timeout_s=300, live=False)
+    draws_hidden = hidden["draws"]
+    page.wait_for_timeout(3000)
+    d = s.dashboard()
+    assert d["draws"] == draws_hidden and d["pending"] == "hidden", \
+        f"off screen, figures wait for the view instead of being drawn: {d}"
+    s.phase(f"off screen at iteration {iteration(d['status'])}: {d['draws']} draws, newer figures waiting")
+    page.locator(".so-dashboard").scroll_into_view_if_needed()
+    shown = s.wait(lambda d: d["draws"] > draws_hidden and (d["measured"] or {}).get("n", 0) > 0
+                   and d["pending"] == "", timeout_s=30)
+    s.phase(f"scrolled into view: drawn within seconds ({shown['measured']['n']} iterations, "
+            f"the draw took {shown['drawMs']} ms)")
+    draws: set[int] = set()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        d = s.dashboard()
+        if not d["live"]:
+            break
+        if "running" in d["status"] and page.evaluate(bs.JS_CELL_RUNNING, train_cell):
+            draws.add(d["draws"])
+        if len(draws) >= 8:
+            break
+        page.wait_for_timeout(400)
+    assert len(draws) >= 5, f"the dashboard redrew only {len(draws)} times during trainer.train()"
+    assert s.dashboard()["stalls"] == 0, "no draw had to be abandoned on a visible figure"
+    s.phase(f"{len(draws)} different draw counts while trainer.train() ran")
+    page.wait_for_function(f"() => ({bs.JS_OUTPUT_TEXT})().includes('held-out loss')", timeout=600_000)
+
+
+@pytest.mark.timeout(900)
+def test_tutorial_07_run_all_ends_on_live_views(tmp_path) -> None:
+    run_notebook(tmp_path, TUTORIAL_07, "tutorial_07", _tutorial_07, parameters={"MINUTES": 6})
+
+
+CALIBRATED = "planner calibrated on iterations"
+
+
+def _tutorial_07(s: Session) -> None:
+    page = s.page
+    page.evaluate(bs.JS_RUN_ALL)
+    s.phase("Run All returned (training goes on in its thread)")
+    page.locator(".so-dashboard").scroll_into_view_if_needed()
+    s.wait(lambda d: (d["measured"] or {}).get("n", 0) > 0, timeout_s=300)
+    one_tuner(s, frozen=False)
+    view = page.locator(".so-calibration")
+    assert view.count() == 1, "the 'what calibration changed' section has a live view"
+    page.wait_for_function(f"() => document.querySelector('.so-calibration').textContent.includes('{CALIBRATED}')",
+                           timeout=300_000)
+    text = view.text_content() or ""
+    assert "before: predicted" in text and "after:" in text, text
+    s.phase("the calibration section filled in by itself: " + text[:120])
+    first = s.dashboard()
+    page.wait_for_timeout(5000)
+    later = s.dashboard()
+    assert iteration(later["status"]) > iteration(first["status"]) and "running" in later["trainer"], \
+        "the run's status keeps counting after Run All returned"
+    page.click(".so-trainer-stop")
+    page.wait_for_function(f"() => ({bs.JS_OUTPUT_TEXT})().includes('superoffload-train: stopped')",
+                           timeout=180_000)
+    page.wait_for_function("() => !document.querySelector('.so-dashboard, .so-tuner, .so-calibration')",
+                           timeout=180_000)
+    one_tuner(s, frozen=True)
+    snapshot = page.locator(".so-calibration-snapshot")
+    assert snapshot.count() == 1 and CALIBRATED in (snapshot.text_content() or "")
+    assert page.evaluate(bs.JS_WIDGET_ERRORS) == []
+    s.phase("stopped: one tuner snapshot, the calibration kept, the dashboard frozen in place")
