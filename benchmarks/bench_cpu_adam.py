@@ -1,5 +1,6 @@
-"""CPU Adam benchmark (issue 2 §4): our kernel vs torch AdamW (for-loop, foreach, fused),
-DeepSpeed's CPUAdam when importable, and a bandwidth-floor probe, interleaved in one run.
+"""CPU Adam benchmark (docs/kernel.md, "Benchmark"): our kernel vs torch AdamW (for-loop,
+foreach, fused), DeepSpeed's CPUAdam when importable, and a bandwidth-floor probe, interleaved
+in one run.
 
     .venv/bin/python benchmarks/bench_cpu_adam.py                  # 2^26 params, 2 threads
     .venv/bin/python benchmarks/bench_cpu_adam.py --numel 4194304 --repeats 5   # quick

@@ -1,4 +1,4 @@
-"""Per-call overhead of the CPU Adam paths on many tensors (issue 11 §3).
+"""Per-call overhead of the CPU Adam paths on many tensors (docs/kernel.md, "Per-call overhead").
 
 `so.CPUAdam.step()` vs `torch.optim.AdamW(fused=True).step()` vs the raw kernel
 (`kernels.adam_step_multi`, which validates everything on every call) vs a prepared call

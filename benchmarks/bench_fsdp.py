@@ -6,8 +6,8 @@ AdamW(fused=True), and so.CPUAdam, interleaved round by round in one run.
     .venv/bin/python benchmarks/bench_fsdp.py --preset small --rounds 5            # quick
     .venv/bin/python benchmarks/bench_fsdp.py --engine --preset tiny              # the engine
 
-``--engine``: the offload engine over FSDP2 against plain FSDP2 + so.CPUAdam,
-benchmarks/bench_fsdp_engine.py.
+``--engine``: the offload engine over FSDP2 against plain FSDP2 + so.CPUAdam, with the
+planner's predicted iteration beside the engine's measured one (benchmarks/bench_fsdp_engine.py).
 
 Without torchrun's variables the script starts itself under ``torch.distributed.run`` with
 ``--ranks`` processes (gloo on the CPU). Each rank builds the same GPT (superoffload.models),
@@ -52,6 +52,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="time the offload engine over FSDP2 against its peers instead")
     p.add_argument("--block", type=int, default=3,
                    help="--engine: iterations per arm and round (the overlap spans them)")
+    p.add_argument("--bucket-bytes", type=int, default=None,
+                   help="--engine: OffloadConfig.bucket_bytes (default: its default; smaller "
+                        "buckets make several FSDP2 units of a small model)")
+    p.add_argument("--profile", default="local",
+                   help="--engine: the planner's profile for the predicted column: 'local' "
+                        "(measured here, cached), a preset, a profile JSON, or 'none'")
     return p.parse_args(argv)
 
 

@@ -1,4 +1,4 @@
-"""The CPU Adam kernel with its data in DRAM, not cache (DESIGN.md §6, issue 11).
+"""The CPU Adam kernel with its data in DRAM, not cache (DESIGN.md §6).
 
 A rate measured on one warm buffer is cache speed (the H200 host: 8.4 G params/s = 235 GB/s,
 3.3x its DRAM bandwidth). Here `--gb` of buffers (default 2 GB, far beyond this machine's

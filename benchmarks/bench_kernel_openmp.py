@@ -1,4 +1,5 @@
-"""The OpenMP wait policy's cost (docs/kernel.md, "Threads"; issues 11 §4 and 20 §6).
+"""The OpenMP wait policy's cost (docs/kernel.md, "Threads, the work split
+and the OpenMP wait policy").
 
 libgomp reads OMP_WAIT_POLICY / GOMP_SPINCOUNT once, at `import torch` (its copy serves our
 kernel too), so each setting needs its own process: this script runs itself once per
@@ -6,7 +7,7 @@ setting and round, the settings interleaved round by round, and prints one row e
 child imports torch BEFORE superoffload (as a user's script often does), so the rows are:
 
 * libgomp's default: torch first, our throttle opted out (SUPEROFFLOAD_OMP_THROTTLE=0):
-  what such a process got before issue 20;
+  what such a process got before the spin throttle (kernels/openmp.py);
 * torch first, throttled: what it gets now (kernels/openmp.py parks a pool, so libgomp
   spins at most 100 times per wait);
 * OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=1000 set in the environment (the user's way).

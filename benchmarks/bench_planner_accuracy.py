@@ -1,4 +1,4 @@
-"""How well does the planner predict this machine? (issue 18, item 2; docs/planner.md, "Accuracy")
+"""How well does the planner predict this machine? (docs/planner.md, "Accuracy")
 
 For each model (default: the CPU demo's ``small`` and ``medium``, batch 16 x 128, fp32, the
 tiny_cpu preset the CLI uses on a CPU) one engine trains while the ratio rotates through
@@ -15,7 +15,7 @@ True, force)`` profiles predicting the first model, their spread, and the load a
     flock /tmp/so-bench.lock .venv/bin/python benchmarks/bench_planner_accuracy.py
     .venv/bin/python benchmarks/bench_planner_accuracy.py --models small --rounds 2 --json
 
-Targets (issue 18): after calibration within +-20% at three ratios for both models; before
+Targets: after calibration within +-20% at three ratios for both models; before
 calibration within 2x; the repeated quick profiles' predictions within 10% of each other on
 an idle machine. Speed is measured here; tests check the maths (tests/test_plan_accuracy.py).
 """

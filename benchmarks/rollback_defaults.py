@@ -1,4 +1,4 @@
-"""Does the default rollback match AdamW + clip_grad_norm_ under heavy clipping? (issue 17 §1)
+"""Does the default rollback match AdamW + clip_grad_norm_ under heavy clipping?
 
 The tests' tiny GPT (tests/_tiny_models.py), 20 steps, lr 3e-3, betas (0.9, 0.95), wd 0.1,
 4 KiB buckets, ratio 0.9; the loss times k gives gradients k times larger (clip ratio ~k

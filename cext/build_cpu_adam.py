@@ -2,9 +2,10 @@
 
 setup.py names this file in `cffi_modules`, so `pip install -e .` compiles cext/*.c into the
 private extension `superoffload.kernels._cpu_adam_cffi`. The cdef is the CDEF block of
-so_cpu_adam.h, so the declaration lives in one place (STYLE.md §7).
+so_cpu_adam.h, so the declaration lives in one place (docs/conventions.md, "Kernel bindings
+in three layers").
 
-Compile flags (issue 2 §2; FACTS.md "Lessons"):
+Compile flags (FACTS.md "Lessons"):
   -O3 -fno-math-errno   gcc vectorises sqrt only without errno;
   -fno-trapping-math    lets gcc if-convert the fp16 rounding selects (values unchanged);
   -ffp-contract=off     no FMA contraction, so every SIMD path gives the same bits;

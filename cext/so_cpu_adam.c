@@ -1,5 +1,5 @@
 /* Entry points of the CPU Adam kernel: argument checks, coefficients, and ONE OpenMP
- * parallel region per call over all tensors (issue 2 §2).
+ * parallel region per call over all tensors.
  *
  * Threads: the total element count of all tensors is split into T contiguous ranges
  * (aligned to 64 elements, one cache line of fp32 x 4), and each thread walks its range
@@ -150,10 +150,11 @@ static uint32_t so_walk(const so_adam_tensors *t, const int64_t *offsets, const 
     return mask;
 }
 
-/* Run so_walk over [0, total) with `team` threads in ONE parallel region (issue 2 §2) and
+/* Run so_walk over [0, total) with `team` threads in ONE parallel region and
  * return the OR of the masks. SO_SCHED_STATIC: one contiguous range per thread;
  * SO_SCHED_DYNAMIC: chunks handed out on demand, so a thread the OS preempts does not
- * stretch the call by its whole share (issue 11 §4). */
+ * stretch the call by its whole share (docs/kernel.md, "Threads, the work split and the
+ * OpenMP wait policy"). */
 static uint32_t so_parallel_walk(const so_adam_tensors *t, const int64_t *offsets,
                                  const so_kernels *k, const so_coeffs *c, uint64_t seed,
                                  int variant, int mode, int64_t total, int team, int sched,

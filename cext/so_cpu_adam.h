@@ -1,7 +1,7 @@
-/* superoffload CPU Adam/AdamW kernel: the C declaration (DESIGN.md §4, issue 2 §2).
+/* superoffload CPU Adam/AdamW kernel: the C declaration (DESIGN.md §4).
  *
- * Three layers (STYLE.md §7): this header is the declaration; cext/build_cpu_adam.py
- * compiles it into the private module superoffload.kernels._cpu_adam_cffi; the thin wrapper
+ * Three layers (docs/conventions.md, "Kernel bindings in three layers"): this header is
+ * the declaration; cext/build_cpu_adam.py compiles it into the private module superoffload.kernels._cpu_adam_cffi; the thin wrapper
  * superoffload/kernels/cpu_adam.py checks every argument and turns every return code into
  * an exception. The library holds no global state: every call gets all it needs.
  *

@@ -1,5 +1,6 @@
-"""Fail when a notebook in git carries outputs, execution counts or widget state, or cites a
-file that is not in the repository.
+"""Fail when a notebook in git carries outputs, execution counts or widget state, or cites one
+of the team's design notes instead of a user doc (paths in notebooks are checked by
+tests/test_pointers.py).
 
 Run by `make lint`; `python scripts/check_notebooks.py --strip` cleans outputs in place (a
 citation has to be fixed by hand: point at docs/).
@@ -12,8 +13,9 @@ import sys
 from pathlib import Path
 
 ROOTS = ("notebooks", "tutorials")
-NOT_IN_REPO = ("DESIGN.md", "FACTS.md")
-"""Design notes that live outside the repository: notebooks cite docs/ instead."""
+DESIGN_NOTES = ("DESIGN.md", "FACTS.md")
+"""The team's design notes (docs/DESIGN.md, docs/FACTS.md): a notebook cites the user doc of
+its topic in docs/ instead."""
 
 
 def dirty_reasons(nb: dict) -> list[str]:
@@ -22,9 +24,9 @@ def dirty_reasons(nb: dict) -> list[str]:
         reasons.append("notebook metadata holds widget state")
     for i, cell in enumerate(nb.get("cells", [])):
         source = "".join(cell.get("source", []))
-        for name in NOT_IN_REPO:
+        for name in DESIGN_NOTES:
             if name in source:
-                reasons.append(f"cell {i} cites {name}, which is not in the repository: cite docs/")
+                reasons.append(f"cell {i} cites {name}, a design note: cite the docs/ page of its topic")
         if cell.get("cell_type") != "code":
             continue
         if cell.get("outputs"):

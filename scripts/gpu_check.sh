@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one prepared device check for issue 11 (written for one H200 on PCIe with a 16-core host,
-# a bare image whose python3 has torch, pytest, numpy and tqdm but no cffi, no network, and a
-# 15-minute device budget). About 8 minutes; every step has its own time limit and the script
-# goes on when one fails or is skipped. Writes its log and tables under $OUT when set (at most
+# The one prepared device check of the H200 speed targets (docs/planner.md; written for one
+# H200 on PCIe with a 16-core host, a bare image whose python3 has torch, pytest, numpy and
+# tqdm but no cffi, no network, and a 15-minute device budget). About 8 minutes; every step
+# has its own time limit and the script goes on when one fails or is skipped. Writes its log and tables under $OUT when set (at most
 # 8 files come back from a device run: this writes 7).
 #
 #   bash scripts/gpu_check.sh                 # from the repository root (or anywhere)
@@ -151,7 +151,7 @@ ours = [r for r in rows if r["schedule"] != "plain"]
 best = min(ours, key=lambda r: r["iter_ms"])
 tuned = next((r for r in ours if r["schedule"] == "tuned"), None)
 errs = [abs(r["error"]) for r in ours if r["error"] is not None]
-print(f"issue 11 targets: fastest ours {best['schedule']} {best['iter_ms']:.1f} ms = "
+print(f"H200 speed targets: fastest ours {best['schedule']} {best['iter_ms']:.1f} ms = "
       f"{plain / best['iter_ms']:.2f}x plain (target >= 0.92x at the tuner's pick); ratio 0.7: "
       + ", ".join(f"{plain / r['iter_ms']:.2f}x plain" for r in ours if r["ratio"] == 0.7)
       + " (target >= 0.65x)")

@@ -1,6 +1,6 @@
 """Regenerate tests/fixtures/cpu_adam_golden.pt: a few KB of reference Adam/AdamW states
 computed by PyTorch itself (torch.optim in float64), which tests/test_kernel_golden.py
-replays through our fp32 kernel (STYLE.md §8, after llm.c's reference state).
+replays through our fp32 kernel (docs/conventions.md, "Golden data for kernels").
 
     .venv/bin/python scripts/make_golden.py
 """

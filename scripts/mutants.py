@@ -1,5 +1,5 @@
 """Mutation check: put one small bug at a time into a COPY of the tree and run the tests that
-should catch it (issue 22; how to add a mutant: docs/testing.md).
+should catch it (how to add a mutant: docs/testing.md).
 
     python scripts/mutants.py                 # every mutant of scripts/mutants.toml (make mutants)
     python scripts/mutants.py --only NAME...  # some of them

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 MiB = 1 << 20
 
@@ -43,16 +44,61 @@ Live = Literal["live", "replan", "forward"]
 (the buckets are rebuilt first) or "forward" (where the next forward starts: weight policy)."""
 
 
-def _field(default: Any = dataclasses.MISSING, *, numerics: bool = False, live: Live | None = None,
-           tuned: bool = False, factory: Any = dataclasses.MISSING) -> Any:
+Kind = Literal["int", "real", "bool", "str", "dict", "choice"]
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """What values a field takes, declared once on the field: ``OffloadConfig.validate``, the
+    command line (``commands/argtypes.for_field``) and the surface test read it. A "choice"
+    field's members are its ``Literal`` (``choices_of``); the others' kind and range are here."""
+
+    kind: Kind
+    lo: float | None = None
+    lo_open: bool = False
+    """True: ``lo`` itself is outside (a value must exceed it)."""
+    hi: float | None = None
+    none_ok: bool = False
+    """None is a valid value (e.g. ``cpu_threads=None``: derive it)."""
+    test: Callable[[Any], bool] | None = None
+    """A further condition (``device``'s "cuda:N" form)."""
+    fix: str = ""
+    """What to use instead, in the error message."""
+
+    def admits(self, value: Any, choices: tuple[Any, ...] = ()) -> bool:
+        if value is None:
+            return self.none_ok
+        kinds: dict[str, Callable[[Any], bool]] = {
+            "int": _is_int, "real": _is_real, "bool": lambda v: isinstance(v, bool),
+            "str": lambda v: isinstance(v, str), "dict": lambda v: isinstance(v, dict),
+            "choice": lambda v: v in choices}
+        if not kinds[self.kind](value):
+            return False
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            return False
+        if self.hi is not None and value > self.hi:
+            return False
+        return self.test is None or bool(self.test(value))
+
+
+CHOICE = Bound("choice")
+"""A field whose values are the members of its ``Literal`` type."""
+WHOLE_GE_1 = Bound("int", lo=1, fix="use a whole number >= 1")
+BOOL = Bound("bool", fix="use True or False")
+
+
+def _field(default: Any = dataclasses.MISSING, *, bound: Bound, numerics: bool = False,
+           live: Live | None = None, tuned: bool = False,
+           factory: Any = dataclasses.MISSING) -> Any:
     """A config field with its roles declared once (the lists below are derived from them).
 
+    bound: the values it takes (``Bound``); ``validate`` is a loop over these.
     numerics: a checkpoint written under another value is refused (it changes the maths);
         every other field only places or schedules work and may differ on load.
     live: whether and how ``engine.reconfigure`` may change it while training.
     tuned: the tuner widget has a control for it.
     """
-    meta = {"numerics": numerics, "live": live, "tuned": tuned}
+    meta = {"numerics": numerics, "live": live, "tuned": tuned, "bound": bound}
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -67,67 +113,67 @@ class OffloadConfig:
     """Every setting of the offload engine. Construct, then call `validate()` (done by
     `superoffload.initialize`); `replace(**changes)` returns a validated copy."""
 
-    device: str = _field("auto")
+    device: str = _field("auto", bound=Bound("str", test=lambda v: v in ("auto", "cpu", "cuda") or v.startswith("cuda:"), fix='use "auto", "cpu", "cuda" or "cuda:N"'))
     """Where forward/backward run: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:N"."""
 
-    bucket_bytes: int = _field(64 * MiB, live="replan", tuned=True)
+    bucket_bytes: int = _field(64 * MiB, live="replan", tuned=True, bound=Bound("int", lo=MIN_BUCKET_BYTES, fix=f"use a whole number of bytes >= {MIN_BUCKET_BYTES} (the paper uses 64 MiB)"))
     """Gradient bucket size in bytes of fp32 gradient (4 B/param). Paper §4.2: ~64 MB saturates C2C."""
 
-    ratio: float = _field(0.9, live="replan", tuned=True)
+    ratio: float = _field(0.9, live="replan", tuned=True, bound=Bound("real", lo=0.0, hi=1.0, fix="use a fraction in [0, 1]: 1 offloads every bucket, 0 keeps all on the device"))
     """Fraction of the gradient work (by bytes) offloaded to the CPU. The remaining 1-ratio are the
     buckets produced last in backward (first layers), stepped on the device (paper §4.2)."""
 
-    max_grad_norm: float | None = _field(None, numerics=True, live="live")
+    max_grad_norm: float | None = _field(None, numerics=True, live="live", bound=Bound("real", lo=0.0, none_ok=True, fix="use a positive number, or None/0 to disable clipping"))
     """Global gradient-norm clipping threshold; None or 0 disables clipping."""
 
-    speculation: Speculation = _field("on", live="live", tuned=True)
+    speculation: Speculation = _field("on", live="live", tuned=True, bound=CHOICE)
     """STV mode (paper §4.3): "on" steps CPU buckets before validation and rolls back on clip or
     overflow; "off" steps after validation (ZeRO-Offload-like); "adaptive" stops speculating while
     clipping fires often and resumes when it calms down."""
 
-    rollback: RollbackMode = _field("auto", live="live")
+    rollback: RollbackMode = _field("auto", live="live", bound=CHOICE)
     """How speculative steps are undone: "auto" (the algebraic inverse where its error bound is
     below 1e-6 of an update, exact copies of the few elements beyond it, and no speculation for a
     bucket certain to clip: matches AdamW + clipping to ~1e-7; runtime/rollback_guard.py),
     "inverse" (unguarded: a few ulps only while the rejected gradient does not dwarf the moments'
     history, docs/engine.md) or "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param)."""
 
-    adaptive_window: int = _field(20, live="live")
+    adaptive_window: int = _field(20, live="live", bound=Bound("int", lo=1, fix="use a whole number of iterations >= 1"))
     """Adaptive STV: number of recent iterations over which the clipping rate is measured."""
 
-    adaptive_threshold: float = _field(0.25, live="live")
+    adaptive_threshold: float = _field(0.25, live="live", bound=Bound("real", lo=0.0, lo_open=True, hi=1.0, fix="use a fraction in (0, 1]"))
     """Adaptive STV: stop speculating when more than this fraction of the window clipped."""
 
-    grad_cast: CastSide = _field("auto", live="replan", tuned=True)
+    grad_cast: CastSide = _field("auto", live="replan", tuned=True, bound=CHOICE)
     """D2H direction for low-precision models: "device" casts bf16->fp32 on the device and moves
     fp32; "host" moves bf16 and casts inside the CPU kernel's pass; "auto" asks the cost model."""
 
-    param_cast: CastSide = _field("auto", live="replan", tuned=True)
+    param_cast: CastSide = _field("auto", live="replan", tuned=True, bound=CHOICE)
     """H2D direction: "host" writes the bf16 copy in the CPU kernel's pass and moves bf16;
     "device" moves fp32 and casts on the device; "auto" asks the cost model."""
 
-    loss_scale: LossScale = _field("dynamic", numerics=True)
+    loss_scale: LossScale = _field("dynamic", numerics=True, bound=CHOICE)
     """fp16 only: "dynamic" loss scaling (DeepSpeed semantics) or "none". Ignored for bf16/fp32."""
 
-    initial_scale_power: int = _field(16, numerics=True)
+    initial_scale_power: int = _field(16, numerics=True, bound=Bound("int", lo=0, hi=64, fix="use a whole number in [0, 64] (DeepSpeed's default is 16)"))
     """fp16 dynamic loss scaling: the first scale is 2**initial_scale_power."""
 
-    loss_scale_window: int = _field(1000, numerics=True)
+    loss_scale_window: int = _field(1000, numerics=True, bound=WHOLE_GE_1)
     """fp16: grow the scale by 2 after this many overflow-free iterations."""
 
-    hysteresis: int = _field(2, numerics=True)
+    hysteresis: int = _field(2, numerics=True, bound=WHOLE_GE_1)
     """fp16: overflows tolerated before the scale is shrunk."""
 
-    min_loss_scale: float = _field(1.0, numerics=True)
+    min_loss_scale: float = _field(1.0, numerics=True, bound=Bound("real", lo=0.0, lo_open=True, fix="use a positive number"))
     """fp16: the scale never drops below this."""
 
-    static_loss_scale: float = _field(1.0, numerics=True)
+    static_loss_scale: float = _field(1.0, numerics=True, bound=Bound("real", lo=0.0, lo_open=True, fix="use a positive number (1.0 means no scaling)"))
     """fp16 with loss_scale="none": the fixed loss scale (DeepSpeed `fp16.loss_scale` > 0)."""
 
-    grad_accum_steps: int = _field(1, numerics=True)
+    grad_accum_steps: int = _field(1, numerics=True, bound=WHOLE_GE_1)
     """Micro-steps per optimizer step; buckets are offloaded on the last micro-step only."""
 
-    grad_accum_on: GradAccumOn = _field("auto")
+    grad_accum_on: GradAccumOn = _field("auto", bound=CHOICE)
     """Where the gradients of offloaded buckets accumulate over ``grad_accum_steps`` > 1:
     "device" (they stay on the device until the last micro-step: the offloaded buckets' full
     gradients are resident, one D2H per optimizer step), "host" (each micro-step's gradients
@@ -135,173 +181,76 @@ class OffloadConfig:
     ZeRO-Offload does: one D2H per micro-step, only ``grad_buckets_in_flight`` buckets
     resident) or "auto" (the cost model picks: ``plan.grad_accum.choose_grad_accum``)."""
 
-    grad_buckets_in_flight: int = _field(2, live="live")
+    grad_buckets_in_flight: int = _field(2, live="live", bound=Bound("int", lo=1, fix="use a whole number of buckets >= 1 (2 overlaps one copy with the next bucket)"))
     """Offloaded buckets whose gradients may be on the device at once after their last
     gradient is final and before their D2H copy has landed (backward waits for the oldest
     copy beyond it). With the bucket backward is filling, the device holds at most
     ``grad_buckets_in_flight + 1`` offloaded buckets' gradients; the planner charges the same."""
 
-    keep_device_grads: bool = _field(False)
+    keep_device_grads: bool = _field(False, bound=BOOL)
     """Keep the device gradients of offloaded buckets after they left (``p.grad`` stays set
     until ``zero_grad()``, as in a plain torch loop; the planner then charges them). Default:
     freed once their D2H copy has landed, so ``p.grad`` is None after ``backward()`` (as under
     DeepSpeed ZeRO-2); read them with ``engine.grad_norm()`` and ``engine.full_grad(p)``."""
 
-    cpu_threads: int | None = _field(None, live="live", tuned=True)
+    cpu_threads: int | None = _field(None, live="live", tuned=True, bound=Bound("int", lo=1, none_ok=True, fix="use a whole number >= 1, or None to derive it from cpu_cores_frac"))
     """Threads of the CPU optimizer; None derives them from `cpu_cores_frac`."""
 
-    cpu_cores_frac: float = _field(0.9, live="live")
+    cpu_cores_frac: float = _field(0.9, live="live", bound=Bound("real", lo=0.0, lo_open=True, hi=1.0, fix="use a fraction in (0, 1] (DeepSpeed's cpuadam_cores_perc)"))
     """Share of the host's cores given to the CPU optimizer (DeepSpeed `cpuadam_cores_perc`)."""
 
-    pin_memory: bool = _field(True)
+    pin_memory: bool = _field(True, bound=BOOL)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
-    optimizer_state_dtype: StateDtype = _field("fp32", numerics=True)
+    optimizer_state_dtype: StateDtype = _field("fp32", numerics=True, bound=CHOICE)
     """Adam moments of the offloaded buckets on the host: "fp32" (28 B/param moved by the CPU
     step) or "bf16" with stochastic rounding (20 B/param, 4 B/param less host memory;
     DeepSpeed's ``fp32_optimizer_states=False``). It pays where the step is memory-bound and
     the kernel's bf16 pass keeps up (docs/planner.md: ``tune --allow-bf16-moments``). The fp32
     master stays fp32; GPU tail buckets keep fp32 moments. Accuracy: docs/kernel.md."""
 
-    step_order: StepOrder = _field("deadline", live="live")
+    step_order: StepOrder = _field("deadline", live="live", bound=CHOICE)
     """Order of the CPU steps and H2D copies of the buckets ready at once: "deadline" (the
     bucket the next forward needs first goes first: earliest deadline first, DESIGN.md §6)
     or "fifo" (gradient-ready order, the order backward produced them)."""
 
-    weights: WeightPolicy = _field("stationary", live="forward", tuned=True)
+    weights: WeightPolicy = _field("stationary", live="forward", tuned=True, bound=CHOICE)
     """Weight policy (paper §4.5): bf16 weights stay on the device ("stationary"), stream in per
     block from the host ("flow"), or the cost model chooses ("auto")."""
 
-    prefetch_depth: int = _field(2, live="forward")
+    prefetch_depth: int = _field(2, live="forward", bound=Bound("int", lo=1, fix="use a whole number of blocks >= 1"))
     """Weight-flow: blocks fetched ahead of the one running."""
 
-    watchdog_s: float = _field(300.0, live="live")
+    watchdog_s: float = _field(300.0, live="live", bound=Bound("real", lo=MIN_WATCHDOG_S, fix=f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take longer than that; the default is 300)"))
     """A bucket stuck in flight longer than this raises an error naming it instead of hanging."""
 
-    telemetry: bool = _field(True)
+    telemetry: bool = _field(True, bound=BOOL)
     """Record timeline spans (cheap; bounded memory)."""
 
-    telemetry_max_events: int = _field(200_000)
+    telemetry_max_events: int = _field(200_000, bound=WHOLE_GE_1)
     """Ring-buffer capacity of the telemetry recorder."""
 
-    seed: int = _field(0, numerics=True)
+    seed: int = _field(0, numerics=True, bound=Bound("int", fix="use a whole number"))
     """Seed for stochastic rounding and anything else the engine randomises."""
 
-    precision: Precision = _field("auto")
+    precision: Precision = _field("auto", bound=CHOICE)
     """The training precision the trainable parameters must have: "auto" takes the model's;
     "fp32" / "bf16" / "fp16" are checked when the engine is built (a DeepSpeed dict's
     ``bf16.enabled`` / ``fp16.enabled`` set it). Checkpoints carry the dtypes themselves."""
 
-    extra: dict[str, Any] = _field(factory=dict)
+    extra: dict[str, Any] = _field(factory=dict, bound=Bound("dict", fix="use a dict"))
     """Free-form notes carried along (e.g. the tuner's explanation); never read by the engine."""
 
     def validate(self) -> OffloadConfig:
-        """Check every field once; raise `ConfigError` naming the field and the fix."""
-        _check(
-            isinstance(self.device, str)
-            and (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")),
-            "device",
-            self.device,
-            'use "auto", "cpu", "cuda" or "cuda:N"',
-        )
-        _check(
-            _is_int(self.bucket_bytes) and self.bucket_bytes >= MIN_BUCKET_BYTES,
-            "bucket_bytes",
-            self.bucket_bytes,
-            f"use a whole number of bytes >= {MIN_BUCKET_BYTES} (the paper uses 64 MiB)",
-        )
-        _check(
-            _is_real(self.ratio) and 0.0 <= self.ratio <= 1.0,
-            "ratio",
-            self.ratio,
-            "use a fraction in [0, 1]: 1 offloads every bucket, 0 keeps all on the device",
-        )
-        _check(
-            self.max_grad_norm is None or (_is_real(self.max_grad_norm) and self.max_grad_norm >= 0),
-            "max_grad_norm",
-            self.max_grad_norm,
-            "use a positive number, or None/0 to disable clipping",
-        )
-        _check_choice("speculation", self.speculation, ("on", "off", "adaptive"))
-        _check_choice("rollback", self.rollback, ("auto", "inverse", "snapshot"))
-        _check_choice("grad_cast", self.grad_cast, ("device", "host", "auto"))
-        _check_choice("param_cast", self.param_cast, ("device", "host", "auto"))
-        _check_choice("loss_scale", self.loss_scale, ("dynamic", "none"))
-        _check_choice("weights", self.weights, ("stationary", "flow", "auto"))
-        _check_choice("precision", self.precision, ("auto", "fp32", "bf16", "fp16"))
-        _check_choice("step_order", self.step_order, ("deadline", "fifo"))
-        _check_choice("optimizer_state_dtype", self.optimizer_state_dtype, ("fp32", "bf16"))
-        _check_choice("grad_accum_on", self.grad_accum_on, ("auto", "device", "host"))
-        _check(
-            _is_int(self.grad_buckets_in_flight) and self.grad_buckets_in_flight >= 1,
-            "grad_buckets_in_flight",
-            self.grad_buckets_in_flight,
-            "use a whole number of buckets >= 1 (2 overlaps one copy with the next bucket)",
-        )
-        _check(isinstance(self.keep_device_grads, bool), "keep_device_grads",
-               self.keep_device_grads, "use True or False")
-        _check(isinstance(self.extra, dict), "extra", self.extra, "use a dict")
-        _check(
-            _is_int(self.adaptive_window) and self.adaptive_window >= 1,
-            "adaptive_window",
-            self.adaptive_window,
-            "use a whole number of iterations >= 1",
-        )
-        _check(
-            _is_real(self.adaptive_threshold) and 0.0 < self.adaptive_threshold <= 1.0,
-            "adaptive_threshold",
-            self.adaptive_threshold,
-            "use a fraction in (0, 1]",
-        )
-        _check(
-            _is_int(self.initial_scale_power) and 0 <= self.initial_scale_power <= 64,
-            "initial_scale_power",
-            self.initial_scale_power,
-            "use a whole number in [0, 64] (DeepSpeed's default is 16)",
-        )
-        for name in ("loss_scale_window", "hysteresis", "grad_accum_steps", "telemetry_max_events"):
-            value = getattr(self, name)
-            _check(_is_int(value) and value >= 1, name, value, "use a whole number >= 1")
-        _check(
-            _is_real(self.min_loss_scale) and self.min_loss_scale > 0,
-            "min_loss_scale",
-            self.min_loss_scale,
-            "use a positive number",
-        )
-        _check(
-            _is_real(self.static_loss_scale) and self.static_loss_scale > 0,
-            "static_loss_scale",
-            self.static_loss_scale,
-            "use a positive number (1.0 means no scaling)",
-        )
-        _check(
-            self.cpu_threads is None or (_is_int(self.cpu_threads) and self.cpu_threads >= 1),
-            "cpu_threads",
-            self.cpu_threads,
-            "use a whole number >= 1, or None to derive it from cpu_cores_frac",
-        )
-        _check(
-            _is_real(self.cpu_cores_frac) and 0.0 < self.cpu_cores_frac <= 1.0,
-            "cpu_cores_frac",
-            self.cpu_cores_frac,
-            "use a fraction in (0, 1] (DeepSpeed's cpuadam_cores_perc)",
-        )
-        _check(isinstance(self.pin_memory, bool), "pin_memory", self.pin_memory, "use True or False")
-        _check(isinstance(self.telemetry, bool), "telemetry", self.telemetry, "use True or False")
-        _check(
-            _is_int(self.prefetch_depth) and self.prefetch_depth >= 1,
-            "prefetch_depth",
-            self.prefetch_depth,
-            "use a whole number of blocks >= 1",
-        )
-        _check(
-            _is_real(self.watchdog_s) and self.watchdog_s >= MIN_WATCHDOG_S,
-            "watchdog_s",
-            self.watchdog_s,
-            f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take "
-            "longer than that; the default is 300)",
-        )
-        _check(_is_int(self.seed), "seed", self.seed, "use a whole number")
+        """Check every field against its declared ``Bound`` (and a choice field against its
+        ``Literal``); raise `ConfigError` naming the first invalid field and the fix."""
+        for f in dataclasses.fields(self):
+            value, bound = getattr(self, f.name), f.metadata["bound"]
+            choices = CHOICES.get(f.name, ())
+            if not bound.admits(value, choices):
+                fix = ("use one of " + ", ".join(repr(c) for c in choices) if bound.kind ==
+                       "choice" else bound.fix)
+                raise ConfigError(f"OffloadConfig.{f.name}={value!r} is invalid: {fix}")
         return self
 
     def replace(self, **changes: Any) -> OffloadConfig:
@@ -347,15 +296,6 @@ def _is_real(value: Any) -> bool:
     )
 
 
-def _check(ok: bool, name: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"OffloadConfig.{name}={value!r} is invalid: {fix}")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    _check(value in choices, name, value, "use one of " + ", ".join(repr(c) for c in choices))
-
-
 def _with(predicate: Any) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(OffloadConfig) if predicate(f.metadata))
 
@@ -373,3 +313,21 @@ FORWARD_FIELDS: frozenset[str] = _with(lambda m: m.get("live") == "forward")
 TUNED_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(OffloadConfig) if f.metadata.get("tuned", False))
 """Fields the tuner widget has a control for, in declaration order."""
+
+CHOICES: dict[str, tuple[Any, ...]] = {
+    name: get_args(hint) for name, hint in get_type_hints(OffloadConfig).items()
+    if get_origin(hint) is Literal}
+"""Every choice field's members, in its ``Literal``'s order (the one declaration)."""
+
+
+def choices_of(name: str, *, decided: bool = False) -> tuple[Any, ...]:
+    """The members of choice field ``name`` (``decided``: without "auto", what "auto"
+    resolves to): argparse ``choices=``, the tuner's options and the planner's candidates
+    read them here instead of typing them again."""
+    members = CHOICES[name]
+    return tuple(m for m in members if m != "auto") if decided else members
+
+
+def bound_of(name: str) -> Bound:
+    """Field ``name``'s declared ``Bound`` (``commands/argtypes.for_field`` builds from it)."""
+    return next(f.metadata["bound"] for f in dataclasses.fields(OffloadConfig) if f.name == name)

@@ -32,7 +32,8 @@ numbers, rates finite numbers.
 The precision (``bf16.enabled`` / ``fp16.enabled``, else fp32) becomes
 ``OffloadConfig.precision``, which the engine checks against the model's parameters.
 
-A key left out keeps DeepSpeed's default (``deepspeed/runtime/zero/offload_config.py``):
+A key left out keeps DeepSpeed's default
+(deepspeedai/DeepSpeed:deepspeed/runtime/zero/offload_config.py):
 ``offload_optimizer.ratio`` absent is 1.0 (every parameter's state on the CPU) and
 ``cpuadam_cores_perc`` 0.8. Where this engine keeps its own default instead, the conversion
 says so, one line per key, in its notice (``DIFFERENCES``): a missing ``super_offload``
@@ -63,6 +64,12 @@ _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "h
          "min_loss_scale", "auto_cast"}
 _BF16 = {"enabled"}
 _OPT_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"}
+ACCEPTED_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(_TOP), "zero_optimization": frozenset(_ZERO),
+    "zero_optimization.offload_optimizer": frozenset(_OFFLOAD), "fp16": frozenset(_FP16),
+    "bf16": frozenset(_BF16), "optimizer.params": frozenset(_OPT_PARAMS)}
+"""Every DeepSpeed key ``from_deepspeed`` reads, by section ("" = the top level): the
+surface test (tests/test_surface.py) freezes it."""
 DEEPSPEED_DEFAULTS = {"ratio": 1.0, "cpu_cores_frac": 0.8}
 """OffloadConfig fields a DeepSpeed dict that offloads sets to DeepSpeed's default when its
 key is absent (``offload_optimizer.ratio`` 1.0, ``cpuadam_cores_perc`` 0.8)."""

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON as people write it for Hugging Face Trainer (issue 18, item 4).
+"""DeepSpeed JSON as people write it for Hugging Face Trainer (docs/integrations.md).
 
 ``ds_config.from_deepspeed`` converts what changes the engine; this module prepares the rest:
 

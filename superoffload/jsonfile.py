@@ -1,5 +1,5 @@
-"""One JSON object read from a file's text, the errors naming the file (issue 17: a broken file
-or a JSON list gave a bare decoder message or a raw traceback).
+"""One JSON object read from a file's text, the errors naming the file (a broken file
+or a JSON list used to give a bare decoder message or a raw traceback).
 
 The one reader of the configs people hand us as JSON: a DeepSpeed config (ds_keys.read), a
 Hugging Face config.json (plan/hf_config.load) and a profile (``plan --profile``). A leaf

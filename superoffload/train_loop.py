@@ -271,7 +271,7 @@ def train(
     same steps (they may be collectives).
 
     `calibrator`: a `runtime.autocal.AutoCalibrator` on `engine`; started here, it fits the
-    planner to the first iterations by itself (issue 18) and its report is the result's
+    planner to the first iterations by itself and its report is the result's
     `calibration`.
 
     `steps_scope` is entered while steps whose end `should_stop` is asked about run: from

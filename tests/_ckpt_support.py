@@ -1,5 +1,5 @@
 """Checkpoint-corruption helpers shared by the checkpoint tests (test_reliability.py,
-test_zero_checkpoint_integrity.py)."""
+test_fsdp_checkpoint_integrity.py)."""
 
 from __future__ import annotations
 

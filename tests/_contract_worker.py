@@ -1,4 +1,4 @@
-"""One rank of the data-parallel contract tests (tests/test_contract_dp.py, issue 17 §7).
+"""One rank of the data-parallel contract tests (tests/test_contract_dp.py).
 
     python tests/_contract_worker.py SCENARIO OUT_DIR ARGS_JSON
 

@@ -26,6 +26,8 @@ the whole global batch. Scenarios:
            host-bucket shards, and whether offloaded .grad is None after backward
   several  args["do"]: [[scenario, args], ...] one after the other in one launch (a 4-process
            start costs ~20 s on 2 cores)
+  plan     args["runs"]: each rank's FSDP2 collectives per optimizer step and its peak device
+           bytes (tests/_fsdp_meter.py), for the planner's predictions (tests/test_plan_fsdp.py)
 """
 
 from __future__ import annotations
@@ -350,7 +352,7 @@ def scenario_bound(out: Path, rank: int, world: int, args: dict[str, Any]) -> No
     for name, run in args["runs"].items():
         model, engine = build(run)
         meter = DeviceMeter(model, engine=engine)
-        departures = engine.scheduler.departures
+        departures = engine.launcher.departures
         depart = departures.depart
 
         def metered(*a: Any, depart: Any = depart, meter: Any = meter, **kw: Any) -> Any:
@@ -378,6 +380,13 @@ def scenario_bound(out: Path, rank: int, world: int, args: dict[str, Any]) -> No
     (out / f"bound_rank{rank}.json").write_text(json.dumps(results))
 
 
+def scenario_plan(out: Path, rank: int, world: int, args: dict[str, Any]) -> None:
+    from _fsdp_meter import measure_run
+
+    results = {name: measure_run(run, rank, world) for name, run in args["runs"].items()}
+    (out / f"plan_rank{rank}.json").write_text(json.dumps(results))
+
+
 def scenario_several(out: Path, rank: int, world: int, args: dict[str, Any]) -> None:
     for name, sub in args["do"]:
         SCENARIOS[name](out, rank, world, sub)
@@ -386,7 +395,7 @@ def scenario_several(out: Path, rank: int, world: int, args: dict[str, Any]) -> 
 SCENARIOS = {"train": scenario_train, "ckpt": scenario_ckpt, "resume": scenario_resume,
              "dies": scenario_dies, "stall": scenario_stall, "ckptfail": scenario_ckptfail,
              "reconfig": scenario_reconfig, "two_saves": scenario_two_saves,
-             "bound": scenario_bound, "several": scenario_several}
+             "bound": scenario_bound, "several": scenario_several, "plan": scenario_plan}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""One rank of an FSDP2 + so.CPUAdam test (issue 21; run by tests/test_fsdp_cpu_adam.py).
+"""One rank of an FSDP2 + so.CPUAdam test (run by tests/test_fsdp_cpu_adam.py).
 
     python tests/_fsdp_worker.py SCENARIO[+SCENARIO...] OUT_DIR ARGS_JSON
 

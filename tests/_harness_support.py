@@ -1,4 +1,4 @@
-"""Build and run the kernel's C harness (cext/harness/, issue 20) natively and under
+"""Build and run the kernel's C harness (cext/harness/) natively and under
 qemu-user, and read its output (the format is documented in cext/harness/so_harness.h)."""
 
 from __future__ import annotations

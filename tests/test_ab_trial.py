@@ -1,4 +1,4 @@
-"""Apply measured as an interleaved A/B (issue 18, item 5): the statistics (telemetry/abtest.py)
+"""Apply measured as an interleaved A/B: the statistics (telemetry/abtest.py)
 by their properties, and the driver (runtime/ab_trial.py) on an engine stand-in whose
 iteration time depends on its settings, on a simulated clock (no wall-clock timing)."""
 

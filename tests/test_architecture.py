@@ -7,18 +7,36 @@
   defined by another of our modules, not this one (a third-party library's private API is
   that library's business), or ``from x import _name`` of our modules (except a package's
   own private modules, e.g. the kernels' compiled CFFI module);
-* no file over ~400 lines.
+* no file over ~400 lines, unless its docstring says why it is one concept
+  (``LONG_REASON``, at most ``MAX_LINES_ONE_CONCEPT``);
+* one training step reads one way (``scripts/step_trace.py --check``): at most
+  ``STEP_RUNTIME_FILES`` files of ``runtime/`` (plus the kernel's layers and the telemetry
+  recorder), no call that returns into the file it came from, no call cycle between files,
+  at most ``STEP_CALLS`` distinct cross-file calls. Derived from the order of the calls one
+  traced iteration makes, not from their timing.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "superoffload"
 MAX_LINES = 400
+MAX_LINES_ONE_CONCEPT = 700
+LONG_REASON = "Past 400 lines:"
+"""How a module's docstring says why it is one concept though longer (files split by concept,
+not by the line count)."""
+
+# one step (scripts/step_trace.py; docs/engine.md, "Reading one step")
+STEP_RUNTIME_FILES = 15
+STEP_CALLS = 110
+STEP_TWO_WAY = 0
+STEP_CYCLE_FILES = 0
 
 # torch-owned private names we must call (each has one wrapper; see the comment at its use)
 TORCH_PRIVATE = {
@@ -153,7 +171,29 @@ def test_no_module_reads_another_modules_private_names() -> None:
     assert not bad, "private access across modules:\n" + "\n".join(bad)
 
 
+def _says_why_long(path: Path) -> bool:
+    """The module docstring says why the file is one concept past ``MAX_LINES``."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return LONG_REASON in doc
+
+
 def test_no_file_is_over_400_lines() -> None:
     long = {str(p.relative_to(PACKAGE)): n for p in MODULES.values()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these files (over {MAX_LINES} lines): {long}"
+            if (n := len(p.read_text().splitlines())) > MAX_LINES
+            and not (n <= MAX_LINES_ONE_CONCEPT and _says_why_long(p))}
+    assert not long, (
+        f"split these files by concept (over {MAX_LINES} lines): {long}; a file that holds one "
+        f"concept may reach {MAX_LINES_ONE_CONCEPT} when its docstring says why, in a "
+        f"sentence starting {LONG_REASON!r}")
+
+
+def test_one_step_reads_one_way() -> None:
+    script = PACKAGE.parent / "scripts" / "step_trace.py"
+    argv = [sys.executable, str(script), "--check",
+            f"--max-runtime-files={STEP_RUNTIME_FILES}", f"--max-calls={STEP_CALLS}",
+            f"--max-two-way={STEP_TWO_WAY}", f"--max-cycle-files={STEP_CYCLE_FILES}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
+                          cwd=PACKAGE.parent)
+    assert done.returncode == 0, (
+        "one training step no longer reads one way (scripts/step_trace.py --check):\n"
+        + done.stdout[-4000:] + done.stderr[-2000:])

@@ -1,4 +1,4 @@
-"""The bucket planner's boundaries, pinned on exact sizes (issue 22): the cases random
+"""The bucket planner's boundaries, pinned on exact sizes: the cases random
 property tests almost never draw (tests/test_buckets.py: 0 of 20 seeds hit exactly-full).
 
 Sizes are in elements; a bucket's bound is in fp32 gradient bytes (4 B/param).

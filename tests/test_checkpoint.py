@@ -150,7 +150,7 @@ def test_state_dict_roundtrip_in_memory():
     engine.close()
 
 
-# ---------------------------------------------------------------- issue 17: disk and folder
+# ---------------------------------------------------------------- disk and folder
 def _saved(tmp_path, steps=2):
     """An engine trained `steps` steps, its checkpoint in tmp_path/ckpt; returns it open."""
     model, engine, sched = make()

@@ -1,4 +1,4 @@
-"""`superoffload train` calibrates the planner after its first iterations (issue 18, item 2):
+"""`superoffload train` calibrates the planner after its first iterations:
 the summary prints before / after / measured, the run folder keeps the calibrated profile,
 and `plan --profile` takes it and says the figures are calibrated."""
 

@@ -1,6 +1,6 @@
 """The run folder's checkpoints (`superoffload.commands.checkpointing`): atomic folders, the
 `latest` pointer, keeping the newest K, what --resume picks, and a full disk that loses
-neither the run nor its result.json and report (issue 12)."""
+neither the run nor its result.json and report."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Bad command-line input is one argparse-style line naming the flag and the fix, exit code 2,
-before anything is built or written (issue 12, "Errors that come late, raw, or not at all")."""
+before anything is built or written (docs/failure_semantics.md, "Command line and
+configuration")."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _assert_one_error(code: int, lines: list[str], prefix: str, *fragments: str)
     (["--keep-checkpoints", "0"], ["argument --keep-checkpoints", ">= 1"]),
     (["--sample-temperature", "-1"], ["argument --sample-temperature", "negative"]),
     (["--sample-top-k", "-3"], ["argument --sample-top-k", "negative"]),
-    # issue 17: accepted by one process, a raw C++ traceback under torchrun
+    # was accepted by one process, a raw C++ traceback under torchrun
     (["--dist-timeout-s", "0"], ["argument --dist-timeout-s", "seconds >= 1"]),
     (["--dist-timeout-s", "1e-9"], ["argument --dist-timeout-s", "seconds >= 1"]),
     (["--dist-timeout-s", "-5"], ["argument --dist-timeout-s", "seconds >= 1"]),
@@ -141,7 +142,7 @@ def test_cuda_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
 def test_an_absurd_shape_is_refused_with_the_estimate(capsys: pytest.CaptureFixture[str],
                                                       monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Path) -> None:
-    """Issue 17: `train --seq 100000` raised GPT small's position table silently and its first
+    """`train --seq 100000` raised GPT small's position table silently and its first
     step did not end in 10 minutes (2 cores, 24 GB): refused at once with the estimates."""
     import torch
 

@@ -75,7 +75,7 @@ def test_listed_in_help():
 
 
 def test_bad_config_files_name_the_file(tmp_path, capsys):
-    # issue 17: a JSON list gave a raw traceback; a broken file's error did not name it
+    # a JSON list gave a raw traceback; a broken file's error did not name it
     listed, broken = tmp_path / "list.json", tmp_path / "broken.json"
     listed.write_text("[1, 2, 3]")
     broken.write_text('{"model_type": "llama",')
@@ -88,7 +88,7 @@ def test_bad_config_files_name_the_file(tmp_path, capsys):
 
 
 def test_json_errors_are_json(tmp_path, capsys):
-    # issue 18 item 3: with --json, a script reading stdout gets JSON for errors too
+    # with --json, a script reading stdout gets JSON for errors too
     assert cli.main(["plan", "--hf-config", "no-such-model", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)
     assert "no-such-model" in out["error"]
@@ -97,7 +97,7 @@ def test_json_errors_are_json(tmp_path, capsys):
 
 
 def test_host_bound_models_fit_at_a_lower_ratio(capsys):
-    # issue 18 item 1: host memory binds, so the search walks the ratio down from 1
+    # host memory binds, so the search walks the ratio down from 1
     out = run_json(capsys, "--hf-config", "llama-3-8b", "--profile", "h200-pcie-measured",
                    "--seq", "4096")
     rows = {r["schedule"]: r for r in out["rows"]}

@@ -1,7 +1,7 @@
 """`train --checkpoint-every / SIGINT / SIGTERM / --resume` in real processes: a run stopped
 by a signal (or killed) and resumed in a new process ends with the same weights, optimizer
-state, loss history and sample as an uninterrupted run, bit for bit (issue 12, "Training
-that keeps its work"). Also `--trace` (issue 13). Every process is bounded by a timeout and
+state, loss history and sample as an uninterrupted run, bit for bit (docs/main_job.md, "Keeping
+work"). Also `--trace`. Every process is bounded by a timeout and
 started in its own session, killed as a group if it outlives the test."""
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_a_killed_run_resumes_from_its_latest_periodic_checkpoint(reference: Pat
 
 
 def test_a_damaged_latest_checkpoint_is_passed_over_with_a_warning(tmp_path: Path) -> None:
-    """Issue 17: `--resume RUN` whose newest checkpoint is corrupt printed a 32-line traceback.
+    """`--resume RUN` whose newest checkpoint is corrupt printed a 32-line traceback.
     It falls back to the newest complete, verified checkpoint with one warning line naming
     both, and the run ends exactly as the uninterrupted one; naming the damaged checkpoint
     itself is one error line."""

@@ -1,4 +1,4 @@
-"""The demo's sample text (issue 13): temperature + top-k sampling from a seeded generator
+"""The demo's sample text: temperature + top-k sampling from a seeded generator
 instead of greedy decoding, which loops ("def the the the ...")."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SIGTERM / SIGINT while the main thread is inside one long operation (issue 17).
+"""SIGTERM / SIGINT while the main thread is inside one long operation.
 
 `train --seq 100000` started a first step that did not end in 10 minutes, and a SIGTERM sent
 meanwhile waited for it without a word: Python runs a signal handler only when the main
@@ -27,7 +27,7 @@ CHILD = r"""
 import contextlib, hashlib, signal, sys, time
 try:
     from superoffload.commands.signals import StopSignals
-except ImportError:  # before issue 17 it lived in checkpointing.py
+except ImportError:  # older trees kept it in checkpointing.py
     from superoffload.commands.checkpointing import StopSignals
 
 def long_call(seconds):

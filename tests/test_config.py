@@ -64,3 +64,49 @@ def test_clipping_property() -> None:
     assert not OffloadConfig().clipping
     assert not OffloadConfig(max_grad_norm=0.0).clipping
     assert OffloadConfig(max_grad_norm=1.0).clipping
+
+
+def _outside(bound, choices):
+    """Values each declaration must refuse, derived from it (not a hand-kept list): the
+    wrong kind, just outside each end of the range, NaN and inf for reals, None where None is
+    not allowed, a non-member for a choice."""
+    wrong_kind = {"int": [1.5, "1", True], "real": ["0.5", True, float("nan"), float("inf")],
+                  "bool": [1, "yes"], "str": [3], "dict": [[]], "choice": ["no-such-choice", 1]}
+    out = list(wrong_kind[bound.kind])
+    step = 1 if bound.kind == "int" else 1e-9
+    if bound.lo is not None:
+        out.append(bound.lo if bound.lo_open else
+                   (bound.lo - step if bound.kind == "int" else bound.lo - max(step, abs(bound.lo) * 1e-9)))
+    if bound.hi is not None:
+        out.append(bound.hi + step if bound.kind == "int" else bound.hi * (1 + 1e-9) + step)
+    if not bound.none_ok:
+        out.append(None)
+    return out
+
+
+def _fields():
+    import dataclasses
+
+    return [(f.name, f.metadata["bound"]) for f in dataclasses.fields(OffloadConfig)]
+
+
+@pytest.mark.parametrize(("name", "bound"), _fields(), ids=[n for n, _ in _fields()])
+def test_every_declared_bound_is_enforced_naming_the_field(name, bound):
+    """Every field, every bound it declares (config.py): a value just outside is refused with
+    ConfigError naming the field, and the default and the range's own ends are accepted."""
+    from superoffload.config import CHOICES
+
+    choices = CHOICES.get(name, ())
+    assert (bound.kind == "choice") == bool(choices), name  # a Literal field is a choice
+    for value in _outside(bound, choices):
+        if name == "device" and isinstance(value, str):
+            continue  # any str is "the wrong kind" only for other fields
+        with pytest.raises(ConfigError, match=rf"OffloadConfig\.{name}="):
+            OffloadConfig(**{name: value}).validate()
+    OffloadConfig().validate()  # the defaults are inside every bound
+    for end in (bound.lo, bound.hi):
+        if end is not None and not (end == bound.lo and bound.lo_open):
+            assert OffloadConfig(**{name: type(getattr(OffloadConfig(), name) or end)(end)}
+                                 ).validate()
+    for member in choices:
+        assert getattr(OffloadConfig(**{name: member}).validate(), name) == member

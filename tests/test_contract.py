@@ -1,4 +1,4 @@
-"""The engine keeps torch's optimizer contract (issue 17 §2-6, 8; docs/failure_semantics.md,
+"""The engine keeps torch's optimizer contract (docs/failure_semantics.md,
 "What you may do with the engine").
 
 Each pattern a training loop may use with ``torch.optim.AdamW`` is either honoured -- checked

@@ -1,4 +1,5 @@
-"""Data-parallel ranks keep the contract together (issue 17 §7, and §2-3 over FSDP2).
+"""Data-parallel ranks keep the contract together (docs/distributed.md, "The torch
+contract"), over FSDP2.
 
 Two gloo processes (tests/_contract_worker.py). Ranks that disagree (different lr, model
 width, ratio, bucket size, a parameter frozen on one rank, max_grad_norm) used to train apart

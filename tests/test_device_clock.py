@@ -1,4 +1,4 @@
-"""Device-side spans on the device's clock (issue 11): forward, backward, transfers and the
+"""Device-side spans on the device's clock: forward, backward, transfers and the
 device optimizer step are timed by the recorder's clock (CUDA events on a GPU, host time on
 the CPU), resolved when the device reaches them; the CPU optimizer stays on the host clock.
 And a D2H lane that returns before the copy landed (CUDA's PendingStats) is waited for by the

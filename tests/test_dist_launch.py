@@ -61,7 +61,7 @@ def test_incomplete_torchrun_env_is_an_error() -> None:
         init_distributed(env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     with pytest.raises(ValueError, match="timeout_s=0 is invalid"):
         init_distributed(timeout_s=0, env={})
-    # issue 17: a timeout that rounds to 0 in a timedelta was a raw C++ error
+    # a timeout that rounds to 0 in a timedelta was a raw C++ error
     for bad in (1e-9, 0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"invalid: use a finite number of seconds >= 1"):
             init_distributed(timeout_s=bad, env={})

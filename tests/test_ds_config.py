@@ -93,7 +93,7 @@ def test_presets_are_valid():
     assert so.presets.gh200().bucket_bytes == 64 << 20
 
 
-# ---------------------------------------------------------------- strict types (issue 12)
+# ---------------------------------------------------------------- strict types
 _OFF = "zero_optimization.offload_optimizer."
 
 
@@ -171,7 +171,7 @@ def test_precision_is_the_typed_field(ds, precision):
     assert same.precision == precision  # an agreeing override is no contradiction
 
 
-# ---------------------------------------------------------------- Trainer JSON (issue 18, 4)
+# ---------------------------------------------------------------- Trainer JSON
 HF_ZERO2 = {  # the ZeRO-2 + CPU offload example of the Hugging Face DeepSpeed guide
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
              "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
@@ -271,9 +271,9 @@ def test_initialize_takes_trainer_json():
 
 
 def test_absent_keys_keep_deepspeeds_meaning_or_are_said_one_line_each():
-    """DeepSpeed's defaults (deepspeed/runtime/zero/offload_config.py): ratio 1.0 and
-    cpuadam_cores_perc 0.8 when absent; where this engine keeps its own default instead, the
-    notice says so, one line per key (ds_config.DIFFERENCES)."""
+    """DeepSpeed's defaults (deepspeedai/DeepSpeed:deepspeed/runtime/zero/offload_config.py):
+    ratio 1.0 and cpuadam_cores_perc 0.8 when absent; where this engine keeps its own default
+    instead, the notice says so, one line per key (ds_config.DIFFERENCES)."""
     bare = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     with pytest.warns(ds_keys.DeepSpeedNotice) as caught:
         config, _ = so.from_deepspeed(bare)

@@ -1,5 +1,5 @@
 """The engine in Adam mode with L2 weight decay (``adamw_mode=False``) checked by value against
-``torch.optim.Adam(weight_decay=...)`` (issue 22), given as a param group and through a
+``torch.optim.Adam(weight_decay=...)``, given as a param group and through a
 DeepSpeed dict with ``"adam_w_mode": false``.
 
 L2 adds ``wd * p`` to the gradient before the moments (PyTorch's Adam docs; DESIGN.md §4);

@@ -1,5 +1,5 @@
 """fp16 training checked by VALUE: the engine against an fp32-master AdamW reference with
-PyTorch's own loss scaler, and a save-resume that is bit-identical (issue 22).
+PyTorch's own loss scaler, and a save-resume that is bit-identical.
 
 Reference: an fp16 model, fp32 master copies, ``torch.optim.AdamW``,
 ``torch.amp.GradScaler("cpu")`` and ``clip_grad_norm_`` on the unscaled fp32 gradients.

@@ -1,4 +1,4 @@
-"""The engine's kernel calls (issue 11): prepared once per bucket call, and bf16 moments on the
+"""The engine's kernel calls: prepared once per bucket call, and bf16 moments on the
 host as an option (``OffloadConfig.optimizer_state_dtype``)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """docs/failure_semantics.md's "What you may do with the engine" is checked, row by row.
 
-Every pattern issue 17 lists has a row (edit gradients, write weights, save mid-iteration,
-add a param group, two engines, compile, mismatched ranks, heavy clipping), every row names
-at least one test, and every test it names exists in tests/ (a renamed or deleted test makes
+Every pattern of torch's optimizer contract has a row (edit gradients, write weights, save
+mid-iteration, add a param group, two engines, compile, mismatched ranks, heavy clipping),
+every row names at least one test, and every test it names exists in tests/ (a renamed or deleted test makes
 this fail, so the table cannot drift from what is checked).
 """
 

@@ -98,7 +98,7 @@ def _hang_first_cpu_step(monkeypatch) -> tuple[threading.Event, list[int]]:
 
 
 def test_watchdog_names_the_late_cpu_step_not_the_device(monkeypatch):
-    """Issue 17: a hung CPU step used to be reported as "transfer lanes: lane d2h, lane h2d; a
+    """A hung CPU step used to be reported as "transfer lanes: lane d2h, lane h2d; a
     copy that never ends means a hung device". The message names the lane and the bucket
     that is late, and blames no device while no copy is running."""
     release, hung = _hang_first_cpu_step(monkeypatch)
@@ -116,7 +116,7 @@ def test_watchdog_names_the_late_cpu_step_not_the_device(monkeypatch):
 
 
 def test_close_with_a_hung_cpu_step_waits_close_timeout_not_the_watchdog(monkeypatch):
-    """Issue 17: close() waited watchdog_s + 5 s (305 s by default) for a hung CPU step where
+    """close() waited watchdog_s + 5 s (305 s by default) for a hung CPU step where
     the docs promise at most CLOSE_TIMEOUT_S without progress. Here watchdog_s = 20 s and
     CLOSE_TIMEOUT_S = 1 s: close() returns within a few seconds (it took 21 s before) and
     raises WatchdogTimeout naming the abandoned lane and bucket."""

@@ -1,6 +1,6 @@
-"""so.CPUAdam on FSDP2 (``fully_shard``) models: 2 and 4 gloo processes (issue 21, items 1-2).
+"""so.CPUAdam on FSDP2 (``fully_shard``) models: 2 and 4 gloo processes.
 
-Before issue 21 the first step failed with "params[k] and exp_avgs[k] share memory": the
+Before the DTensor support the first step failed with "params[k] and exp_avgs[k] share memory": the
 optimizer handed FSDP2's DTensors to the kernel, whose ``data_ptr()`` is 0 and ``numel()``
 the global size. Each rank runs tests/_fsdp_worker.py (a model with a 3-row layer: shards
 2 + 1 over 2 ranks and 1 + 1 + 1 + 0 over 4; two param groups); the reference is

@@ -1,9 +1,10 @@
-"""so.CPUAdam as the inner optimizer of torchao's CPUOffloadOptimizer (issue 21 §3).
+"""so.CPUAdam as the inner optimizer of torchao's CPUOffloadOptimizer
+(docs/distributed.md, "torchao's `CPUOffloadOptimizer`").
 
 torchao 0.18.0 installs on torch 2.13's CPU wheel (``pip install --no-deps torchao``) and
 imports, but ``CPUOffloadOptimizer.__init__`` asserts a CUDA or XPU device ("CPU Offload
-currently only supports CUDA & XPU", torchao/optim/cpu_offload.py), so it cannot run on this
-machine; the real test below is marked ``cuda`` and skips without a GPU and torchao (it did
+currently only supports CUDA & XPU", pytorch/ao:torchao/optim/cpu_offload.py), so it cannot
+run on this machine; the real test below is marked ``cuda`` and skips without a GPU and torchao (it did
 not run in this session: no GPU). What runs here is the contract torchao holds its inner
 optimizer to, built the way its constructor builds it: one optimizer per parameter from
 ``optimizer_class([{"params": p_host, **group}], **kwargs)`` (a bare tensor as "params"), a

@@ -102,14 +102,14 @@ def test_backward_waits_at_the_bound_while_copies_are_stuck(bound):
     meter = DeviceMeter(model, engine=engine)
     seen: dict[str, int] = {}
     waiting = threading.Event()
-    departures = engine.scheduler.departures
+    departures = engine.launcher.departures
     real_wait = departures.wait
 
-    def wait(fut, what):  # the bound's wait: note what is alive, then let the copies run
+    def wait(fut, what, *watchdog):  # the bound's wait: note what is alive, then let the copies run
         if not waiting.is_set():
             seen.update(in_flight=len(departures.in_flight), grads=meter.grad_bytes())
             waiting.set()
-        return real_wait(fut, what)
+        return real_wait(fut, what, *watchdog)
 
     departures.wait = wait
     opener = threading.Thread(target=lambda: (waiting.wait(timeout=60), backend.gate.set()))

@@ -1,4 +1,4 @@
-"""`transformers.Trainer` + superoffload against `Trainer` + AdamW (issue 14).
+"""`transformers.Trainer` + superoffload against `Trainer` + AdamW (docs/integrations.md).
 
 A tiny Llama (GQA, SwiGLU, untied head) built from a config, 20 optimizer steps, gradient
 accumulation 2, clipping at 0.5 (it fires), cosine schedule with warm-up, evaluation at
@@ -283,7 +283,7 @@ def test_optimizer_view_shares_the_engine_groups(tmp_path):
 
 def test_heavy_clipping_with_the_default_config_matches_trainer_adamw(tmp_path):
     """max_grad_norm=1e-4 (a clip ratio ~1e4) with the default OffloadConfig: the engine's
-    default rollback stays within 1e-5 relative of Trainer + AdamW (issue 17 §1)."""
+    default rollback stays within 1e-5 relative of Trainer + AdamW."""
     ref_model = make_model()
     Trainer(model=ref_model, args=arguments(tmp_path / "ref", max_grad_norm=1e-4),
             train_dataset=Tokens(80, 1), eval_dataset=Tokens(8, 2)).train()

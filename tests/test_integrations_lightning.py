@@ -1,4 +1,4 @@
-"""PyTorch Lightning + `SuperOffloadStrategy` against Lightning + AdamW (issue 14).
+"""PyTorch Lightning + `SuperOffloadStrategy` against Lightning + AdamW (docs/integrations.md).
 
 The tests' tiny GPT (tests/_tiny_models.py), 20 optimizer steps, `accumulate_grad_batches=2`,
 `gradient_clip_val=0.5` (it fires), a per-step cosine LambdaLR. Tolerances as
@@ -212,7 +212,7 @@ class BigLoss(Module):
 
 
 def test_heavy_clipping_default_matches_lightning_adamw():
-    """Clip ratio ~1e3 with the strategy's default configuration (issue 17 §1)."""
+    """Clip ratio ~1e3 with the strategy's default configuration."""
     data = batches(STEPS * GAS)
     ref = BigLoss()
     fit(ref, data, gradient_clip_val=1.0)

@@ -1,7 +1,8 @@
-"""Partly overlapping buffers are refused by memory range, not identity (issue 12 §6).
+"""Partly overlapping buffers are refused by memory range, not identity (docs/kernel.md, "Memory
+overlap").
 
 Each refused case checks that nothing was modified; grads that alias each other are
-allowed (the kernel only reads them, kernels/overlap.py) and give the same bits as copies.
+allowed (the kernel only reads them, kernels/validate.py) and give the same bits as copies.
 """
 
 from __future__ import annotations

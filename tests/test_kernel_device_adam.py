@@ -1,4 +1,4 @@
-"""The device (GPU tail) Adam step, kernels.device_adam_multi (issue 11 §6): the fused
+"""The device (GPU tail) Adam step, kernels.device_adam_multi: the fused
 path (torch._fused_adamw_ / _fused_adam_, which torch also has for the CPU, so it is tested
 here) and the foreach fallback, against torch.optim.AdamW/Adam in float64 and float32,
 against our CPU kernel, and with the CPU kernel's grad_scale semantics (multiply; 0 allowed).

@@ -1,4 +1,4 @@
-"""The Arm paths executed (issue 20): the kernel's C harness (cext/harness/) built with the
+"""The Arm paths executed: the kernel's C harness (cext/harness/) built with the
 kernel's own flags, run natively on every x86-64 path, and cross-built for aarch64 and run
 under qemu-user on a NEON-only CPU and on SVE CPUs with 128-, 256- and 512-bit vectors.
 

@@ -1,4 +1,4 @@
-"""An installed checkout runs the compiled kernel (issue 22): without this test, deleting
+"""An installed checkout runs the compiled kernel: without this test, deleting
 superoffload/kernels/_cpu_adam_cffi*.so left the whole suite green, because the package
 falls back to the pure-torch kernel with one warning and every kernel test passes on it.
 

@@ -1,4 +1,5 @@
-"""The process's OpenMP wait policy (kernels/openmp.py, issues 11 §4 and 20 §6): passive
+"""The process's OpenMP wait policy (kernels/openmp.py; docs/kernel.md, "Threads, the work
+split and the OpenMP wait policy"): passive
 when superoffload is imported before torch and the user chose nothing; the user's choice
 always wins; when torch (which loads libgomp) came first, libgomp's spinning is throttled
 by a parked pool, measured here by the CPU time idle workers burn between regions."""

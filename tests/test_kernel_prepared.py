@@ -1,6 +1,6 @@
 """Prepared calls (kernels.prepare_adam): the same bits as a plain call, per-call grads,
 stale tensors refused before anything is written, execution options that never change a
-bit, the one thread rule as the default, and one hyper-parameter type (issues 10 and 11)."""
+bit, the one thread rule as the default, and one hyper-parameter type."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from superoffload.telemetry import intervals as I
 from superoffload.telemetry import metrics as M
 from superoffload.telemetry.events import Span
 
@@ -40,12 +41,12 @@ def timeline() -> list[Span]:
 
 
 def test_interval_helpers_by_hand() -> None:
-    assert M.union([(3, 4), (0, 1), (0.5, 2), (2, 2.5), (5, 5)]) == [(0, 2.5), (3, 4)]
-    assert M.length([(0, 1), (0.5, 2)]) == 2
-    assert M.intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
-    assert M.subtract([(0, 5)], [(1, 2), (3, 4)]) == [(0, 1), (2, 3), (4, 5)]
-    assert M.subtract([(0, 1)], [(-1, 2)]) == []
-    assert M.clip([(0, 10)], (2, 3)) == [(2, 3)]
+    assert I.union([(3, 4), (0, 1), (0.5, 2), (2, 2.5), (5, 5)]) == [(0, 2.5), (3, 4)]
+    assert I.length([(0, 1), (0.5, 2)]) == 2
+    assert I.intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
+    assert I.subtract([(0, 5)], [(1, 2), (3, 4)]) == [(0, 1), (2, 3), (4, 5)]
+    assert I.subtract([(0, 1)], [(-1, 2)]) == []
+    assert I.clip([(0, 10)], (2, 3)) == [(2, 3)]
 
 
 intervals = st.lists(
@@ -55,14 +56,14 @@ intervals = st.lists(
 
 
 @given(intervals, intervals)
-def test_interval_algebra_partitions(a: list[M.Interval], b: list[M.Interval]) -> None:
+def test_interval_algebra_partitions(a: list[I.Interval], b: list[I.Interval]) -> None:
     # |A| = |A ∩ B| + |A \ B|, and both results are disjoint and sorted
-    assert M.length(a) == pytest.approx(M.length(M.intersect(a, b)) + M.length(M.subtract(a, b)))
-    for parts in (M.intersect(a, b), M.subtract(a, b), M.union(a)):
+    assert I.length(a) == pytest.approx(I.length(I.intersect(a, b)) + I.length(I.subtract(a, b)))
+    for parts in (I.intersect(a, b), I.subtract(a, b), I.union(a)):
         assert all(x[1] < y[0] or x[1] == y[0] for x, y in zip(parts, parts[1:]))
     # brute force on the integer grid: a unit cell [k, k+1] is in A iff some interval covers it
     cells = sum(1 for k in range(50) if any(s <= k and k + 1 <= e for s, e in a))
-    assert M.length(a) == cells
+    assert I.length(a) == cells
 
 
 def test_iteration_metrics_by_hand() -> None:
@@ -157,26 +158,26 @@ def test_records_are_plain_dicts_and_dataframe_is_optional() -> None:
 
 
 @given(intervals, st.tuples(st.integers(0, 50), st.integers(0, 50)))
-def test_indexed_window_queries_match_the_plain_algebra(a: list[M.Interval], w: tuple[int, int]) -> None:
+def test_indexed_window_queries_match_the_plain_algebra(a: list[I.Interval], w: tuple[int, int]) -> None:
     # iteration_metrics clips the whole timeline once per iteration through a bisect index
     window = (float(min(w)), float(max(w)))
-    index = M.Disjoint(a)
-    assert index.clip(window) == M.clip(a, window)
-    assert index.overlap(a[:3]) == pytest.approx(M.length(M.intersect(a, a[:3])))
+    index = I.Disjoint(a)
+    assert index.clip(window) == I.clip(a, window)
+    assert index.overlap(a[:3]) == pytest.approx(I.length(I.intersect(a, a[:3])))
 
 
 @given(intervals, st.tuples(st.integers(0, 50), st.integers(0, 50)))
-def test_window_lengths_match_the_plain_algebra(a: list[M.Interval], w: tuple[int, int]) -> None:
+def test_window_lengths_match_the_plain_algebra(a: list[I.Interval], w: tuple[int, int]) -> None:
     # length_in answers from a prefix sum without visiting the intervals: same number
     window = (float(min(w)), float(max(w)))
-    assert M.Disjoint(a).length_in(window) == pytest.approx(M.length(M.clip(a, window)))
+    assert I.Disjoint(a).length_in(window) == pytest.approx(I.length(I.clip(a, window)))
 
 
 @given(intervals, intervals)
-def test_subtract_keeps_exactly_the_points_outside_b(a: list[M.Interval], b: list[M.Interval]) -> None:
+def test_subtract_keeps_exactly_the_points_outside_b(a: list[I.Interval], b: list[I.Interval]) -> None:
     # checked point by point on the half-integer grid (the endpoints are integers)
-    out = M.subtract(a, b)
-    assert out == M.union(out), "sorted and disjoint"
+    out = I.subtract(a, b)
+    assert out == I.union(out), "sorted and disjoint"
     for k in range(101):
         x = k / 2
         in_a = any(s <= x < e for s, e in a)

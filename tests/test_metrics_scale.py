@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 
+from superoffload.telemetry import intervals as I
 from superoffload.telemetry import metrics as M
 from superoffload.telemetry.events import Span
 
@@ -74,7 +75,7 @@ def test_window_queries_do_not_walk_the_timeline() -> None:
             index.clip((i + 0.25, i + 1.75))  # type: ignore[attr-defined]
 
     k = 100_000
-    indexes = {m: M.Disjoint((float(i), i + 0.5) for i in range(m)) for m in (k // 4, k)}
+    indexes = {m: I.Disjoint((float(i), i + 0.5) for i in range(m)) for m in (k // 4, k)}
     best = _best_of(3, indexes, queries)
     assert best[k] / best[k // 4] < 8.0, best
-    assert M.Disjoint([(0.0, 1.0), (2.0, 3.0)]).length_in((0.5, 2.5)) == 1.0
+    assert I.Disjoint([(0.0, 1.0), (2.0, 3.0)]).length_in((0.5, 2.5)) == 1.0

@@ -1,5 +1,5 @@
-"""Two "nodes" on this machine: `torchrun --nnodes 2`, one process each (issue 17, "Scale-out
-on an existing engine"), trained through `python -m superoffload train`, against the same job
+"""Two "nodes" on this machine: `torchrun --nnodes 2`, one process each (docs/distributed.md,
+"Several hosts"), trained through `python -m superoffload train`, against the same job
 launched on one node (`torchrun --standalone --nproc-per-node 2`).
 
 Each node is its own torchrun agent, as on two hosts: the ranks meet through the rendezvous,

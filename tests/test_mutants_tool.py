@@ -1,4 +1,4 @@
-"""The mutation check's tool (scripts/mutants.py, issue 22): the curated list still applies to
+"""The mutation check's tool (scripts/mutants.py; docs/testing.md): the curated list still applies to
 this tree, and the mechanics are right on a toy tree: a snippet must occur exactly once, only
 tracked and untracked-not-ignored files are copied, a mutant is applied in the copy only
 (the source tree is never written), caught / survived are told apart, and the exit code is

@@ -1,4 +1,4 @@
-"""One engine (issue 10): the single-process and the data-parallel (FSDP2) engine are one
+"""One engine: the single-process and the data-parallel (FSDP2) engine are one
 iteration core.
 
 * a trainable parameter that never gets a gradient is left untouched by both (as

@@ -1,4 +1,4 @@
-"""One engine at world size 2 (issue 10): the engine over FSDP2 runs the rule book's schedule
+"""One engine at world size 2: the engine over FSDP2 runs the rule book's schedule
 and steps a parameter iff some rank produced a gradient for it (as DDP + AdamW would: FSDP2
 reduces zeros for a parameter a rank did not use; the engine carries which ones some rank
 used in its validation reduce)."""

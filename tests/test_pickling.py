@@ -1,5 +1,5 @@
-"""Pickling a model with an engine attached, and the engine itself (issue 17, "Waits and
-errors").
+"""Pickling a model with an engine attached, and the engine itself (docs/failure_semantics.md,
+"The engine").
 
 `torch.save(model)` / `pickle.dumps(model)` failed while an engine was attached (`Can't pickle
 local object '_timeline_hooks.<locals>.forward_end'`: the hooks were closures), and pickling

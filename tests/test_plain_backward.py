@@ -1,4 +1,4 @@
-"""Plain ``loss.backward()`` loops with gradient accumulation (runtime/micro_steps.py).
+"""Plain ``loss.backward()`` loops with gradient accumulation (runtime/launch.py, "micro-steps").
 
 ``OffloadConfig(grad_accum_steps=K)`` with the user's own ``loss.backward()``: the engine
 steps once per K backward passes whether ``step()`` is called on every micro-batch

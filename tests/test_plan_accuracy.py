@@ -1,4 +1,4 @@
-"""The planner's accuracy machinery (issue 18, item 2), checked by value, not by timing: the
+"""The planner's accuracy machinery (docs/planner.md, "Accuracy"), checked by value, not by timing: the
 compute lane's three terms, calibration that keeps their split, repeatable probes (medians,
 spreads, the busy-host flag), the model probe, the calibrated flag, and the calibration that
 runs by itself after the first iterations of a real run. How accurate the predictions are on

@@ -1,4 +1,4 @@
-"""Any Hugging Face architecture (issue 18, item 3): built on the meta device, MoE total vs
+"""Any Hugging Face architecture: built on the meta device, MoE total vs
 active, and the FLOP formulas for GQA, SwiGLU, MoE and wide heads checked against
 ``torch.utils.flop_counter.FlopCounterMode`` on small instantiated models."""
 

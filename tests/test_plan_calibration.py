@@ -1,4 +1,4 @@
-"""The planner against FACTS.md's H200 measurements (issue 11): the profile + engine variant that
+"""The planner against FACTS.md's H200 measurements: the profile + engine variant that
 reproduce the measured table, pinned; the host-memory lane and the tail step by hand; the
 tuner's pick on that machine."""
 
@@ -40,7 +40,7 @@ def table() -> list[facts.CalibrationRow]:
 def test_the_measured_table_is_reproduced(table) -> None:
     for row in table:
         assert row.predicted_ms == pytest.approx(PINNED_MS[row.row.label], abs=0.15), row.row.label
-        if row.row.target:  # issue 11: within +-15% of every measured iteration time
+        if row.row.target:  # the H200 target: within +-15% of every measured iteration time
             assert abs(row.error) <= 0.15, (row.row.label, row.error)
         else:
             assert abs(row.error) <= 0.25, (row.row.label, row.error)
@@ -130,7 +130,7 @@ def test_step_order_fifo_vs_edf_on_the_h200() -> None:
 
 
 def test_the_tuner_picks_the_fastest_measured_ratio() -> None:
-    # issue 11: on the engine the table was measured with, the tuner's pick within 5% of the
+    # on the engine the table was measured with, the tuner's pick within 5% of the
     # fastest ratio measured (0.3, 156.5 ms); the old model picked 0.6, which measures at
     # about half speed
     fixed = {"cpu_cores_frac": 0.9, "device": "cuda"}
@@ -142,7 +142,7 @@ def test_the_tuner_picks_the_fastest_measured_ratio() -> None:
     assert pred.iteration_s * 1e3 <= fastest * 1.05
     assert ENGINE_TODAY == facts.H200_ENGINE
     # the same search for the engine now (the default): a prediction, not yet measured --
-    # issue 11's target is >= 0.92x plain at the tuner's pick
+    # the H200 target: >= 0.92x plain at the tuner's pick
     cfg_now, _, now = plan.tune(facts.H200_SHAPE, H200, plan.Constraints(
         rollback_rate=0.0, fixed=fixed))
     assert now.plan.engine == ENGINE_NEXT
@@ -230,7 +230,7 @@ def test_issue_11_targets_predicted_for_the_engine_now() -> None:
 
 
 def test_out_of_sample_from_the_raw_measured_profile(capsys) -> None:
-    """Issue 18, item 2: from the profile measure_local wrote on the H200 (the 708 TFLOP/s
+    """From the profile measure_local wrote on the H200 (the 708 TFLOP/s
     square-matmul probe, nothing fitted) plain PyTorch came out 22% too fast; the element-wise
     passes at the device bandwidth measured there halve that, without fitting anything."""
     old = facts.calibration_table(facts.raw_profile(elementwise=False))

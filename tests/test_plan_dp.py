@@ -1,5 +1,6 @@
-"""Data parallel in the planner (issue 7): ring collectives by hand, per-rank memory and fits,
-ranks sharing a host, dp=1 identical to the single-rank planner, the --dp CLI."""
+"""Data parallel in the planner: ring collectives by hand, FSDP2's per-unit collectives and
+the backends, per-rank memory and fits, ranks sharing a host, dp=1 identical to the
+single-rank planner, the --dp CLI (tests/test_plan_fsdp.py: the units against the engine's)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_ring_collectives_by_hand() -> None:
 
 
 @pytest.mark.parametrize("engine", [None, ENGINE_TODAY], ids=["engine-now", "h200-measured"])
-def test_simulated_bucket_spans_carry_the_collectives_by_hand(engine) -> None:
+def test_simulated_bucket_spans_move_this_ranks_shard(engine) -> None:
     # ratio 1, 64 MiB buckets, bf16 both ways. The engine's buckets hold whole parameters;
     # the last block's MLP projection (5120 x 20480 = 104,857,600 params) is larger than a
     # 64 MiB bucket. Today's engine closes [ln_f.b, ln_f.w, mlp.proj.b] as bucket 0 and the
@@ -104,10 +105,9 @@ def test_simulated_bucket_spans_carry_the_collectives_by_hand(engine) -> None:
            and s.iteration == it and s.bucket == b]
     shard = numel / 4  # params of this rank's slice (numel is a multiple of 4 here)
     link = 20e-6 + 2 * shard / 450e9  # the shard's bf16 over C2C
-    rs = 3 * 10e-6 + 0.75 * (4 * numel) / 50e9  # reduce-scatter in fp32
-    ag = 3 * 10e-6 + 0.75 * (2 * numel) / 50e9  # all-gather of bf16 weights
-    assert d2h[0].duration_s == pytest.approx(link + stats + rs, rel=1e-9)
-    assert h2d[0].duration_s == pytest.approx(link + ag, rel=1e-9)
+    # FSDP2 reduced the gradients and gathers the weights per unit: the lanes move the shard
+    assert d2h[0].duration_s == pytest.approx(link + stats, rel=1e-9)
+    assert h2d[0].duration_s == pytest.approx(link, rel=1e-9)
     assert d2h[0].nbytes == 2 * shard and cpu[0].nbytes == 28 * shard
     # CPU: 64 threads x 1e9/0.082/72 params/s, or the host bus (0.7 x 500 GB/s) carrying 32
     # B/param (26 B pass + 2 B bf16 copy, no write-allocate on Grace, 2 + 2 B of DMA)
@@ -115,6 +115,47 @@ def test_simulated_bucket_spans_carry_the_collectives_by_hand(engine) -> None:
     per_param = max(1 / compute, 32 / (0.7 * 500e9))
     assert r.plan.threads == 64
     assert cpu[0].duration_s == pytest.approx(GH200.cpu_call_s + shard * per_param, rel=1e-9)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fsdp_collectives_by_hand(replicas: int) -> None:
+    # B13 on GH200 at dp=4 (x 2 replicas: HSDP), 64 MiB buckets: every block (314.6 M params)
+    # is larger than a bucket, so each is a unit; the root holds the embedding and ln_f. Per
+    # unit one all-gather and one reduce-scatter of its bf16 weights / gradients (ring over 4
+    # ranks: 3 steps of 10 us, 3/4 of the bytes at 50 GB/s); HSDP all-reduces each reduced
+    # shard over the 2 replicas (2 steps, 2 x 1/2 of the shard's bytes); the validation vector
+    # is 7 + one float64 per parameter, all-reduced over every rank
+    cfg = HOST_CAST.replace(ratio=1.0, bucket_bytes=64 * MiB)
+    shape = plan.ModelShape(**B13, dp=4, dp_replicate=replicas)
+    r = plan.simulate(shape, GH200, "superoffload", cfg)
+    units = r.plan.units.units
+    assert len(units) == 1 + 40 and all(u.blocks == (u.index - 1,) for u in units[1:])
+    assert units[0].numel == 50257 * 5120 + 2 * 5120 and units[1].numel == shape.block_params
+    ring = sum(2 * (3 * 10e-6 + 0.75 * 2 * u.numel / 50e9) for u in units)
+    hsdp = sum(2 * 10e-6 + 2 * 0.5 * 2 * u.numel / 4 / 50e9 for u in units) if replicas > 1 else 0
+    world = 4 * replicas
+    val = 2 * (world - 1) * 10e-6 + 2 * (world - 1) / world * 8 * (7 + shape.n_param_tensors) / 50e9
+    assert r.collective_s == pytest.approx(ring + hsdp + val, rel=1e-9)
+    assert r.collective_backend == "nccl" and r.summary()["dp_replicate"] == replicas
+    # each unit's gather waits for its buckets' publishes; a bucket waits for its last unit
+    assert units[0].buckets[0] == 0  # ln_f (root) shares bucket 0 with the last block
+    assert r.plan.units.buckets_of()[0] == (40, 0)  # ... so it completes when the root reduces
+
+
+def test_gloo_blocks_compute_and_nccl_overlaps_it() -> None:
+    # the same machine numbers with a CPU device (gloo: each collective runs in the training
+    # thread) and a GPU (NCCL: on its own streams): the compute lane waits through every
+    # collective on gloo, and NCCL is never slower
+    shape = plan.ModelShape(**SMALL, dp=4)
+    cpu = GH200.replace(device_type="cpu", collective_gbps=5.0)
+    gloo = plan.simulate(shape, cpu, "superoffload", HOST_CAST)
+    nccl = plan.simulate(shape, cpu.replace(device_type="cuda"), "superoffload", HOST_CAST)
+    assert (gloo.collective_backend, nccl.collective_backend) == ("gloo", "nccl")
+    it = gloo.timeline[-1].iteration
+    waits = sum(s.duration_s for s in gloo.timeline
+                if s.kind == ev.KIND_WAIT and s.iteration == it)
+    assert waits >= gloo.collective_s - 1e-12  # every all-gather / reduce-scatter is waited
+    assert nccl.steady_iteration_s < gloo.steady_iteration_s
 
 
 def test_more_ranks_never_increase_per_rank_host_memory() -> None:
@@ -127,11 +168,10 @@ def test_more_ranks_never_increase_per_rank_host_memory() -> None:
         assert host["weights_bf16_pinned"] == pytest.approx(2 * off / dp, rel=1e-12)
         assert r.memory["host"] <= last
         last = r.memory["host"]
-        if dp > 1:  # the replicated device side grows by the fp32 reduce buffers only: two
-            # of the largest host bucket, a 5120 x 20480 MLP weight with its 20480-element
-            # bias (whole parameters; a bucket less than half full rides with the next one)
-            assert r.memory_detail.device_parts["collective_buffers"] == \
-                2 * 4 * (5120 * 20480 + 20480)
+        parts = r.memory_detail.device_parts
+        if dp > 1:  # FSDP2: at the peak (backward's start) every unit's unsharded bf16
+            # weights are gathered (reshard_after_forward=False) besides this rank's shards
+            assert parts["weights"] == pytest.approx(2 * r.shape.params * (1 + 1 / dp))
 
 
 @pytest.mark.parametrize("dp", [2, 4, 8])
@@ -191,11 +231,11 @@ def test_host_fit_is_per_rank_share() -> None:
 
 
 def test_max_model_size_per_rank() -> None:
-    # ZeRO with weight-flow (issue 7): the device keeps a few blocks, each host the whole bf16
-    # model (2 B/param, for the fetches) and 1/dp of the fp32 state (16 B/param / dp), so more
-    # ranks raise the host-bound limit: 18 B/param alone, 2 + 16/4 = 6 B/param at dp=4
+    # FSDP2 with weight-flow: the device keeps the root and two block units, each host 1/dp
+    # of the fp32 state, of the bf16 copy and of FSDP2's bf16 block shards, so more ranks
+    # raise the host-bound limit: 18 B/param alone, (18 + 2) / 4 = 5 B/param at dp=4
     one, four = plan.max_model_size(GH200, dp=1), plan.max_model_size(GH200, dp=4)
-    assert 2.5 * one < four < 18 / 6 * one * 1.05
+    assert 2.5 * one < four < 18 / 5 * one * 1.05
     pcie = plan.profiles.get("h100-pcie")
     assert plan.max_model_size(pcie, dp=8, ranks_per_host=8) <= plan.max_model_size(pcie, dp=8)
     layers = round((four / 12 / 128**2) ** (1 / 3))  # ~12 h^2 L params, h = 128 L

@@ -1,4 +1,4 @@
-"""Will it fit (issue 18, item 1): when host memory binds, the search walks the ratio down
+"""Will it fit: when host memory binds, the search walks the ratio down
 from 1 (plan/feasible.py); every "does not fit" verdict is checked against a dense grid of
 the settings that change memory, and every fitting answer fits."""
 
@@ -44,7 +44,7 @@ def grid_fits(shape, prof, allow_bf16: bool = False, ratios=RATIOS) -> OffloadCo
 
 
 @pytest.mark.parametrize("name, profile, seq", [
-    ("llama-3-8b", MEASURED, 4096),     # issue 18: host binds; fits at ratio ~0.3
+    ("llama-3-8b", MEASURED, 4096),     # host binds; fits at ratio ~0.3
     ("qwen2.5-14b", GB200, 4096),       # fits at ratio ~0.6
     ("gemma-2-9b", MEASURED, 4096),
     ("falcon-7b", MEASURED, 4096),
@@ -64,7 +64,7 @@ def test_host_bound_models_are_trainable(name, profile, seq):
 def test_largest_model_comes_from_the_same_search():
     best = plan.max_model_size(MEASURED, "superoffload", seq=1024)
     gpu = plan.max_model_size(MEASURED, "gpu", seq=1024)
-    assert best > 10.4e9 > gpu  # issue 18: 6.7 B, equal to plain GPU, before the search
+    assert best > 10.4e9 > gpu  # was 6.7 B, equal to plain GPU, before the search
     layers = round((best / (12 * 128 * 128)) ** (1 / 3))
     fits = plan.gpt_by_layers(layers, seq=1024, micro_batch=1)
     assert fits.params == best
@@ -106,7 +106,7 @@ def test_the_fitting_window_ends_where_every_bucket_prefix_says():
     """``ratio_window`` (whose ends the tuner adds to its ratio choices) against every prefix
     of buckets, each checked alone with fit_problems: its two ends are the lowest and the
     highest prefix that fit. A machine where the device binds at low ratios and the host at
-    high ones, so both bisections run (issue 22: a window one bucket too low survived)."""
+    high ones, so both bisections run (a window one bucket too low once survived)."""
     shape = plan.ModelShape(layers=6, hidden=1024, heads=8, vocab=50257, seq=2048,
                             micro_batch=2)
     # 4.5 GB: the activations (2.5 GB with the loss's fp32 gradients) leave room for the state

@@ -1,4 +1,4 @@
-"""Issue 12: a shape whose simulation would not fit is refused before anything is allocated,
+"""A shape whose simulation would not fit is refused before anything is allocated,
 by the API and by the command line, with the sizes in the message."""
 
 from __future__ import annotations

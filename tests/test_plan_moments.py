@@ -131,7 +131,7 @@ def test_tuner_keeps_fp32_moments_when_bf16_does_not_pay() -> None:
 def test_bf16_moments_when_only_they_fit_and_the_hint_when_not_allowed() -> None:
     # ratio 1 with weight-flow needs 16 + 2 B/param of host memory with fp32 moments, 12 + 2
     # with bf16: 9.1 GB and 7.1 GB for 0.506B params; 9 GB of host leaves 8.1 usable. A 3 GB
-    # device holds too little for a lower ratio to help (the search walks it down, issue 18;
+    # device holds too little for a lower ratio to help (the search walks it down;
     # 4 GB did before the device kept only the gradients in flight)
     prof = PCIE.replace(host_memory_bytes=9e9, device_memory_bytes=3e9)
     with pytest.raises(plan.InfeasibleError, match="bf16 moments would fit") as exc:

@@ -93,7 +93,8 @@ def test_max_model_size_orders_the_policies() -> None:
 
 
 def test_memory_by_hand_for_zero_offload() -> None:
-    # DeepSpeed ZeRO-2 + offload_optimizer (plan/deepspeed.py, from stage_1_and_2.py)
+    # DeepSpeed ZeRO-2 + offload_optimizer (plan/deepspeed.py, modelled on
+    # deepspeedai/DeepSpeed:deepspeed/runtime/zero/stage_1_and_2.py)
     shape = plan.ModelShape(layers=4, hidden=1024, heads=8, vocab=50257, seq=1024)
     res = plan.simulate(shape, GH200, "zero-offload")
     n = shape.params

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from superoffload.config import OffloadConfig
-from superoffload.kernels.hyper import DEFAULTS, AdamHyper
-from superoffload.kernels.torch_flags import FLAGS
+from superoffload.kernels.hyper import DEFAULTS, FLAGS, AdamHyper
 from superoffload.runtime import guard
 from superoffload.runtime.state import EngineState
 

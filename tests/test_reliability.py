@@ -1,4 +1,4 @@
-"""Faults and misuse that used to train wrong or hang (issue 12, the engine's items).
+"""Faults and misuse that used to train wrong or hang (docs/failure_semantics.md, "The engine").
 
 Each test fails on the engine before this change: an interrupted backward mixed two batches,
 ``zero_grad()`` before ``step()`` raised AttributeError and trained wrong, a second backward
@@ -23,7 +23,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.config import ConfigError, OffloadConfig
-from superoffload.runtime import settle, steps
+from superoffload.runtime import steps, stv
 from superoffload.runtime.ckpt_files import CheckpointCorrupt
 from superoffload.runtime.errors import EngineError, IterationInterrupted
 
@@ -85,7 +85,7 @@ def test_an_interrupted_backward_is_rolled_back(rollback: str, exc: BaseExceptio
                 with pytest.raises(type(exc)):
                     engine.backward(model(x, y))
                 assert engine.stats.rollbacks > 0  # speculative steps had run: undone
-                assert engine.scheduler.current.micro_step == 0
+                assert engine.launcher.current.micro_step == 0
                 engine.zero_grad()
             engine.backward(model(x, y))
             engine.step()
@@ -115,7 +115,7 @@ def test_zero_grad_between_backward_and_step_discards_the_iteration() -> None:
 def test_an_interrupted_validation_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
     config = cfg(rollback="snapshot")
     want = run(config, ["step"] * 3)
-    real = settle.validate
+    real = stv.validate
     calls = {"n": 0}
 
     def flaky(*args: Any, **kw: Any) -> Any:
@@ -124,7 +124,7 @@ def test_an_interrupted_validation_is_rolled_back(monkeypatch: pytest.MonkeyPatc
             raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(settle, "validate", flaky)
+    monkeypatch.setattr(stv, "validate", flaky)
     model = make_model(0)
     with so.initialize(model, HYPER, config) as engine:
         for k, (x, y) in enumerate(DATA[:3]):
@@ -144,7 +144,7 @@ def test_an_interruption_while_settling_stops_the_engine(monkeypatch: pytest.Mon
     def half(sched: Any, flights: Any, v: Any, glob: Any) -> None:
         raise KeyboardInterrupt  # after the verdict, before every bucket was settled
 
-    monkeypatch.setattr(settle, "settle", half)
+    monkeypatch.setattr(stv, "settle", half)
     model = make_model(0)
     engine = so.initialize(model, HYPER, cfg())
     engine.backward(model(*DATA[0]))

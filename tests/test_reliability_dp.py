@@ -1,4 +1,4 @@
-"""Data-parallel faults (issue 12): a stalled (SIGSTOP), not dead, rank. Every collective must
+"""Data-parallel faults: a stalled (SIGSTOP), not dead, rank. Every collective must
 end within the configured timeout plus a few seconds, with an error that names the rank and
 the collective, and close() must not wait long for stuck threads. (The killed path:
 tests/test_fsdp_dp.py::test_a_dead_rank_stops_the_others.) Over FSDP2 the first collective to

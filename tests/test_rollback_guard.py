@@ -1,4 +1,5 @@
-"""rollback="auto": the inverse is used only within its error bound (issue 17 §1).
+"""rollback="auto": the inverse is used only within its error bound (docs/engine.md, "The default
+rollback").
 
 * The bound B(rho) of runtime/rollback_guard.py is checked against the kernel: step, invert,
   and the restored moments' effect on the next update stays below B(rho) element by element.

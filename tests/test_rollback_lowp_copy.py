@@ -1,4 +1,4 @@
-"""Rollback of a skipped step restores the low-precision weights too (issue 22).
+"""Rollback of a skipped step restores the low-precision weights too.
 
 A bf16 model with host casting keeps a bf16 copy of each offloaded parameter on the host
 (``lp_host``: the kernel writes it in the step's pass and the H2D moves it). When a step is

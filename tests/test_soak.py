@@ -1,4 +1,4 @@
-"""Soak test (issue 12, "Done means"): 1000 steps of a tiny GPT through the offload engine
+"""Soak test: 1000 steps of a tiny GPT through the offload engine
 with clipping active (speculation rolls back and replays), NaN/Inf gradients injected at
 known steps, periodic checkpoints, a resume in a new process, and the process's memory
 (RSS) and thread count sampled along the way.

@@ -1,4 +1,4 @@
-"""Adaptive STV's hysteresis at a clip rate between its two thresholds (issue 22).
+"""Adaptive STV's hysteresis at a clip rate between its two thresholds.
 
 ``AdaptiveSTV`` (runtime/stv.py) stops speculating when the share of clipped iterations in
 the window exceeds ``threshold`` and resumes only when it falls to ``threshold / 2`` or

@@ -1,4 +1,4 @@
-"""Per-rank telemetry (issue 7): grouping, merging, files, per-rank metrics, per-rank lanes in
+"""Per-rank telemetry: grouping, merging, files, per-rank metrics, per-rank lanes in
 the dashboard figure and the static report. No browser: the figures' data is inspected."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from superoffload.telemetry import metrics, ranks
 from superoffload.telemetry.events import LANES, Span
 from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.figure import TRACE
-from superoffload.widgets.series import LANE_LABELS
+from superoffload.widgets.timeline import LANE_LABELS
+from superoffload.widgets.traces import TRACE
 from tests.widgets_support import record_iteration
 
 

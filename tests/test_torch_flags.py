@@ -1,5 +1,5 @@
 """Every flag of torch.optim.AdamW is honoured or refused with the supported way, on every
-entry point (kernels/torch_flags.py; docs/kernel.md, "torch.optim flags").
+entry point (kernels/hyper.py; docs/kernel.md, "torch.optim flags").
 
 The flags come from torch.optim.AdamW's own ``defaults`` (a flag a newer torch adds fails
 ``test_every_torch_adamw_flag_is_classified``). ``maximize`` is checked by value against
@@ -23,7 +23,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.kernels import torch_ref
-from superoffload.kernels.torch_flags import FLAGS, HYPER_KEYS, torch_flag_keys
+from superoffload.kernels.hyper import FLAGS, HYPER_KEYS, torch_flag_keys
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REFUSED = sorted(k for k, f in FLAGS.items() if f.handling == "refused")
@@ -42,9 +42,9 @@ def test_every_torch_adamw_flag_is_classified():
 
 
 def test_a_flag_superoffload_does_not_know_is_refused_away_from_its_default(monkeypatch):
-    from superoffload.kernels import torch_flags
+    from superoffload.kernels import hyper
 
-    monkeypatch.setattr(torch_flags, "torch_group_defaults",
+    monkeypatch.setattr(hyper, "torch_group_defaults",
                         lambda: {"lr": 1e-3, "newflag": False})
     so.kernels.AdamHyper.from_group({"newflag": False})
     with pytest.raises(ValueError, match="'newflag'.*leave it at its default False"):

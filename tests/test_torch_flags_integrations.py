@@ -1,5 +1,5 @@
 """torch.optim.AdamW's flags through Lightning and transformers.Trainer: honoured or refused
-with the supported way (kernels/torch_flags.py; the kernels, CPUAdam and the engine:
+with the supported way (kernels/hyper.py; the kernels, CPUAdam and the engine:
 tests/test_torch_flags.py).
 
 * Lightning: ``configure_optimizers`` returning ``AdamW(maximize=True)`` trains as Lightning's

@@ -239,7 +239,7 @@ def test_gpu_check_script_is_valid_bash() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-# ---------------------------------------------------------------- issue 17: the run budget
+# ---------------------------------------------------------------- the run budget
 @pytest.mark.usefixtures("one_thread")
 def test_the_run_budget_is_a_lower_bound_of_a_real_step() -> None:
     """`run_budget` refuses a shape only when even a lower bound is absurd, so its bounds must
@@ -280,7 +280,7 @@ def test_the_run_budget_is_a_lower_bound_of_a_real_step() -> None:
 
 def test_a_longer_seq_than_the_model_has_positions_is_said(capsys: pytest.CaptureFixture[str],
                                                           tmp_path: Path) -> None:
-    """Issue 17: --seq above the preset's position table raised it without a word."""
+    """--seq above the preset's position table raised it without a word."""
     from superoffload.cli import main
 
     code = main(["train", "--model", "tiny", "--seq", "96", "--batch", "2", "--steps", "1",

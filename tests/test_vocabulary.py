@@ -1,4 +1,4 @@
-"""One vocabulary of metrics (issue 19, item 5): the CLI, the dashboard, the report, the
+"""One vocabulary of metrics: the CLI, the dashboard, the report, the
 Trainer/Lightning logs, TensorBoard and the trace name, scale and define every figure from
 `telemetry.vocabulary.METRICS`; each view's names are checked against that one table here."""
 

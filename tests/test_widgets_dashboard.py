@@ -14,10 +14,11 @@ from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets import _env
 from superoffload.widgets import layout as L
 from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.figure import TRACE, WAITING
+from superoffload.widgets.marks import WAITING
 from superoffload.widgets.runstate import RunState
 from superoffload.widgets.series import DashboardState
 from superoffload.widgets.simfigure import sim_figures, sim_panels
+from superoffload.widgets.traces import TRACE
 from tests.widgets_support import FakeEngine, filled_recorder, record_iteration
 
 SHAPE = plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4)
@@ -271,7 +272,7 @@ def test_the_live_view_is_a_one_way_widget_with_the_figure_in_one_trait() -> Non
 
 
 def test_labels_and_legends_do_not_cover_one_another() -> None:
-    """Issue 19 item 8: per-direction peaks, no invisible link-use lines, the change label on
+    """Per-direction peaks, no invisible link-use lines, the change label on
     an opaque box at the panel's bottom (spikes never reach it), an A/B as one band."""
     engine = FakeEngine(iteration=30)
     t = 0.0
@@ -311,7 +312,7 @@ def test_close_iteration_labels_and_link_numbers_stay_readable_in_the_simulated_
 
 
 def test_the_log_link_axis_spans_whole_decades_so_a_flat_rate_stays_flat() -> None:
-    from superoffload.widgets.figure import log_decades
+    from superoffload.widgets.plotdata import log_decades
 
     assert log_decades([np.array([2.0, 2.0000001])]) == [0.0, 1.0], "not its last digits blown up"
     assert log_decades([np.array([0.3, np.nan])], also=(23.1, None)) == [-1.0, 2.0]

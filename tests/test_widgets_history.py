@@ -1,4 +1,4 @@
-"""A long run keeps its whole history (issue 19, item 1): even bins whose stride doubles, each
+"""A long run keeps its whole history: even bins whose stride doubles, each
 with its minimum and maximum, so iteration 0 and a one-iteration spike survive; checked past
 the series bound without training (2,000 recorded iterations, 3.3x the 600-point bound)."""
 

@@ -1,4 +1,4 @@
-"""A saved notebook keeps every view's last state (issue 19, item 4): the trainer's progress
+"""A saved notebook keeps every view's last state: the trainer's progress
 line, its live status line, the tuner and the dashboard are each shown in a rewritable output
 and replaced IN PLACE by a static snapshot when the run ends, and by the kernel's exit hook
 when it is still live. Checked against a fake kernel that records display messages."""

@@ -98,7 +98,7 @@ def test_apply_sends_only_the_changed_reconfigurable_fields() -> None:
 def test_apply_is_disabled_when_nothing_can_take_it_and_follows_the_run() -> None:
     assert OffloadTuner(SHAPE, "gh200").apply_blocked().startswith("no engine attached")
     data_parallel = FakeEngine()
-    data_parallel.reconfigurable = frozenset()  # the ZeRO engine cannot reconfigure
+    data_parallel.reconfigurable = frozenset()  # an engine that cannot reconfigure
     tuner = OffloadTuner(SHAPE, "gh200", engine=data_parallel)
     tuner.set(ratio=0.3)
     assert tuner.apply_button.disabled and "cannot reconfigure" in tuner.apply_blocked()
@@ -228,7 +228,7 @@ def test_apply_reconfigures_a_real_engine_on_a_later_iteration() -> None:
 
 
 def test_apply_measures_the_change_as_an_interleaved_ab() -> None:
-    """Issue 18, item 5: Apply alternates old and new settings, reports the median change with
+    """Apply alternates old and new settings, reports the median change with
     its interval and verdict beside the predicted change, keeps it in the run's telemetry, and
     leaves the new settings in force."""
     from superoffload.data import BatchSampler, load_tokens

@@ -20,8 +20,8 @@ from superoffload.telemetry.runfile import list_runs, load_run, save_run
 from superoffload.widgets import layout as L
 from superoffload.widgets.compare import BEFORE_AFTER
 from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.figure import TRACE
 from superoffload.widgets.smoothing import ema
+from superoffload.widgets.traces import TRACE
 from superoffload.widgets.view import ViewOptions
 from tests.widgets_support import FakeEngine, record_iteration
 

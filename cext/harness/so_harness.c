@@ -1,5 +1,5 @@
 /* The kernel's C test harness: every entry point of so_cpu_adam.h on one SIMD path
- * (issue 20; output format in so_harness.h).
+ * (output format in so_harness.h; docs/kernel.md, "Which paths are verified where").
  *
  *   so_harness [--simd auto|portable|avx2|avx512|neon|sve] [--quick]
  *
@@ -167,7 +167,7 @@ static void case_many_tensors(void) {
     run_case("many_tensors", pre, &h, &x);
 }
 
-/* Gradients may alias each other (the kernel only reads them: kernels/overlap.py): a call
+/* Gradients may alias each other (the kernel only reads them: kernels/validate.py): a call
  * whose grads share memory computes what copies compute. */
 static void case_aliasing_grads(void) {
     int64_t sizes[3] = {5000, 5000, 3000};

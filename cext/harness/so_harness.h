@@ -1,4 +1,4 @@
-/* The kernel's C test harness (issue 20): declarations shared by its four files.
+/* The kernel's C test harness: declarations shared by its four files.
  *
  * The harness drives every entry point of cext/so_cpu_adam.h from C alone, so it runs where
  * no Python exists: natively (x86-64 portable / AVX2 / AVX-512, or aarch64 on real Grace

@@ -1,4 +1,5 @@
-"""`superoffload train` calibrates the planner on its own first iterations (issue 18, item 2).
+"""`superoffload train` calibrates the planner on its own first iterations (docs/planner.md,
+"Accuracy").
 
 After `AutoCalibrator`'s warm-up and measured iterations (runtime/autocal.py) the run's
 profile -- this machine's ``measure_local(quick=True)``, cached -- is fitted to the engine's

@@ -52,7 +52,8 @@ def step_name(step: int) -> str:
 
 
 def is_checkpoint(path: Path) -> bool:
-    """A complete engine checkpoint: the single engine's file or the ZeRO manifest."""
+    """A complete engine checkpoint: the single engine's file or the data-parallel
+    (DCP) checkpoint's manifest."""
     return (path / "engine.pt").is_file() or (path / "manifest.json").is_file()
 
 

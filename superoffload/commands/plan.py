@@ -15,35 +15,38 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from superoffload.commands.argtypes import writable_file
-from superoffload.config import MiB, OffloadConfig
+from superoffload.config import MiB, OffloadConfig, choices_of
 from superoffload.jsonfile import parse_object
+from superoffload.plan.cost import KERNELS
+from superoffload.plan.schedule import TAIL_STEPS
+from superoffload.plan.techniques import SCHEDULES, Techniques
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="predict an iteration on a hardware profile")
     _shape_args(sim)
-    sim.add_argument("--schedule", default="all",
-                     choices=["all", "superoffload", "zero-offload", "gpu"],
+    sim.add_argument("--schedule", default="all", choices=["all", *SCHEDULES],
                      help="schedule to simulate; 'all' compares the three (default)")
     sim.add_argument("--ratio", type=float, help="OffloadConfig.ratio (default 0.9)")
     sim.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default 64)")
-    sim.add_argument("--speculation", choices=["on", "off", "adaptive"])
-    sim.add_argument("--grad-cast", choices=["device", "host", "auto"])
-    sim.add_argument("--param-cast", choices=["device", "host", "auto"])
-    sim.add_argument("--weights", choices=["stationary", "flow", "auto"])
+    sim.add_argument("--speculation", choices=choices_of("speculation"))
+    sim.add_argument("--grad-cast", choices=choices_of("grad_cast"))
+    sim.add_argument("--param-cast", choices=choices_of("param_cast"))
+    sim.add_argument("--weights", choices=choices_of("weights"))
     sim.add_argument("--cpu-threads", type=int)
-    sim.add_argument("--optimizer-state-dtype", choices=["fp32", "bf16"],
+    sim.add_argument("--optimizer-state-dtype", choices=choices_of("optimizer_state_dtype"),
                      help="host Adam moments: fp32 (default) or bf16 with stochastic rounding "
                           "(changes the numerics; docs/kernel.md)")
-    sim.add_argument("--kernel", choices=["ours", "deepspeed", "torch"], default="ours")
+    sim.add_argument("--kernel", choices=KERNELS, default=KERNELS[0])
     sim.add_argument("--disable", action="append", default=[],
-                     choices=["buckets", "gpu_tail", "stv", "casting", "adaptive_weights"],
+                     choices=tuple(TECHNIQUE_SWITCHES),
                      help="switch a SuperOffload technique off (repeatable)")
     sim.add_argument("--ablation", action="store_true", help="also print the ablation table")
     _engine_args(sim)
@@ -85,6 +88,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cap.set_defaults(func=_capacity)
 
 
+_OFF = {True: False, "superchip": "host"}
+"""A technique's "on" default -> its "off" value: casting's off is casting on the host."""
+TECHNIQUE_SWITCHES: dict[str, Any] = {
+    f.name: _OFF[f.default] for f in dataclasses.fields(Techniques)
+    if isinstance(f.default, (bool, str)) and f.default in _OFF}
+"""``--disable`` values (``plan.Techniques``'s switches, in declaration order) -> off."""
+
 SHAPE_DEFAULTS = {"layers": 40, "hidden": 5120, "heads": 40, "vocab": 50257}
 """The GPT the shape flags describe when not given (a 12.8B GPT-3-like model)."""
 
@@ -96,7 +106,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-order", choices=sorted(STEP_ORDERS),
                    help="OffloadConfig.step_order: 'deadline' (= 'edf', earliest deadline "
                         "first; the default) or 'fifo' (gradient-ready order)")
-    p.add_argument("--tail-step", choices=["unfused", "fused"],
+    p.add_argument("--tail-step", choices=TAIL_STEPS,
                    help="what-if engine variant: the GPU tail step (default: the engine's, "
                         "fused)")
 
@@ -134,7 +144,7 @@ def _shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback-rate", type=float,
                    help="share of iterations that clip/overflow (default: the paper's 0.0012)")
     p.add_argument("--dp", type=int, default=1,
-                   help="data-parallel ranks (ZeRO sharding of the offloaded state); "
+                   help="data-parallel ranks sharing the offloaded state (each holds its shard); "
                         "figures are per rank")
     p.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks sharing one host's cores and memory (default 1: one CPU per GPU)")
@@ -211,7 +221,7 @@ def _simulate(args: argparse.Namespace) -> int:
                                **({"rollback_rate": args.rollback_rate}
                                   if args.rollback_rate is not None else {}))
         for name in args.disable:
-            tech = tech.replace(**({name: "host"} if name == "casting" else {name: False}))
+            tech = tech.replace(**{name: TECHNIQUE_SWITCHES[name]})
         schedules = plan.SCHEDULES if args.schedule == "all" else (args.schedule,)
         results = [plan.simulate(shape, prof, s, cfg, tech) for s in schedules]
         abl = plan.ablation.ablation(shape, prof, cfg, tech.rollback_rate) if args.ablation else None
@@ -374,7 +384,7 @@ def _facts(args: argparse.Namespace) -> int:
           "a prediction, not yet measured on a GPU")
     print(facts.format_table(then, now, next_label="engine now"))
     print()
-    print(f"issue 11's targets for the engine now, relative to the measured plain row "
+    print(f"the H200 speed targets for the engine now, relative to the measured plain row "
           f"({facts.PLAIN_MS} ms) -- predictions, not measurements:")
     print(facts.format_targets(facts.targets()))
     return 0

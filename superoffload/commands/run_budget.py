@@ -1,4 +1,4 @@
-"""Refuse a `train` run that is absurd for this machine, with the estimate (issues 17, 26).
+"""Refuse a `train` run that is absurd for this machine, with the estimate.
 
 `train --seq 100000` used to raise the small GPT's position table to 100000 rows without a
 word and start a first step that had not ended after 10 minutes on 2 CPU cores (it needs

@@ -25,7 +25,7 @@ class StopSignals:
     exit code 128 + the signal (it used to say "finishing the current step" and live on
     through an evaluation of any length).
 
-    Answered at once (issue 17): Python runs a signal handler only when the main thread
+    Answered at once: Python runs a signal handler only when the main thread
     returns to Python code, which one long operation (a step on a huge --seq) can delay for
     minutes, and the signal used to wait without a word. So the C-level handler also writes
     the signal's number into a pipe (``signal.set_wakeup_fd``) that a thread reads: within

@@ -314,7 +314,7 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
             try:
                 ckpts.save(engine, job.out / "checkpoint", extra=extra_at(result.progress()),
                            scheduler=scheduler)
-            except Exception as exc:  # keep result.json and the report (issue 12)
+            except Exception as exc:  # keep result.json and the report
                 saved["final_error"] = f"{job.out / 'checkpoint'}: {one_line(exc)}"
         return _finish(job, args, engine, result, saved)
 
@@ -328,7 +328,7 @@ def _finish(job: _Job, args: argparse.Namespace, engine: Any, result: Any,
              ("iterations", "skipped_steps", "clipped_steps", "rollbacks", "replays")}
     recorder = engine.telemetry
     spans = result.spans
-    if job.dp is not None:  # rank 0's report shows every rank's lanes (issue 7)
+    if job.dp is not None:  # rank 0's report shows every rank's lanes
         spans = train_dist.gather_rank_spans(spans, recorder)
     report_path = trace_path = None
     if not (args.no_report or not job.lead):

@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from superoffload.commands import argtypes as t
+from superoffload.config import choices_of
+from superoffload.models.gpt import PRESETS as MODEL_PRESETS
+from superoffload.presets import PRESETS as ENGINE_PRESETS
+
+TRAIN_DTYPES = tuple(p for p in choices_of("precision") if p != "fp16")
+"""``--dtype``: ``OffloadConfig.precision``'s values but fp16: the command builds its model
+in fp32 or bf16 only (commands/train.py); fp16 models train through ``so.initialize``."""
 
 PROG = "python -m superoffload train"
 
@@ -83,7 +90,7 @@ def flag(name: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The train command's options (defaults in the help text; None means "resolve later")."""
     p.add_argument("--steps", type=t.positive_int, help="optimizer steps (default 300)")
-    p.add_argument("--model", choices=("tiny", "small", "medium", "gpt2"),
+    p.add_argument("--model", choices=tuple(MODEL_PRESETS),
                    help="GPT size (default: small on CPU, medium on CUDA)")
     p.add_argument("--batch", type=t.positive_int, help="sequences per step (default 16 on "
                    "CPU, 32 on CUDA; the global batch under torchrun)")
@@ -93,22 +100,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=t.nonneg_float, help="AdamW decay (default 0.1)")
     p.add_argument("--max-grad-norm", type=t.nonneg_float,
                    help="clip threshold; 0 disables (default 1.0)")
-    p.add_argument("--preset", choices=("auto", "tiny_cpu", "gh200", "pcie_host"),
+    p.add_argument("--preset", choices=("auto", *ENGINE_PRESETS),
                    help="engine settings to start from (default: tiny_cpu on CPU, pcie_host "
                         "on CUDA); the options below override them")
     p.add_argument("--ratio", type=t.fraction,
                    help="share of the optimizer work offloaded to the CPU (paper §4.2)")
     p.add_argument("--bucket-mb", type=t.bucket_mb,
                    help="bucket size in MiB of fp32 gradient (paper §4.2)")
-    p.add_argument("--speculation", choices=("on", "off", "adaptive"),
+    p.add_argument("--speculation", choices=choices_of("speculation"),
                    help="speculation-then-validation mode (paper §4.3)")
-    p.add_argument("--weights", choices=("stationary", "flow", "auto"),
+    p.add_argument("--weights", choices=choices_of("weights"),
                    help="weight policy (paper §4.5): keep the weights on the device, stream "
                         "the blocks from the host (flow), or let the cost model choose; "
                         "default: the preset's (works with --dp/--sp too)")
     p.add_argument("--device", type=t.device_name, default="auto",
                    help='"auto", "cpu", "cuda" or "cuda:N"')
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"),
+    p.add_argument("--dtype", choices=TRAIN_DTYPES,
                    help="model weight dtype (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--checkpointing", action="store_true", default=None,
                    help="activation checkpointing")

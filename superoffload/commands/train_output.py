@@ -89,7 +89,7 @@ def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
         how = (f"temperature {args.sample_temperature:g}, top-k {args.sample_top_k or 'all'}"
                if args.sample_temperature else "greedy")
         print(f"sample ({how}): " + repr(r["sample"]))
-    if r.get("planner"):  # the planner calibrated on this run (issue 18)
+    if r.get("planner"):  # the planner calibrated on this run
         print(r["planner"]["line"])
     for key in ("report", "trace"):
         if r.get(key):

@@ -1,6 +1,6 @@
 """Start torch.distributed from torchrun's environment, with bounded timeouts and clear errors.
 
-`torchrun --nproc-per-node N script.py` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+`torchrun --nproc-per-node N <your_script>.py` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT for each worker (PyTorch docs, "torchrun (Elastic Launch)"); `init_distributed()`
 reads them, picks NCCL when CUDA is present and gloo otherwise, binds the rank to
 cuda:LOCAL_RANK, and creates the dp x sp groups of `groups.py`. Run without torchrun (none of

@@ -6,8 +6,10 @@
                                   train_dataset=ds, offload_config=so.presets.gh200())
     trainer.train()                                   # or .train(resume_from_checkpoint=True)
 
-How it hooks in -- the places DeepSpeed's integration uses (transformers/trainer.py,
-transformers/integrations/deepspeed.py, accelerate/accelerator.py), nothing else:
+How it hooks in -- the places DeepSpeed's integration uses (docs/integrations.md:
+huggingface/transformers:src/transformers/trainer.py,
+huggingface/transformers:src/transformers/integrations/deepspeed.py,
+huggingface/accelerate:src/accelerate/accelerator.py), nothing else:
 
 * `create_optimizer` builds the engine from Trainer's own param groups (decay / no decay) and
   TrainingArguments' AdamW hyperparameters; `self.optimizer` becomes `OffloadedOptimizer`, a
@@ -50,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import EngineMetrics, backward, engine_config
-from superoffload.kernels.torch_flags import check_flags, torch_flags
+from superoffload.kernels.hyper import check_flags, torch_flags
 
 ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",
                           "adamw_torch_xla", "adamw_torch_npu_fused"})
@@ -59,10 +61,11 @@ ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw
 
 def deepspeed_for_trainer(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
     """A Trainer-style DeepSpeed dict as the engine takes it. "auto" gets the TrainingArguments
-    value, as transformers fills it (integrations/deepspeed.py, `HfTrainerDeepSpeedConfig.
-    trainer_config_process`); `optimizer` / `scheduler` sections whose params are all "auto"
-    are dropped (Trainer builds both from TrainingArguments), explicit values are refused;
-    `zero_optimization.reduce_bucket_size: "auto"` keeps the engine's bucket size."""
+    value, as transformers fills it (`HfTrainerDeepSpeedConfig.trainer_config_process` in
+    huggingface/transformers:src/transformers/integrations/deepspeed.py); `optimizer` /
+    `scheduler` sections whose params are all "auto" are dropped (Trainer builds both from
+    TrainingArguments), explicit values are refused; `zero_optimization.reduce_bucket_size:
+    "auto"` keeps the engine's bucket size (docs/integrations.md, "Hugging Face `Trainer`")."""
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in ds.items()}
     fills = {"gradient_accumulation_steps": args.gradient_accumulation_steps,
              "gradient_clipping": args.max_grad_norm,
@@ -201,7 +204,8 @@ class SuperOffloadTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator (re-made by hyperparameter search too), with the two calls
-        accelerate routes to DeepSpeed's engine (accelerate/accelerator.py) sent to ours."""
+        accelerate routes to DeepSpeed's engine (huggingface/accelerate:src/accelerate/accelerator.py)
+        sent to ours."""
         super().create_accelerator_and_postprocess()
         self.accelerator.backward = self._engine_backward  # type: ignore[method-assign]
         self.accelerator.clip_grad_norm_ = self._engine_clips  # type: ignore[method-assign]
@@ -268,7 +272,7 @@ class SuperOffloadTrainer(Trainer):
     def _adamw_hyper(self) -> dict[str, Any]:
         """AdamW's lr, betas, eps and flags as Trainer would build it: from TrainingArguments,
         or from ``Trainer(optimizer_cls_and_kwargs=(AdamW, {...}))`` (its own defaults then,
-        as Trainer's); the engine honours or refuses each flag (kernels/torch_flags.py).
+        as Trainer's); the engine honours or refuses each flag (kernels/hyper.py).
         ``optim_args`` is refused: Trainer's AdamW does not read it, and neither would we."""
         if self.args.optim_args:
             raise ConfigError(

@@ -6,14 +6,15 @@
     trainer.fit(module)            # the LightningModule is unchanged: configure_optimizers
                                    # returns torch.optim.AdamW (or Adam) and any LR scheduler
 
-Like Lightning's own `DeepSpeedStrategy` (lightning/pytorch/strategies/deepspeed.py) the
+Like Lightning's own `DeepSpeedStrategy`
+(Lightning-AI/pytorch-lightning:src/lightning/pytorch/strategies/deepspeed.py) the
 strategy takes the optimizer `configure_optimizers` returns and hands its parameter groups
 and hyperparameters to the engine; the module's AdamW object stays what Lightning and the LR
 schedulers see, and its groups' lr / betas / eps / weight_decay and AdamW flags are copied
 into the engine's before every backward and step, so any scheduler drives the engine. Its own
 `step` is never called (it holds no state). The flags (`maximize`, `amsgrad`, `foreach`,
 `fused`, `capturable`, `differentiable`) are the engine's to honour or refuse, at `fit()` and
-when changed mid-run (superoffload/kernels/torch_flags.py: `AdamW(maximize=True)` trains as
+when changed mid-run (superoffload/kernels/hyper.py: `AdamW(maximize=True)` trains as
 AdamW does, `AdamW(amsgrad=True)` is refused naming the way). What it takes over:
 * `backward` -> `engine.backward` (Lightning's `on_before_backward` / `on_after_backward`
   hooks still run); `optimizer_step` runs the closure, the `on_before_optimizer_step` hooks,
@@ -55,7 +56,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import EngineMetrics, adam_hyper, backward, engine_config
-from superoffload.kernels.torch_flags import torch_flag_keys, torch_flags
+from superoffload.kernels.hyper import torch_flag_keys, torch_flags
 
 PRECISIONS = frozenset({"32-true", "32", "bf16-true", "16-true", "bf16-mixed"})
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -187,8 +188,8 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
                 gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         engine.step()
         # NOTE: the engine stepped on the module optimizer's behalf; tell its LR scheduler
-        # (torch/optim/lr_scheduler.py `patch_track_step_called` sets the same flag), or
-        # torch warns that lr_scheduler.step() ran before optimizer.step()
+        # (pytorch/pytorch:torch/optim/lr_scheduler.py `patch_track_step_called` sets the same
+        # flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
         getattr(optimizer, "_optimizer", optimizer)._opt_called = True
         self._steps += 1
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))

@@ -4,7 +4,7 @@ Public API (DESIGN.md §4, issues 2 and 11; docs/kernel.md):
     AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode=True, bias_correction=True,
               maximize=False)
     AdamHyper.from_group(param_group)     # the one hyper-parameter type; torch.optim.AdamW's
-                                          # flags honoured or refused (kernels/torch_flags.py)
+                                          # flags honoured or refused (kernels/hyper.py)
     prepare_adam(params, grads, exp_avgs, exp_avg_sqs, params_lp=None) -> PreparedAdam
         .step(hyper, *, step, grad_scale=1.0, threads=None, sr_seed=0, grads=None,
               options=None)
@@ -139,17 +139,14 @@ def prepare_grad_stats(grads: list[torch.Tensor]) -> PreparedGradStats:
     return PreparedGradStats(grads, _impl)  # type: ignore[arg-type]
 
 
-def grad_stats_multi(grads: list[torch.Tensor], threads: int | None = None) -> tuple[float, int]:
-    """(sum of squares of the finite values in fp64, count of non-finite values)."""
-    return _impl.grad_stats_multi(grads, threads)  # type: ignore[no-any-return]
-
-
-def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
-                        grad_scale: float, c_v: float, threads: int | None = None) -> int:
-    """How many elements have (g * grad_scale)^2 > c_v * v: the rollback guard's pre-check
-    (runtime/rollback_guard.py). fp32 or bf16 gradients, fp32 moments."""
-    return _impl.rollback_risk_multi(grads, exp_avg_sqs, grad_scale=grad_scale,  # type: ignore[no-any-return]
-                                     c_v=c_v, threads=threads)
+# the backend's own functions, bound directly (a step calls them per bucket: no wrapper layer)
+grad_stats_multi = _impl.grad_stats_multi
+"""(grads, threads=None) -> (sum of squares of the finite values in fp64, count of
+non-finite values)."""
+rollback_risk_multi = _impl.rollback_risk_multi
+"""(grads, exp_avg_sqs, *, grad_scale, c_v, threads=None) -> how many elements have
+(g * grad_scale)^2 > c_v * v: the rollback guard's pre-check (runtime/rollback_guard.py);
+fp32 or bf16 gradients, fp32 moments."""
 
 
 def grad_stats(grad: torch.Tensor, threads: int | None = None) -> tuple[float, int]:

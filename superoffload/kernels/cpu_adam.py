@@ -204,6 +204,7 @@ def grad_stats_run(d: StatsDescriptor, threads: int) -> tuple[float, int]:
 
 
 def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
+    """(sum of squares of the finite values in fp64, count of non-finite values)."""
     gs = check_grads(grads)
     return grad_stats_run(grad_stats_describe(gs), check_threads(threads))
 

@@ -17,7 +17,7 @@ step() makes ONE prepared kernel call per param group (per distinct step count, 
 and low-precision dtype inside the group), built once and reused until the group's
 tensors change (kernels/optimizer_batches.py). Every group's hyper-parameters are read and
 checked before any group is stepped, so a bad value (or a refused torch.optim flag,
-kernels/torch_flags.py) written into a group mid-run raises with nothing applied.
+kernels/hyper.py) written into a group mid-run raises with nothing applied.
 rollback() undoes the last step exactly (to a few ulps, DESIGN.md §4) using the gradients
 still in .grad and the hyper-parameters that step used (a scheduler's lr change in between
 does not enter the inverse).
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from superoffload.kernels.hyper import AdamHyper
+from superoffload.kernels.hyper import AdamHyper, normalise_group
 from superoffload.kernels.optimizer_batches import (
     LOW_PRECISION,
     MASTER_KEY,
@@ -52,7 +52,6 @@ from superoffload.kernels.optimizer_batches import (
     local_shard,
     state_like,
 )
-from superoffload.kernels.torch_flags import normalise_group
 from superoffload.kernels.validate import MOMENT_DTYPES, check_threads
 
 PARAM_DTYPES = (torch.float32, *LOW_PRECISION)
@@ -96,7 +95,7 @@ class CPUAdam(torch.optim.Optimizer):
     ``maximize``, ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are
     torch.optim.AdamW's flags: ``maximize`` is honoured, ``foreach``/``fused`` accepted (our
     kernel runs either way), ``amsgrad``/``capturable``/``differentiable`` refused unless
-    False (kernels/torch_flags.py), here and in every param group, also when set mid-run."""
+    False (kernels/hyper.py), here and in every param group, also when set mid-run."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -2,7 +2,7 @@
 
 A bucket's tensors never move between steps (DESIGN.md §3), yet a plain
 ``adam_step_multi`` call re-checks every tensor (dtype, device, contiguity, lengths, the
-O(n log n) overlap check of kernels/overlap.py) and rebuilds the CFFI pointer arrays each
+O(n log n) overlap check of kernels/validate.py) and rebuilds the CFFI pointer arrays each
 time: ~10% of a 180-tensor ``CPUAdam.step`` (issue 11 §3). A ``PreparedAdam`` does that work
 once and then each ``step``/``rollback`` only checks its numbers (kernels/validate.py
 ``check_call``) and that no tensor moved::

@@ -145,6 +145,13 @@ def plan_buckets(
     if current:
         groups.append(current)
 
+    return plan_from_groups(groups, bucket_bytes=bucket_bytes, ratio=ratio)
+
+
+def plan_from_groups(groups: Sequence[Sequence[ParamSpec]], *, bucket_bytes: int,
+                     ratio: float) -> BucketPlan:
+    """Buckets of the given ``groups`` (gradient-ready order), the leading ones covering
+    (closest to) ``ratio`` of the elements offloaded, the rest GPU tail buckets."""
     sizes = [sum(s.numel for s in g) for g in groups]
     n_host = _host_prefix(sizes, float(ratio))
     buckets = tuple(

@@ -8,7 +8,8 @@ parallel; "zero-offload" is DeepSpeed ZeRO-2 +
 offload_optimizer with the device buffers its code allocates (plan/deepspeed.py: bf16 weights,
 the 5e8-element reduce bucket, per-parameter gradient temporaries, activations); "gpu" keeps
 all 18 B/param on the device. Data parallel (dp > 1): the check is
-per rank (each holds 1/dp of the offloaded state, memory.py).
+per rank over FSDP2 (each holds 1/dp of the weights, gradients and offloaded state, and
+FSDP2's unsharded units at their moments: plan/memory_fsdp.py).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ side for the other:
   device and 16 B (+ the 2 B pinned bf16 copy, + a snapshot) arrive on the host. With both
   casts on the host (no fp32 staging on the device) host bytes never fall and device bytes
   never rise as the ratio grows (the gradients in flight, 3 x 2 B per element of the largest
-  host bucket, and with data parallel the fp32 reduce buffers, 8 B of it, grow by no more than
-  the 14 B/param a bucket frees). So of the ratios whose host side fits --
+  host bucket, grow by no more than the 14 B/param a bucket frees; with data parallel both
+  are per rank, 1/dp, and FSDP2's unsharded weights and gradients do not depend on the
+  ratio). So of the ratios whose host side fits --
   a prefix of the buckets, found by bisection on the bucket count -- the largest is the
   device's best chance: when the device does not fit there, no ratio fits. (With a device
   cast fixed by the caller the device side may rise by up to 8 B/param of staging per

@@ -32,12 +32,11 @@ and its fp32 temporaries. With grad_accum_steps > 1 the gradients that accumulat
 device are resident from the start (a later micro-step). ``Memory.device_kept`` is the same
 peak without the transients: what live tensors hold (tests/test_plan_device_memory.py holds it
 to the engine's DeviceMeter within 10%).
-Data parallel (ModelShape.dp = N > 1; ZeRO §5, distributed/zero.py): bytes are per rank. The
-host's fp32 state, pinned bf16 copy and snapshot are divided by N (each rank holds its shard);
-weight-flow still needs the whole bf16 model on each host. The device keeps replicated bf16
-weights, gradients and the (replicated) tail state, plus the fp32 flat buffers of two buckets
-in flight for the reduce-scatter (the engine reduces in fp32). With ranks_per_host > 1 the
-fit check uses the rank's share of the host (plan/parallel.rank_profile).
+Data parallel (ModelShape.dp = N > 1, the "superoffload" schedule): bytes per rank over
+FSDP2, plan/memory_fsdp.py (shards, FSDP2's unsharded weights and gradients at their moments,
+its reduce-scatter buffer). With ranks_per_host > 1 the fit check uses the rank's share of
+the host (plan/parallel.rank_profile). The "gpu" schedule with data parallel replicates
+everything (DDP): the figures below, per rank.
 Headroom: 5% of device memory (allocator fragmentation, CUDA context) and 10% of host memory
 (the OS, the data pipeline) are kept free -- estimates, not measurements.
 """
@@ -106,6 +105,10 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
         from superoffload.plan.deepspeed import zero2_memory
 
         return zero2_memory(shape, plan)
+    if plan.units is not None:  # data parallel over FSDP2
+        from superoffload.plan.memory_fsdp import fsdp_memory
+
+        return fsdp_memory(shape, prof, plan)
     n = float(shape.params)
     off = offloaded_params(shape, plan)
     tail = n - off
@@ -121,15 +124,13 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     else:
         resident["weights"] = w * n
     resident["tail_state"] = (12.0 if low else 8.0) * tail  # master (low precision), m, v
-    resident["staging"] = resident["collective_buffers"] = 0.0
+    resident["staging"] = 0.0
     if off > 0:
         # fp32 copies made on the device for device-side casting, two buckets in flight
         bucket_params = largest_host_bucket(plan)
         per_param = (4.0 if plan.grad_cast == "device" and low else 0.0) + (
             4.0 if plan.param_cast == "device" and low else 0.0)
         resident["staging"] = 2.0 * per_param * bucket_params
-        if shape.dp > 1:
-            resident["collective_buffers"] = 2.0 * 4.0 * bucket_params
     grads = grads_of(shape, plan)
     temporaries = 0.0
     if low and prof.device_type == "cuda" and grads.tail_numel:
@@ -139,16 +140,15 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     parts, kept = _device_peak(shape, plan, resident, grads, w, temporaries)
     host: dict[str, float] = {}
     if off > 0:
-        shard = off / shape.dp if shape.dp > 1 else off
         moments = 2.0 * MOMENT_BYTES[plan.optimizer_state_dtype]  # m and v
         if plan.optimizer_state_dtype == "fp32":
-            host["fp32_state"] = (8.0 + moments) * shard  # master, gradient buffer, m, v
+            host["fp32_state"] = (8.0 + moments) * off  # master, gradient buffer, m, v
         else:
-            host["fp32_state"] = 8.0 * shard  # master and gradient buffer
-            host["bf16_moments"] = moments * shard
-        host["weights_bf16_pinned"] = 2.0 * (shard if plan.weights != "flow" else n)
+            host["fp32_state"] = 8.0 * off  # master and gradient buffer
+            host["bf16_moments"] = moments * off
+        host["weights_bf16_pinned"] = 2.0 * (off if plan.weights != "flow" else n)
         if plan.speculate and plan.snapshot_rollback:
-            host["rollback_snapshot"] = (4.0 + moments) * shard  # pre-step p, m, v
+            host["rollback_snapshot"] = (4.0 + moments) * off  # pre-step p, m, v
     return Memory(sum(parts.values()), sum(host.values()), parts, host, device_kept=kept)
 
 

@@ -1,20 +1,22 @@
-"""Data parallel in the planner: ring collectives and one rank's share of a host (issue 7).
+"""Data parallel in the planner: ring collectives, the collective backend, and one rank's
+share of a host.
 
-ZeRO-style sharding of the offloaded state (Rajbhandari et al. 2020, "ZeRO" §5; the engine:
-distributed/zero.py). With N = ModelShape.dp ranks, per offloaded bucket of `numel` params:
-  d2h lane   reduce-scatter of the fp32 gradients (the engine reduces in fp32), then the D2H
-             copy of this rank's 1/N shard                    (one span, as the engine records)
-  CPU lane   Adam over the shard (numel / N) on this rank's threads
-  h2d lane   H2D of the updated shard, then the all-gather of the bucket's weights
-GPU tail buckets are replicated: their gradients are all-reduced before the device step; the
-validation adds one small all-reduce (norm partials and overflow count).
+Data parallel runs on FSDP2 (``FsdpOffloadEngine``, distributed/fsdp/; its units:
+plan/fsdp_units.py; its iteration: plan/sim_fsdp.py). With N = ModelShape.dp shard ranks
+every rank holds 1/N of the weights, gradients and optimizer state; per unit FSDP2
+all-gathers the weights before the unit's forward and reduce-scatters its gradients after its
+backward, and the engine moves and steps this rank's shard of every bucket (D2H, CPU Adam,
+H2D of numel / N). HSDP (ModelShape.dp_replicate = R > 1) all-reduces each reduced shard
+across the R replicas; the validation is one small all-reduce over all N x R ranks.
 Ring collective over N ranks (Patarasuk & Yuan 2009; NCCL's "bus bandwidth" convention):
   reduce-scatter / all-gather  t = (N - 1) * latency + (N - 1) / N * bytes / bw
   all-reduce                   t = 2 * (N - 1) * latency + 2 * (N - 1) / N * bytes / bw
-`bytes` is the whole buffer (bucket), bw = HardwareProfile.collective_gbps; N = 1 costs 0.
+`bytes` is the whole buffer, bw = HardwareProfile.collective_gbps; N = 1 costs 0.
+The backend follows the device (``collective_backend``): gloo on a CPU device, whose
+collectives run synchronously in the training thread; NCCL on a GPU, on its own streams.
 Ranks on one host (ModelShape.ranks_per_host = R) split its cores, memory, memory bandwidth and
-host cast rate evenly (the engine's zero_budget.py rule: threads = cores * frac / R); the link
-to the device is per GPU and not split.
+host cast rate evenly (the engine's thread rule, superoffload/threads.py: threads = cores *
+frac / R); the link to the device is per GPU and not split.
 """
 
 from __future__ import annotations
@@ -57,6 +59,16 @@ def all_gather_time_s(nbytes: float, ranks: int, prof: HardwareProfile) -> float
 def all_reduce_time_s(nbytes: float, ranks: int, prof: HardwareProfile) -> float:
     """Ring all-reduce (reduce-scatter + all-gather) of `nbytes` over `ranks` ranks."""
     return float(ring_time_s(nbytes, ranks, prof, steps_factor=2))
+
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+"""The collective backend of a device type (``init_distributed``'s default per device)."""
+
+
+def collective_backend(prof: HardwareProfile) -> str:
+    """"gloo" (a CPU device: each collective blocks the training thread) or "nccl" (a GPU:
+    collectives overlap compute on their own streams), from ``prof.device_type``."""
+    return BACKENDS[prof.device_type]
 
 
 def rank_profile(prof: HardwareProfile, ranks_per_host: int) -> HardwareProfile:

@@ -8,6 +8,7 @@ from typing import Any
 
 from superoffload.plan import cost
 from superoffload.plan.buckets import BucketPlan
+from superoffload.plan.fsdp_units import UnitPlan
 from superoffload.plan.schedule import ENGINE, EngineVariant
 
 
@@ -50,6 +51,9 @@ class Resolved:
     grad_accum_on: str = "device"
     """Where offloaded gradients accumulate over micro-steps, decided ("device" or "host";
     the rule book resolves "auto" with plan.grad_accum.choose_grad_accum)."""
+    units: UnitPlan | None = None
+    """Data parallel: the FSDP2 units and the buckets each holds (the rule book's
+    ``Schedule.units``); None for one process and for the peers' schedules."""
     reasons: tuple[str, ...] = ()
     host_numel: int = field(init=False, default=0)
     """Parameters whose fp32 state and step are on the host (whole buckets; derived)."""
@@ -64,13 +68,18 @@ class Resolved:
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe fields (the bucket table as counts)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__  # type: ignore[attr-defined]
-                               if k not in ("bucket_plan", "engine")}
+                               if k not in ("bucket_plan", "engine", "units")}
         out["reasons"] = list(self.reasons)
         out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
                          "d2h_stats_first": self.engine.d2h_stats_first,
-                         "merge_small_buckets": self.engine.merge_small_buckets}
+                         "merge_small_buckets": self.engine.merge_small_buckets,
+                         "buckets_per_unit": self.engine.buckets_per_unit}
         plan = self.bucket_plan
         n_host = sum(1 for b in plan.buckets if not b.on_device)
         out["buckets"] = {"host": n_host, "device": len(plan.buckets) - n_host,
                           "largest_numel": max((b.numel for b in plan.buckets), default=0)}
+        if self.units is not None:
+            out["fsdp_units"] = [{"params": len(u.param_indices), "numel": u.numel,
+                                  "on_host": u.on_host, "all_gathers": u.all_gathers,
+                                  "buckets": list(u.buckets)} for u in self.units.units]
         return out

@@ -1,13 +1,13 @@
 """The schedule rule book: what an engine really runs for a config (DESIGN.md §6, "one rule book").
 
 One pure function, ``resolve_schedule(config, facts)``, decides every rule that turns the
-requested ``OffloadConfig`` into the schedule that runs; the engine (single-process and ZeRO)
-and the planner's simulator both call it, so a prediction always describes the schedule that
-runs and telemetry can record the effective values:
+requested ``OffloadConfig`` into the schedule that runs; the engine (single-process and over
+FSDP2) and the planner's simulator both call it, so a prediction always describes the schedule
+that runs and telemetry can record the effective values:
 
 * weight-flow offloads every bucket (ratio 1) and casts weights on the host: the host's
-  low-precision copy is what streams in (paper §4.5); with data parallel too (the ZeRO engine
-  all-gathers into the host homes);
+  low-precision copy is what streams in (paper §4.5); with data parallel too (FSDP2's block
+  units keep their shards on the host, where the CPU step publishes);
 * buckets hold whole parameters, in gradient-ready order, as ``plan.buckets.plan_buckets``
   cuts them (paper §4.2), and ``ratio`` rounds to whole buckets;
 * casting "auto" (paper §4.4): on a CPU-only machine the "link" is a memory copy, so moving
@@ -28,7 +28,14 @@ runs and telemetry can record the effective values:
   ``engine_for(config)`` is that variant with the step order ``OffloadConfig.step_order``
   selects ("deadline" -> "edf", "fifo" -> "fifo"). The engine (runtime/engine.py) and the
   planner (plan/techniques.py) both resolve with it, so they agree for either setting.
-  ``ENGINE_TODAY`` is the engine FACTS.md's H200 table was measured with (plan/facts.py).
+  ``ENGINE_TODAY`` is the engine FACTS.md's H200 table was measured with (plan/facts.py);
+* data parallel (``ScheduleFacts.blocks`` given): the FSDP2 units and the buckets each holds
+  (``plan.fsdp_units.plan_units``, the rule ``FsdpOffloadEngine`` shards a model with: blocks
+  grouped up to one bucket weight-stationary, one host-resident unit per block under
+  weight-flow, the root for the rest). The buckets stay ``plan_buckets``' whole parameters in
+  gradient-ready order (``EngineVariant.buckets_per_unit``: cut within the units instead);
+  a bucket is complete when the last unit holding one of its parameters has reduce-scattered
+  (docs/planner.md, "Data parallel").
 
 No torch, no threads, no devices (STYLE.md §2).
 """
@@ -40,6 +47,7 @@ from dataclasses import dataclass, replace
 
 from superoffload.config import OffloadConfig
 from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
+from superoffload.plan.fsdp_units import UnitPlan, plan_units, unit_buckets
 from superoffload.plan.profiles import HardwareProfile
 from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
 
@@ -74,6 +82,12 @@ class EngineVariant:
     merge_small_buckets: bool = False
     """Buckets less than half full ride with the next parameter instead of closing
     (``plan_buckets(merge_small=...)``: fewer tiny buckets, each with fixed costs)."""
+    buckets_per_unit: bool = False
+    """Data parallel over FSDP2 with its units known (``ScheduleFacts.units`` or
+    ``.blocks``): buckets follow the units (``plan.fsdp_units.unit_buckets``: none crosses a
+    unit, ids in FSDP2's reduce order, the root's last). False: ``plan_buckets`` over the
+    whole model, what ``FsdpOffloadEngine`` runs (docs/planner.md, "Data parallel": the
+    simulator's case for switching)."""
 
     def __post_init__(self) -> None:
         if self.step_order not in STEP_ORDERS:
@@ -122,7 +136,8 @@ class ScheduleFacts:
     device_type: str = "cuda"
     """Where forward/backward run: "cpu" or "cuda"."""
     dp: int = 1
-    """Ranks sharing the offloaded state (ZeRO data parallel); 1 for one process."""
+    """Ranks the offloaded state is sharded over (FSDP2 data parallel; under HSDP one
+    replica's); 1 for one process."""
     usable_cores: int = 1
     """Cores the host gives this job (affinity mask, or a profile's cores)."""
     local_ranks: int = 1
@@ -131,6 +146,13 @@ class ScheduleFacts:
     """Hardware for casting="auto" on a GPU (the cost model); None: the Superchip default."""
     engine: EngineVariant = ENGINE
     """The engine's implementation variant (the planner may ask for another: Techniques)."""
+    blocks: tuple[int, ...] | None = None
+    """Per parameter of ``params``: its block (0-based: the longest ``nn.ModuleList``), or -1
+    outside the blocks. Given: the schedule includes the FSDP2 units (``Schedule.units``)."""
+    units: tuple[tuple[int, ...], ...] | None = None
+    """The FSDP2 units of a sharded model, as they are: each one's parameter indices, forward
+    order, the root first (the buckets follow them under ``engine.buckets_per_unit``;
+    otherwise the units ``blocks`` gives are used)."""
 
     def __post_init__(self) -> None:
         if self.model_dtype not in DTYPES:
@@ -168,6 +190,8 @@ class Schedule:
     """Step order, tail step and D2H launch order the schedule runs with."""
     grad_accum_on: str = "device"
     """Where offloaded gradients accumulate over micro-steps: "device" or "host" (decided)."""
+    units: UnitPlan | None = None
+    """The FSDP2 units and the buckets each holds (``ScheduleFacts.blocks`` given), else None."""
 
     @property
     def offloaded_fraction(self) -> float:
@@ -258,8 +282,16 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
                                 local_ranks=facts.local_ranks,
                                 reserved=runtime_threads(facts.device_type),
                                 explicit=config.cpu_threads)
-    plan = plan_buckets(facts.params, bucket_bytes=config.bucket_bytes, ratio=ratio,
-                        merge_small=facts.engine.merge_small_buckets)
+    units = None if facts.blocks is None else plan_units(
+        facts.params, facts.blocks, bucket_bytes=config.bucket_bytes, weights=policy)
+    members = facts.units if facts.units is not None else (
+        None if units is None else [u.param_indices for u in units.units])
+    if facts.engine.buckets_per_unit and members is not None and facts.dp > 1:
+        plan = unit_buckets(facts.params, members, bucket_bytes=config.bucket_bytes,
+                            ratio=ratio, merge_small=facts.engine.merge_small_buckets)
+    else:
+        plan = plan_buckets(facts.params, bucket_bytes=config.bucket_bytes, ratio=ratio,
+                            merge_small=facts.engine.merge_small_buckets)
     g, p, cast_notes = resolve_casting(
         config.grad_cast, config.param_cast, model_dtype=facts.model_dtype,
         device_type=facts.device_type, weights=policy, profile=facts.profile, threads=threads,
@@ -267,9 +299,11 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
     notes += cast_notes
     accum, accum_notes = resolve_grad_accum(config, facts.device_type, grad_accum)
     notes += accum_notes
+    if units is not None:
+        units = units.with_buckets(plan)
     return Schedule(weights=policy, requested_ratio=float(config.ratio), ratio=ratio,
                     bucket_plan=plan, grad_cast=g, param_cast=p, threads=threads, dp=facts.dp,
-                    notes=tuple(notes), engine=facts.engine, grad_accum_on=accum)
+                    notes=tuple(notes), engine=facts.engine, grad_accum_on=accum, units=units)
 
 
 def specs_of(numels: Sequence[int], names: Sequence[str] | None = None) -> tuple[ParamSpec, ...]:

@@ -48,12 +48,17 @@ class ModelShape:
     other_params_override: int | None = None
     """Set by `from_module`: parameters outside the blocks (embeddings, final norm, head)."""
     dp: int = 1
-    """Data-parallel ranks (ZeRO-style, issue 7): each holds 1/dp of the offloaded optimizer
-    state and steps 1/dp of every bucket. `micro_batch` is per rank; times, FLOP/s and memory
-    the planner reports are per rank (plan/parallel.py)."""
+    """Data-parallel ranks one replica's state is sharded over (FSDP2, as
+    ``FsdpOffloadEngine`` runs it): each holds 1/dp of the weights, gradients and offloaded
+    optimizer state and steps 1/dp of every bucket. `micro_batch` is per rank; times, FLOP/s
+    and memory the planner reports are per rank (plan/parallel.py)."""
+    dp_replicate: int = 1
+    """Replicas of the sharded state (HSDP over a 2-D mesh, replicate x shard; ``train
+    --dp-replicate``): the job runs ``dp * dp_replicate`` ranks, and every reduce-scatter is
+    followed by an all-reduce of the reduced shard across the replicas."""
     ranks_per_host: int = 1
     """Ranks sharing one host's CPU cores, memory and memory bandwidth (1 on GH200: one Grace
-    per GPU; e.g. 8 on an 8-GPU PCIe server). At most `dp`."""
+    per GPU; e.g. 8 on an 8-GPU PCIe server). At most ``dp * dp_replicate``."""
     dtype: str = "bfloat16"
     """Dtype of the trainable parameters ("float32", "bfloat16", "float16"): the rule book's
     ``model_dtype`` (an fp32 model casts nothing and moves 4 B each way); the memory model
@@ -84,7 +89,7 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab", "seq", "micro_batch", "dp",
-                     "ranks_per_host"):
+                     "dp_replicate", "ranks_per_host"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelShape.{name}={value!r}: use a whole number >= 1")
@@ -113,10 +118,11 @@ class ModelShape:
             raise ValueError(f"ModelShape.experts={self.experts}, experts_per_token="
                              f"{self.experts_per_token}: use 0 and 0 (dense) or 1 <= "
                              "experts_per_token <= experts")
-        if self.ranks_per_host > self.dp:
+        if self.ranks_per_host > self.dp * self.dp_replicate:
             raise ValueError(
-                f"ModelShape.ranks_per_host={self.ranks_per_host} exceeds dp={self.dp}: "
-                "a host cannot hold more data-parallel ranks than there are"
+                f"ModelShape.ranks_per_host={self.ranks_per_host} exceeds dp={self.dp}"
+                + (f" x dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else "")
+                + ": a host cannot hold more data-parallel ranks than there are"
             )
 
     # ------------------------------------------------------------------ parameters
@@ -218,6 +224,13 @@ class ModelShape:
         registration order, all trainable), as the engine builds it for this model."""
         _, numel = self.param_layout()
         return tuple(ParamSpec(i, int(n)) for i, n in enumerate(numel.tolist()))
+
+    def block_of_params(self) -> tuple[int, ...]:
+        """Per parameter of ``param_specs``: its block (0-based), or -1 outside the blocks
+        (embeddings, final norm, head): what the FSDP2 units are cut from
+        (plan/fsdp_units.py)."""
+        layer, _ = self.param_layout()
+        return tuple(int(k) - 1 if 1 <= k <= self.layers else -1 for k in layer.tolist())
 
     # ------------------------------------------------------------------ FLOPs
     @property

@@ -1,12 +1,14 @@
 """The lanes of one simulated iteration: the engine's bucket table on the device, link, host
 and device-optimizer lanes (DESIGN.md §3, §5; the model: plan/simulate.py's docstring).
 
-Legend: ``numel`` elements of a bucket, ``shard`` this rank's part of it (ZeRO: ceil(numel/dp),
-distributed/zero_layout.py), ``*_dur`` seconds per bucket, ``*_free`` when a lane is next free.
+Legend: ``numel`` elements of a bucket, ``shard`` this rank's part of it (data parallel:
+ceil(numel / dp), FSDP2's dim-0 shards), ``*_dur`` seconds per bucket, ``*_free`` when a lane
+is next free.
 Buckets are the engine's (plan.buckets via the rule book): whole parameters in gradient-ready
 order, the host ones first. A bucket is complete when the gradient stream (backward, layer by
 layer, uniform within a layer) passes its first-registered parameter; a layer's forward needs
-the previous iteration's H2D of every host bucket holding one of its parameters.
+the previous iteration's H2D of every host bucket holding one of its parameters. With data
+parallel the walk is FSDP2's, unit by unit (plan/sim_fsdp.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from itertools import chain
 
 import numpy as np
 
-from superoffload.plan import compute, cost, parallel
+from superoffload.plan import compute, cost, parallel, sim_fsdp
 from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
@@ -132,132 +134,159 @@ def layout(shape: ModelShape, plan: Resolved) -> Layout:
                   has_tail, has_off, n_tail)
 
 
-def collectives(shape: ModelShape, prof: HardwareProfile, plan: Resolved, lay: Layout
-                ) -> tuple[np.ndarray, np.ndarray, float, float]:
-    """(reduce-scatter s per bucket, all-gather s per bucket, tail all-reduce s, validation
-    all-reduce s) for one rank; zeros at dp=1. Gradients reduce in fp32 (distributed/zero.py);
-    weights gather in the dtype they cross the link in."""
-    n = shape.dp
-    p_bytes = 4.0 if plan.param_cast == "device" else 2.0
-    rs = parallel.ring_time_s(lay.numel * 4.0, n, prof)
-    ag = parallel.ring_time_s(lay.numel * p_bytes, n, prof)
-    tail_ar = parallel.all_reduce_time_s(4.0 * (float(lay.p.sum()) - lay.off), n, prof)
-    val_ar = parallel.all_reduce_time_s(8.0, n, prof)  # [sum of squares, non-finite count]
-    return rs, ag, tail_ar, val_ar
+def ddp_collectives(shape: ModelShape, prof: HardwareProfile, plan: Resolved, lay: Layout
+                    ) -> tuple[float, float]:
+    """(gradient all-reduce s, validation all-reduce s) of the "gpu" schedule with data
+    parallel: plain PyTorch replicates the model and all-reduces every gradient (DDP, fp32)
+    before the step; zeros at dp=1."""
+    n = shape.dp * shape.dp_replicate
+    return (parallel.all_reduce_time_s(4.0 * (float(lay.p.sum()) - lay.off), n, prof),
+            parallel.all_reduce_time_s(8.0, n, prof))
 
 
 Order = Callable[[np.ndarray, np.ndarray, float], tuple[np.ndarray, np.ndarray]]
 
 
+def in_arrival_order(order: Order, ready: np.ndarray, dur: np.ndarray,
+                     free_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """``order`` over jobs arriving at ``ready``: FIFO serves them as they arrive (the engine
+    launches a bucket when its gradients are complete, which under FSDP2 need not follow the
+    bucket ids); EDF picks by bucket id itself."""
+    if order is edf or len(ready) < 2 or bool(np.all(np.diff(ready) >= 0)):
+        return order(ready, dur, free_s)
+    sent = np.argsort(ready, kind="stable")
+    start, end = np.empty(len(ready)), np.empty(len(ready))
+    start[sent], end[sent] = order(ready[sent], dur[sent], free_s)
+    return start, end
+
+
+def layer_walk(lay: Layout, plan: Resolved, prof: HardwareProfile, fwd_t: list[float],
+               bwd_t: list[float], it: int, t: float, h2d_free: float, ready_next: np.ndarray,
+               tail_ready: float, fetched: np.ndarray, w_bytes: float
+               ) -> tuple[float, np.ndarray, float, list]:
+    """One process's forward and backward from ``t`` (module docstring): (backward end, the
+    time each host bucket's gradients are complete, the H2D lane's next free time, span
+    chunks). Weight-flow fetches share the H2D lane with the publishes."""
+    p, nb, n_layers = lay.p, len(lay.numel), len(lay.p)
+    need_off = np.zeros(n_layers)
+    if nb:
+        np.maximum.at(need_off, lay.pair_layer, ready_next[lay.pair_bucket])
+    need_tail = np.where(lay.has_tail, tail_ready, 0.0)
+    steps = [(i, True) for i in range(n_layers)] + [(i, False) for i in reversed(range(n_layers))]
+    c_start, c_end, waits_s, waits_e = [], [], [], []
+    f_start, f_end, f_bytes = [], [], []
+    fetch_compute_end: list[float] = []
+    for li, is_fwd in steps:
+        ready = max(need_off[li], need_tail[li]) if is_fwd else 0.0
+        if fetched[li]:
+            j = len(fetch_compute_end)
+            buf = fetch_compute_end[j - plan.prefetch_depth - 1] if j > plan.prefetch_depth else 0.0
+            fs = max(h2d_free, need_off[li] if is_fwd else 0.0, buf)
+            fe = fs + cost.link_time_s(w_bytes * p[li], prof, "h2d")
+            h2d_free = fe
+            f_start.append(fs)
+            f_end.append(fe)
+            f_bytes.append(int(w_bytes * p[li]))
+            ready = max(fe, need_tail[li] if is_fwd else 0.0)
+        s = max(t, ready)
+        if s > t:
+            waits_s.append(t)
+            waits_e.append(s)
+        t = s + (fwd_t[li] if is_fwd else bwd_t[li])
+        c_start.append(s)
+        c_end.append(t)
+        if fetched[li]:
+            fetch_compute_end.append(t)
+    chunks: list = [
+        (ev.LANE_COMPUTE, ev.KIND_FORWARD, c_start[:n_layers], c_end[:n_layers], it, None, 0),
+        (ev.LANE_COMPUTE, ev.KIND_BACKWARD, c_start[n_layers:], c_end[n_layers:], it, None, 0),
+        (ev.LANE_COMPUTE, ev.KIND_WAIT, waits_s, waits_e, it, None, 0)]
+    if f_start:
+        chunks.append((ev.LANE_H2D, ev.KIND_WEIGHT_FETCH, f_start, f_end, it, None, f_bytes))
+    grad_ready = np.zeros(nb)
+    if nb:  # gradient stream in backward order: the reversed layers, uniform within each
+        rp = p[::-1]
+        r_hi = np.cumsum(rp)
+        r_lo = r_hi - rp
+        k_of = np.minimum(np.searchsorted(r_hi, lay.b_hi - 1e-9, side="left"), n_layers - 1)
+        frac = np.clip((lay.b_hi - r_lo[k_of]) / np.maximum(rp[k_of], 1.0), 0.0, 1.0)
+        bs = np.asarray(c_start[n_layers:])  # reversed forward order == stream order
+        be = np.asarray(c_end[n_layers:])
+        grad_ready = bs[k_of] + frac * (be[k_of] - bs[k_of])
+    return t, grad_ready, h2d_free, chunks
+
+
 def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
         clipped_iter: int | None, lay: Layout | None = None) -> tuple[list[float], list]:
     """Simulate `n_iter` iterations; return the backward-end times and the span chunks.
-    `lay`: ``layout(shape, plan)`` when the caller has it already."""
+    `lay`: ``layout(shape, plan)`` when the caller has it already. With data parallel the
+    compute walk is FSDP2's (plan/sim_fsdp.py) and every bucket lane works on this rank's
+    shard of each bucket (numel / dp)."""
     lay = lay if lay is not None else layout(shape, plan)
     p, off, numel, nb = lay.p, lay.off, lay.numel, len(lay.numel)
-    n_layers = len(p)
     fwd_t, bwd_t = compute.layer_times(shape, prof)
-    total = float(p.sum())
-    tail = total - off
+    tail = float(p.sum()) - off
     flow = plan.weights == "flow" and off > 0
     low = plan.model_dtype != "float32"
     w_bytes = 2.0 if low else 4.0
     dp = shape.dp
-    shard = np.ceil(numel / dp) if dp > 1 else numel  # this rank's slice of each bucket (ZeRO §5)
+    fl = sim_fsdp.fsdp_layout(shape, prof, plan, nb) if plan.units is not None else None
+    shard = np.ceil(numel / dp) if dp > 1 else numel  # this rank's slice of each bucket
     step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel, flow=flow,
                           moments=plan.optimizer_state_dtype)
     g_bytes, p_bytes = step.g_bytes, step.p_bytes
     d2h_dur = cost.link_time_s_array(shard * g_bytes, prof, "d2h")
+    h2d_dur = cost.link_time_s_array(shard * p_bytes, prof, "h2d")
+    if fl is not None and fl.bucket_on_host.any():  # weight-flow shards live on the host
+        d2h_dur = np.where(fl.bucket_on_host, sim_fsdp.host_copy_s(shard * g_bytes, prof),
+                           d2h_dur)
+        h2d_dur = np.where(fl.bucket_on_host, sim_fsdp.host_copy_s(shard * p_bytes, prof),
+                           h2d_dur)
     if plan.engine.d2h_stats_first and nb:
         d2h_dur = d2h_dur + (D2H_STATS_LAUNCHES + 2) * prof.device_launch_s
-    h2d_dur = cost.link_time_s_array(shard * p_bytes, prof, "h2d")
     adam_dur = cost.host_step_s(shard, prof, plan.threads, plan.kernel, step)
     cpu_dur = prof.cpu_call_s + adam_dur
-    dcast = prof.device_launch_s + numel / (prof.device_cast_gelems * 1e9)
-    tail_ar = val_ar = 0.0
-    home_copy = np.zeros(nb)
-    if dp > 1:
-        rs, ag, tail_ar, val_ar = collectives(shape, prof, plan, lay)
-        d2h_dur = d2h_dur + rs  # reduce-scatter, then the shard's copy: one d2h span
-        h2d_dur = h2d_dur + ag  # the shard's copy, then the all-gather: one h2d span
-        dcast_shard = prof.device_launch_s + shard / (prof.device_cast_gelems * 1e9)
-        if flow and prof.device_type == "cuda":  # the gathered bucket is copied to its home
-            home_copy = cost.link_time_s_array(numel * w_bytes, prof, "d2h")
-    else:
-        dcast_shard = dcast
-    pre_d2h = dcast_shard if plan.grad_cast == "device" and low else np.zeros(nb)
+    dcast = prof.device_launch_s + shard / (prof.device_cast_gelems * 1e9)
+    pre_d2h = dcast if plan.grad_cast == "device" and low else np.zeros(nb)
     post_h2d = dcast if plan.param_cast == "device" and low else np.zeros(nb)
-    fetched = lay.has_off & flow & (p > 0)
+    tail_ar = val_ar = 0.0
+    if fl is not None:
+        val_ar = fl.validation_s
+        tail = tail / dp  # FSDP2: the tail is stepped over this rank's shards
+    elif dp > 1:
+        tail_ar, val_ar = ddp_collectives(shape, prof, plan, lay)
+    fetched = lay.has_off & flow & (p > 0) & (fl is None)
     dstep = cost.device_adam_time_s(tail, prof, tail_step=plan.engine.tail_step,
                                     buckets=lay.n_tail_buckets) + tail_ar
     validate = 2 * prof.device_launch_s + val_ar
     order: Order = edf if plan.engine.step_order == "edf" else fifo
-    # gradient stream in backward order: the reversed layers
-    rp = p[::-1]
-    r_hi = np.cumsum(rp)
-    r_lo = r_hi - rp
-    k_of = np.minimum(np.searchsorted(r_hi, lay.b_hi - 1e-9, side="left"), n_layers - 1)
-    frac = np.clip((lay.b_hi - r_lo[k_of]) / np.maximum(rp[k_of], 1.0), 0.0, 1.0)
 
     chunks: list = []
     bwd_ends: list[float] = []
-    compute_free = d2h_free = cpu_free = h2d_free = dopt_free = 0.0
+    compute_free = d2h_free = cpu_free = h2d_free = dopt_free = comm_free = 0.0
     ready_next = np.zeros(nb)
     tail_ready = 0.0
     buckets = np.arange(nb)
     for it in range(n_iter):
-        need_off = np.zeros(n_layers)
-        if nb:
-            np.maximum.at(need_off, lay.pair_layer, ready_next[lay.pair_bucket])
-        need_tail = np.where(lay.has_tail, tail_ready, 0.0)
-        steps = [(i, True) for i in range(n_layers)] + [(i, False) for i in reversed(range(n_layers))]
-        c_start, c_end, c_kind, waits_s, waits_e = [], [], [], [], []
-        f_start, f_end, f_bytes = [], [], []
-        fetch_compute_end: list[float] = []
-        t = compute_free
-        for li, is_fwd in steps:
-            ready = max(need_off[li], need_tail[li]) if is_fwd else 0.0
-            if fetched[li]:
-                j = len(fetch_compute_end)
-                buf = fetch_compute_end[j - plan.prefetch_depth - 1] if j > plan.prefetch_depth else 0.0
-                fs = max(h2d_free, need_off[li] if is_fwd else 0.0, buf)
-                fe = fs + cost.link_time_s(w_bytes * p[li], prof, "h2d")
-                h2d_free = fe
-                f_start.append(fs)
-                f_end.append(fe)
-                f_bytes.append(int(w_bytes * p[li]))
-                ready = max(fe, need_tail[li] if is_fwd else 0.0)
-            s = max(t, ready)
-            if s > t:
-                waits_s.append(t)
-                waits_e.append(s)
-            t = s + (fwd_t[li] if is_fwd else bwd_t[li])
-            c_start.append(s)
-            c_end.append(t)
-            c_kind.append(ev.KIND_FORWARD if is_fwd else ev.KIND_BACKWARD)
-            if fetched[li]:
-                fetch_compute_end.append(t)
-        bwd_end = t
+        if fl is None:
+            bwd_end, grad_ready, h2d_free, walked = layer_walk(
+                lay, plan, prof, fwd_t, bwd_t, it, compute_free, h2d_free, ready_next,
+                tail_ready, fetched, w_bytes)
+        else:
+            bwd_end, grad_ready, comm_free, walked = sim_fsdp.walk(
+                fl, fwd_t, bwd_t, it, compute_free, comm_free, ready_next, tail_ready)
+        chunks.extend(walked)
         bwd_ends.append(bwd_end)
-        chunks.append((ev.LANE_COMPUTE, ev.KIND_FORWARD, c_start[:n_layers], c_end[:n_layers],
-                       it, None, 0))
-        chunks.append((ev.LANE_COMPUTE, ev.KIND_BACKWARD, c_start[n_layers:], c_end[n_layers:],
-                       it, None, 0))
-        chunks.append((ev.LANE_COMPUTE, ev.KIND_WAIT, waits_s, waits_e, it, None, 0))
-        if f_start:
-            chunks.append((ev.LANE_H2D, ev.KIND_WEIGHT_FETCH, f_start, f_end, it, None, f_bytes))
         v_end = bwd_end + validate
         chunks.append((ev.LANE_COMPUTE, ev.KIND_VALIDATE, [bwd_end], [v_end], it, None, 0))
         compute_free = v_end
 
         if nb:
-            bs = np.asarray(c_start[n_layers:])  # reversed forward order == stream order
-            be = np.asarray(c_end[n_layers:])
-            grad_ready = bs[k_of] + frac * (be[k_of] - bs[k_of])
-            ds, de = fifo(grad_ready + pre_d2h, d2h_dur, d2h_free)
-            d2h_free = float(de[-1])
+            # the D2H lane copies buckets as their gradients complete
+            ds, de = in_arrival_order(fifo, grad_ready + pre_d2h, d2h_dur, d2h_free)
+            d2h_free = float(de.max())
             cpu_ready = de if plan.speculate else np.maximum(de, v_end)
-            cs, ce = order(cpu_ready, cpu_dur, cpu_free)
+            cs, ce = in_arrival_order(order, cpu_ready, cpu_dur, cpu_free)
             h2d_ready = ce.copy()
             if clipped_iter == it and plan.speculate:
                 spec = cs < v_end  # buckets stepped speculatively before validation
@@ -270,15 +299,16 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                     h2d_ready[spec] = rb_s + 2 * redo
                     rest = ~spec
                     if rest.any():
-                        cs[rest], ce[rest] = order(np.maximum(cpu_ready[rest], v_end),
-                                                   cpu_dur[rest], rb_s + 2 * redo)
+                        cs[rest], ce[rest] = in_arrival_order(
+                            order, np.maximum(cpu_ready[rest], v_end), cpu_dur[rest],
+                            rb_s + 2 * redo)
                         h2d_ready[rest] = ce[rest]
             cpu_free = max(float(ce.max()), float(h2d_ready.max()))
             nbytes_cpu = (shard * ADAM_BYTES_PER_PARAM).astype(np.int64)  # as the engine records
             chunks.append((ev.LANE_D2H, ev.KIND_D2H, ds, de, it, buckets,
                            (shard * g_bytes).astype(np.int64)))
             chunks.append((ev.LANE_CPU, ev.KIND_CPU_STEP, cs, ce, it, buckets, nbytes_cpu))
-            if flow and dp == 1:
+            if flow and fl is None:
                 ready_next = h2d_ready  # the CPU wrote the host copy the next fetch reads
             else:
                 # H2D in the order the steps finish (FIFO: bucket order; EDF: need order)
@@ -288,7 +318,7 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                 h2d_free = float(he.max())
                 chunks.append((ev.LANE_H2D, ev.KIND_H2D, hs, he, it, buckets,
                                (shard * p_bytes).astype(np.int64)))
-                ready_next = he + post_h2d + home_copy
+                ready_next = he + post_h2d
         if tail > 0:
             s0 = max(v_end, dopt_free)
             dopt_free = s0 + dstep
@@ -306,17 +336,23 @@ def accumulation_micro_step_s(shape: ModelShape, prof: HardwareProfile, plan: Re
     each host bucket's gradients also cross the link and the host adds them into its fp32
     buffer (bus bytes: the DMA write, the read of the copy, the fp32 buffer read and written).
     Those pipelines overlap backward as buckets complete, so the micro-step takes the slowest
-    of the three lanes in steady state (the last bucket's copy overlaps the next forward)."""
+    of the three lanes in steady state (the last bucket's copy overlaps the next forward).
+    With data parallel FSDP2 gathers every unit each micro-step, and reduce-scatters only
+    when accumulating on the host (on the device it accumulates unsharded gradients:
+    ``set_requires_gradient_sync(False)``): added as the backend lets compute hide it
+    (plan/sim_fsdp.py)."""
     fwd_t, bwd_t = compute.layer_times(shape, prof)
     compute_s = float(sum(fwd_t) + sum(bwd_t))
     lay = lay if lay is not None else layout(shape, plan)
-    if plan.grad_accum_on != "host" or not len(lay.numel):
+    host = plan.grad_accum_on == "host" and len(lay.numel) > 0
+    if plan.units is not None:
+        fl = sim_fsdp.fsdp_layout(shape, prof, plan, len(lay.numel))
+        compute_s += sim_fsdp.micro_step_collective_s(fl, compute_s, reduces=host)
+    if not host:
         return compute_s
     step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel,
                           moments=plan.optimizer_state_dtype)
     shard = np.ceil(lay.numel / shape.dp) if shape.dp > 1 else lay.numel
     d2h_s = float(np.sum(cost.link_time_s_array(shard * step.g_bytes, prof, "d2h")))
-    if shape.dp > 1:
-        d2h_s += float(np.sum(collectives(shape, prof, plan, lay)[0]))  # the reduce-scatter
     add_s = float(np.sum(shard)) * (2.0 * step.g_bytes + 8.0) / cost.host_bus_bps(prof)
     return max(compute_s, d2h_s, add_s)

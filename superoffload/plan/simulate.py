@@ -22,11 +22,15 @@ casting and threads. Per iteration (plan/sim_core.py):
 "zero-offload" is DeepSpeed ZeRO-2 + offload_optimizer, modelled from its code
 (plan/deepspeed.py). The bucket lanes are vectorised scans (EDF: a heap), so a 100-layer
 model simulates in milliseconds; spans are materialised only when `SimResult.timeline` is read.
-Data parallel (ModelShape.dp > 1, plan/parallel.py): every quantity is one rank's; a bucket's
-D2H span includes its reduce-scatter and its H2D span the all-gather (as the engine records
-them), the CPU steps the rank's shard on the rank's share of the host, the tail step waits
-for the tail gradients' all-reduce and validation for a small all-reduce; weight-flow under
-ZeRO copies each gathered bucket to its host home before the fetch (distributed/zero_flow.py).
+Data parallel (ModelShape.dp > 1; plan/parallel.py, plan/fsdp_units.py, plan/sim_fsdp.py):
+what ``FsdpOffloadEngine`` runs, every quantity one rank's. FSDP2 all-gathers each unit
+before its forward (a weight-flow block unit again before its backward) and reduce-scatters
+it after its backward (HSDP: then all-reduces the shard across replicas); a bucket launches
+when the last unit holding one of its parameters has reduced; D2H, CPU step, H2D and the
+tail's device step work on this rank's shards (1/dp) on its share of the host; validation
+adds one all-reduce. On gloo (a CPU device) the collectives block the training thread; on
+NCCL they overlap compute (``SimResult.collective_backend`` says which). The "gpu" schedule
+with data parallel is plain PyTorch's DDP: every gradient all-reduced before the step.
 Steady state: 4 iterations are simulated; the period is the distance between the last two
 backward ends. Clipping costs `rollback_rate x` the extra time of a clipped iteration.
 Shapes whose simulation would not fit in memory are refused first (plan/guard.py).
@@ -40,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from superoffload.config import OffloadConfig
-from superoffload.plan import cost, deepspeed, parallel, sim_core
+from superoffload.plan import cost, deepspeed, parallel, sim_core, sim_fsdp
 from superoffload.plan.grad_accum import resolve_decided
 from superoffload.plan.memory import Memory, check_fits, memory, offloaded_params
 from superoffload.plan.profiles import HardwareProfile
@@ -93,7 +97,11 @@ class SimResult:
     window: tuple[float, float]
     """The steady-state iteration's [start, end) on the timeline."""
     collective_s: float = 0.0
-    """Per-rank seconds of reduce-scatter + all-gather + all-reduce in one iteration (0 at dp=1)."""
+    """Per-rank seconds of the collectives of one iteration (0 at dp=1): FSDP2's all-gathers,
+    reduce-scatters and HSDP all-reduces, and the validation all-reduce."""
+    collective_backend: str = ""
+    """With data parallel: "gloo" (collectives block the training thread: a CPU device) or
+    "nccl" (they overlap compute on their own streams); "" at dp=1."""
     accumulation_s: float = 0.0
     """Seconds of the grad_accum_steps - 1 micro-steps of one optimizer step that only
     accumulate (0 without accumulation): their forward and backward, and accumulating on the
@@ -154,6 +162,8 @@ class SimResult:
             "dp": self.shape.dp,
             "ranks_per_host": self.shape.ranks_per_host,
             "collective_s": self.collective_s,
+            "collective_backend": self.collective_backend,
+            "dp_replicate": self.shape.dp_replicate,
             "accumulation_s": self.accumulation_s,
             "optimizer_step_s": self.optimizer_step_s,
             "device_kept_bytes": self.memory_detail.device_kept,
@@ -204,6 +214,8 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
         profile=prof.name,
         window=window,
         collective_s=_collective_s(shape, prof, plan, lay),
+        collective_backend=(parallel.collective_backend(prof)
+                            if shape.dp * shape.dp_replicate > 1 else ""),
         accumulation_s=accumulation,
         _chunks=chunks,
     )
@@ -212,12 +224,13 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
 def _collective_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
                   lay: sim_core.Layout | None) -> float:
     """Per-rank collective seconds of one iteration: the busy time the lanes carry for them."""
-    if shape.dp == 1:
+    if shape.dp * shape.dp_replicate == 1:
         return 0.0
     if plan.schedule == "zero-offload" or lay is None:
         return deepspeed.zero2_collective_s(shape, prof, plan)
-    c = sim_core.collectives(shape, prof, plan, lay)
-    return float(np.sum(c[0]) + np.sum(c[1]) + c[2] + c[3])
+    if plan.units is not None:  # FSDP2 (plan/sim_fsdp.py)
+        return sim_fsdp.fsdp_layout(shape, prof, plan, len(lay.numel)).iteration_collective_s
+    return float(sum(sim_core.ddp_collectives(shape, prof, plan, lay)))
 
 
 def _lane_stats(chunks: list, window: tuple[float, float]) -> dict[str, LaneStats]:

@@ -20,8 +20,9 @@
 
 `resolve` asks the one rule book (plan.schedule.resolve_schedule) what the engine runs for a
 config on the model's real parameter list -- effective ratio (1 under weight-flow, also with
-data parallel), buckets of whole parameters, casting, threads -- and applies the ablation
-switches on top. The "zero-offload" schedule is the peer users run, DeepSpeed ZeRO-2 with
+data parallel), buckets of whole parameters, casting, threads, and with data parallel the
+FSDP2 units ``FsdpOffloadEngine`` shards the model into -- and applies the ablation switches
+on top. The "zero-offload" schedule is the peer users run, DeepSpeed ZeRO-2 with
 ``offload_optimizer`` (plan/deepspeed.py); "gpu" is plain PyTorch with a fused AdamW.
 """
 
@@ -152,10 +153,11 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
     engine = tech.engine or engine_for(cfg)  # the engine's own rule (runtime/engine.py)
     if schedule == "gpu":
         engine = ENGINE_FUSED  # plain PyTorch: torch.optim.AdamW(fused=True)
+    fsdp = shape.dp > 1 and schedule == "superoffload"  # FsdpOffloadEngine's units
     facts = ScheduleFacts(params=shape.param_specs(), model_dtype=shape.dtype,
                           device_type=prof.device_type, dp=shape.dp,
                           usable_cores=prof.cpu_cores, local_ranks=1, profile=prof,
-                          engine=engine)
+                          engine=engine, blocks=shape.block_of_params() if fsdp else None)
     # prof is already this rank's share of the host (parallel.rank_profile), hence local_ranks=1
     if accum is not None and cfg.grad_accum_on == "auto":
         reasons.append(accum.reason)
@@ -191,5 +193,6 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
         keep_device_grads=cfg.keep_device_grads,
         grad_accum_steps=cfg.grad_accum_steps,
         grad_accum_on=rules.grad_accum_on,
+        units=rules.units,
         reasons=tuple(reasons),
     )

@@ -43,8 +43,8 @@ from superoffload.runtime.ckpt_files import (
     write_atomic,
     write_text_atomic,
 )
+from superoffload.runtime.iteration import EngineStats
 from superoffload.runtime.loss_scaler import LossScaler
-from superoffload.runtime.scheduler import EngineStats
 from superoffload.runtime.state import EngineState, ParamState
 from superoffload.runtime.stv import AdaptiveSTV
 

@@ -20,72 +20,37 @@ Gradient accumulation (``grad_accum_steps`` > 1) has two places to sum:
   gradient starts its sum (a copy), later ones add; the last one's statistics are read from
   the summed host buffer (``D2HTask.stats_host``).
 
-``Departures`` is the scheduler's part that decides this; the transport moves the data.
+``Departures`` decides this when a bucket launches; the transport moves the data.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from superoffload.config import ConfigError, OffloadConfig
 from superoffload.runtime.backend import PendingStats
-from superoffload.runtime.guard import Contract
+from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.state import EngineState
+from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import Transport
 
 
-def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Transport,
-                       shape: Callable[[], Any], profile: Callable[[], Any],
-                       weights: str) -> tuple[str, str]:
-    """(where offloaded gradients accumulate, why "auto" chose it or ""): "device" or
-    "host". Without accumulation, or on a CPU-only machine (one memory: nothing to save),
-    "device"; on a GPU the planner's cost model decides (``plan.grad_accum``), asked with
-    the model's shape, the engine's hardware profile as this rank sees it (ranks on one host
-    share it) and the weight policy in force (called only then)."""
-    place, why = config.grad_accum_on, ""
-    if config.grad_accum_steps == 1:
-        return "device", ""
-    if place == "auto":
-        place, why = "device", "the device is the CPU: one memory, nothing to save"
-        if device_type == "cuda":
-            from superoffload.plan.grad_accum import choose_grad_accum
-            from superoffload.plan.parallel import rank_profile
-
-            choice = choose_grad_accum(shape(), rank_profile(profile(), transport.local_ranks),
-                                       config.replace(weights=weights))
-            place, why = choice.place, choice.reason
-            if place == "host" and not transport.sums_on_host:
-                place, why = "device", f"{why}; but the {transport.name!r} transport sums on the device"
-    if place == "host" and not transport.sums_on_host:
-        raise ConfigError(
-            f"OffloadConfig.grad_accum_on='host' is not supported by the {transport.name!r} "
-            "transport; use grad_accum_on='device'")
-    return place, why
-
-
 class Departures:
-    """Per engine: the host buckets' gradients in flight, the host sums, what is freed."""
+    """Per engine: the host buckets' gradients in flight, the host sums, what is freed. Every
+    decision reads the iteration's settings (``frozen``): the bound
+    (``grad_buckets_in_flight``), whether gradients are kept (``keep_device_grads``), where
+    they accumulate (``accum_on_host``), weight-flow's streamed parameters."""
 
-    def __init__(self, state: EngineState, transport: Transport, contract: Contract,
-                 wait: Callable[[Future[Any], str], Any]) -> None:
-        self.state, self.transport, self.contract, self.wait = state, transport, contract, wait
+    def __init__(self, state: EngineState, transport: Transport, in_flight: InFlight) -> None:
+        self.state, self.transport, self.waits = state, transport, in_flight
         self.in_flight: deque[tuple[int, Future[Any]]] = deque()
         """Host buckets whose gradients were freed and whose copy may not have landed yet,
         oldest first (their futures resolve once it has)."""
         self.sums: dict[int, set[int]] = {}
         """Host accumulation: per bucket, the parameters whose host buffer holds a partial
         sum from an earlier micro-step of this optimizer step."""
-        self.bound = 2
-        self.release = True
-        self.sum_on_host = False
-
-    def configure(self, *, bound: int, release: bool, sum_on_host: bool) -> None:
-        """The settings in force for the next micro-step (``grad_buckets_in_flight`` may be
-        reconfigured between iterations)."""
-        self.bound, self.release, self.sum_on_host = bound, release, sum_on_host
 
     def reset(self) -> None:
         """Forget the host sums and the in-flight list (an aborted iteration: the next first
@@ -94,11 +59,12 @@ class Departures:
         self.sums.clear()
 
     # ------------------------------------------------------------------ queries
-    def frees(self, b: int, streamed: frozenset[int]) -> bool:
+    def frees(self, b: int, frozen: FrozenIteration) -> bool:
         """Whether bucket ``b``'s device gradients are freed once they leave."""
         if self.state.buffers[b].on_device:
             return False  # the tail steps on the device from them
-        return self.release or any(i in streamed for i in self._members(b))
+        return not frozen.config.keep_device_grads or any(
+            i in frozen.streamed for i in self._members(b))
 
     def summed(self, b: int) -> frozenset[int]:
         """Parameters of ``b`` with a host partial sum (host accumulation)."""
@@ -115,25 +81,24 @@ class Departures:
         return schedule.bucket_plan.buckets[b].param_indices
 
     # ------------------------------------------------------------------ moving
-    def depart(self, b: int, moving: Sequence[int], iteration: int,
-               streamed: frozenset[int], *, final: bool) -> Future[Any] | None:
+    def depart(self, b: int, moving: Sequence[int], frozen: FrozenIteration, *,
+               final: bool) -> Future[Any] | None:
         """Start moving bucket ``b``'s device gradients ``moving`` (``final``: the last
         micro-step, whose statistics validate the step); free them when the rules above say
         so. Returns the transport's future (the local statistics when ``final``)."""
         moving = tuple(sorted(moving))
-        free = self.frees(b, streamed) and bool(moving)
+        free = self.frees(b, frozen) and bool(moving)
         if free:
-            self._make_room()
-        if self.sum_on_host and not self.state.buffers[b].on_device:
+            self._make_room(frozen)
+        if frozen.accum_on_host and not self.state.buffers[b].on_device:
             summed = self.summed(b)
-            fut = self.transport.launch(b, moving, iteration, streamed,  # type: ignore[call-arg]
-                                        accumulated=summed, final=final)
+            fut = self.transport.launch(b, moving, frozen, accumulated=summed, final=final)
             if final:
                 self.sums.pop(b, None)
             else:
                 self.sums.setdefault(b, set()).update(moving)
         else:
-            fut = self.transport.launch(b, moving, iteration, streamed)
+            fut = self.transport.launch(b, moving, frozen)
         if free:
             params = self.state.params
             for i in moving:  # the copy task holds the tensors until it has run
@@ -142,11 +107,17 @@ class Departures:
                 self.in_flight.append((b, fut))
         return fut
 
-    def _make_room(self) -> None:
-        """Backward waits here while ``bound`` freed buckets' copies are still in flight."""
-        while len(self.in_flight) >= self.bound:
+    def _make_room(self, frozen: FrozenIteration) -> None:
+        """Backward waits here while ``grad_buckets_in_flight`` freed buckets' copies are
+        still in flight."""
+        while len(self.in_flight) >= frozen.config.grad_buckets_in_flight:
             b, fut = self.in_flight.popleft()
             result = self.wait(fut, f"{self.transport.name} move of bucket {b}'s gradients "
-                                    "(OffloadConfig.grad_buckets_in_flight)")
+                                    "(OffloadConfig.grad_buckets_in_flight)",
+                               frozen.config.watchdog_s)
             if isinstance(result, PendingStats):
                 result.done.synchronize()  # the copy has landed on the host
+
+    def wait(self, future: Future[Any], what: str, watchdog_s: float) -> Any:
+        """The bound's wait (the engine's: a lane failure surfaces as its error)."""
+        return self.waits.wait(future, what, watchdog_s)

@@ -5,10 +5,16 @@ backward, where a bucket is offloaded the moment its last gradient is final and 
 speculatively on the CPU; ``step()`` validates, rolls back / replays / skips as the verdict
 says, and steps the GPU tail buckets on the device. ``EngineState`` (state.py) books the
 parameters and buckets; ``plan.schedule.resolve_schedule`` decides what runs (the planner
-calls it too); a ``Transport`` moves gradients and weights (``LocalTransport`` here, FSDP2's in
-``superoffload.distributed.fsdp``: the same engine); ``IterationScheduler`` (scheduler.py,
-settle.py) runs the bucket lifecycle. A lane's exception is raised in the training thread at
-its next call as an ``EngineError``. docs/engine.md, "The parts".
+calls it too, runtime/build.py); a ``Transport`` moves gradients and weights
+(``LocalTransport`` here, FSDP2's in ``superoffload.distributed.fsdp``: the same engine).
+``backward()`` and ``step()`` hold the phase order; each phase is a function of the frozen
+iteration (runtime/launch.py, runtime/stv.py; the reading order: runtime/__init__.py). A
+lane's exception is raised in the training thread at its next call as an ``EngineError``.
+docs/engine.md, "The parts".
+
+Past 400 lines: one concept, the engine's public API -- what a training loop calls, in the
+order a step runs it; each method is the phase order or a few lines over the modules that do
+the work, and splitting the class would make a mixin, not a concept.
 """
 
 from __future__ import annotations
@@ -16,43 +22,59 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from superoffload.config import RECONFIGURABLE, OffloadConfig
-from superoffload.kernels import AdamHyper
+from superoffload.kernels.hyper import AdamHyper, hypers_of
 from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for, resolve_schedule
-from superoffload.runtime import guard, micro_steps
-from superoffload.runtime import hooks as engine_hooks
+from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for
+from superoffload.runtime import build, checkpoint, guard, stv
 from superoffload.runtime.backend import Backend, make_backend
-from superoffload.runtime.casting import CastPolicy, cast_policy
-from superoffload.runtime.departures import resolve_grad_accum
+from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.device_clock import CudaClock
-from superoffload.runtime.engine_contract import TorchContract
-from superoffload.runtime.errors import EngineClosed, EngineError, FailureBox, WatchdogTimeout
-from superoffload.runtime.lifetime import WeakEngineView, release, settle
+from superoffload.runtime.errors import (
+    EngineClosed,
+    EngineError,
+    FailureBox,
+    IterationInterrupted,
+    WatchdogTimeout,
+)
+from superoffload.runtime.frozen import FrozenIteration
+from superoffload.runtime.iteration import EngineStats, Parts
+from superoffload.runtime.launch import (
+    Launcher,
+    check_backward,
+    check_plain_passes,
+    grad_hooks,
+    passes,
+)
+from superoffload.runtime.lifetime import release, settle
 from superoffload.runtime.local_transport import LocalTransport
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.optim_view import (
     EngineOptimizer,
     defaults_from,
-    hypers_of,
+    is_torch_state_dict,
+    load_torch_state,
+    new_group,
+    new_params,
     param_groups_from,
 )
+from superoffload.runtime.publishes import Publishes, forward_hooks
 from superoffload.runtime.reconfigure import Reconfigurer
 from superoffload.runtime.rollback_guard import check_rollback_mode
-from superoffload.runtime.scheduler import EngineStats, IterationScheduler
-from superoffload.runtime.settle import finish_iteration
 from superoffload.runtime.state import EngineState, ParamState, initial_state
 from superoffload.runtime.stv import AdaptiveSTV
+from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import Transport, TransportContext
 from superoffload.runtime.weight_writes import WeightWrites
 from superoffload.runtime.weightflow import WeightFlow
 from superoffload.runtime.weights import WeightPolicyController
-from superoffload.runtime.worker import Lane, make_lane
+from superoffload.runtime.worker import Barrier, Lane, make_lane
 from superoffload.telemetry.events import KIND_BACKWARD, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 from superoffload.threads import usable_cores
@@ -60,9 +82,11 @@ from superoffload.threads import usable_cores
 __all__ = ["EngineError", "EngineStats", "OffloadEngine"]
 
 
-class OffloadEngine(TorchContract):
-    """See the module docstring; build with ``superoffload.initialize``. The torch-optimizer
-    surface (state dicts, checkpoints, clipping, add_param_group...) is ``TorchContract``."""
+class OffloadEngine:
+    """See the module docstring; build with ``superoffload.initialize``. What a training loop
+    may do with it as with a ``torch.optim`` optimizer (state dicts, checkpoints, clipping,
+    ``add_param_group``...) it does the same or refuses at once naming the supported way
+    (docs/failure_semantics.md, "What you may do with the engine")."""
 
     def __init__(
         self,
@@ -100,8 +124,8 @@ class OffloadEngine(TorchContract):
         self.state.check_placement(self.backend.device, config.precision)
         guard.claim(self.trainable_params(), self, [self.state.names[i] for i in self.state.trainable])
         self.contract = guard.Contract(self.state)
-        self.optimizer = EngineOptimizer(groups, step_fn=self._step_impl,
-                                         zero_grad_fn=self._zero_grad_impl,
+        self.optimizer = EngineOptimizer(groups, step_fn=self.step,
+                                         zero_grad_fn=self.zero_grad,
                                          state_fn=self.state_dict, load_fn=self.load_state_dict,
                                          add_group_fn=self._add_param_group,
                                          defaults=defaults_from(optimizer))
@@ -109,33 +133,43 @@ class OffloadEngine(TorchContract):
         self.scaler = LossScaler.for_model(config, self.model_dtype)
         self.adaptive = AdaptiveSTV(mode=config.speculation, window=config.adaptive_window,
                                     threshold=config.adaptive_threshold)
-        # the parts below reach the engine only weakly: their futures' callbacks outlive a
-        # call on the lane threads, and must not keep a dropped engine alive (lifetime.py)
-        view = WeakEngineView(self)
+        # none of the parts below holds the engine: their futures' callbacks outlive a call
+        # on the lane threads and must not keep a dropped engine alive (lifetime.py); what an
+        # iteration reads of it is frozen when the iteration begins (frozen.py)
         self.worker: Lane = make_lane("cpu_worker", inline=inline, on_error=self.failures.record)
         self.fetch_lane: Lane = make_lane("fetch", inline=inline, on_error=self.failures.record)
+        self.in_flight = InFlight(self.failures, self.transport.stall_hint)
         self.transport.start(TransportContext(
             state=self.state, backend=self.backend, recorder=self.telemetry, inline=inline,
-            on_error=self.failures.record, watchdog_s=view.watchdog_s,
+            on_error=self.failures.record, in_flight=self.in_flight,
             fingerprint=guard.fingerprint(self.state, self.config, hypers)))
-        self.scheduler = IterationScheduler(
-            state=self.state, transport=self.transport, backend=self.backend,
-            recorder=self.telemetry, worker=self.worker, config=view.config,
-            scaler=self.scaler, adaptive=self.adaptive, failures=self.failures,
-            streamed=view.streamed, contract=self.contract)
+        self.accum_on_host = False  # the resolved grad_accum_on is "host" (set by builds)
+        self.cast: CastPolicy | None = None  # the casting in force (set by builds)
+        self.publishes = Publishes(
+            state=self.state, contract=self.contract, backend=self.backend,
+            recorder=self.telemetry, transport=self.transport, in_flight=self.in_flight)
+        self.parts = Parts(state=self.state, transport=self.transport, contract=self.contract,
+                           worker=self.worker, publishes=self.publishes, in_flight=self.in_flight,
+                           recorder=self.telemetry, stats=EngineStats())
+        start = FrozenIteration(  # what a forward before the first iteration waits with
+            number=0, config=self.config, streamed=frozenset(), loss_scale=self.scaler.loss_scale,
+            threads=1, speculate=self.adaptive.enabled, accum_on_host=False)
+        self.launcher = Launcher(self.parts, self.backend, start)
+        self.last_grad_norm: float | None = None  # the last step's (grad_norm())
         self.reconfigurer = Reconfigurer(self)
         self.weights = WeightPolicyController(
             self, profile=profile, seq_len=seq_len, micro_batch=micro_batch,
             device_budget_bytes=device_budget_bytes)
         self._last_step_end = time.perf_counter()
         self.writes = WeightWrites(
-            state=self.state, contract=self.contract, scheduler=self.scheduler,
+            state=self.state, contract=self.contract, launcher=self.launcher,
             transport=self.transport, recorder=self.telemetry, weights=self.weights,
             synchronize=self.synchronize)
         self._build({i: initial_state(self.state.params[i]) for i in self.state.trainable})
-        self._core_hooks = engine_hooks.register(model, self.scheduler, self.raise_if_failed)
+        self._core_hooks = grad_hooks(self.launcher) + forward_hooks(
+            model, self.publishes, self.launcher, self.weights, self.raise_if_failed)
         self.hooks: list[Any] = list(self._core_hooks)
-        self.hooks += self.weights.start()  # weight-flow adds its own to this list
+        self.weights.start()  # weight-flow adds its hooks to self.hooks
         self.hooks += self.writes.register(model)
         # dropped without close(): stop the threads and remove the hooks (the model must not
         # keep a dead engine alive, nor a new engine on it see this one's hooks)
@@ -149,15 +183,15 @@ class OffloadEngine(TorchContract):
     @property
     def iteration(self) -> int:
         """Optimizer iterations completed (the next one's number)."""
-        return self.scheduler.iteration
+        return self.launcher.iteration
 
     @iteration.setter
     def iteration(self, value: int) -> None:
-        self.scheduler.iteration = int(value)
+        self.launcher.iteration = int(value)
 
     @property
     def stats(self) -> EngineStats:
-        return self.scheduler.stats
+        return self.parts.stats
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -178,6 +212,10 @@ class OffloadEngine(TorchContract):
         """What ``reconfigure`` accepts while training."""
         return RECONFIGURABLE
 
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        """The parameters the engine steps, in parameter-index order."""
+        return [self.state.params[i] for i in self.state.trainable]
+
     # ------------------------------------------------------------------ building
     def _facts(self) -> ScheduleFacts:
         cfg, cuda = self.config, self.backend.device.type == "cuda"
@@ -191,47 +229,23 @@ class OffloadEngine(TorchContract):
 
     def _build(self, states: Mapping[int, ParamState]) -> None:
         """Resolve the schedule and (re)allocate every bucket from placement-free ``states``."""
-        st = self.state
-        place, why = resolve_grad_accum(self.config, self.backend.device.type, self.transport,
-                                        self.weights.shape_for_planning, self.weights.profile,
-                                        self.weights.active)
-        if why:  # "auto": the planner's cost model decided (runtime/departures.py)
-            self.telemetry.note(self.iteration, f"grad_accum_on='auto': {place} ({why})")
-        schedule = resolve_schedule(self.config, self._facts(), weights=self.weights.active,
-                                    grad_accum=place)
-        self.scheduler.sum_on_host = place == "host"
-        self.cast: CastPolicy = cast_policy(schedule, self.model_dtype,
-                                            sum_on_host=self.scheduler.sum_on_host)
-        st.schedule = schedule
-        st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
-        st.buffers = self.transport.build(
-            schedule.bucket_plan, states, self.cast, flow=schedule.weights == "flow",
-            snapshot=self.config.rollback == "snapshot",
-            moments=torch.bfloat16 if self.config.optimizer_state_dtype == "bf16" else torch.float32)
-        for i in st.trainable:
-            st.steps[i] = states[i].step
-        self.contract.rebase(st.trainable)  # storages may have moved (a weight policy switch)
-        self.scheduler.reset()
-        for note in schedule.notes:
-            self.telemetry.note(self.iteration, note)
+        build.build(self, states, self._facts())
 
     def rebuild(self) -> None:
         """Re-plan the buckets from the current state (after a drain; a weight policy switch)."""
         self._build(self.transport.export_states())
 
     def refresh_schedule(self) -> None:
-        schedule = resolve_schedule(self.config, self._facts(), weights=self.weights.active,
-                                    grad_accum=self.schedule.grad_accum_on)
-        old = self.schedule
-        if (schedule.bucket_plan, schedule.grad_cast, schedule.param_cast) != (
-                old.bucket_plan, old.grad_cast, old.param_cast):
-            self.synchronize()
-            self.rebuild()
-        else:
-            self.state.schedule = schedule
+        build.refresh(self, self._facts())
+
+    def forget_iteration(self) -> None:
+        """Forget a partial iteration (after a load or a rebuild)."""
+        self.launcher.forget()
+        self.publishes.home_ready.clear()
 
     def new_flow(self, depth: int) -> WeightFlow:
-        return WeightFlow(self.model, self.scheduler, self.transport.home, depth, self.fetch_lane)
+        return WeightFlow(self.model, self.launcher, self.backend, self.transport.home, depth,
+                          self.fetch_lane)
 
     # ------------------------------------------------------------------ training API
     def _hypers(self) -> list[AdamHyper]:
@@ -239,88 +253,157 @@ class OffloadEngine(TorchContract):
         check_rollback_mode(self.config.rollback, self.config.speculation, hypers)
         return hypers
 
+    def _freeze(self, *, speculate: bool, accum_on_host: bool,
+                hypers: Sequence[AdamHyper] = ()) -> FrozenIteration:
+        """What the iteration beginning now reads once (runtime/frozen.py)."""
+        return FrozenIteration(
+            number=self.iteration, config=self.config, streamed=self._streamed(),
+            loss_scale=self.scaler.loss_scale, threads=self.schedule.threads,
+            speculate=speculate, accum_on_host=accum_on_host, hypers=tuple(hypers))
+
     def backward(self, loss: torch.Tensor, *, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-step; offloads buckets as their gradients become final.
         ``scale_wrt_gas`` (DeepSpeed's name): False when the caller already divided the loss
-        by ``grad_accum_steps``. Interrupted, the iteration is rolled back (docs/failure_
-        semantics.md)."""
+        by ``grad_accum_steps``. Interrupted, the iteration is rolled back
+        (docs/failure_semantics.md)."""
         self.raise_if_failed()
-        it, sched = self.scheduler.current, self.scheduler
-        micro_steps.check_backward(sched, self.config)
-        if it.micro_step == 0:
-            self.reconfigurer.apply_pending()
-            self.writes.adopt_written()  # weights written since the last step (torch semantics)
-        it = self.scheduler.begin_micro_step(self._hypers)
-        scale = self.scaler.loss_scale / (self.config.grad_accum_steps if scale_wrt_gas else 1)
+        launcher = self.launcher
+        check_backward(launcher.current, self.config, accum_on_host=self.accum_on_host,
+                       transforms=bool(launcher.transforms))
+        if launcher.current.micro_step == 0:
+            self._at_boundary()
+            launcher.begin(self._freeze(speculate=self.adaptive.enabled,
+                                        accum_on_host=self.accum_on_host))
+        last = launcher.current.micro_step + 1 >= self.config.grad_accum_steps
+        it = launcher.micro_step(self._hypers() if last else None)
+        scale = it.frozen.loss_scale / (self.config.grad_accum_steps if scale_wrt_gas else 1)
         try:
             try:
-                sched.in_engine_backward = True  # the gradient hooks tell the user's passes
+                launcher.in_engine_backward = True  # the gradient hooks tell the user's passes
                 with self.telemetry.device_span(LANE_COMPUTE, KIND_BACKWARD,
                                                 iteration=self.iteration):
                     (loss * scale if scale != 1.0 else loss).backward()
             finally:
-                sched.in_engine_backward = False
-                self.weights.end_backward()
+                launcher.in_engine_backward = False
+                self._end_backward()
             it.losses.append(loss.detach())
             if it.armed:
-                sched.launch_remaining()  # buckets some of whose params got no grad
-            elif sched.sum_on_host:
-                sched.accumulate_remaining()  # this micro-step's gradients all leave
+                launcher.launch_remaining()  # buckets some of whose params got no grad
+            elif it.frozen.accum_on_host:
+                launcher.accumulate_remaining()  # this micro-step's gradients all leave
         except BaseException as exc:
             self._interrupted(exc, "backward()")
             raise
         self.raise_if_failed()
 
     def step(self) -> None:
-        """Optimizer step at the end of gradient accumulation (a no-op before it)."""
-        self.optimizer.step()
-
-    def _step_impl(self) -> None:
+        """Optimizer step at the end of gradient accumulation (a no-op before it): validate,
+        decide, settle, close (runtime/stv.py; ``optimizer.step()`` calls this)."""
+        # NOTE: torch's LR schedulers wrap optimizer.step to note that it ran
+        # (pytorch/pytorch:torch/optim/lr_scheduler.py, `patch_track_step_called`, sets this
+        # flag) and warn that lr_scheduler.step() came first otherwise; this is the
+        # optimizer's step, so it says so itself (tests/test_lr_scheduler.py)
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         self.raise_if_failed()
-        it = self.scheduler.current
-        if 0 < micro_steps.done(self.scheduler) < self.config.grad_accum_steps:
+        if 0 < passes(self.launcher.current) < self.config.grad_accum_steps:
             return  # DeepSpeed semantics: step() every micro-step, acts on the boundary
         try:
-            self.weights.end_backward()
-            if it.micro_step == 0:  # gradients from a plain loss.backward(): no overlap, no STV
-                micro_steps.check_plain_passes(self.scheduler, self.config, "step()")
+            self._end_backward()
+            if self.launcher.current.micro_step == 0:  # a plain loss.backward(): no overlap, no STV
+                check_plain_passes(self.launcher.current, self.config, "step()")
                 self._arm_without_backward()
-            n = self.iteration
-            finish_iteration(self.scheduler)
+            it, parts = self.launcher.current, self.parts
+            glob = stv.validate(it, parts) if it.validated is None else \
+                stv.check_again(it, parts, it.validated)  # clip_grad_norm_ validated already
+            v = stv.decide(it, parts, glob)
+            it.settling = True  # from here an interruption leaves the iteration half-settled
+            stv.settle(it, v, glob, parts)
+            stv.close_iteration(it, v, glob, parts, scaler=self.scaler, adaptive=self.adaptive)
+            self.last_grad_norm = v.grad_norm
         except guard.ContractError:  # the same on every rank: roll the iteration back
-            self.scheduler.abort()
+            self._abort()
             self.synchronize()
             raise
         except BaseException as exc:
             self._interrupted(exc, "step()")
             raise
-        self.weights.close_iteration(n)
+        n, flow = it.frozen.number, self.weights.flow
+        self.telemetry.scalar("weights_flow", n, 1.0 if self.weights.active == "flow" else 0.0)
+        self.telemetry.scalar("device_weight_bytes", n, float(self.weights.fixed_weight_bytes + (
+            flow.iteration_peak_bytes if flow is not None else 0)))
+        if flow is not None:
+            flow.iteration_peak_bytes = flow.held_bytes
         now = time.perf_counter()
         self.telemetry.scalar("iteration_s", n, now - self._last_step_end)
         self._last_step_end = now
-        self.scheduler.end_iteration()
+        self.launcher.next_iteration()
         self.raise_if_failed()
 
+    def _at_boundary(self) -> None:
+        """Where an iteration begins: apply what ``reconfigure()`` queued, adopt weights
+        written since the last step (torch semantics) -- each a plain check first, the call
+        only when something happened."""
+        if self.reconfigurer.pending:
+            self.reconfigurer.apply_pending()
+        if self.contract.tainted is not None or self.contract.written(self.state.trainable,
+                                                                     self._streamed()):
+            self.writes.adopt_written()
+
+    def _streamed(self) -> frozenset[int]:
+        flow = self.weights.flow
+        return flow.streamed_indices if flow is not None else frozenset()
+
+    def _end_backward(self) -> None:
+        flow = self.weights.flow
+        if flow is not None:  # nothing streamed stays resident
+            flow.end_backward()
+
     def _arm_without_backward(self) -> None:
-        self.reconfigurer.apply_pending()
-        self.writes.adopt_written()
-        self.scheduler.arm_without_backward(self._hypers)
-        self.scheduler.current.micro_step = self.config.grad_accum_steps  # armed, like backward
+        self._at_boundary()
+        self.launcher.arm_without_backward(
+            self._freeze(speculate=False, accum_on_host=False, hypers=self._hypers()))
+
+    def _abort(self) -> None:
+        """Undo the iteration in progress (runtime/stv.py ``abort``); drain afterwards."""
+        frozen = self.launcher.current.frozen
+        stv.abort(self.launcher.disarm(), frozen, self.parts)
+        self.launcher.forget()
 
     def _interrupted(self, exc: BaseException, where: str) -> None:
-        self.scheduler.recover(exc, where, self.synchronize)
+        """An iteration will not finish (``exc`` in ``where``): undo it, or refuse to go on --
+        never a silent mix of two batches. Before ``step()`` acted on its verdict, and when
+        the ranks do not step together (``Transport.collective``): roll back. Half-settled,
+        or under data parallel (the other ranks' collectives no longer match this rank's):
+        the engine fails, saying how to recover."""
+        if isinstance(exc, EngineError) or self.failures.failed:
+            return  # a lane failure: already the engine's error
+        it = self.launcher.current
+        if not it.settling and not self.transport.collective:
+            try:
+                self._abort()
+                self.synchronize()
+                self.telemetry.note(self.iteration, f"{where} interrupted ({type(exc).__name__}"
+                                    "): the iteration was rolled back; train on from here")
+                return
+            except BaseException as cause:  # the engine fails below
+                exc = cause
+        why = ("while settling the verdict" if it.settling else "under data parallel: the "
+               "other ranks' collectives no longer match this rank's, so")
+        self.failures.record("training", IterationInterrupted(
+            f"{where} was interrupted ({exc!r}) {why} the iteration cannot be undone; the "
+            "engine stops rather than train on a mix of two batches. Recover: load the last "
+            "checkpoint into a new engine (engine.load_checkpoint; under data parallel on "
+            "every rank), or build a new engine from the model's current weights"))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        # through the optimizer view, so optimizer.zero_grad() and engine.zero_grad() agree
-        self.optimizer.zero_grad(set_to_none)
-
-    def _zero_grad_impl(self, set_to_none: bool = True) -> None:
-        it = self.scheduler.current
-        if 0 < micro_steps.done(self.scheduler) < self.config.grad_accum_steps:
+        """As torch's: drop the gradients (``optimizer.zero_grad()`` calls this); between the
+        last backward and ``step()`` the iteration is discarded, mid-accumulation nothing."""
+        it = self.launcher.current
+        if 0 < passes(it) < self.config.grad_accum_steps:
             return  # mid-accumulation: keep the partial sums
         if it.micro_step:  # after backward, before step(): discard the iteration, as torch
             self.raise_if_failed()  # drops the gradients and its step does nothing
-            self.scheduler.abort()
+            self._abort()
             self.synchronize()
         it.plain.clear()  # the user's own backward passes are discarded with their sums
         for i in self.state.trainable:
@@ -332,20 +415,196 @@ class OffloadEngine(TorchContract):
             else:
                 p.grad.zero_()
 
+    # ------------------------------------------------------------------ the gradients
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None
+                        ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for the engine's gradients: call it between the
+        last ``backward()`` and ``step()`` (on every rank under data parallel: it reduces).
+        Returns the total 2-norm of the unscaled gradient over every bucket and rank, as torch
+        does (inf/nan when one is non-finite); ``step()`` then clips every bucket by
+        ``max_norm`` (with ``OffloadConfig.max_grad_norm`` too: the smaller wins) under STV.
+        ``foreach`` is accepted for signature compatibility (the engine has its own kernels)."""
+        self.raise_if_failed()
+        threshold = stv.check_clip_args(max_norm, norm_type)
+        self._gradients_final("clip_grad_norm_()")
+        return stv.clip_grad_norm(self.launcher.current, self.parts, threshold, error_if_nonfinite)
+
+    def grad_norm(self) -> float:
+        """The global 2-norm of this iteration's unscaled gradient, over every bucket and
+        rank: what ``step()`` clips by and ``clip_grad_norm_`` returns (inf/nan when one is
+        non-finite), without clipping. Read-only; between the last micro-step's
+        ``backward()`` and ``step()`` (on every rank under data parallel: it reduces), or
+        after ``step()``: the norm that step validated."""
+        self.raise_if_failed()
+        it = self.launcher.current
+        if passes(it) == 0 and it.validated is None:
+            if self.last_grad_norm is None:
+                raise guard.ContractError("grad_norm() before any backward(): there is no "
+                                          "gradient yet; call it after backward()")
+            return self.last_grad_norm
+        self._gradients_final("grad_norm()")
+        return stv.validate_early(self.launcher.current, self.parts, None)[0]
+
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s gradient as a plain torch loop holds it in ``.grad`` (unscaled, summed
+        over the micro-steps, averaged over data-parallel ranks), in fp32: a copy from its
+        host buffer for an offloaded parameter (whose ``.grad`` left the device with its
+        bucket), from the device for a GPU tail one; None when it got no gradient. Between
+        the last micro-step's ``backward()`` and ``step()`` (DeepSpeed's
+        ``safe_get_full_grad``). Read-only: change gradients with
+        ``register_grad_transform``."""
+        self.raise_if_failed()
+        i = self.state.index.get(id(param))
+        if i is None or i not in self.state.bucket_of:
+            raise ValueError("full_grad: the tensor is not a trainable parameter of the "
+                             "engine's model (pass one of model.parameters())")
+        self._gradients_final("full_grad()")
+        return stv.full_grad(self.launcher.current, self.parts, i)
+
+    def register_grad_transform(self, fn: Any) -> RemovableHandle:
+        """``fn(name, grad) -> Tensor | None`` runs on every gradient when it is final, before
+        its bucket leaves (gradient noise, masking, per-parameter scaling...): edit ``grad`` in
+        place or return a replacement of the same shape, dtype and device. Returns a handle
+        (``.remove()``). The supported way to change gradients: an edit after ``backward()``
+        raises (docs/failure_semantics.md). Plain ``loss.backward()`` then ``step()``: applied
+        in ``step()``."""
+        return self.launcher.register_transform(fn)
+
+    def _gradients_final(self, what: str) -> None:
+        """``what`` reads this iteration's final gradients: after the last micro-step's
+        backward, before ``step()``; a plain ``loss.backward()`` loop's buckets launch now."""
+        it, gas = self.launcher.current, self.config.grad_accum_steps
+        done = passes(it)
+        if done == 0:
+            raise guard.ContractError(f"{what} before any backward() since the last step(): "
+                                      "there is no gradient yet; call it after backward()")
+        if done < gas:
+            raise guard.ContractError(
+                f"{what} after backward() {done} of {gas} (OffloadConfig.grad_accum_steps): "
+                "the gradients are still accumulating; call it after the last micro-step's "
+                "backward(), just before step()")
+        if it.micro_step == 0:  # a plain loss.backward() loop: the buckets launch now
+            check_plain_passes(it, self.config, what)
+            self._arm_without_backward()
+
+    # ------------------------------------------------------------------ state, checkpoints
+    def _settled(self, what: str) -> None:
+        """Checkpoints and state dicts exist only between iterations (not between the last
+        backward() and step(): buckets already stepped with this batch, the others not)."""
+        self.raise_if_failed()
+        if self.launcher.current.micro_step >= self.config.grad_accum_steps:
+            raise self.contract.refuse_mid_iteration(what)
+
+    def export_states(self) -> dict[int, ParamState]:
+        """Placement-free copies of every trainable parameter's state (call synchronized)."""
+        return self.transport.export_states()
+
+    def master_weights(self) -> dict[str, torch.Tensor]:
+        """fp32 master weight of every trainable parameter (CPU copies), after synchronizing."""
+        self._settled("master_weights()")
+        self.synchronize()
+        return {self.state.names[i]: s.master for i, s in self.export_states().items()}
+
+    @contextlib.contextmanager
+    def resident_weights(self) -> Iterator[None]:
+        """Every streamed block resident inside (weight-flow; else a no-op): checkpoints, and
+        writing streamed weights (adopted on the way out)."""
+        with self.weights.resident():
+            yield
+            self.writes.adopt_written(where=" inside resident_weights()")
+
+    def restore(self, states: Mapping[int, ParamState]) -> None:
+        """Rebuild every bucket from ``states`` (a loaded checkpoint), forgetting any partial
+        iteration."""
+        self.forget_iteration()
+        self._build(states)
+        self.contract.tainted = None  # loaded weights are consistent again
+
+    def state_dict(self) -> dict[str, Any]:
+        self._settled("state_dict()")
+        return checkpoint.engine_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """An engine state dict, or a ``torch.optim`` AdamW/Adam state dict (migrating a run:
+        ``runtime/optim_view.py`` ``load_torch_state``)."""
+        self._settled("load_state_dict()")
+        if is_torch_state_dict(state_dict):
+            load_torch_state(self, state_dict)
+            return
+        checkpoint.load_engine_state_dict(self, state_dict)
+
+    def save_checkpoint(self, path: str, extra: Any = None, *,
+                        lr_scheduler: Any = None) -> str:
+        """Write ``path/engine.pt`` atomically (runtime/checkpoint.py); returns the file."""
+        self._settled("save_checkpoint()")
+        return checkpoint.save(self, path, extra=extra, lr_scheduler=lr_scheduler)
+
+    def load_checkpoint(self, path: str, *, lr_scheduler: Any = None) -> Any:
+        """Restore everything ``save_checkpoint`` wrote; returns its ``extra``."""
+        self._settled("load_checkpoint()")
+        return checkpoint.load(self, path, lr_scheduler=lr_scheduler)
+
+    def adopt_model_weights(self) -> None:
+        """Make the weights the model holds now the optimizer's (its fp32 masters and host
+        copies; the moments stay), as torch's optimizer would simply step from them -- after
+        writes the engine refused, or when weights changed in ways it cannot see (a tensor
+        subclass, C++ code). Synchronizes; between iterations only."""
+        self._settled("adopt_model_weights()")
+        self.writes.adopt_all()
+
+    def _add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``optimizer.add_param_group``: the group's parameters get buckets (a re-plan from the
+        current state) and step from the next iteration with fresh moments, as torch's do."""
+        self._settled("optimizer.add_param_group()")
+        if self.weights.active == "flow":
+            raise guard.ContractError(
+                "optimizer.add_param_group() under weights='flow' is not supported (the streamed "
+                "blocks are planned from the parameters present at initialize): list every "
+                "group at so.initialize (a group may start with lr=0), or use "
+                "weights='stationary'")
+        group, st = new_group(param_group, self.optimizer.defaults), self.state
+        new = new_params(group, st)
+        self.synchronize()
+        states = self.export_states()
+        guard.claim([st.params[i] for i in new], self, [st.names[i] for i in new])
+        self.optimizer.append_group(group)
+        g = len(self.optimizer.param_groups) - 1
+        for i in new:
+            st.group_of[i] = g
+            states[i] = initial_state(st.params[i])
+        st.trainable = sorted(set(st.trainable) | set(new))
+        # every data-parallel rank must add the same group (the re-plan below is collective)
+        self.transport.agree(guard.fingerprint(st, self.config, self._hypers()))
+        self._build(states)
+        self.reinstall_hooks()
+        self.contract.rebase(new)
+        self.telemetry.note(self.iteration, f"param group {g} added: {len(new)} parameter(s) "
+                                            "get buckets and train from the next step")
+
+    # ------------------------------------------------------------------ lanes, lifetime
     def synchronize(self) -> None:
         """Wait for all in-flight work; then the parameters hold the latest weights."""
         self.raise_if_failed()
-        self.scheduler.drain_pending(self.lanes)
+        self._drain()
         if isinstance(self.telemetry.clock, CudaClock):
             self.telemetry.flush()
             self.telemetry.clock.calibrate()  # the GPU and host clocks drift (ppm)
         self.raise_if_failed()
 
+    def _drain(self) -> None:
+        """Every lane has run what was submitted to it (a barrier on each, in turn), every
+        future the training thread submitted is done, every publish has landed."""
+        watchdog = self.config.watchdog_s
+        for lane in self.lanes:
+            self.in_flight.quiet(lane, lane.submit(Barrier()), watchdog)
+        self.in_flight.wait_all(watchdog)
+        self.publishes.discard_racing_writes()
+
     def reconfigure(self, **changes: Any) -> None:
         """Thread-safe; applied at the next iteration boundary with a telemetry note."""
         self.reconfigurer.request(changes)
 
-    # ------------------------------------------------------------------ failures, lifetime
     def raise_if_failed(self) -> None:
         if self.closed:
             why = f" ({self._closed_why})" if self._closed_why else ""
@@ -379,18 +638,49 @@ class OffloadEngine(TorchContract):
         stuck = None if self.failures.failed else settle(self.lanes)
         if not self.failures.failed and stuck is None:
             with contextlib.suppress(Exception):  # a lane's failure is kept: raised below
-                self.scheduler.drain_pending(self.lanes)
+                self._drain()
         self.closed = True
         self._shut_down()
         self.transport.close()
-        self.scheduler.publishes.pending.clear()
-        self.scheduler.reset()
+        self.publishes.pending.clear()
+        self.forget_iteration()
         self.state.buffers = []
         if self.failures.failed and not seen:
             self.failures.raise_if_failed()
         if stuck is not None:
             raise WatchdogTimeout(f"close(): {stuck}; abandoned (buckets not finished keep "
                                   "their weights from before the last step)")
+
+    def reinstall_hooks(self) -> None:
+        """After a re-plan that changed the trainable set (add_param_group): the gradient and
+        forward hooks follow the new buckets (``self.hooks`` is the list the finalizer holds)."""
+        for h in self._core_hooks:
+            h.remove()
+        self.hooks[:] = [h for h in self.hooks if h not in self._core_hooks]
+        self._core_hooks = grad_hooks(self.launcher) + forward_hooks(
+            self.model, self.publishes, self.launcher, self.weights, self.raise_if_failed)
+        self.hooks += self._core_hooks
+
+    def supersede(self, why: str) -> None:
+        """Another engine took the model (runtime/guard.py ``claim``): roll back a half
+        iteration, close, and say ``why`` on any later call."""
+        if self.closed:
+            return
+        if self.launcher.current.micro_step and not self.failures.failed:
+            with contextlib.suppress(Exception):  # a failure is reported by close() below
+                self._abort()
+            # its offloaded gradients left with their buckets: drop the rest too, so the new
+            # engine starts from no gradient rather than from half of this iteration's
+            for p in self.trainable_params():
+                p.grad = None
+        self._closed_why = why
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "an OffloadEngine cannot be pickled (it holds threads, pinned buffers and hooks on "
+            "the model): save it with engine.save_checkpoint(path) and restore with "
+            "engine.load_checkpoint(path); the model itself pickles (torch.save(model))")
 
     def __enter__(self) -> OffloadEngine:
         return self

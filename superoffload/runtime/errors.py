@@ -34,6 +34,8 @@ class FailureBox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.error: BaseException | None = None
+        self.failed = False
+        """A lane failed (a plain attribute: every engine call and forward reads it)."""
         self.lane = ""
         self.reported = False
         """True once the failure reached the user (raised from an engine call)."""
@@ -41,11 +43,7 @@ class FailureBox:
     def record(self, lane: str, exc: BaseException) -> None:
         with self._lock:
             if self.error is None:
-                self.error, self.lane = exc, lane
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
+                self.error, self.lane, self.failed = exc, lane, True
 
     def raise_if_failed(self) -> None:
         """Raise the stored failure as an EngineError (the original as its cause)."""

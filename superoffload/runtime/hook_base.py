@@ -1,5 +1,5 @@
-"""The base of every hook the engine puts on a user's model (runtime/hooks.py, flow_hooks.py,
-weights.py, weight_writes.py).
+"""The base of every hook the engine puts on a user's model (runtime/launch.py, publishes.py,
+flow_hooks.py, weight_writes.py), and ``in_backward``, which they ask.
 
 A hook runs eagerly under ``torch.compile`` (``eager``) and holds only weak references (a dropped engine is collected: runtime/lifetime.py) and is
 a module-level class, so the model stays picklable while an engine is attached:
@@ -23,6 +23,13 @@ def eager(fn: F) -> F:
     hooks, so a compiled graph can neither skip a wait for a bucket's weights nor keep guards
     on engine objects (whose ids a later engine may reuse); the hook is a graph break."""
     return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+
+
+def in_backward() -> bool:
+    """True inside autograd's backward pass (activation-checkpoint recompute re-enters module
+    forwards there). One place for the private call: ``torch._C._current_graph_task_id()`` is
+    -1 outside a graph task (pytorch/pytorch:torch/csrc/autograd/python_engine.cpp)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def inert(*args: Any, **kwargs: Any) -> None:

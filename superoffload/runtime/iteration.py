@@ -1,17 +1,28 @@
-"""Bookkeeping types of the iteration core (runtime/scheduler.py, settle.py): the counters, a
-bucket in flight, the iteration in progress. The training thread owns them."""
+"""The iteration's books and the parts it runs on: the counters (``EngineStats``), a bucket in
+flight (``Flight``), the iteration in progress (``Iteration``), and ``Parts``, the long-lived
+collaborators every phase of the step is handed (runtime/launch.py, runtime/stv.py). The
+training thread owns the books; lanes only add to the counters."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from superoffload.kernels import AdamHyper
-from superoffload.runtime.steps import KernelCall
-from superoffload.runtime.transport import GlobalStats
+from superoffload.runtime.frozen import FrozenIteration
+from superoffload.runtime.guard import Contract
+from superoffload.runtime.publishes import Publishes
+from superoffload.runtime.rollback_guard import Rescue
+from superoffload.runtime.state import EngineState
+from superoffload.runtime.steps import KernelCall, priority
+from superoffload.runtime.transfers import InFlight
+from superoffload.runtime.transport import GlobalStats, Transport
+from superoffload.runtime.worker import Lane
+from superoffload.telemetry.recorder import Recorder
 
-__all__ = ["EngineStats", "Flight", "Iteration"]
+__all__ = ["EngineStats", "Flight", "Iteration", "Parts"]
 
 
 @dataclass(slots=True)
@@ -38,6 +49,29 @@ class EngineStats:
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
 
+    def counter(self, name: str, *, when: Future[Any] | None = None
+                ) -> Callable[[Future[Any]], None]:
+        """A done-callback adding 1 to ``<name>`` when the task ran (returned True, or a
+        step's Rescue) and, with ``when`` (done before the task ran), that one ran too."""
+        def done(fut: Future[Any]) -> None:
+            if when is not None and not (when.exception() is None and bool(when.result())):
+                return
+            if fut.exception() is None and bool(fut.result()):
+                with _COUNTING:
+                    setattr(self, name, getattr(self, name) + 1)
+        return done
+
+    def count_rescue(self, fut: Future[Any]) -> None:
+        """Done-callback of a speculative step: the elements a ``Rescue`` kept
+        (``rollback="auto"``)."""
+        if fut.exception() is None and isinstance(fut.result(), Rescue):
+            with _COUNTING:
+                self.guarded_elements += fut.result().elements
+
+
+_COUNTING = threading.Lock()
+"""Counters are added to on the lanes' threads (done-callbacks); never held while launching."""
+
 
 @dataclass(slots=True)
 class Flight:
@@ -60,12 +94,13 @@ class Flight:
 class Iteration:
     """Bookkeeping of the iteration in progress (training thread)."""
 
+    frozen: FrozenIteration
+    """What the iteration reads once (runtime/frozen.py): set when its first micro-step
+    begins, its hyper-parameters added at the last; until then the previous iteration's
+    (what a forward before the first backward waits with)."""
     micro_step: int = 0
     armed: bool = False
     """The last micro-step of the accumulation: buckets launch as they complete."""
-    speculate: bool = False
-    hypers: list[AdamHyper] = field(default_factory=list)
-    """Per param group, read when the iteration's last micro-step began."""
     fired: dict[int, set[int]] = field(default_factory=dict)
     """Per bucket, its parameters whose gradient is final in the last micro-step."""
     moved: dict[int, set[int]] = field(default_factory=dict)
@@ -87,3 +122,32 @@ class Iteration:
     """``engine.clip_grad_norm_(max_norm)`` of this iteration (the smaller threshold wins)."""
     validated: GlobalStats | None = None
     """The global statistics, when ``clip_grad_norm_`` validated before ``step()``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """The long-lived collaborators of one engine's iteration core, built once by the engine
+    and handed to every phase (none of them holds the engine)."""
+
+    state: EngineState
+    transport: Transport
+    contract: Contract
+    worker: Lane
+    """The CPU optimizer's lane (``cpu_worker``)."""
+    publishes: Publishes
+    in_flight: InFlight
+    recorder: Recorder
+    stats: EngineStats
+
+    def submit(self, task: Any, b: int, frozen: FrozenIteration, *,
+               after: Sequence[Future[Any]] = ()) -> Future[Any]:
+        """A task of bucket ``b`` on the CPU worker once ``after`` is done, earliest deadline
+        first (``steps.priority``); ``synchronize()`` waits for it."""
+        return self.in_flight.add(self.worker.submit(task, after=after,
+                                                     priority=priority(b, frozen)))
+
+    def bucket_params(self, b: int) -> tuple[int, ...]:
+        """Every parameter of bucket ``b`` (the plan's; an FSDP2 rank steps its shards)."""
+        schedule = self.state.schedule
+        assert schedule is not None, "the engine builds its buckets before training"
+        return schedule.bucket_plan.buckets[b].param_indices

@@ -3,7 +3,7 @@
 An engine registers hooks on the model and starts lane threads. If it were only released by
 ``close()``, a dropped (or failed and abandoned) engine would keep its threads and hooks
 alive for as long as the model lives, and every later forward would run them. So the hooks
-hold only weak references (runtime/hooks.py) and ``weakref.finalize(engine, release, ...)``
+hold only weak references (runtime/hook_base.py) and ``weakref.finalize(engine, release, ...)``
 stops the lanes and removes the hooks when the engine is closed or garbage-collected. The
 arguments below must never reference the engine itself (that would keep it alive).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -73,27 +72,3 @@ def release(lanes: Sequence[Lane], hooks: list[Any]) -> None:
     for lane in lanes:
         with contextlib.suppress(Exception):
             lane.join(max(0.0, deadline - time.monotonic()))
-
-
-class WeakEngineView:
-    """What the scheduler and transport read of the engine (its configuration in force and
-    weight-flow's streamed parameters), through a weak reference: their futures' callbacks
-    outlive a call on the lane threads and must not keep a dropped engine alive. Once the
-    engine is gone it answers with the last values it saw."""
-
-    def __init__(self, engine: Any) -> None:
-        self.ref = weakref.ref(engine)
-        self.last = engine.config
-
-    def config(self) -> Any:
-        engine = self.ref()
-        if engine is not None:
-            self.last = engine.config
-        return self.last
-
-    def watchdog_s(self) -> float:
-        return float(self.config().watchdog_s)
-
-    def streamed(self) -> frozenset[int]:
-        engine = self.ref()
-        return frozenset() if engine is None else engine.weights.streamed()

@@ -20,6 +20,7 @@ import torch
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.state import (
     BucketBuffers,
     ParamState,
@@ -32,17 +33,17 @@ from superoffload.runtime.transport import (
     NO_CHECKS,
     Checks,
     GlobalStats,
-    LaneOwner,
     Published,
     TransportContext,
 )
 from superoffload.runtime.worker import Lane, Priority, make_lane
 
 
-class LocalTransport(LaneOwner):
+class LocalTransport:
     """Gradients and weights between one device and its host (see the module docstring)."""
 
     name = "local"
+    collective = False
     ordered_launch = False
     sums_on_host = True
     grad_divisor = 1
@@ -54,6 +55,16 @@ class LocalTransport(LaneOwner):
         self._lanes: tuple[Lane, ...] = ()
         self.buffers: list[BucketBuffers] = []
         self._pos: dict[int, int] = {}
+
+    @property
+    def ctx(self) -> TransportContext:
+        if self._ctx is None:
+            raise RuntimeError(f"{type(self).__name__}.start() was not called")
+        return self._ctx
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        return self._lanes
 
     def start(self, ctx: TransportContext) -> None:
         self._ctx = ctx
@@ -75,8 +86,8 @@ class LocalTransport(LaneOwner):
             self._pos.update((i, pos) for pos, i in enumerate(bucket.param_indices))
         return self.buffers
 
-    def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int], *, accumulated: frozenset[int] | None = None,
+    def launch(self, b: int, present: tuple[int, ...], frozen: FrozenIteration, *,
+               accumulated: frozenset[int] | None = None,
                final: bool = True) -> Future[Any] | None:
         buf = self.buffers[b]
         if buf.on_device or not (present or accumulated):
@@ -85,13 +96,13 @@ class LocalTransport(LaneOwner):
         grads = tuple(self.device_grad(i) for i in present)
         views = tuple(buf.grad_host[self._pos[i]] for i in present)
         if accumulated is None:  # one D2H per optimizer step: the final gradients
-            task = D2HTask(bucket=b, iteration=iteration, grads=grads,  # type: ignore[arg-type]
+            task = D2HTask(bucket=b, iteration=frozen.number, grads=grads,  # type: ignore[arg-type]
                            grad_host=views, ready=ctx.backend.ready_token(),
                            backend=ctx.backend, recorder=ctx.recorder)
         else:  # host accumulation: this micro-step's gradients join the fp32 host sums
             summed = sorted(set(present) | accumulated)
             task = D2HTask(
-                bucket=b, iteration=iteration, grads=grads,  # type: ignore[arg-type]
+                bucket=b, iteration=frozen.number, grads=grads,  # type: ignore[arg-type]
                 grad_host=views, ready=ctx.backend.ready_token(), backend=ctx.backend,
                 recorder=ctx.recorder, add=tuple(i in accumulated for i in present),
                 stats_host=tuple(buf.grad_host[self._pos[i]] for i in summed),
@@ -156,19 +167,19 @@ class LocalTransport(LaneOwner):
         return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
-                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
+                frozen: FrozenIteration, priority: Priority) -> Published:
         buf = self.buffers[b]
         # weight-flow: streamed weights are not on the device; their next fetch waits for the
         # step that wrote their home (runtime/weightflow.py); only resident ones are copied
-        keep = tuple(k for k in positions if buf.bucket.param_indices[k] not in streamed)
+        keep = tuple(k for k in positions if buf.bucket.param_indices[k] not in frozen.streamed)
         if not keep:
             return Published(None, after)
         src = buf.lp_host if buf.lp_host is not None else buf.master
         ctx = self.ctx
         fut = self._lanes[1].submit(H2DTask(
-            bucket=b, iteration=iteration, src_host=tuple(src[k] for k in keep),
+            bucket=b, iteration=frozen.number, src_host=tuple(src[k] for k in keep),
             dst_device=tuple(buf.params[k].data for k in keep), after=after,
-            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=ctx.watchdog_s()),
+            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=frozen.config.watchdog_s),
             after=(after,), priority=priority)  # issued as soon as its step ends, by deadline
         return Published(fut, after)
 

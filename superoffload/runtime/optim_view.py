@@ -1,9 +1,10 @@
 """The engine's optimizer as a ``torch.optim.Optimizer`` (STYLE.md §4: keep PyTorch's contracts).
 
 NOTE: ``EngineOptimizer`` holds the param groups (lr, betas, eps, weight_decay, ...) and
-nothing else; the state lives in the engine's bucket buffers. Its ``step()`` is the
-engine's step, so LR schedulers (which wrap ``optimizer.step``) work unchanged: a change of
-``group["lr"]`` is read when the next step is launched, for host and device buckets alike.
+nothing else; the state lives in the engine's bucket buffers. Its ``step()`` and
+``zero_grad()`` call the engine's (``engine.step()`` is where the step is), so LR schedulers
+(which wrap ``optimizer.step``) work unchanged: a change of ``group["lr"]`` is read when the
+next step is launched, for host and device buckets alike.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import Any
 
 import torch
 
-from superoffload.kernels.hyper import DEFAULTS, AdamHyper
-from superoffload.kernels.torch_flags import normalise_group, torch_flag_keys
+from superoffload.kernels.hyper import DEFAULTS, AdamHyper, normalise_group, torch_flag_keys
+from superoffload.runtime.state import EngineState
 
 
 def _check_group(group: Mapping[str, Any], where: str) -> None:
-    # ours, and torch.optim.AdamW's flags (each honoured or refused: kernels/torch_flags.py)
+    # ours, and torch.optim.AdamW's flags (each honoured or refused: kernels/hyper.py)
     known = set(DEFAULTS) | torch_flag_keys() | {"params"}
     unknown = sorted(set(group) - known)
     if unknown:
@@ -82,20 +83,36 @@ def new_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any]) -> di
     return {**group, "params": params}
 
 
+def new_params(group: Mapping[str, Any], state: EngineState) -> list[int]:
+    """The indices of a new group's parameters (``add_param_group``): each the engine's
+    model's, in no group yet, of the trained dtype; at least one."""
+    new = []
+    for p in group["params"]:
+        i = state.index.get(id(p))
+        if i is None:
+            raise ValueError("add_param_group: a parameter does not belong to the engine's "
+                             "model; an engine trains one model")
+        if i in state.group_of:
+            raise ValueError(f"add_param_group: parameter {state.names[i]!r} is already in "
+                             f"param group {state.group_of[i]}; a parameter has one group")
+        if p.dtype != state.model_dtype:
+            raise TypeError(f"add_param_group: parameter {state.names[i]!r} is {p.dtype}, the "
+                            f"trained ones {state.model_dtype}: cast it first")
+        new.append(i)
+    if not new:
+        raise ValueError("add_param_group: no parameter with requires_grad=True; call "
+                         "requires_grad_(True) on them first")
+    return new
+
+
 def _as_list(params: Any) -> list[torch.nn.Parameter]:
     if isinstance(params, torch.Tensor):
         return [params]  # type: ignore[list-item]
     return list(params)
 
 
-def hypers_of(groups: Sequence[Mapping[str, Any]]) -> list[AdamHyper]:
-    """One frozen AdamHyper per param group, read now (a scheduler's LR for the next step)."""
-    return [AdamHyper.from_group(g, where=f"optimizer.param_groups[{k}]")
-            for k, g in enumerate(groups)]
-
-
 class EngineOptimizer(torch.optim.Optimizer):
-    """Param groups only; ``step``/``zero_grad``/``state_dict`` delegate to the engine."""
+    """Param groups only; ``step``/``zero_grad``/``state_dict`` call the engine's."""
 
     def __init__(
         self,
@@ -160,11 +177,11 @@ def load_torch_state(engine: Any, state_dict: Mapping[str, Any]) -> None:
     ``torch.optim.AdamW``/``Adam`` (or ``so.CPUAdam``), as torch's own ``load_state_dict``
     does: the engine's param groups must list the same parameters in the same order as the
     torch optimizer's (torch numbers them that way); each group takes the saved
-    hyper-parameters (and flags: honoured or refused first, kernels/torch_flags.py), each
+    hyper-parameters (and flags: honoured or refused first, kernels/hyper.py), each
     parameter its ``exp_avg``, ``exp_avg_sq`` and ``step``; the fp32 masters are the weights
     the model holds (load them with ``model.load_state_dict`` before or after: a write is
     adopted). Everything is checked before anything changes. ``engine`` is the engine
-    (runtime/engine_contract.py calls this between iterations)."""
+    (runtime/engine.py calls this between iterations)."""
     groups, saved = engine.optimizer.param_groups, state_dict["param_groups"]
     mine, theirs = [len(g["params"]) for g in groups], [len(g["params"]) for g in saved]
     if mine != theirs:

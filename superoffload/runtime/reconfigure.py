@@ -14,7 +14,7 @@ import threading
 from typing import Any, Protocol
 
 from superoffload.config import FORWARD_FIELDS, REPLAN_FIELDS, ConfigError, OffloadConfig
-from superoffload.runtime.scheduler import EngineStats
+from superoffload.runtime.iteration import EngineStats
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.weights import WeightPolicyController
 from superoffload.telemetry.recorder import Recorder
@@ -50,7 +50,9 @@ class Reconfigurer:
     def __init__(self, host: ReconfigureHost) -> None:
         self.host = host
         self._lock = threading.Lock()
-        self._pending: dict[str, Any] = {}
+        self.pending: dict[str, Any] = {}
+        """Changes requested, applied at the next iteration boundary (the engine checks this
+        plain attribute before calling ``apply_pending``)."""
 
     def request(self, changes: dict[str, Any]) -> None:
         """Validate now (raise ConfigError naming the field); apply at the next iteration."""
@@ -62,17 +64,17 @@ class Reconfigurer:
                          "rank would have to apply it at the same iteration); rebuild it")
                 raise ConfigError(f"reconfigure({key}=...): not changeable while training; {where}")
         with self._lock:
-            merged = {**self._pending, **changes}
+            merged = {**self.pending, **changes}
             self.host.config.replace(**merged)  # validate in the caller's thread
             weights = {k: merged.pop(k) for k in FORWARD_FIELDS & merged.keys()}
-            self._pending = merged
+            self.pending = merged
         if weights:
             self.host.weights.request(weights)  # applied where the next forward starts
 
     def apply_pending(self) -> None:
         """At an iteration boundary, in the training thread."""
         with self._lock:
-            changes, self._pending = self._pending, {}
+            changes, self.pending = self.pending, {}
         if not changes:
             return
         host = self.host

@@ -48,11 +48,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from superoffload import kernels
 from superoffload.kernels import AdamHyper
+from superoffload.runtime.state_overflow import Call
+
+if TYPE_CHECKING:
+    from superoffload.runtime.state import BucketBuffers
 
 UNIT_ROUNDOFF = 2.0**-24
 INVERSE_TOLERANCE = 1e-6
@@ -234,3 +239,61 @@ def risky(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
     if not found:
         return None
     return torch.cat(found)
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """What ``rollback="auto"`` decides in the worker before a bucket's speculative step
+    (items 1 and 2 of the module docstring). The training thread has already declined what
+    the configuration alone rules out (``speculable``, item 3); what depends on the data is
+    decided here."""
+
+    max_grad_norm: float | None
+    """The configured clipping threshold (a bucket above it alone is certain to clip)."""
+    threads: int | None = None
+    """The CPU optimizer's threads (the check runs on them)."""
+
+    def protect(self, buf: BucketBuffers, calls: Sequence[Call], grad_scale: float,
+                sum_sq: float) -> Rescue | None | bool:
+        """False: do not speculate (the verdict will clip: every rank rolls back and replays,
+        so declining is consistent over ranks); None: the inverse alone is within its bound;
+        a ``Rescue``: the pre-step values of the elements beyond it."""
+        clip = self.max_grad_norm
+        # the global norm is at least this bucket's (sums of squares only add up)
+        if clip and math.sqrt(sum_sq) * grad_scale > clip * (1 + 1e-6):
+            return False
+        runs: list[Run] = []
+        index: list[torch.Tensor] = []
+        total = 0
+        for call in calls:
+            limit = rho_limit(call.hyper.beta1, call.hyper.beta2)
+            scale = -grad_scale if call.hyper.maximize else grad_scale  # the kernel's g
+            for run in flat_runs(buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host,
+                                 buf.lp_host, call.members):
+                total += run[0].numel()
+                if not prechecked_risky(run, call.hyper, scale, limit, self.threads):
+                    continue  # the common case: one read of g and v in C, nothing beyond
+                idx = risky(run[3], run[0], run[1], run[2], hyper=call.hyper,
+                            grad_scale=scale, limit=limit)
+                if idx is not None:
+                    runs.append(run)
+                    index.append(idx)
+        if not index:
+            return None
+        return Rescue.keep(runs, index,
+                           dense=sum(int(i.numel()) for i in index) > DENSE_FRACTION * total)
+
+
+def speculable(hypers: Sequence[AdamHyper], moments: torch.dtype, config_rollback: str,
+               max_grad_norm: float | None) -> bool:
+    """Training thread, at launch: may this bucket be speculated at all? Under "auto", not
+    when the inverse does not exist for one of its groups (betas 0 or 1), nor with bf16
+    moments under clipping (their stochastic rounding makes the inverse ~2^-8 off): such a
+    bucket is stepped once, after the verdict. ``hypers``: those of every param group with a
+    parameter in the bucket; decided from them and the configuration alone, so every rank
+    decides the same (collective publishes must match)."""
+    if config_rollback != "auto":
+        return True
+    if any(not invertible(h) for h in hypers):
+        return False
+    return not (max_grad_norm and moments != torch.float32)

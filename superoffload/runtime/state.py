@@ -11,7 +11,7 @@ master (no copy: "an fp32 model trains with fp32 device weights").
 
 ``ParamState`` is the placement-free form (CPU tensors) used to re-plan, checkpoint and load.
 ``EngineState`` is what every part of the engine shares about the model and its buckets
-(the iteration scheduler, the transports, hooks, weight-flow, checkpoints read it; only the
+(the launch and STV phases, the transports, hooks, weight-flow, checkpoints read it; only the
 engine and its transport write the bucket table).
 """
 
@@ -61,10 +61,11 @@ class BucketBuffers:
     """Kernel calls prepared once (``kernels.prepare_adam``), by (members, grads given)."""
     flat: list[torch.Tensor] = field(default_factory=list)
     """The underlying allocations (kept alive; counted in memory reports)."""
+    on_device: bool = field(init=False, default=False)
+    """A GPU tail bucket (the bucket's placement; a plain field: read on every launch)."""
 
-    @property
-    def on_device(self) -> bool:
-        return self.bucket.on_device
+    def __post_init__(self) -> None:
+        self.on_device = self.bucket.on_device
 
     def ensure_snapshot(self, alloc_host: Alloc) -> list[torch.Tensor]:
         if self.snapshot is None:
@@ -275,7 +276,3 @@ class EngineState:
                 f"OffloadConfig.precision={precision!r} (a DeepSpeed config's bf16.enabled / "
                 f"fp16.enabled) but the model's trainable parameters are {self.model_dtype}; "
                 f"cast the model first, e.g. model.to({want})")
-
-    def take_steps(self, indices: Sequence[int]) -> None:
-        for i in indices:
-            self.steps[i] += 1

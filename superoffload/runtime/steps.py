@@ -15,7 +15,6 @@ too many such elements are not speculated (runtime/rollback_guard.py).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -26,19 +25,12 @@ import torch
 
 from superoffload import kernels
 from superoffload.kernels import AdamHyper
-from superoffload.runtime.rollback_guard import (
-    DENSE_FRACTION,
-    Rescue,
-    Run,
-    flat_runs,
-    invertible,
-    prechecked_risky,
-    rho_limit,
-    risky,
-)
+from superoffload.runtime.frozen import FrozenIteration
+from superoffload.runtime.rollback_guard import Guard, Rescue
 from superoffload.runtime.state import BucketBuffers
 from superoffload.runtime.state_overflow import StateOverflow, may_overflow, trial
 from superoffload.runtime.transfers import wait_for
+from superoffload.runtime.worker import Priority
 from superoffload.telemetry.events import (
     KIND_CPU_STEP,
     KIND_DEVICE_STEP,
@@ -133,6 +125,14 @@ def make_calls(buffers: BucketBuffers, present: frozenset[int] | set[int],
 
 def members_of(calls: tuple[KernelCall, ...]) -> list[int]:
     return [i for c in calls for i in c.members]
+
+
+def priority(b: int, frozen: FrozenIteration) -> Priority:
+    """Worker / H2D priority of bucket ``b``: earliest deadline first -- the next forward
+    needs the highest offloaded bucket id (the first layers) first, while backward produced
+    it last (DESIGN.md §6); ``step_order="fifo"`` keeps gradient-ready order."""
+    order = -b if frozen.config.step_order == "deadline" else b
+    return (float(frozen.number), float(order))
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,61 +253,33 @@ class RollbackTask:
         return True
 
 
-@dataclass(frozen=True, slots=True)
-class Guard:
-    """What ``rollback="auto"`` decides in the worker before a bucket's speculative step
-    (rollback_guard.py). The training thread has already declined what the configuration
-    alone rules out (``speculable``); what depends on the data is decided here."""
-
-    max_grad_norm: float | None
-    """The configured clipping threshold (a bucket above it alone is certain to clip)."""
-    threads: int | None = None
-    """The CPU optimizer's threads (the check runs on them)."""
-
-    def protect(self, buf: BucketBuffers, calls: tuple[KernelCall, ...], grad_scale: float,
-                sum_sq: float) -> Rescue | None | bool:
-        """False: do not speculate (the verdict will clip: every rank rolls back and replays,
-        so declining is consistent over ranks); None: the inverse alone is within its bound;
-        a ``Rescue``: the pre-step values of the elements beyond it."""
-        clip = self.max_grad_norm
-        # the global norm is at least this bucket's (sums of squares only add up)
-        if clip and math.sqrt(sum_sq) * grad_scale > clip * (1 + 1e-6):
-            return False
-        runs: list[Run] = []
-        index: list[torch.Tensor] = []
-        total = 0
-        for call in calls:
-            limit = rho_limit(call.hyper.beta1, call.hyper.beta2)
-            scale = -grad_scale if call.hyper.maximize else grad_scale  # the kernel's g
-            for run in flat_runs(buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host,
-                                 buf.lp_host, call.members):
-                total += run[0].numel()
-                if not prechecked_risky(run, call.hyper, scale, limit, self.threads):
-                    continue  # the common case: one read of g and v in C, nothing beyond
-                idx = risky(run[3], run[0], run[1], run[2], hyper=call.hyper,
-                            grad_scale=scale, limit=limit)
-                if idx is not None:
-                    runs.append(run)
-                    index.append(idx)
-        if not index:
-            return None
-        return Rescue.keep(runs, index,
-                           dense=sum(int(i.numel()) for i in index) > DENSE_FRACTION * total)
+def step_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...],
+              frozen: FrozenIteration, recorder: Recorder, *, scale: float,
+              after: Future[Any] | None, speculative: bool, replay: bool,
+              undone: Future[Any] | None = None) -> StepTask:
+    """The task stepping ``calls`` of bucket ``bucket`` with the iteration's settings: a
+    speculative step (after its gradients' move ``after``; kept by "snapshot", guarded by
+    "auto"), a replay after the rollback ``undone``, or a bucket's only step."""
+    cfg = frozen.config
+    return StepTask(
+        bucket=bucket, iteration=frozen.number, buffers=buffers, calls=calls, grad_scale=scale,
+        threads=frozen.threads, after=after, skip_nonfinite=speculative,
+        snapshot=speculative and cfg.rollback == "snapshot", replay=replay, recorder=recorder,
+        watchdog_s=cfg.watchdog_s, seed=cfg.seed,
+        guard=Guard(cfg.max_grad_norm, frozen.threads)
+        if speculative and cfg.rollback == "auto" else None,
+        undone=undone)
 
 
-def speculable(hypers: Sequence[AdamHyper], moments: torch.dtype, config_rollback: str,
-               max_grad_norm: float | None) -> bool:
-    """Training thread, at launch: may this bucket be speculated at all? Under "auto", not
-    when the inverse does not exist for one of its groups (betas 0 or 1), nor with bf16
-    moments under clipping (their stochastic rounding makes the inverse ~2^-8 off): such a
-    bucket is stepped once, after the verdict. ``hypers``: those of every param group with a
-    parameter in the bucket; decided from them and the configuration alone, so every rank
-    decides the same (collective publishes must match)."""
-    if config_rollback != "auto":
-        return True
-    if any(not invertible(h) for h in hypers):
-        return False
-    return not (max_grad_norm and moments != torch.float32)
+def rollback_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...],
+                  frozen: FrozenIteration, recorder: Recorder, *, scale: float,
+                  step_future: Future[Any]) -> RollbackTask:
+    """The task undoing the speculative step ``step_future`` (with its ``scale``), if it ran."""
+    cfg = frozen.config
+    return RollbackTask(
+        bucket=bucket, iteration=frozen.number, buffers=buffers, calls=calls, grad_scale=scale,
+        threads=frozen.threads, step_future=step_future, mode=cfg.rollback, recorder=recorder,
+        watchdog_s=cfg.watchdog_s, seed=cfg.seed)
 
 
 def device_step(

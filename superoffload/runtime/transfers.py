@@ -1,14 +1,19 @@
-"""Transfer tasks: a bucket's gradients device->host, its updated weights host->device.
+"""Transfer tasks, and how the training thread waits for any lane's work.
 
-Both are frozen task dataclasses run on their own lane (a transfer thread driving, on CUDA,
-its own stream). Each records one telemetry span with the bytes it moved (paper §4.2:
-a bucket is offloaded the moment its last gradient is final; weights return per bucket).
+``D2HTask`` (a bucket's gradients device->host) and ``H2DTask`` (its updated weights
+host->device) are frozen task dataclasses run on their own lane (a transfer thread driving,
+on CUDA, its own stream). Each records one telemetry span with the bytes it moved (paper
+§4.2: a bucket is offloaded the moment its last gradient is final; weights return per
+bucket). ``wait_for`` bounds a wait by the watchdog and names the late task; ``InFlight``
+keeps what the training thread submitted since the last ``synchronize()`` and waits for it,
+a lane's failure surfacing as the engine's own error. Task modules never submit (the lanes
+run their tasks: worker.py), so the calls between them go one way.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +21,7 @@ from typing import Any
 import torch
 
 from superoffload.runtime.backend import Backend, GradStats, PendingStats, host_stats
-from superoffload.runtime.errors import WatchdogTimeout
+from superoffload.runtime.errors import FailureBox, WatchdogTimeout
 from superoffload.runtime.worker import Lane, describe, explain
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
@@ -33,6 +38,53 @@ def wait_for(future: Future[Any], timeout_s: float, what: str) -> Any:
         raise WatchdogTimeout(
             f"{what} did not finish within OffloadConfig.watchdog_s={timeout_s:g} s{where}"
         ) from None
+
+
+class InFlight:
+    """Every lane task and publish the training thread submitted since the last drain
+    (chained ones included), and its waits: bounded by ``watchdog_s``, a lane's failure raised
+    as the engine's own error rather than as the late future's, a stall named with
+    ``stall_hint`` (the transport's: what its lanes may be waiting for)."""
+
+    def __init__(self, failures: FailureBox, stall_hint: Callable[[], str]) -> None:
+        self.failures, self.stall_hint = failures, stall_hint
+        self.futures: list[Future[Any]] = []
+
+    def add(self, future: Future[Any]) -> Future[Any]:
+        self.futures.append(future)
+        return future
+
+    def forget_done(self) -> None:
+        """Keep only the futures still running (a run that never synchronizes does not
+        accumulate them)."""
+        self.futures = [f for f in self.futures if not f.done()]
+
+    def wait(self, future: Future[Any], what: str, watchdog_s: float) -> Any:
+        """``future``'s result, within ``watchdog_s``; a lane failure surfaces as the engine's."""
+        try:
+            return wait_for(future, watchdog_s, what)
+        except WatchdogTimeout as exc:
+            self.failures.raise_if_failed()
+            raise WatchdogTimeout(f"{exc}; {self.stall_hint()}") from None
+        except Exception:
+            self.failures.raise_if_failed()
+            raise
+
+    def quiet(self, lane: Lane, barrier: Future[Any], watchdog_s: float) -> None:
+        """``barrier`` (a ``Barrier`` the caller just submitted to ``lane``) ran: everything
+        queued on ``lane`` before it has run. A lane failure surfaces as the engine's error."""
+        try:
+            wait_for(barrier, watchdog_s, "synchronize")
+        except Exception as exc:
+            self.failures.raise_if_failed()
+            raise type(exc)(f"{describe(lane)}: {exc}") from exc
+
+    def wait_all(self, watchdog_s: float) -> None:
+        """Every future added here is done (after the lanes ran a barrier: chained tasks are
+        queued late, worker.py, so each future is waited for itself)."""
+        futures, self.futures = self.futures, []
+        for fut in futures:
+            self.wait(fut, "a task submitted before synchronize()", watchdog_s)
 
 
 def _is_copy(task: Any) -> bool:

@@ -1,7 +1,7 @@
 """The transport seam: how a bucket's gradients leave and its new weights come back.
 
-The iteration core (``runtime/scheduler.py``) is one schedule (DESIGN.md §3, paper §4.2-4.3);
-what differs between one process and ZeRO data parallel is only how data moves:
+The iteration core (runtime/launch.py, runtime/stv.py) is one schedule (DESIGN.md §3, paper
+§4.2-4.3); what differs between one process and data parallel is only how data moves:
 
 * single process (``LocalTransport``): a host bucket's gradients go device -> host (D2H),
   the CPU steps the whole bucket, the new weights go host -> device (H2D);
@@ -16,7 +16,7 @@ and says where weight-flow's host copy of each parameter lives. It owns its two 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,8 +26,10 @@ import torch
 from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.backend import Backend, GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.guard import hashes_agree
 from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
+from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.worker import ErrorSink, Lane, Priority
 from superoffload.telemetry.recorder import Recorder
 
@@ -109,33 +111,21 @@ class TransportContext:
     recorder: Recorder
     inline: bool
     on_error: ErrorSink
-    watchdog_s: Callable[[], float]
-    """The watchdog in force (``OffloadConfig.watchdog_s`` may be reconfigured)."""
+    in_flight: InFlight
+    """The engine's waits (a lane's failure surfaces as the engine's error): a transport that
+    waits for a publish outside the engine's own calls (FSDP2's pre-hooks) waits through it."""
     fingerprint: Mapping[str, Any] | None = None
     """What every data-parallel rank must agree on (``guard.fingerprint``): a collective
     transport compares it over its ranks before its first collective."""
 
 
-class LaneOwner:
-    """What every transport keeps the same way: its context once started, and its two lanes."""
-
-    _ctx: TransportContext | None = None
-    _lanes: tuple[Lane, ...] = ()
-
-    @property
-    def ctx(self) -> TransportContext:
-        if self._ctx is None:
-            raise RuntimeError(f"{type(self).__name__}.start() was not called")
-        return self._ctx
-
-    @property
-    def lanes(self) -> tuple[Lane, ...]:
-        return self._lanes
-
-
 class Transport(Protocol):
     name: str
-    """"local" or "zero"."""
+    """"local" or "fsdp"."""
+    collective: bool
+    """Ranks step together: an iteration interrupted on one rank cannot be undone on that
+    rank alone (the others' collectives no longer match), so the engine fails instead of
+    rolling it back (``OffloadEngine.backward``/``step``, docs/failure_semantics.md)."""
     ordered_launch: bool
     """Buckets must be launched in bucket order on every rank (collectives match by order)."""
     grad_divisor: int
@@ -144,7 +134,7 @@ class Transport(Protocol):
     local_ranks: int
     """Ranks sharing this host's cores and memory (the thread rule splits the cores)."""
     sums_on_host: bool
-    """``launch`` takes ``accumulated=`` and ``final=`` (``OffloadConfig.grad_accum_on=
+    """``launch`` honours ``accumulated=`` and ``final=`` (``OffloadConfig.grad_accum_on=
     "host"``: every micro-step's gradients are summed into the host buffers)."""
 
     def start(self, ctx: TransportContext) -> None:
@@ -163,15 +153,17 @@ class Transport(Protocol):
         ``moments``: the host buckets' moment dtype (``optimizer_state_dtype``)."""
         ...
 
-    def launch(self, b: int, present: tuple[int, ...], iteration: int,
-               streamed: frozenset[int]) -> Future[Any] | None:
+    def launch(self, b: int, present: tuple[int, ...], frozen: FrozenIteration, *,
+               accumulated: frozenset[int] | None = None,
+               final: bool = True) -> Future[Any] | None:
         """A bucket's gradients are final: start moving them. Returns the local validation
         statistics of what this rank will step (host buckets), None for tail buckets.
-        ``streamed``: parameter indices weight-flow streams. The caller frees the device
-        gradients once this returns (runtime/departures.py): the transport's task must hold
-        what it still reads. With ``sums_on_host``, keywords ``accumulated`` (parameters
-        whose host buffer already holds a partial sum: add into it, copy elsewhere) and
-        ``final`` (False: an earlier micro-step, no statistics wanted)."""
+        ``frozen``: the iteration's settings (its number, weight-flow's streamed parameters).
+        The caller frees the device gradients once this returns (runtime/departures.py): the
+        transport's task must hold what it still reads. With ``sums_on_host``: ``accumulated``
+        (parameters whose host buffer already holds a partial sum: add into it, copy
+        elsewhere; None: a plain move) and ``final`` (False: an earlier micro-step, no
+        statistics wanted)."""
         ...
 
     def full_grad(self, index: int) -> torch.Tensor | None:
@@ -216,8 +208,9 @@ class Transport(Protocol):
         ...
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
-                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
+                frozen: FrozenIteration, priority: Priority) -> Published:
         """After ``after`` (a step or rollback of bucket ``b``), bring its weights back;
+        ``frozen``: the iteration's settings (its number, watchdog, streamed parameters);
         ``priority``: the deadline order a reorderable lane may use (worker.py)."""
         ...
 

@@ -32,7 +32,7 @@ import torch
 
 from superoffload.runtime.guard import Contract, ContractError
 from superoffload.runtime.hook_base import PicklableHook
-from superoffload.runtime.scheduler import IterationScheduler
+from superoffload.runtime.launch import Launcher
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.transport import Transport
 from superoffload.runtime.weights import WeightPolicyController
@@ -42,10 +42,10 @@ from superoffload.telemetry.recorder import Recorder
 class WeightWrites:
     """Adopts weights written outside the engine (see the module docstring)."""
 
-    def __init__(self, *, state: EngineState, contract: Contract, scheduler: IterationScheduler,
+    def __init__(self, *, state: EngineState, contract: Contract, launcher: Launcher,
                  transport: Transport, recorder: Recorder, weights: WeightPolicyController,
                  synchronize: Callable[[], None]) -> None:
-        self.state, self.contract, self.sched = state, contract, scheduler
+        self.state, self.contract, self.launcher = state, contract, launcher
         self.transport, self.recorder, self.weights = transport, recorder, weights
         self.synchronize = synchronize
         self._resident: Any = None
@@ -68,11 +68,12 @@ class WeightWrites:
                 "elements outside their block's forward); the write changed nothing. Write "
                 "streamed weights inside `with engine.resident_weights():` or with "
                 "model.load_state_dict(...), which makes them resident first")
-        if any(self.state.bucket_of.get(i) in self.sched.publishes.pending for i in written):
-            self.sched.publishes.discard_racing_writes()  # raises
+        publishes = self.launcher.parts.publishes
+        if any(self.state.bucket_of.get(i) in publishes.pending for i in written):
+            publishes.discard_racing_writes()  # raises
         self.transport.adopt(written)
         self.contract.rebase(written)
-        self.recorder.note(self.sched.iteration, (
+        self.recorder.note(self.launcher.iteration, (
             f"{len(written)} parameter(s) written outside the engine{where} (e.g. "
             f"{self.state.names[written[0]]!r}): the optimizer continues from the written "
             "weights with its moments"))

@@ -21,7 +21,7 @@ whatever buffer is current):
   post-accumulate-grad hook; AccumulateGrad needs the full-shape parameter) and the
   backward has moved below it;
 * activation-checkpoint recompute re-enters the forward hooks inside backward
-  (``hooks.in_backward()``): the pre-hook acts as the backward entry of
+  (``hook_base.in_backward()``): the pre-hook acts as the backward entry of
   ``k`` (with reentrant checkpointing the forward ran under no_grad, so there is no output
   node and this is the only one), the post-hook does nothing.
 
@@ -42,11 +42,12 @@ import torch
 
 from superoffload.runtime.fetch import FetchTask, block_params, find_blocks
 from superoffload.runtime.flow_hooks import grad_hook, post_hook, pre_hook, wrap_output
-from superoffload.runtime.hooks import in_backward
+from superoffload.runtime.hook_base import in_backward
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 
 if TYPE_CHECKING:
-    from superoffload.runtime.scheduler import IterationScheduler
+    from superoffload.runtime.backend import Backend
+    from superoffload.runtime.launch import Launcher
 
 
 @dataclass(slots=True)
@@ -75,17 +76,17 @@ class FlowStats:
 class WeightFlow:
     """Streams the blocks of ``model`` (see the module docstring).
 
-    ``sched``: the engine's iteration scheduler (state, backend, telemetry, the per-bucket
-    futures a fetch waits for); ``home``: where a parameter's host copy lives (the
-    transport's; runtime/transport.py)."""
+    ``launcher``: the engine's iteration in progress (its number, its watchdog) and its parts
+    (state, telemetry, the waits, the per-bucket futures a fetch waits for); ``home``: where a
+    parameter's host copy lives (the transport's; runtime/transport.py)."""
 
-    def __init__(self, model: torch.nn.Module, sched: IterationScheduler,
+    def __init__(self, model: torch.nn.Module, launcher: Launcher, backend: Backend,
                  home: Callable[[int], torch.Tensor], depth: int, lane: Any) -> None:
-        self.sched = sched
+        self.launcher, self.parts, self.backend = launcher, launcher.parts, backend
         self.home = home
         self.depth = depth
         self.lane = lane
-        st = sched.state
+        st = self.parts.state
         blocks = find_blocks(model)
         streamable = {id(st.params[i]) for i in st.trainable if i in st.bucket_of}
         self.blocks = blocks
@@ -98,7 +99,7 @@ class WeightFlow:
         self.shapes = [[p.shape for p in ps] for ps in self.params]
         self.numel = [sum(p.numel() for p in ps) for ps in self.params]
         self.dtype = st.model_dtype
-        self.device = sched.backend.device
+        self.device = backend.device
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.resident: dict[int, _Resident] = {}
         self._pool: list[torch.Tensor] = []
@@ -176,28 +177,28 @@ class WeightFlow:
     # ------------------------------------------------------------------ fetch / release
     def _home_buckets(self, k: int) -> list[int]:
         """The buckets holding block k's weights."""
-        return sorted({self.sched.state.bucket_of[i] for i in self.indices[k]})
+        return sorted({self.parts.state.bucket_of[i] for i in self.indices[k]})
 
     def submit(self, k: int, kind: str) -> None:
         """Allocate block k's device buffer, point its parameters at it, queue the copy."""
         if not 0 <= k < len(self.blocks) or k in self.resident or not self.numel[k]:
             return
-        sched = self.sched
+        launcher, parts = self.launcher, self.parts
         flat = self._alloc(self.numel[k])
         views, offset = [], 0
         for shape in self.shapes[k]:
             n = shape.numel()
             views.append(flat[offset: offset + n].view(shape))
             offset += n
-        after = tuple(f for f in (sched.home_ready.get(b) for b in self._home_buckets(k))
-                      if f is not None)
-        be = sched.backend
+        after = tuple(f for f in (parts.publishes.home_ready.get(b)
+                                  for b in self._home_buckets(k)) if f is not None)
+        be = self.backend
         ready = be.ready_token() if be.device.type == "cuda" else None
         task = FetchTask(
-            block=k, iteration=sched.iteration,
+            block=k, iteration=launcher.iteration,
             src_host=tuple(self.home(i) for i in self.indices[k]), dst_device=tuple(views),
-            after=after, ready=ready, backend=be, recorder=sched.recorder,
-            watchdog_s=sched.config().watchdog_s,
+            after=after, ready=ready, backend=be, recorder=parts.recorder,
+            watchdog_s=launcher.current.frozen.config.watchdog_s,
         )
         with torch.no_grad():
             for p, v in zip(self.params[k], views):
@@ -231,7 +232,7 @@ class WeightFlow:
             return self._pool.pop(i)[:numel]
         if self._pool:  # none fits: give one back so at most depth + 1 buffers exist
             self._pool.pop(0)
-        return self.sched.backend.alloc_device(numel, self.dtype)
+        return self.backend.alloc_device(numel, self.dtype)
 
     def ensure(self, k: int, kind: str = "f") -> None:
         """Block k is resident and its copy has landed (the compute stream waits on CUDA)."""
@@ -239,22 +240,23 @@ class WeightFlow:
             return
         self.submit(k, kind)
         res = self.resident[k]
-        sched = self.sched
+        rec = self.parts.recorder
         if not res.future.done():
-            t0 = sched.recorder.now()
-            token = sched.wait(res.future, f"fetch of block {k}")
-            sched.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, sched.recorder.now(),
-                               iteration=sched.iteration)
+            t0 = rec.now()
+            token = self.parts.in_flight.wait(res.future, f"fetch of block {k}",
+                                              self.launcher.current.frozen.config.watchdog_s)
+            rec.add(LANE_COMPUTE, KIND_WAIT, t0, rec.now(), iteration=self.launcher.iteration)
         else:
             token = res.future.result()
-        sched.backend.wait(token)
+        self.backend.wait(token)
 
     def _release_now(self, k: int, *, force: bool = False) -> None:
         res = self.resident.pop(k, None)
         if res is not None:
             # an unused prefetch may still be copying: the compute stream orders after it
             # before the memory is handed out again
-            self.sched.backend.wait(self.sched.wait(res.future, f"fetch of block {k}"))
+            self.backend.wait(self.parts.in_flight.wait(
+                res.future, f"fetch of block {k}", self.launcher.current.frozen.config.watchdog_s))
             self.resident_bytes -= res.nbytes
             if len(self.resident) + len(self._pool) < self.depth + 1:
                 self._pool.append(_base(res.flat))  # at most depth + 1 buffers exist at any time

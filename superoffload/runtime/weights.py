@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -32,10 +31,9 @@ from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
 from superoffload.plan.weights import WeightChoice
 from superoffload.runtime.backend import Backend
-from superoffload.runtime.hook_base import PicklableHook, eager
-from superoffload.runtime.hooks import in_backward
+from superoffload.runtime.hook_base import in_backward
+from superoffload.runtime.launch import Launcher
 from superoffload.runtime.policy import resolve_profile
-from superoffload.runtime.scheduler import IterationScheduler
 from superoffload.runtime.weightflow import WeightFlow
 from superoffload.telemetry.recorder import Recorder
 
@@ -48,7 +46,7 @@ class PolicyHost(Protocol):
     config: OffloadConfig
     telemetry: Recorder
     backend: Backend
-    scheduler: IterationScheduler
+    launcher: Launcher
     model: torch.nn.Module
     iteration: int
     hooks: list[Any]
@@ -62,7 +60,7 @@ class PolicyHost(Protocol):
         ...
 
     def new_flow(self, depth: int) -> WeightFlow:
-        """A WeightFlow over the engine's model, scheduler and transport homes."""
+        """A WeightFlow over the engine's model, its iteration and transport homes."""
         ...
 
 
@@ -86,22 +84,28 @@ class WeightPolicyController:
         self.device_budget_bytes = device_budget_bytes
         self._profile_arg = profile
         self._profile: HardwareProfile | None = None
-        self._batch: tuple[int, int] | None = (
+        self.batch: tuple[int, int] | None = (
             (micro_batch or 1, seq_len) if seq_len is not None else None)
-        self._pending: dict[str, Any] = {}
+        """(micro-batch, sequence length): given, or read from the first forward's input."""
+        self.pending: dict[str, Any] = {}
+        """``reconfigure(weights=..., prefetch_depth=...)`` waiting for the next forward."""
+        self.fixed_weight_bytes = 0
+        """Bytes of the model's weights that never stream (all of them under
+        weight-stationary): measured when the policy is set, read at every step's close."""
         self._lock = threading.Lock()  # reconfigure() may come from another thread
         self._resident_depth = 0
-        if self.requested == "auto" and self._batch is not None:
+        if self.requested == "auto" and self.batch is not None:
             self.active = self._decide()
 
     # ------------------------------------------------------------------ engine entry points
-    def start(self) -> list[Any]:
-        """After the engine's first build: stream if flow; returns hook handles."""
+    def start(self) -> None:
+        """After the engine's first build: stream if flow. The root forward pre-hook
+        (runtime/publishes.py) calls ``on_forward`` only while there is work here: the batch
+        shape to read (``batch`` None), a switch to apply (``pending``), or weight-flow's
+        blocks to stream (``flow``) -- plain attributes it reads on every forward."""
         if self.active == "flow":
             self._attach()
-        # the model must not keep the engine alive (runtime/lifetime.py); picklable (hook_base)
-        hook = _OnForward(weakref.ref(self), weakref.ref(self.engine.model))
-        return [self.engine.model.register_forward_pre_hook(hook)]
+        self._measure_fixed()
 
     def streamed(self) -> frozenset[int]:
         """Parameter indices weight-flow streams now (empty under weight-stationary)."""
@@ -111,28 +115,20 @@ class WeightPolicyController:
     def request(self, changes: dict[str, Any]) -> None:
         """reconfigure(weights=..., prefetch_depth=...): applied at the next iteration start."""
         with self._lock:
-            self._pending.update(changes)
-
-    def end_backward(self) -> None:
-        if self.flow is not None:
-            self.flow.end_backward()
-
-    def close_iteration(self, iteration: int) -> None:
-        rec = self.engine.telemetry
-        rec.scalar("weights_flow", iteration, 1.0 if self.active == "flow" else 0.0)
-        rec.scalar("device_weight_bytes", iteration, float(self.device_weight_bytes(peak=True)))
-        if self.flow is not None:
-            self.flow.iteration_peak_bytes = self.flow.held_bytes
+            self.pending.update(changes)
 
     def device_weight_bytes(self, *, peak: bool = False) -> int:
         """Bytes of model weights on the device now (or at this iteration's peak)."""
         flow = self.flow
-        skip = set() if flow is None else {id(p) for ps in flow.params for p in ps}
-        fixed = sum(p.numel() * p.element_size() for p in self.engine.model.parameters()
-                    if id(p) not in skip)
         if flow is None:
-            return fixed
-        return fixed + (flow.iteration_peak_bytes if peak else flow.held_bytes)
+            return self.fixed_weight_bytes
+        return self.fixed_weight_bytes + (flow.iteration_peak_bytes if peak else flow.held_bytes)
+
+    def _measure_fixed(self) -> None:
+        flow = self.flow
+        skip = set() if flow is None else {id(p) for ps in flow.params for p in ps}
+        self.fixed_weight_bytes = sum(p.numel() * p.element_size()
+                                      for p in self.engine.model.parameters() if id(p) not in skip)
 
     def resident(self) -> contextlib.AbstractContextManager[None]:
         """Every streamed block resident inside (a no-op under weight-stationary). Re-entrant:
@@ -175,8 +171,8 @@ class WeightPolicyController:
         return self._profile
 
     def shape(self) -> ModelShape:
-        assert self._batch is not None
-        mb, seq = self._batch
+        assert self.batch is not None
+        mb, seq = self.batch
         ckpt = bool(getattr(getattr(self.engine.model, "config", None), "checkpointing", False))
         return ModelShape.from_module(self.engine.model, seq=seq, micro_batch=mb,
                                       activation_checkpointing=ckpt)
@@ -184,7 +180,7 @@ class WeightPolicyController:
     def shape_for_planning(self) -> ModelShape:
         """``shape()`` once the batch is known (``seq_len``/``micro_batch``, or the first
         forward); before that the model's own context length at micro-batch 1."""
-        if self._batch is not None:
+        if self.batch is not None:
             return self.shape()
         cfg = getattr(self.engine.model, "config", None)
         seq = next((int(v) for k in ("block_size", "max_position_embeddings", "n_positions",
@@ -205,25 +201,25 @@ class WeightPolicyController:
 
     def on_forward(self, module: torch.nn.Module, args: Any) -> None:
         eng = self.engine
-        if eng.scheduler.current.micro_step == 0 and not in_backward():
-            if self._batch is None and args and isinstance(args[0], torch.Tensor) \
+        if eng.launcher.current.micro_step == 0 and not in_backward():
+            if self.batch is None and args and isinstance(args[0], torch.Tensor) \
                     and args[0].dim() >= 2:
-                self._batch = (int(args[0].shape[0]), int(args[0].shape[1]))
+                self.batch = (int(args[0].shape[0]), int(args[0].shape[1]))
                 if self.requested == "auto":
                     with self._lock:
-                        self._pending.setdefault("weights", "auto")
-            elif self._batch is None and self.requested == "auto":
+                        self.pending.setdefault("weights", "auto")
+            elif self.batch is None and self.requested == "auto":
                 raise ValueError(
                     "OffloadConfig.weights='auto' needs the sequence length: the model's first "
                     "argument is not a (batch, seq) tensor; pass initialize(..., seq_len=N)")
-            if self._pending:
+            if self.pending:
                 self._apply()
         if self.flow is not None and not in_backward():
             self.flow.begin_forward()
 
     def _apply(self) -> None:
         with self._lock:
-            changes, self._pending = self._pending, {}
+            changes, self.pending = self.pending, {}
         eng = self.engine
         old_depth = self.depth
         if "prefetch_depth" in changes:
@@ -247,13 +243,14 @@ class WeightPolicyController:
         eng.rebuild()
         if target == "flow":
             self._attach()
+        self._measure_fixed()
         eng.telemetry.note(eng.iteration, f"weights: {previous} -> {target} (prefetch_depth "
                                           f"{self.depth}) from iteration {eng.iteration}")
 
     def _stationary_fits(self) -> bool:
         if self.device_budget_bytes is None:
             return True
-        st = self.engine.scheduler.state
+        st = self.engine.launcher.parts.state
         need = 2 * sum(s.numel() for s in st.shapes) * st.model_dtype.itemsize
         return need <= self.device_budget_bytes
 
@@ -261,15 +258,3 @@ class WeightPolicyController:
         self.flow = self.engine.new_flow(self.depth)
         self.flow.attach()
         self.engine.hooks.extend(self.flow.handles)  # removed with the engine's (lifetime.py)
-
-
-class _OnForward(PicklableHook):
-    def __init__(self, ref: weakref.ref[WeightPolicyController],
-                 owner: weakref.ref[torch.nn.Module]) -> None:
-        self.ref, self.owner = ref, owner
-
-    @eager
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        controller = self.ref()
-        if controller is not None and module is self.owner():
-            controller.on_forward(module, args)

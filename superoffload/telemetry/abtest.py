@@ -1,5 +1,6 @@
-"""Did a settings change make training faster? The statistics of an interleaved A/B (issue 18,
-item 5). Pure: numbers in, a verdict out (runtime/ab_trial.py collects the numbers).
+"""Did a settings change make training faster? The statistics of an interleaved A/B
+(docs/jupyter.md, "The offload tuner"). Pure: numbers in, a verdict out (runtime/ab_trial.py
+collects the numbers).
 
 Design: the old (A) and new (B) settings alternate in blocks of k iterations, A1 B1 A2 B2 ...
 An Bn, ending on the new one. Each B block is compared with the A blocks on either side of it

@@ -54,18 +54,15 @@ from superoffload.telemetry.events import (
 from superoffload.telemetry.intervals import (
     Disjoint,
     Interval,
-    clip,
-    intersect,
     length,
     subtract,
     union,
 )
 from superoffload.telemetry.window import GB, window_values
 
-__all__ = ["GB", "Disjoint", "Interval", "IterationMetrics", "Summary", "bandwidth_series",
-           "clip", "device_busy", "intersect", "iteration_metrics", "length",
-           "link_utilisation_pct", "model_compute", "spans_to_dataframe", "subtract",
-           "summarize", "summarize_metrics", "to_dataframe", "to_records", "union"]
+__all__ = ["IterationMetrics", "Summary", "bandwidth_series", "device_busy", "iteration_metrics",
+           "link_utilisation_pct", "model_compute", "spans_to_dataframe", "summarize",
+           "summarize_metrics", "to_dataframe", "to_records"]
 
 _COMPUTE_KINDS = (KIND_FORWARD, KIND_BACKWARD, KIND_WEIGHT_FETCH)
 _OPTIMIZER_LANES = (LANE_CPU, LANE_H2D, LANE_DEVICE_OPT)

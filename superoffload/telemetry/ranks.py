@@ -1,4 +1,5 @@
-"""Several data-parallel ranks on one timeline (issue 7): group, label, merge, save, load.
+"""Several data-parallel ranks on one timeline (docs/jupyter.md, "Several data-parallel
+ranks"): group, label, merge, save, load.
 
 Each rank's engine records into its own `Recorder(rank=r)`, so every `Span` carries its rank
 (events.py). These helpers keep the per-rank views apart: per-iteration metrics are computed

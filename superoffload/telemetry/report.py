@@ -1,4 +1,4 @@
-"""The static HTML report of a run moved to `superoffload.widgets.report` (issue 19): it draws
+"""The static HTML report of a run moved to `superoffload.widgets.report`: it draws
 the dashboard's own figure, so it lives beside it. This name keeps old imports working:
 
     from superoffload.telemetry.report import write_html_report   # = widgets.report's

@@ -7,7 +7,8 @@ thread free: `submit(job)` returns at once, a worker thread waits until `delay_s
 without a newer job, runs only the newest one and resolves its Future; superseded jobs are
 cancelled. `Inline` runs a job at once in the caller's thread (tests, terminals).
 
-Both are `submit(job) -> Future` (STYLE.md §9): exceptions land in the Future.
+Both are `submit(job) -> Future` (docs/conventions.md, "Lanes: submit -> Future"): exceptions
+land in the Future.
 """
 
 from __future__ import annotations

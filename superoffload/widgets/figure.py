@@ -22,7 +22,7 @@ from typing import Any
 
 from superoffload.widgets import layout as L
 from superoffload.widgets.compare import Overlay
-from superoffload.widgets.marks import WAITING, panel_annotations, reconfigure_shapes
+from superoffload.widgets.marks import panel_annotations, reconfigure_shapes
 from superoffload.widgets.panels import Expected, Workload, measured_arrays, robust_top
 from superoffload.widgets.plotdata import log_decades, same, trace_updates, x_axis
 from superoffload.widgets.series import DashboardState
@@ -30,8 +30,7 @@ from superoffload.widgets.timeline import timeline_view
 from superoffload.widgets.traces import SPECS, TRACE, make_trace
 from superoffload.widgets.view import ViewOptions
 
-__all__ = ["FONT", "PLOT_CONFIG", "SPECS", "TRACE", "WAITING", "build_figure", "legend_px",
-           "write_state"]
+__all__ = ["FONT", "PLOT_CONFIG", "build_figure", "legend_px", "write_state"]
 
 PLOT_CONFIG: dict[str, Any] = {"responsive": True, "displaylogo": False}
 FONT = {"family": "Arial, Helvetica, sans-serif", "size": 11}

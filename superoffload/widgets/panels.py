@@ -9,8 +9,8 @@ Every figure is a `telemetry.vocabulary` metric (its name, unit and definition):
                          force, a step function over iterations (a reconfiguration starts a
                          new step); it is compared with the engine time (the window minus the
                          loop's own work outside the engine), like with like
-    a change's effect    measured by the tuner's interleaved A/B (runtime/ab_trial.py,
-                         issue 18): its result line, from the run's notes, is shown as it is
+    a change's effect    measured by the tuner's interleaved A/B (runtime/ab_trial.py):
+                         its result line, from the run's notes, is shown as it is
 
 Status lines are plain text (a view escapes them for HTML, and colours a "warning:" line):
 no markup ever reaches a terminal or `dash.summary()`.

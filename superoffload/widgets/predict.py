@@ -4,7 +4,7 @@ The default profile is THIS machine's, measured by `plan.measure_local(quick=Tru
 seconds the first time, then read from its cache file): a preset for another machine
 (`"cpu-laptop"`, `"gh200"`) predicts another machine, and a prediction that is off by 10x
 teaches nothing. Every view says which profile it uses (`ProfileChoice.note`) and whether it
-is calibrated to a run of the engine (`ProfileChoice.calibrated`; issue 18): the tuner
+is calibrated to a run of the engine (`ProfileChoice.calibrated`): the tuner
 calibrates this machine's profile by itself after the first iterations of the engine it is
 attached to (runtime/autocal.py) and switches to it.
 """

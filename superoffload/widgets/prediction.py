@@ -4,10 +4,10 @@ A dashboard that follows an engine shows what the planner predicts for the setti
 force: a step function over iterations (a reconfiguration or a new profile starts a step,
 `panels.Expected`). Like with like: one optimizer step of `grad_accum_steps` micro-batches
 (`sources.predicted_step`), compared with the engine time (the window minus the loop's own
-work, `telemetry.vocabulary`). The profile is calibrated to the run by issue 18's machinery:
-an `AutoCalibrator` after the first iterations when the profile is this machine's measured
-one, or `calibrate()` on demand (`plan.autocal.calibrate_run`); `Expected.calibrated` says
-which a prediction used.
+work, `telemetry.vocabulary`). The profile is calibrated to the run (docs/planner.md,
+"Accuracy"): an `AutoCalibrator` after the first iterations when the profile is this
+machine's measured one, or `calibrate()` on demand (`plan.autocal.calibrate_run`);
+`Expected.calibrated` says which a prediction used.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _history(max_points: int) -> dict[str, Binned]:
 
 @dataclass
 class ABTrial:
-    """An interleaved A/B of a settings change (runtime/ab_trial.py, issue 18) as the notes
+    """An interleaved A/B of a settings change (runtime/ab_trial.py) as the notes
     tell it: from its start note to its result (or cancel) note; the switches between the
     old and new settings inside it are not separate reconfigurations."""
 

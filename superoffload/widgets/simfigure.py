@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from superoffload.telemetry import metrics
+from superoffload.telemetry import intervals, metrics
 from superoffload.telemetry.events import LANE_COMPUTE, LANES, Span
 from superoffload.widgets import layout as L
 from superoffload.widgets.timeline import LANE_LABELS, spaced_labels, timeline_view, vlines
@@ -78,9 +78,10 @@ def sim_figures(result: Any, profile: Any = None) -> SimFigures:
     device = metrics.device_busy(spans)
     busy, exposed = {}, {}
     for lane in LANES:
-        own = metrics.clip([(s.start_s, s.end_s) for s in spans if s.lane == lane], w)
-        busy[lane] = metrics.length(own) * 1e3
-        exposed[lane] = 0.0 if lane == LANE_COMPUTE else metrics.length(metrics.subtract(own, device)) * 1e3
+        own = intervals.clip([(s.start_s, s.end_s) for s in spans if s.lane == lane], w)
+        busy[lane] = intervals.length(own) * 1e3
+        exposed[lane] = (0.0 if lane == LANE_COMPUTE
+                         else intervals.length(intervals.subtract(own, device)) * 1e3)
     length_s = w[1] - w[0]
     link = {}
     for lane in ("d2h", "h2d"):

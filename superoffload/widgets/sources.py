@@ -76,13 +76,13 @@ def predicted_step(shape: Any, profile: Any, config: Any, micro_batches: int = 1
 def _compute_share(res: Any) -> float:
     """The share of a simulated iteration the device spent on forward/backward (1.0 when the
     result has no timeline to tell)."""
-    from superoffload.telemetry import metrics
+    from superoffload.telemetry import intervals, metrics
 
     spans = list(getattr(res, "timeline", ()) or ())
     window = getattr(res, "window", None)
     if not spans or not window or not window[1] > window[0]:
         return 1.0
-    compute = metrics.length(metrics.clip(metrics.model_compute(spans), tuple(window)))
+    compute = intervals.length(intervals.clip(metrics.model_compute(spans), tuple(window)))
     return min(1.0, compute / (window[1] - window[0]))
 
 

@@ -1,6 +1,6 @@
 """What each setting changes against the one in force, and the predicted time over the ratio
-(issue 18, item 5): the tuner's comparison table and its small curve. Pure (planner calls
-and strings): no widgets.
+(docs/jupyter.md, "The offload tuner"): the tuner's comparison table and its small curve.
+Pure (planner calls and strings): no widgets.
 
 "change vs in force" of a field is the planner's predicted iteration time with only that
 field moved to the control's value, relative to the settings in force (the engine's, or the

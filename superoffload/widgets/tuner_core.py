@@ -24,11 +24,8 @@ TUNED_FIELDS: tuple[str, ...] = tuple(
 """OffloadConfig fields the tuner's controls set, in display order."""
 
 CHOICES: dict[str, tuple[str, ...]] = {
-    "grad_cast": ("device", "host", "auto"),
-    "param_cast": ("device", "host", "auto"),
-    "weights": ("stationary", "flow", "auto"),
-    "speculation": ("on", "off", "adaptive"),
-}
+    name: config_module.choices_of(name) for name in TUNED_FIELDS if name in config_module.CHOICES}
+"""A dropdown per tuned choice field, its options the field's ``Literal`` (config.py)."""
 LABELS = {
     "ratio": "ratio (CPU share of the optimizer)",
     "bucket_bytes": "bucket size",

@@ -1,4 +1,4 @@
-"""What the tuner does with a live engine (issue 18): Apply measured as an interleaved A/B
+"""What the tuner does with a live engine: Apply measured as an interleaved A/B
 (runtime/ab_trial.py) beside the planner's predicted change, and the planner calibrated by
 itself after the engine's first iterations (runtime/autocal.py). Functions over the tuner's
 public state; the tuner calls them."""

@@ -82,7 +82,8 @@ def prediction_html(tuner: Any, pred: Prediction | None, line: str) -> str:
     cells = []
     for label, value, ok in prediction_rows(pred):
         style = " style='color:#C00000;font-weight:bold'" if ok is False else ""
-        cells.append(f"<tr><th style='text-align:left;padding-right:12px'>{html.escape(label)}</th>"
+        head_style = "text-align:left;padding-right:12px;white-space:nowrap;vertical-align:top"
+        cells.append(f"<tr><th style='{head_style}'>{html.escape(label)}</th>"
                      f"<td{style}>{html.escape(value)}</td></tr>")
     curve = (f"<div class='so-tuner-curve-box'>{compare.curve_svg(tuner.curve, float(tuner.values['ratio']))}"
              f"<div>{html.escape(compare.curve_summary(tuner.curve))}</div></div>") if tuner.curve else ""

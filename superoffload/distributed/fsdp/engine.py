@@ -29,11 +29,11 @@ from superoffload.distributed.fsdp.flow import FsdpFlow
 from superoffload.distributed.fsdp.transport import FsdpTransport, full_cpu
 from superoffload.distributed.fsdp.units import block_modules, is_sharded, shard_model
 from superoffload.distributed.validation import agree_fingerprint
+from superoffload.kernels.hyper import hypers_of
 from superoffload.plan.schedule import ScheduleFacts
 from superoffload.runtime import guard
 from superoffload.runtime.engine import OffloadEngine
-from superoffload.runtime.errors import EngineError, IterationInterrupted
-from superoffload.runtime.optim_view import hypers_of, param_groups_from
+from superoffload.runtime.optim_view import param_groups_from
 from superoffload.runtime.state import EngineState
 from superoffload.telemetry.recorder import Recorder
 
@@ -120,7 +120,6 @@ class FsdpOffloadEngine(OffloadEngine):
         self._thread = threading.get_ident()
         super().__init__(model, optimizer, config, telemetry, transport=self.fsdp, **kwargs)
         self.fsdp.sync_rule = weakref.WeakMethod(self._grad_sync)
-        self.fsdp.waiter = weakref.WeakMethod(self.scheduler.wait)
         if auto:
             self.telemetry.note(0, "weights='auto' runs weight-stationary under data parallel "
                                    "(every rank must choose alike)")
@@ -159,23 +158,10 @@ class FsdpOffloadEngine(OffloadEngine):
 
     def _grad_sync(self) -> bool:
         """Root forward: does this micro-step's backward reduce-scatter (hooks.py)?"""
-        sched = self.scheduler
-        micro = sched.current.micro_step
+        micro = self.launcher.current.micro_step
         if micro == 0:  # a new optimizer step: forget which parameters were used
             self.fsdp.usage.used.clear()
-        return micro + 1 >= self.config.grad_accum_steps or sched.sum_on_host
-
-    def _interrupted(self, exc: BaseException, where: str) -> None:
-        """An iteration that will not finish cannot be undone on this rank alone: FSDP2's
-        collectives of the other ranks no longer match. The engine fails, saying how to
-        recover (one process rolls the iteration back instead: runtime/scheduler.py)."""
-        if isinstance(exc, EngineError) or self.failures.failed:
-            return  # a lane failure: already the engine's error
-        self.failures.record("training", IterationInterrupted(
-            f"{where} was interrupted ({exc!r}) under data parallel: the other ranks' "
-            "collectives no longer match this rank's, so the iteration cannot be undone; "
-            "the engine stops rather than train on a mix of two batches. Recover: load the "
-            "last checkpoint into new engines on every rank (engine.load_checkpoint)"))
+        return micro + 1 >= self.config.grad_accum_steps or self.accum_on_host
 
     def reconfigure(self, **changes: Any) -> None:
         """Collective: call it on every rank, from the training thread, between iterations;

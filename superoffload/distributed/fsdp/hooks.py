@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from superoffload.distributed.fsdp.units import Unit
-from superoffload.runtime.hook_base import PicklableHook, eager
-from superoffload.runtime.hooks import in_backward
+from superoffload.runtime.hook_base import PicklableHook, eager, in_backward
 
 
 class UsageLog:

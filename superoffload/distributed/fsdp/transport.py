@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 from typing import cast as typed
 
@@ -35,9 +36,9 @@ from superoffload.kernels.optimizer_batches import is_dtensor, local_shard, stat
 from superoffload.plan.buckets import Bucket, BucketPlan
 from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.local_transport import LocalTransport
 from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
-from superoffload.runtime.transfers import wait_for
 from superoffload.runtime.transport import (
     NO_CHECKS,
     Checks,
@@ -53,6 +54,9 @@ class FsdpTransport(LocalTransport):
     the model's (2-D: HSDP); ``host_*``: the host memory check's inputs (budget.py)."""
 
     name = "fsdp"
+    collective = True
+    """Every rank steps together (FSDP2's collectives): an interrupted iteration fails the
+    engine on every rank instead of rolling back on one."""
     ordered_launch = False
     """No collective per bucket: FSDP2 issued the reduce-scatters already."""
     grad_divisor = 1
@@ -83,8 +87,8 @@ class FsdpTransport(LocalTransport):
         self.usage = hooks.UsageLog()
         self.sync_rule: Any = None
         """The engine's: weakly, ``() -> bool``, does this micro-step reduce (hooks.py)."""
-        self.waiter: Any = None
-        """The engine's: weakly, its scheduler's ``wait(future, what)`` (lane failures)."""
+        self._watchdog_s = 0.0
+        """The watchdog of the iteration whose publishes are in flight."""
 
     # ------------------------------------------------------------------ set-up
     def start(self, ctx: TransportContext) -> None:
@@ -177,15 +181,12 @@ class FsdpTransport(LocalTransport):
 
     def _wait_published(self, buckets: tuple[int, ...]) -> None:
         """Before FSDP2 all-gathers a unit: its buckets' last publish has landed (through the
-        engine's wait when it gave one: a lane's failure surfaces as the engine's error)."""
+        engine's waits: a lane's failure surfaces as the engine's error)."""
         futures = [f for b in buckets if (f := self._published.get(b)) is not None]
-        engine_wait = None if self.waiter is None else self.waiter()
-        watchdog = self.ctx.watchdog_s()
+        in_flight, watchdog = self.ctx.in_flight, self._watchdog_s
 
         def wait(f: Future[Any]) -> Any:
-            if engine_wait is not None:
-                return engine_wait(f, "publish before FSDP2's all-gather")
-            return wait_for(f, watchdog, "publish before FSDP2's all-gather")
+            return in_flight.wait(f, "publish before FSDP2's all-gather", watchdog)
 
         hooks.wait_publish(futures, wait, self.units[0].modules[0] if self.units else None)
 
@@ -263,12 +264,15 @@ class FsdpTransport(LocalTransport):
         return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
-                iteration: int, streamed: frozenset[int], priority: Priority) -> Published:
-        # FSDP2's shards are the weights' only home: always written (weight-flow included),
-        # the whole bucket: a parameter some rank stepped speculatively and no rank used is
-        # rolled back, and its restored value must land too (settle replays only the used)
+                frozen: FrozenIteration, priority: Priority) -> Published:
+        # FSDP2's shards are the weights' only home: always written (weight-flow included:
+        # nothing is streamed by the engine), the whole bucket: a parameter some rank stepped
+        # speculatively and no rank used is rolled back, and its restored value must land too
+        # (settle replays only the used)
         every = tuple(range(len(self.buffers[b].params)))
-        published = super().publish(b, every, after, iteration, frozenset(), priority)
+        self._watchdog_s = frozen.config.watchdog_s
+        published = super().publish(b, every, after, replace(frozen, streamed=frozenset()),
+                                    priority)
         if published.device is not None:  # what the unit's all-gather waits for
             self._published[b] = published.device
         return published

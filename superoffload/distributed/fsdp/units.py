@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from superoffload.distributed.launch import collective_guard
+from superoffload.plan.fsdp_units import block_units
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,22 +84,6 @@ def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(lists[sizes.index(max(sizes))])
 
 
-def group_blocks(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
-    """Consecutive blocks (by parameter count) grouped into units of at most one bucket each
-    (a block larger than a bucket is a unit by itself), filled from the last block, as the
-    planner fills buckets in gradient-ready order (plan/buckets.py). Pure."""
-    groups: list[list[int]] = []
-    size = 0
-    for k in reversed(range(len(numels))):
-        if groups and size + numels[k] <= bucket_numel:
-            groups[-1].insert(0, k)
-            size += numels[k]
-        else:
-            groups.append([k])
-            size = numels[k]
-    return groups[::-1]
-
-
 def shard_model(model: torch.nn.Module, mesh: Any, *, bucket_bytes: int, blocks_on_host: bool,
                 mp_policy: Any = None, group: Any = None) -> None:
     """Broadcast rank 0's weights over ``group``, then ``fully_shard`` the blocks and the root
@@ -111,14 +96,16 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, bucket_bytes: int, blocks_
     broadcast_model(model, group, dist.get_process_group_ranks(group)[0] if group else 0)
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     blocks = block_modules(model)
-    if blocks_on_host:  # weight-flow: gathered for forward, freed, gathered for backward
+    units = block_units([sum(p.numel() for p in b.parameters()) for b in blocks],
+                        sum(p.numel() for p in model.parameters()), bucket_bytes=bucket_bytes,
+                        weights="flow" if blocks_on_host else "stationary")  # the planner's rule
+    if units.on_host:  # weight-flow: gathered for forward, freed, gathered for backward
         host = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        for block in blocks:
-            fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=host)
-    elif sum(p.numel() for p in model.parameters()) * 4 > bucket_bytes:
-        numels = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        for ks in group_blocks(numels, bucket_bytes // 4):  # one all-gather per iteration
+        for (k,) in units.groups:
+            fully_shard(blocks[k], mesh=mesh, mp_policy=mp, offload_policy=host)
+    else:
+        for ks in units.groups:  # one all-gather per iteration
             members = [blocks[k] for k in ks]
             fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=mp,
-                        reshard_after_forward=False)
+                        reshard_after_forward=units.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp)

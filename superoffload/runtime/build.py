@@ -1,0 +1,125 @@
+"""Building the engine's buckets: the schedule in force and the buffers it allocates.
+
+When the engine starts, after a load, a re-plan (``reconfigure`` of a "replan" field, a
+weight policy switch, ``add_param_group``): resolve where offloaded gradients accumulate
+(``resolve_grad_accum``), the schedule (``plan.schedule.resolve_schedule``, the rule the
+planner predicts with), the casting, and let the transport allocate every bucket from
+placement-free states. Between iterations only (the lanes drained); never on the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from superoffload.config import ConfigError, OffloadConfig
+from superoffload.plan.schedule import Schedule, ScheduleFacts, resolve_schedule
+from superoffload.runtime.backend import Backend
+from superoffload.runtime.casting import CastPolicy, cast_policy
+from superoffload.runtime.guard import Contract
+from superoffload.runtime.state import EngineState, ParamState
+from superoffload.runtime.transport import Transport
+from superoffload.runtime.weights import WeightPolicyController
+from superoffload.telemetry.recorder import Recorder
+
+
+class Builder(Protocol):
+    """What building reads and sets of its engine (runtime/engine.py implements it)."""
+
+    config: OffloadConfig
+    state: EngineState
+    backend: Backend
+    transport: Transport
+    contract: Contract
+    telemetry: Recorder
+    weights: WeightPolicyController
+    accum_on_host: bool
+    cast: CastPolicy | None
+    iteration: int
+
+    @property
+    def model_dtype(self) -> torch.dtype: ...
+
+    @property
+    def schedule(self) -> Schedule: ...
+
+    def synchronize(self) -> None: ...
+
+    def rebuild(self) -> None: ...
+
+    def forget_iteration(self) -> None:
+        """Forget a partial iteration (the buckets it launched are gone)."""
+        ...
+
+
+def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Transport,
+                       shape: Callable[[], Any], profile: Callable[[], Any],
+                       weights: str) -> tuple[str, str]:
+    """(where offloaded gradients accumulate, why "auto" chose it or ""): "device" or
+    "host". Without accumulation, or on a CPU-only machine (one memory: nothing to save),
+    "device"; on a GPU the planner's cost model decides (``plan.grad_accum``), asked with
+    the model's shape, the engine's hardware profile as this rank sees it (ranks on one host
+    share it) and the weight policy in force (called only then)."""
+    place, why = config.grad_accum_on, ""
+    if config.grad_accum_steps == 1:
+        return "device", ""
+    if place == "auto":
+        place, why = "device", "the device is the CPU: one memory, nothing to save"
+        if device_type == "cuda":
+            from superoffload.plan.grad_accum import choose_grad_accum
+            from superoffload.plan.parallel import rank_profile
+
+            choice = choose_grad_accum(shape(), rank_profile(profile(), transport.local_ranks),
+                                       config.replace(weights=weights))
+            place, why = choice.place, choice.reason
+            if place == "host" and not transport.sums_on_host:
+                place, why = "device", f"{why}; but the {transport.name!r} transport sums on the device"
+    if place == "host" and not transport.sums_on_host:
+        raise ConfigError(
+            f"OffloadConfig.grad_accum_on='host' is not supported by the {transport.name!r} "
+            "transport; use grad_accum_on='device'")
+    return place, why
+
+
+
+def build(engine: Builder, states: Mapping[int, ParamState], facts: ScheduleFacts) -> None:
+    """Resolve the schedule on ``facts`` and (re)allocate every bucket from placement-free
+    ``states``."""
+    st, cfg = engine.state, engine.config
+    weights = engine.weights
+    place, why = resolve_grad_accum(cfg, engine.backend.device.type, engine.transport,
+                                    weights.shape_for_planning, weights.profile, weights.active)
+    if why:  # "auto": the planner's cost model decided
+        engine.telemetry.note(engine.iteration, f"grad_accum_on='auto': {place} ({why})")
+    schedule = resolve_schedule(cfg, facts, weights=weights.active, grad_accum=place)
+    engine.accum_on_host = place == "host"
+    cast = engine.cast = cast_policy(schedule, engine.model_dtype,
+                                     sum_on_host=engine.accum_on_host)
+    st.schedule = schedule
+    st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
+    st.buffers = engine.transport.build(
+        schedule.bucket_plan, states, cast, flow=schedule.weights == "flow",
+        snapshot=cfg.rollback == "snapshot",
+        moments=torch.bfloat16 if cfg.optimizer_state_dtype == "bf16" else torch.float32)
+    for i in st.trainable:
+        st.steps[i] = states[i].step
+    engine.contract.rebase(st.trainable)  # storages may have moved (a weight policy switch)
+    engine.forget_iteration()
+    for note in schedule.notes:
+        engine.telemetry.note(engine.iteration, note)
+
+
+def refresh(engine: Builder, facts: ScheduleFacts) -> None:
+    """Re-resolve the schedule for changed "live" fields (threads); re-plan only when the
+    buckets or the casting change."""
+    schedule = resolve_schedule(engine.config, facts, weights=engine.weights.active,
+                                grad_accum=engine.schedule.grad_accum_on)
+    old = engine.schedule
+    if (schedule.bucket_plan, schedule.grad_cast, schedule.param_cast) != (
+            old.bucket_plan, old.grad_cast, old.param_cast):
+        engine.synchronize()
+        engine.rebuild()
+    else:
+        engine.state.schedule = schedule

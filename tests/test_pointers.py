@@ -1,0 +1,421 @@
+"""Every pointer in the tree resolves (docs/testing.md, "Pointers that resolve").
+
+Three checks over the files git knows (tracked, and untracked ones it does not ignore):
+
+* no tracker number ("issue" followed by a number) in any text file or file name: a reader
+  cannot open it; say what is meant, or cite the paper section or a doc of this repository;
+* every path written in prose (comments and docstrings, Markdown outside code fences, C
+  comments, notebook Markdown) names a file or folder that exists;
+* every ``from superoffload.X import N`` imports N from the module that defines it (or from a
+  package that lists N in ``__all__``), so a reader who follows the import finds the
+  definition.
+
+What each check accepts is derived from the tree (its folders, files and modules), not from
+a list kept by hand. Each failure lists file:line and the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import re
+import subprocess
+import tokenize
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "superoffload"
+
+# The work in progress on runtime/, kernels/, plan/ and distributed/fsdp/ still holds pointers
+# that the restructure of those files removes; until it lands these checks report, not fail.
+PART_TWO = "the runtime/, kernels/, plan/ and distributed/fsdp/ files are still being restructured"
+
+
+@cache
+def tree_files() -> tuple[str, ...]:
+    """Tracked files and untracked ones git does not ignore, that exist, from the root."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                             capture_output=True, text=True, check=True, timeout=60).stdout
+        names = [n for n in out.split("\0") if n]
+    except (OSError, subprocess.SubprocessError):  # not a git checkout: walk it
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                 and not any(part.startswith(".") or part in {"build", "dist", "__pycache__"}
+                             for part in p.relative_to(ROOT).parts)]
+    return tuple(sorted(n for n in set(names) if (ROOT / n).is_file()))
+
+
+@cache
+def text_of(path: str) -> str | None:
+    """The file's text, or None for a binary file."""
+    data = (ROOT / path).read_bytes()
+    if b"\0" in data[:8192]:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+# ------------------------------------------------------------------ tracker numbers
+_WORD = "iss" + "ue"  # spelled in two parts so this file does not match itself
+TRACKER = re.compile(rf"\b{_WORD}s?[ _-]?#?\d+(?![\dx])", re.IGNORECASE)
+
+
+def tracker_numbers() -> list[str]:
+    bad = []
+    for path in tree_files():
+        if TRACKER.search(path):
+            bad.append(f"{path}: the file name")
+        text = text_of(path)
+        if text is None:
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if m := TRACKER.search(line):
+                bad.append(f"{path}:{n}: {m.group(0)!r} in {line.strip()[:100]!r}")
+    return bad
+
+
+@pytest.mark.xfail(strict=False, reason=PART_TWO)
+def test_no_tracker_numbers() -> None:
+    bad = tracker_numbers()
+    assert not bad, ("say what is meant, or cite the paper section or a doc of this repository "
+                     "(docs/conventions.md, \"Comments say why and cite the paper\"); "
+                     f"{len(bad)} found:\n" + "\n".join(bad))
+
+
+# ------------------------------------------------------------------ paths in prose
+# A path: folders and a file with an extension, or a bare file name of ours. Not preceded by
+# a word character, ".", "/", ":" (project:path, URLs) or "<" (a <placeholder>), nor followed
+# by a word character, "/" or ">".
+PATH = re.compile(r"(?<![\w./:<>-])((?:[\w.-]+/)+[\w-]+(?:\.\w+)+|[\w-]+\.(?:py|md|ipynb))"
+                  r"(?![\w/>])")
+
+
+@cache
+def _parsed(text: str) -> ast.Module | None:
+    """The syntax tree of Python source (each file is parsed once for all three checks)."""
+    try:
+        return ast.parse(text)
+    except SyntaxError:
+        return None
+
+
+def _statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Every statement, nested ones too (expressions are not walked: prose and imports are
+    statements)."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody"):
+            yield from _statements(getattr(node, field, []))
+        for handler in getattr(node, "handlers", []):
+            yield from _statements(handler.body)
+        for case in getattr(node, "cases", []):
+            yield from _statements(case.body)
+
+
+def _python_prose(text: str) -> Iterator[tuple[int, str]]:
+    """(line, text) of a Python file's comments and string statements (docstrings)."""
+    tree = _parsed(text)
+    if tree is None:
+        return
+    for node in _statements(tree.body):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
+            for k, line in enumerate(node.value.value.splitlines()):
+                yield node.lineno + k, line
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                yield tok.start[0], tok.string
+    except (tokenize.TokenError, SyntaxError):
+        return
+
+
+def _markdown_prose(lines: list[str], first: int = 1) -> Iterator[tuple[int, str]]:
+    fenced = False
+    for n, line in enumerate(lines, first):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield n, line
+
+
+def prose(path: str, text: str) -> Iterator[tuple[str, str]]:
+    """(where, text) of every line of prose in a file; where is "line" or "cell N, line M"."""
+    if path.endswith(".py"):
+        for n, line in _python_prose(text):
+            yield str(n), line
+    elif path.endswith(".md"):
+        for n, line in _markdown_prose(text.splitlines()):
+            yield str(n), line
+    elif path.endswith((".c", ".h")):
+        for m in re.finditer(r"/\*.*?\*/|//[^\n]*", text, re.S):
+            start = text.count("\n", 0, m.start()) + 1
+            for k, line in enumerate(m.group(0).splitlines()):
+                yield str(start + k), line
+    elif path.endswith(".ipynb"):
+        for c, cell in enumerate(json.loads(text).get("cells", []), 1):
+            source = cell.get("source", [])
+            lines = "".join(source).splitlines() if isinstance(source, list) else source.splitlines()
+            if cell.get("cell_type") == "markdown":
+                found = _markdown_prose(lines)
+            elif cell.get("cell_type") == "code":  # magics and shell lines are not Python
+                found = _python_prose("\n".join("" if ln.lstrip().startswith(("%", "!")) else ln
+                                                for ln in lines))
+            else:
+                continue
+            for n, line in found:
+                yield f"cell {c}, line {n}", line
+
+
+@cache
+def _dir_names() -> frozenset[str]:
+    return frozenset(part for f in tree_files() for part in Path(f).parts[:-1])
+
+
+@cache
+def _basenames() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for f in tree_files():
+        out.setdefault(Path(f).name, []).append(f)
+    return out
+
+
+def _exists(candidate: str) -> bool:
+    norm = os.path.normpath(candidate)
+    return not norm.startswith("..") and (ROOT / norm).exists()
+
+
+SOURCE = frozenset({"py", "pyi", "c", "h", "cpp", "cu", "md", "ipynb"})
+"""Extensions of source and docs: such a file outside the tree is another project's."""
+
+
+def resolves(ref: str, src: str) -> bool:
+    """Whether a path written in ``src``'s prose names something in this tree. Written from
+    the root, from superoffload/, or from the file's own folder; a bare name may name a
+    sibling or a file whose name is unique in the tree; a ``.md`` name a doc in docs/.
+    Another project's source file is written project:path, which the pattern skips."""
+    here = str(Path(src).parent)
+    bases = ("", f"{PACKAGE}/", f"{here}/")
+    if "/" in ref:
+        if ref.split("/", 1)[0] not in _dir_names():
+            # not a folder of this tree: an output (runs/..., OUT/x.pt), a model id, a media
+            # type; a source file there is another project's, or a folder that was removed
+            return ref.rsplit(".", 1)[-1] not in SOURCE
+        if any(_exists(base + ref) for base in bases):
+            return True
+        head = ref  # module/path.attribute: some prefix ending at a dot is a module
+        while "." in head.rsplit("/", 1)[-1]:
+            head = head.rsplit(".", 1)[0]
+            if any(_exists(base + head + ".py") for base in bases):
+                return True
+        return False
+    if ref.endswith(".md") and (_exists(ref) or _exists(f"docs/{ref}")):
+        return True
+    return _exists(f"{here}/{ref}") or len(_basenames().get(ref, [])) == 1
+
+
+def unresolved_paths() -> list[str]:
+    bad = []
+    for path in tree_files():
+        if not path.endswith((".py", ".md", ".c", ".h", ".ipynb")):
+            continue
+        text = text_of(path)
+        if text is None:
+            continue
+        seen = set()
+        for where, line in prose(path, text):
+            for m in PATH.finditer(line):
+                ref = m.group(1).rstrip(".")
+                if (where, ref) not in seen and not resolves(ref, path):
+                    seen.add((where, ref))
+                    bad.append(f"{path}:{where}: {ref}")
+    return bad
+
+
+@pytest.mark.xfail(strict=False, reason=PART_TWO)
+def test_every_path_in_prose_resolves() -> None:
+    bad = unresolved_paths()
+    assert not bad, ("write a path from the repository root or from superoffload/ (a bare name "
+                     "only for a sibling or a unique file name), a placeholder in <angle "
+                     "brackets>, another project's file as project:path "
+                     f"(docs/testing.md, \"Pointers that resolve\"); {len(bad)} found:\n"
+                     + "\n".join(bad))
+
+
+# ------------------------------------------------------------------ imports
+def _module_name(path: str) -> str:
+    parts = list(Path(path).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def package_modules() -> dict[str, str]:
+    """Dotted module name -> file, for every module of the package."""
+    return {_module_name(f): f for f in tree_files()
+            if f.startswith(f"{PACKAGE}/") and f.endswith(".py")}
+
+
+def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements that run at import, inside if/try blocks too."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from _top_level(node.body)
+            yield from _top_level(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from _top_level(block)
+
+
+def _absolute(module: str, node: ast.ImportFrom) -> str:
+    """The absolute module of a ``from ... import`` in ``module``."""
+    if not node.level:
+        return node.module or ""
+    is_package = package_modules()[module].endswith("__init__.py")
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+@cache
+def bindings(module: str) -> tuple[frozenset[str], dict[str, tuple[str, str | None]], frozenset[str]]:
+    """(names the module defines, names it imports -> (module, name), its ``__all__``)."""
+    tree = ast.parse((ROOT / package_modules()[module]).read_text(encoding="utf-8"))
+    defined: set[str] = set()
+    imported: dict[str, tuple[str, str | None]] = {}
+    exported: set[str] = set()
+    for node in _top_level(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                defined.update(x.id for x in ast.walk(target) if isinstance(x, ast.Name))
+                if isinstance(target, ast.Name) and target.id == "__all__" and node.value:
+                    exported.update(c.value for c in ast.walk(node.value)
+                                    if isinstance(c, ast.Constant) and isinstance(c.value, str))
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(module, node)
+            for alias in node.names:
+                imported[alias.asname or alias.name] = (base, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                imported[alias.asname or alias.name.split(".")[0]] = (alias.name, None)
+    return frozenset(defined), imported, frozenset(exported)
+
+
+def origin(module: str, name: str, depth: int = 0) -> str | None:
+    """The module that defines ``name`` as seen from ``module`` (following its imports)."""
+    defined, imported, _ = bindings(module)
+    if name in defined or f"{module}.{name}" in package_modules():
+        return module
+    if name in imported and depth < 20:
+        base, original = imported[name]
+        if original is None or base not in package_modules():
+            return base
+        return origin(base, original, depth + 1)
+    return None
+
+
+def _python_sources() -> Iterator[tuple[str, str, str | None]]:
+    """(path, source, module name if it is a package module) of the Python that imports ours:
+    the package, tests, benchmarks, scripts, and the notebooks' code cells."""
+    for path in tree_files():
+        text = text_of(path) if path.endswith((".py", ".ipynb")) else None
+        if text is None:
+            continue
+        if path.endswith(".py"):
+            yield path, text, _module_name(path) if path.startswith(f"{PACKAGE}/") else None
+            continue
+        for c, cell in enumerate(json.loads(text).get("cells", []), 1):
+            if cell.get("cell_type") == "code":
+                source = cell.get("source", [])
+                lines = ("".join(source) if isinstance(source, list) else source).splitlines()
+                yield f"{path} cell {c}", "\n".join(
+                    "" if ln.lstrip().startswith(("%", "!")) else ln for ln in lines), None
+
+
+def indirect_imports() -> list[str]:
+    modules = package_modules()
+    bad = []
+    for path, text, module in _python_sources():
+        tree = _parsed(text)
+        if tree is None:
+            continue
+        for node in _statements(tree.body):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _absolute(module, node) if module and node.level else (node.module or "")
+            if source not in modules:
+                continue
+            exported = bindings(source)[2] if modules[source].endswith("__init__.py") else set()
+            for alias in node.names:
+                name = alias.name
+                if f"{source}.{name}" in modules or name in exported:
+                    continue
+                home = origin(source, name)
+                if home is not None and home != source:
+                    bad.append(f"{path}:{node.lineno}: {name} via {source}; defined in {home}")
+    return bad
+
+
+@pytest.mark.xfail(strict=False, reason=PART_TWO)
+def test_names_are_imported_from_where_they_are_defined() -> None:
+    bad = indirect_imports()
+    assert not bad, ("import each name from the module that defines it (a package may offer "
+                     "names it lists in __all__); then drop the module's re-export "
+                     f"(docs/testing.md, \"Pointers that resolve\"); {len(bad)} found:\n"
+                     + "\n".join(bad))
+
+
+# ------------------------------------------------------------------ the rules themselves
+@pytest.mark.parametrize("line, found", [
+    (f"(see {_WORD} 11, item 3)", True), (f"{_WORD.title()} #7: a hang", True),
+    (f"{_WORD}s 2 and 11", True), (f"docs/img/{_WORD}19/a.png", True),
+    (f"two {_WORD}s 2x faster", False), (f"t{_WORD} 3", False), (f"the {_WORD} at hand", False),
+])
+def test_tracker_numbers_are_recognised(line: str, found: bool) -> None:
+    assert bool(TRACKER.search(line)) is found
+
+
+@pytest.mark.parametrize("line, refs", [
+    ("see runtime/stv.py and docs/engine.md", ["runtime/stv.py", "docs/engine.md"]),
+    ("`torchrun --nproc-per-node N <your_script>.py`", []),
+    ("deepspeedai/DeepSpeed:deepspeed/runtime/zero/stage_1_and_2.py", []),
+    ("https://pytorch.org/docs/stable/optim.html", []),
+])
+def test_paths_are_found_in_prose(line: str, refs: list[str]) -> None:
+    assert [m.group(1) for m in PATH.finditer(line)] == refs
+
+
+@pytest.mark.parametrize("ref, src, ok", [
+    ("runtime/stv.py", "docs/engine.md", True),               # from superoffload/
+    ("superoffload/runtime/stv.py", "README.md", True),      # from the root
+    ("stv.py", "superoffload/runtime/engine.py", True),      # a sibling
+    ("conventions.md", "README.md", True),                   # a doc
+    ("plan/buckets.plan_buckets", "docs/planner.md", True),  # module.attribute
+    ("runs/latest/report.html", "docs/main_job.md", True),   # an output path
+    ("STYLE.md", "README.md", False),                        # not in the repository
+    ("distributed/zero/engine.py", "docs/distributed.md", False),  # a removed file
+    ("zero/transport.py", "docs/distributed.md", False),     # a removed folder
+    ("torch/optim/lr_scheduler.py", "README.md", False),     # another project's, unnamed
+    ("no_such_file.py", "README.md", False),
+])
+def test_the_path_rule(ref: str, src: str, ok: bool) -> None:
+    assert resolves(ref, src) is ok
+
+
+def test_a_name_is_traced_to_the_module_that_defines_it() -> None:
+    # telemetry/metrics.py imports Span from telemetry/events.py and defines IterationMetrics
+    assert origin("superoffload.telemetry.metrics", "Span") == "superoffload.telemetry.events"
+    assert origin("superoffload.telemetry.metrics", "IterationMetrics") == \
+        "superoffload.telemetry.metrics"
+    assert origin("superoffload.telemetry.metrics", "no_such_name") is None
