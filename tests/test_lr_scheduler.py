@@ -1,8 +1,8 @@
 """torch's LR schedulers drive the engine whichever step a loop calls: ``engine.step()`` (where
 the step is) and ``engine.optimizer.step()`` give the same learning rates and the same weights,
 and neither makes torch warn that ``lr_scheduler.step()`` ran before ``optimizer.step()``
-(``LRScheduler`` wraps ``optimizer.step`` to notice that it ran; ``engine.step()`` says so
-itself, runtime/engine.py)."""
+(``LRScheduler`` wraps ``optimizer.step`` to notice that it ran; ``engine.step()`` goes
+through ``engine.optimizer.step()``, runtime/engine.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,24 @@ def test_engine_step_is_the_optimizer_step_lr_schedulers_expect() -> None:
     assert lrs_engine == pytest.approx(want, rel=1e-12) and lrs_optimizer == lrs_engine
     assert by_engine.keys() == by_optimizer.keys()
     assert all(torch.equal(by_engine[k], by_optimizer[k]) for k in by_engine)
+
+
+@pytest.mark.parametrize("step_with", ["engine", "optimizer"])
+def test_step_hooks_run_once_per_step_whichever_step_the_loop_calls(step_with: str) -> None:
+    """torch's ``register_step_pre_hook``/``register_step_post_hook`` run around every step,
+    in the stepping thread, whether the loop calls ``engine.step()`` or
+    ``engine.optimizer.step()``: the auto-calibration and the A/B trial listen there
+    (runtime/step_listener.py), and the post hook sees the iteration already counted."""
+    model = make_model()
+    with so.initialize(model, dict(HYPER), cpu_config(ratio=0.5)) as engine:
+        seen: list[tuple[str, int]] = []
+        engine.optimizer.register_step_pre_hook(
+            lambda opt, a, k: seen.append(("pre", engine.iteration)))
+        engine.optimizer.register_step_post_hook(
+            lambda opt, a, k: seen.append(("post", engine.iteration)))
+        step: Any = engine.step if step_with == "engine" else engine.optimizer.step
+        for x, y in batches(STEPS):
+            engine.backward(model(x, y))
+            step()
+            engine.zero_grad()
+    assert seen == [(when, k + (when == "post")) for k in range(STEPS) for when in ("pre", "post")]

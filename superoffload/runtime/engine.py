@@ -124,7 +124,7 @@ class OffloadEngine:
         self.state.check_placement(self.backend.device, config.precision)
         guard.claim(self.trainable_params(), self, [self.state.names[i] for i in self.state.trainable])
         self.contract = guard.Contract(self.state)
-        self.optimizer = EngineOptimizer(groups, step_fn=self.step,
+        self.optimizer = EngineOptimizer(groups, step_fn=self._step,
                                          zero_grad_fn=self.zero_grad,
                                          state_fn=self.state_dict, load_fn=self.load_state_dict,
                                          add_group_fn=self._add_param_group,
@@ -297,13 +297,19 @@ class OffloadEngine:
         self.raise_if_failed()
 
     def step(self) -> None:
-        """Optimizer step at the end of gradient accumulation (a no-op before it): validate,
-        decide, settle, close (runtime/stv.py; ``optimizer.step()`` calls this)."""
-        # NOTE: torch's LR schedulers wrap optimizer.step to note that it ran
-        # (pytorch/pytorch:torch/optim/lr_scheduler.py, `patch_track_step_called`, sets this
-        # flag) and warn that lr_scheduler.step() came first otherwise; this is the
-        # optimizer's step, so it says so itself (tests/test_lr_scheduler.py)
+        """Optimizer step at the end of gradient accumulation (a no-op before it), `_step`.
+        torch's step hooks run around it as around ``optimizer.step()`` (which calls `_step`
+        too), so hooks see every iteration however the loop steps: the auto-calibration and
+        the A/B trial listen there (runtime/step_listener.py)."""
+        # LR schedulers wrap optimizer.step to note that it ran and warn otherwise; this is
+        # the optimizer's step, so it notes it itself (tests/test_lr_scheduler.py)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        # the body under torch's pre/post step hooks, as torch wraps optimizer.step (built per
+        # call: an attribute would tie the engine to itself and delay its release, lifetime.py)
+        torch.optim.Optimizer.profile_hook_step(lambda optimizer: self._step())(self.optimizer)
+
+    def _step(self) -> None:
+        """The step itself: validate, decide, settle, close (runtime/stv.py)."""
         self.raise_if_failed()
         if 0 < passes(self.launcher.current) < self.config.grad_accum_steps:
             return  # DeepSpeed semantics: step() every micro-step, acts on the boundary
