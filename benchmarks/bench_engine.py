@@ -370,8 +370,8 @@ def _rows(results: dict[str, Result], shape: plan.ModelShape,
     for name, r in results.items():
         predicted = predicted_bytes = None
         if prof is not None:
-            schedule = "gpu" if r.config is None else "superoffload"
-            sim = plan.simulate(shape, prof, schedule, r.config, tech)
+            system = "gpu" if r.config is None else "superoffload"
+            sim = plan.simulate(shape, prof, system, r.config, tech)
             predicted, predicted_bytes = sim.iteration_s, sim.memory["device"]
         peak = r.peak_device_bytes
         rows.append({

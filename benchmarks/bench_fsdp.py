@@ -1,6 +1,7 @@
 """FSDP2 + CPUOffloadPolicy: the optimizer step and the iteration with three CPU optimizers
-(issue 21 §4): torch.optim.AdamW's default on CPU DTensors (the single-tensor for-loop),
-AdamW(fused=True), and so.CPUAdam, interleaved round by round in one run.
+(docs/distributed.md, "FSDP2 with so.CPUAdam"): torch.optim.AdamW's default on CPU DTensors
+(the single-tensor for-loop), AdamW(fused=True), and so.CPUAdam, interleaved round by round in
+one run.
 
     flock /tmp/so-bench.lock .venv/bin/python benchmarks/bench_fsdp.py             # 2 ranks
     .venv/bin/python benchmarks/bench_fsdp.py --preset small --rounds 5            # quick

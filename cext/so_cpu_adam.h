@@ -124,7 +124,7 @@ int so_grad_stats_multi(void **grads, const int64_t *numels, int64_t count, int 
                         double *sum_sq, int64_t *nonfinite);
 /* Rollback guard (cext/so_guard.c): the number of elements with (grad*grad_scale)^2 >
  * c_v * exp_avg_sq, over count tensors, in one parallel region. fp32 or bf16 gradients,
- * fp32 moments. Used before a speculative step (runtime/rollback_guard.py). */
+ * fp32 moments. Used before a speculative step (runtime/auto_rollback.py). */
 int so_rollback_risk_multi(void **grads, void **exp_avg_sqs, const int64_t *numels,
                            int64_t count, int grad_dtype, double grad_scale, double c_v,
                            int threads, int64_t *risky);

@@ -1,5 +1,5 @@
 /* Rollback guard: how many elements of a speculative step the inverse could not restore
- * within its error bound (runtime/rollback_guard.py, docs/engine.md "The default rollback").
+ * within its error bound (runtime/auto_rollback.py, docs/engine.md "The default rollback").
  *
  * Legend: g = grad * grad_scale, v = exp_avg_sq before the step. An element counts when
  * g*g > c_v * v (c_v = rho_limit * b2 / (1 - b2)): rho = (1-b2) g^2 / (b2 v) exceeds the

@@ -1,6 +1,6 @@
 """Fail when a notebook in git carries outputs, execution counts or widget state, or cites one
 of the team's design notes instead of a user doc (paths in notebooks are checked by
-tests/test_pointers.py).
+tests/test_architecture.py).
 
 Run by `make lint`; `python scripts/check_notebooks.py --strip` cleans outputs in place (a
 citation has to be fixed by hand: point at docs/).

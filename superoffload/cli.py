@@ -1,7 +1,9 @@
-"""`python -m superoffload <command>`: train, bench, simulate, tune, plan (a Hugging Face config).
+"""`python -m superoffload <command>`: train, bench, simulate, tune, capacity, plan (a Hugging
+Face config).
 
-Each command lives in its own module under `superoffload.commands` and exposes
-`add_parser(subparsers)` (which sets `func` on its parser) so this file stays a dispatcher.
+Each command lives in a module under `superoffload.commands` named after it, which exposes
+`add_parser(subparsers)` (which sets `func` on its parser) so this file stays a dispatcher;
+`capacity` shares `commands/simulate.py` (`add_capacity_parser`).
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ import argparse
 import importlib
 import sys
 
-# command module names, in the order `--help` lists them
-COMMANDS = ("train", "bench", "plan", "fit")
+from superoffload.process_env import claim_wait_policy
+
+# (command module, its parser function), in the order `--help` lists the commands
+COMMANDS = (("train", "add_parser"), ("bench", "add_parser"), ("simulate", "add_parser"),
+            ("tune", "add_parser"), ("simulate", "add_capacity_parser"), ("plan", "add_parser"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,13 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
         "than GPU memory.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name, adder in COMMANDS:
         module = importlib.import_module(f"superoffload.commands.{name}")
-        module.add_parser(sub)
+        getattr(module, adder)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the `superoffload` console script enters here, not through __main__.py: the CLI owns its
+    # process, so it chooses the OpenMP wait policy before a command imports torch
+    claim_wait_policy()
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if getattr(args, "func", None) is None:

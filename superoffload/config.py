@@ -134,7 +134,7 @@ class OffloadConfig:
     rollback: RollbackMode = _field("auto", live="live", bound=CHOICE)
     """How speculative steps are undone: "auto" (the algebraic inverse where its error bound is
     below 1e-6 of an update, exact copies of the few elements beyond it, and no speculation for a
-    bucket certain to clip: matches AdamW + clipping to ~1e-7; runtime/rollback_guard.py),
+    bucket certain to clip: matches AdamW + clipping to ~1e-7; runtime/auto_rollback.py),
     "inverse" (unguarded: a few ulps only while the rejected gradient does not dwarf the moments'
     history, docs/engine.md) or "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param)."""
 

@@ -32,8 +32,7 @@ numbers, rates finite numbers.
 The precision (``bf16.enabled`` / ``fp16.enabled``, else fp32) becomes
 ``OffloadConfig.precision``, which the engine checks against the model's parameters.
 
-A key left out keeps DeepSpeed's default
-(deepspeedai/DeepSpeed:deepspeed/runtime/zero/offload_config.py):
+A key left out keeps DeepSpeed's default (its offload config's defaults):
 ``offload_optimizer.ratio`` absent is 1.0 (every parameter's state on the CPU) and
 ``cpuadam_cores_perc`` 0.8. Where this engine keeps its own default instead, the conversion
 says so, one line per key, in its notice (``DIFFERENCES``): a missing ``super_offload``

@@ -17,7 +17,7 @@ HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
 
 
 def cpu_config(**overrides: Any) -> so.OffloadConfig:
-    """The engine tests' base: CPU backend, 4 KiB buckets (many buckets even for a tiny
+    """The engine tests' base: CPU device ops, 4 KiB buckets (many buckets even for a tiny
     model), one optimizer thread; `overrides` win."""
     return so.OffloadConfig(**{"device": "cpu", "bucket_bytes": 4096, "cpu_threads": 1,
                                **overrides})

@@ -309,7 +309,7 @@ def scenario_ckptfail(out: Path, rank: int, world: int, args: dict[str, Any]) ->
 
 
 def scenario_reconfig(out: Path, rank: int, world: int, args: dict[str, Any]) -> None:
-    from superoffload.runtime.guard import RanksDisagree
+    from superoffload.runtime.contract import RanksDisagree
 
     data = global_data(4)
     model, engine = build(args["run"])

@@ -104,8 +104,8 @@ def rollback_tolerances(post: State, pre: State, kw: dict, eps_rel: float) -> di
 
 
 def _call_for(s: State, kw: dict):
+    from superoffload.kernels.checks import check_call, check_tensors
     from superoffload.kernels.hyper import AdamHyper
-    from superoffload.kernels.validate import check_call, check_tensors
 
     hyper = AdamHyper(lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"], eps=kw["eps"],
                       weight_decay=kw.get("weight_decay", 0.0),

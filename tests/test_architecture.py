@@ -1,4 +1,4 @@
-"""The code's shape, read as data (issue "One engine"): import graph, private access, size.
+"""The code's shape, read as data: import graph, private access, size, layers, pointers.
 
 * no import cycles inside ``runtime/``, ``distributed/`` or ``plan/`` — every import counts,
   at module level, under ``TYPE_CHECKING`` or inside a function (a lazy import hides a cycle,
@@ -13,7 +13,11 @@
   ``STEP_RUNTIME_FILES`` files of ``runtime/`` (plus the kernel's layers and the telemetry
   recorder), no call that returns into the file it came from, no call cycle between files,
   at most ``STEP_CALLS`` distinct cross-file calls. Derived from the order of the calls one
-  traced iteration makes, not from their timing.
+  traced iteration makes, not from their timing;
+* lower layers never import upper ones (``LAYERS``);
+* every pointer resolves (tests/pointer_rules.py finds them): no tracker numbers, every path
+  in prose names something in the tree, nothing cited from another project, every name
+  imported from the module that defines it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from pointer_rules import (
+    CITATION,
+    PATH,
+    TRACKER,
+    TRACKER_WORD,
+    indirect_imports,
+    origin,
+    outside_citations,
+    resolves,
+    tracker_numbers,
+    unresolved_paths,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "superoffload"
 MAX_LINES = 400
@@ -46,7 +62,7 @@ TORCH_PRIVATE = {
     "_fused_adamw_", "_fused_adam_", "_base", "_get_default_group", "_dynamo",
     "_foreach_add", "_foreach_sub", "_foreach_div", "_foreach_zero_",
 }
-PRIVATE_MODULES = {"_cpu_adam_cffi"}  # kernels/cpu_adam.py's compiled module (STYLE.md §7)
+PRIVATE_MODULES = {"_cpu_adam_cffi"}  # kernels/cpu_adam.py's compiled module (docs/conventions.md, "Kernel bindings in three layers")
 STDLIB_PRIVATE = {"_SubParsersAction"}  # argparse's subparsers type (no public name)
 
 
@@ -197,3 +213,104 @@ def test_one_step_reads_one_way() -> None:
     assert done.returncode == 0, (
         "one training step no longer reads one way (scripts/step_trace.py --check):\n"
         + done.stdout[-4000:] + done.stderr[-2000:])
+
+
+# (lower package, upper package): the lower never imports the upper
+LAYERS = (("superoffload.telemetry", "superoffload.widgets"),
+          ("superoffload.plan", "superoffload.runtime"))
+
+
+@pytest.mark.parametrize(("lower", "upper"), LAYERS)
+def test_lower_layers_never_import_upper_ones(lower: str, upper: str) -> None:
+    bad = [f"{path.relative_to(PACKAGE.parent)}: imports {dep}"
+           for name, path in MODULES.items() if name == lower or name.startswith(lower + ".")
+           for dep in sorted(_imports(name, path)) if dep == upper or dep.startswith(upper + ".")]
+    assert not bad, f"{lower} must not import {upper}:\n" + "\n".join(bad)
+
+
+# ------------------------------------------------------------------ pointers
+def test_no_tracker_numbers() -> None:
+    bad = tracker_numbers()
+    assert not bad, ("say what is meant, or cite the paper section or a doc of this repository "
+                     "(docs/conventions.md, \"Comments say why and cite the paper\"); "
+                     f"{len(bad)} found:\n" + "\n".join(bad))
+
+
+def test_every_path_in_prose_resolves() -> None:
+    bad = unresolved_paths()
+    assert not bad, ("write a path from the repository root or from superoffload/ (a bare name "
+                     "only for a sibling or a unique file name), a placeholder in <angle "
+                     "brackets> "
+                     f"(docs/testing.md, \"Pointers that resolve\"); {len(bad)} found:\n"
+                     + "\n".join(bad))
+
+
+def test_nothing_is_cited_from_outside_the_repository() -> None:
+    bad = outside_citations()
+    assert not bad, ("say in our words what the code follows (docs/conventions.md holds the "
+                     "conventions) or drop the reference; another project's files are not "
+                     f"cited (docs/testing.md, \"Pointers that resolve\"); {len(bad)} found:\n"
+                     + "\n".join(bad))
+
+
+def test_names_are_imported_from_where_they_are_defined() -> None:
+    bad = indirect_imports()
+    assert not bad, ("import each name from the module that defines it (a package may offer "
+                     "names it lists in __all__); then drop the module's re-export "
+                     f"(docs/testing.md, \"Pointers that resolve\"); {len(bad)} found:\n"
+                     + "\n".join(bad))
+
+
+@pytest.mark.parametrize("line, found", [
+    (f"(see {TRACKER_WORD} 11, item 3)", True), (f"{TRACKER_WORD.title()} #7: a hang", True),
+    (f"{TRACKER_WORD}s 2 and 11", True), (f"docs/img/{TRACKER_WORD}19/a.png", True),
+    (f"two {TRACKER_WORD}s 2x faster", False), (f"t{TRACKER_WORD} 3", False), (f"the {TRACKER_WORD} at hand", False),
+])
+def test_tracker_numbers_are_recognised(line: str, found: bool) -> None:
+    assert bool(TRACKER.search(line)) is found
+
+
+@pytest.mark.parametrize("line, refs", [
+    ("see runtime/stv.py and docs/engine.md", ["runtime/stv.py", "docs/engine.md"]),
+    ("`torchrun --nproc-per-node N <your_script>.py`", []),
+    ("deepspeedai/DeepSpeed:deepspeed/runtime/zero/stage_1_and_2.py", []),
+    ("https://pytorch.org/docs/stable/optim.html", []),
+])
+def test_paths_are_found_in_prose(line: str, refs: list[str]) -> None:
+    assert [m.group(1) for m in PATH.finditer(line)] == refs
+
+
+@pytest.mark.parametrize("line, cited", [
+    ("(deepspeedai/DeepSpeed:deepspeed/runtime/zero/stage_1_and_2.py)", True),
+    ("see https://github.com/pytorch/pytorch/blob/main/x.py", True),
+    ("runtime/stv.py, docs/engine.md and `cuda:0`", False),
+    ("runtime/launch.py:Launcher.begin (a file and its function)", False),
+    ("the PyTorch documentation (https://pytorch.org/docs/stable/optim.html)", False),
+])
+def test_citations_are_recognised(line: str, cited: bool) -> None:
+    assert bool(CITATION.search(line)) is cited
+
+
+@pytest.mark.parametrize("ref, src, ok", [
+    ("runtime/stv.py", "docs/engine.md", True),               # from superoffload/
+    ("superoffload/runtime/stv.py", "README.md", True),      # from the root
+    ("stv.py", "superoffload/runtime/engine.py", True),      # a sibling
+    ("conventions.md", "README.md", True),                   # a doc
+    ("plan/buckets.plan_buckets", "docs/planner.md", True),  # module.attribute
+    ("runs/latest/report.html", "docs/main_job.md", True),   # an output path
+    ("STYLE.md", "README.md", False),                        # not in the repository
+    ("distributed/zero/engine.py", "docs/distributed.md", False),  # a removed file
+    ("zero/transport.py", "docs/distributed.md", False),     # a removed folder
+    ("torch/optim/lr_scheduler.py", "README.md", False),     # another project's, unnamed
+    ("no_such_file.py", "README.md", False),
+])
+def test_the_path_rule(ref: str, src: str, ok: bool) -> None:
+    assert resolves(ref, src) is ok
+
+
+def test_a_name_is_traced_to_the_module_that_defines_it() -> None:
+    # telemetry/metrics.py imports Span from telemetry/events.py and defines IterationMetrics
+    assert origin("superoffload.telemetry.metrics", "Span") == "superoffload.telemetry.events"
+    assert origin("superoffload.telemetry.metrics", "IterationMetrics") == \
+        "superoffload.telemetry.metrics"
+    assert origin("superoffload.telemetry.metrics", "no_such_name") is None

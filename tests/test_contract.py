@@ -21,13 +21,13 @@ from _engine_ref import HYPER, cpu_config, max_diff
 from _tiny_models import batches, make_model
 
 import superoffload as so
-from superoffload.runtime.errors import EngineClosed
-from superoffload.runtime.guard import (
+from superoffload.runtime.contract import (
     ContractError,
     GradientEdited,
     MidIterationState,
     WeightsWrittenInFlight,
 )
+from superoffload.runtime.errors import EngineClosed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5

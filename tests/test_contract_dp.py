@@ -49,7 +49,7 @@ def test_ranks_that_disagree_all_raise_naming_the_field(tmp_path, field, named):
 @pytest.mark.parametrize("key", ["lr", "weight_decay"])
 def test_hyper_parameter_changed_on_one_rank_mid_run(tmp_path, key):
     """weight_decay 0.1 on rank 0 and 0.2 on rank 1 (or a halved lr): caught by the hash the
-    validation all-reduce carries, which covers every field of AdamHyper (runtime/guard.py;
+    validation all-reduce carries, which covers every field of AdamHyper (runtime/contract.py;
     each field one by one: tests/test_rank_agreement.py)."""
     got = results(tmp_path, "midrun", {"key": key})
     for r in got:

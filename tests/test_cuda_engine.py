@@ -1,4 +1,4 @@
-"""The CUDA backend (streams, pinned buffers, events). Skipped without a GPU.
+"""The CUDA device ops (streams, pinned buffers, events). Skipped without a GPU.
 
 Same differential check as on the CPU: the engine on CUDA matches master-weight AdamW.
 """
@@ -50,8 +50,8 @@ def test_cuda_buffers_pinned_and_streams_separate():
         assert host and all(t.is_pinned() for b in host for t in b.flat)
         device = [b for b in engine.state.buffers if b.on_device]
         assert all(t.is_cuda for b in device for t in b.flat)
-        backend = engine.backend
-        streams = {backend.d2h_stream, backend.h2d_stream, torch.cuda.current_stream()}
+        ops = engine.device_ops
+        streams = {ops.d2h_stream, ops.h2d_stream, torch.cuda.current_stream()}
         assert len(streams) == 3
         for x, y in cuda_batches(3):
             engine.backward(model(x, y))

@@ -17,7 +17,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.config import OffloadConfig
-from superoffload.runtime.backend import CPUBackend, GradStats
+from superoffload.runtime.devices import CpuDeviceOps, GradStats
 from superoffload.telemetry.recorder import Recorder
 
 OFFSET = 1000.0  # the fake device clock runs 1000 s ahead of the host clock
@@ -99,17 +99,17 @@ def test_consumers_wait_for_gradients_that_land_after_the_d2h_task(
             return engine.master_weights()
 
     want = train()
-    real = CPUBackend.d2h
+    real = CpuDeviceOps.d2h
     timers: list[threading.Timer] = []
 
-    def late(self: CPUBackend, grads: Any, dst: Any, ready: Any) -> LateStats:
+    def late(self: CpuDeviceOps, grads: Any, dst: Any, ready: Any) -> LateStats:
         landed = threading.Event()
         t = threading.Timer(0.02, landed.set)  # the "copy" lands 20 ms after the task returned
         timers.append(t)
         t.start()
         return LateStats(real(self, grads, dst, ready), landed)
 
-    monkeypatch.setattr(CPUBackend, "d2h", late)
+    monkeypatch.setattr(CpuDeviceOps, "d2h", late)
     got = train()
     assert timers
     for name in want:

@@ -271,9 +271,9 @@ def test_initialize_takes_trainer_json():
 
 
 def test_absent_keys_keep_deepspeeds_meaning_or_are_said_one_line_each():
-    """DeepSpeed's defaults (deepspeedai/DeepSpeed:deepspeed/runtime/zero/offload_config.py):
-    ratio 1.0 and cpuadam_cores_perc 0.8 when absent; where this engine keeps its own default
-    instead, the notice says so, one line per key (ds_config.DIFFERENCES)."""
+    """DeepSpeed's defaults (its offload config's): ratio 1.0 and cpuadam_cores_perc 0.8 when
+    absent; where this engine keeps its own default instead, the notice says so, one line per
+    key (ds_config.DIFFERENCES)."""
     bare = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     with pytest.warns(ds_keys.DeepSpeedNotice) as caught:
         config, _ = so.from_deepspeed(bare)

@@ -151,7 +151,7 @@ def test_plain_loss_backward_still_trains_correctly():
 
 def test_device_stats_tensor_matches_host_kernel():
     # The CUDA backend's fused statistics, run here on CPU tensors.
-    from superoffload.runtime.backend import host_stats, stats_tensor
+    from superoffload.runtime.devices import host_stats, stats_tensor
 
     torch.manual_seed(0)
     grads = [torch.randn(300).bfloat16(), torch.randn(7, 5).bfloat16(), torch.randn(64).bfloat16()]

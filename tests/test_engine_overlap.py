@@ -13,7 +13,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.runtime import steps
-from superoffload.runtime.worker import Barrier
+from superoffload.runtime.lanes import Barrier
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -93,7 +93,7 @@ def test_ready_buckets_are_stepped_and_sent_earliest_deadline_first(order: str) 
     model = make_model()
     with so.initialize(model, {}, cfg(ratio=1.0, step_order=order)) as engine:
         release = threading.Event()
-        engine.worker.submit(_Hold(release))  # every spec step queues behind this
+        engine.cpu_worker.submit(_Hold(release))  # every spec step queues behind this
         x, y = batches(1)[0]
         engine.backward(model(x, y))
         for lane in engine.transport.lanes[:1]:  # every gradient landed: all steps are ready

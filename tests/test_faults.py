@@ -13,10 +13,8 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.runtime import lifetime, steps
-from superoffload.runtime.backend import CPUBackend
-from superoffload.runtime.engine import EngineError
-from superoffload.runtime.errors import EngineClosed
-from superoffload.runtime.transfers import WatchdogTimeout
+from superoffload.runtime.devices import CpuDeviceOps
+from superoffload.runtime.errors import EngineClosed, EngineError, WatchdogTimeout
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -53,7 +51,7 @@ def test_transfer_exception_reaches_caller(monkeypatch):
     def broken(self, grads, dst, ready):
         raise OSError("link down")
 
-    monkeypatch.setattr(CPUBackend, "d2h", broken)
+    monkeypatch.setattr(CpuDeviceOps, "d2h", broken)
     model = make_model()
     with so.initialize(model, {}, cfg()) as engine, pytest.raises(
         EngineError, match="d2h.*link down"

@@ -3,7 +3,7 @@
 
 torchao 0.18.0 installs on torch 2.13's CPU wheel (``pip install --no-deps torchao``) and
 imports, but ``CPUOffloadOptimizer.__init__`` asserts a CUDA or XPU device ("CPU Offload
-currently only supports CUDA & XPU", pytorch/ao:torchao/optim/cpu_offload.py), so it cannot
+currently only supports CUDA & XPU"), so it cannot
 run on this machine; the real test below is marked ``cuda`` and skips without a GPU and torchao (it did
 not run in this session: no GPU). What runs here is the contract torchao holds its inner
 optimizer to, built the way its constructor builds it: one optimizer per parameter from

@@ -21,10 +21,10 @@ from _engine_ref import HYPER, cpu_config, max_diff, train_engine, train_referen
 from _tiny_models import batches, make_model
 
 import superoffload as so
-from superoffload.runtime.backend import CPUBackend
+from superoffload.runtime.contract import ContractError
 from superoffload.runtime.device_meter import DeviceMeter
+from superoffload.runtime.devices import CpuDeviceOps
 from superoffload.runtime.engine import OffloadEngine
-from superoffload.runtime.guard import ContractError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,8 +77,8 @@ def test_device_holds_at_most_the_bound_of_offloaded_buckets(bound):
     assert all(grads_none)  # DeepSpeed ZeRO-2's contract: the gradient left with its bucket
 
 
-class GatedBackend(CPUBackend):
-    """The CPU backend whose D2H copies wait at a gate: copies stay in flight for as long as
+class GatedDeviceOps(CpuDeviceOps):
+    """The CPU device ops whose D2H copies wait at a gate: copies stay in flight for as long as
     the test says, with no timing involved."""
 
     def __init__(self) -> None:
@@ -95,10 +95,10 @@ def test_backward_waits_at_the_bound_while_copies_are_stuck(bound):
     """With every D2H copy held at a gate, backward must stop at the bound: the training
     thread blocks waiting for the oldest copy while exactly ``bound`` buckets are in flight
     and at most ``bound + 1`` buckets' gradients are alive; opening the gate lets it finish."""
-    model, backend = mlp(), GatedBackend()
+    model, ops = mlp(), GatedDeviceOps()
     x = torch.randn(16, WIDTH)
     engine = OffloadEngine(model, dict(HYPER), mlp_config(grad_buckets_in_flight=bound),
-                           backend=backend)
+                           device_ops=ops)
     meter = DeviceMeter(model, engine=engine)
     seen: dict[str, int] = {}
     waiting = threading.Event()
@@ -112,14 +112,14 @@ def test_backward_waits_at_the_bound_while_copies_are_stuck(bound):
         return real_wait(fut, what, *watchdog)
 
     departures.wait = wait
-    opener = threading.Thread(target=lambda: (waiting.wait(timeout=60), backend.gate.set()))
+    opener = threading.Thread(target=lambda: (waiting.wait(timeout=60), ops.gate.set()))
     opener.start()
     try:
         with meter.track():
             engine.backward(model(x).square().mean())
             engine.step()
     finally:
-        backend.gate.set()
+        ops.gate.set()
         opener.join()
         engine.close()
     assert waiting.is_set(), "backward never waited for a copy: the bound was not enforced"

@@ -199,7 +199,7 @@ class HookClipModule(Module):
 
 
 def test_manual_clip_in_a_hook_is_refused_naming_the_way():
-    from superoffload.runtime.guard import GradientEdited
+    from superoffload.runtime.contract import GradientEdited
 
     with pytest.raises(GradientEdited, match="clip_grad_norm_"):
         fit(HookClipModule(), batches(4), strategy=SuperOffloadStrategy(ENGINE),

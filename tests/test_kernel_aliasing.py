@@ -2,7 +2,7 @@
 overlap").
 
 Each refused case checks that nothing was modified; grads that alias each other are
-allowed (the kernel only reads them, kernels/validate.py) and give the same bits as copies.
+allowed (the kernel only reads them, kernels/checks.py) and give the same bits as copies.
 """
 
 from __future__ import annotations

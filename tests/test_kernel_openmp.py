@@ -1,8 +1,9 @@
 """The process's OpenMP wait policy (kernels/openmp.py; docs/kernel.md, "Threads, the work
-split and the OpenMP wait policy"): passive
-when superoffload is imported before torch and the user chose nothing; the user's choice
-always wins; when torch (which loads libgomp) came first, libgomp's spinning is throttled
-by a parked pool, measured here by the CPU time idle workers burn between regions."""
+split and the OpenMP wait policy"): importing superoffload, before or after torch, starts
+no thread and writes no environment variable; the kernel's first call throttles libgomp's
+spinning by a parked pool (measured here by the CPU time idle workers burn between
+regions); the user's choice always wins; ``python -m superoffload`` owns its process and
+sets a passive policy before torch loads."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").exists(),
                                 reason="reads /proc/self/maps (Linux)")
 # source, OMP_WAIT_POLICY, and whether exactly one OpenMP runtime is mapped: the libgomp
 # openmp_library() names (torch's copy, which our kernel binds to; never a second one)
-PROBE = ("import os, sys; {first}; import superoffload.kernels as K; "
+PROBE = ("import os, sys; {first}; import superoffload.kernels as K, torch; "
+         "K.grad_stats(torch.zeros(8)); "  # the first kernel call settles the policy
          "maps = {{l.split()[-1] for l in open('/proc/self/maps') if 'libgomp' in l}}; "
          "lib = K.openmp_library(); "
          "print(K.wait_policy().source, os.environ.get('OMP_WAIT_POLICY'), "
@@ -55,8 +57,63 @@ def _run(first: str, **env: str) -> list[str]:
     return _python(PROBE.format(first=first), **env).split()
 
 
-def test_passive_when_superoffload_comes_first():
-    assert _run("pass")[:3] == ["superoffload", "PASSIVE", "True"]
+# threads and environment before and after an import: what the import itself started
+IMPORT = """
+import os, sys, threading
+{first}
+threads, env = {{t.name for t in threading.enumerate()}}, dict(os.environ)
+import {module}
+print(sorted({{t.name for t in threading.enumerate()}} - threads),
+      sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k)))
+"""
+
+
+@pytest.mark.parametrize("module", ["superoffload", "superoffload.kernels"])
+@pytest.mark.parametrize("first", ["pass", "import torch"])
+def test_import_starts_no_thread_and_writes_no_environment(first, module):
+    assert _python(IMPORT.format(first=first, module=module)).split("\n")[0] == "[] []"
+
+
+def test_the_throttle_starts_at_the_first_kernel_call_and_not_before():
+    code = ("import threading, torch, superoffload.kernels as K\n"
+            "names = lambda: sorted(t.name for t in threading.enumerate())\n"
+            "before, policy = names(), K.wait_policy().value\n"
+            "K.grad_stats(torch.zeros(8)); first = names()\n"
+            "K.grad_stats(torch.zeros(8))\n"
+            "print('superoffload-omp-throttle' in before, policy == K.openmp.NOT_STARTED,\n"
+            "      first.count('superoffload-omp-throttle'), names() == first)")
+    assert _python(code).split() == ["False", "True", "1", "True"]
+
+
+def test_superoffload_first_throttles_at_the_first_kernel_call():
+    source, env, one_runtime, value = _run("pass")
+    assert (source, env, one_runtime) == ("superoffload", "None", "True")
+    assert value.startswith("libgomp_throttled"), value
+
+
+# `python -m superoffload` itself (its __main__ runs the CLI; --help exits before any work)
+CLI = """
+import os, runpy, sys
+torch_before = "torch" in sys.modules
+sys.argv = ["superoffload", "--help"]
+try:
+    runpy.run_module("superoffload", run_name="__main__")
+except SystemExit:
+    pass
+import superoffload.kernels as K, threading, torch
+K.grad_stats(torch.zeros(8))
+print(torch_before, os.environ.get("OMP_WAIT_POLICY"), K.wait_policy().source,
+      K.wait_policy().value, "superoffload-omp-throttle" in {t.name for t in threading.enumerate()})
+"""
+
+
+def test_the_cli_sets_a_passive_policy_before_torch_unless_the_user_chose():
+    assert _python(CLI).split("\n")[-2].split() == [
+        "False", "PASSIVE", "superoffload", "OMP_WAIT_POLICY=PASSIVE", "False"]
+    assert _python(CLI, OMP_WAIT_POLICY="ACTIVE").split("\n")[-2].split() == [
+        "False", "ACTIVE", "user", "OMP_WAIT_POLICY=ACTIVE", "False"]
+    assert _python(CLI, GOMP_SPINCOUNT="1000").split("\n")[-2].split() == [
+        "False", "None", "user", "GOMP_SPINCOUNT=1000", "False"]
 
 
 def test_the_users_choice_wins():

@@ -12,7 +12,7 @@ from _kernel_support import assert_same_bits, make_state, step_kwargs
 
 import superoffload.kernels as K
 from superoffload.kernels import torch_ref
-from superoffload.kernels.validate import check_threads
+from superoffload.kernels.checks import check_threads
 
 needs_cffi = pytest.mark.skipif(K.backend() != "cffi", reason="compiled kernel not built")
 DTYPES = [

@@ -22,7 +22,7 @@ from _tiny_models import batches, make_model
 
 import superoffload as so
 from superoffload.config import OffloadConfig
-from superoffload.plan.schedule import ENGINE_NEXT, ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import ENGINE, ScheduleFacts, resolve_schedule
 from superoffload.runtime import steps
 from superoffload.runtime.errors import EngineError
 from superoffload.runtime.transfers import H2DTask
@@ -197,7 +197,7 @@ def test_the_engine_runs_the_rule_books_schedule(weights: str) -> None:
     with so.initialize(model, HYPER, cfg) as engine:
         facts = ScheduleFacts(params=engine.state.param_specs(), model_dtype="float32",
                               device_type="cpu", usable_cores=usable_cores(),
-                              engine=ENGINE_NEXT)  # what the engine runs (plan/schedule.py)
+                              engine=ENGINE)  # what the engine runs (plan/schedule.py)
         want = resolve_schedule(cfg, facts)
         got = engine.schedule
         assert got.bucket_table() == want.bucket_table()
@@ -234,7 +234,7 @@ def test_the_planner_predicts_the_schedule_the_engine_runs(weights: str) -> None
         got = engine.schedule
     shape = plan.ModelShape.from_module(model, seq=12, micro_batch=4)
     prof = plan.profiles.get("cpu-laptop")
-    want = resolve(shape, prof, "superoffload", cfg, Techniques(engine=ENGINE_NEXT))
+    want = resolve(shape, prof, "superoffload", cfg, Techniques(engine=ENGINE))
     assert want.ratio == got.ratio == (1.0 if weights == "flow" else 0.5)
     assert want.host_numel == got.host_numel and want.device_numel == got.device_numel
     assert [(b.param_indices, b.numel, b.on_device) for b in want.bucket_plan.buckets] == \

@@ -16,7 +16,7 @@ from _tiny_models import make_model
 
 from superoffload import plan
 from superoffload.config import OffloadConfig
-from superoffload.plan.schedule import ENGINE_NEXT, ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import ENGINE, ScheduleFacts, resolve_schedule
 from superoffload.plan.techniques import Techniques, resolve
 from superoffload.runtime.state import EngineState
 from superoffload.threads import usable_cores
@@ -39,14 +39,14 @@ def test_fsdp_runs_the_rule_books_schedule_at_dp2(tmp_path: Path) -> None:
     specs = EngineState.from_model(model, [{"params": list(model.parameters())}]).param_specs()
     for name, fields in configs.items():
         facts = ScheduleFacts(params=specs, model_dtype="float32", device_type="cpu", dp=2,
-                              usable_cores=usable_cores(), local_ranks=2, engine=ENGINE_NEXT)
+                              usable_cores=usable_cores(), local_ranks=2, engine=ENGINE)
         want = resolve_schedule(OffloadConfig(**fields), facts)
         row = got[name]
         assert row["dp"] == 2 and row["weights"] == want.weights
         # and what the simulator runs for the same model at dp=2 (plan.techniques.resolve)
         shape = plan.ModelShape.from_module(model, seq=12, micro_batch=2).replace(dp=2)
         sim = resolve(shape, plan.profiles.get("cpu-laptop"), "superoffload",
-                      OffloadConfig(**fields), Techniques(engine=ENGINE_NEXT))
+                      OffloadConfig(**fields), Techniques(engine=ENGINE))
         assert sim.ratio == row["ratio"] and sim.host_numel == row["host_numel"]
         assert [[b.id, list(b.param_indices), b.numel, b.on_device]
                 for b in sim.bucket_plan.buckets] == row["table"]

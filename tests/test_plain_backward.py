@@ -15,7 +15,7 @@ from _engine_ref import HYPER, cpu_config, max_diff, train_reference
 from _tiny_models import batches, make_model
 
 import superoffload as so
-from superoffload.runtime.guard import ContractError
+from superoffload.runtime.contract import ContractError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GAS, STEPS = 2, 3

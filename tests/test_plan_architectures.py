@@ -125,7 +125,7 @@ def test_training_dtype_is_not_the_configs(capsys):
     assert ModelShape.from_hf_config(raw).dtype == "bfloat16"
     assert ModelShape.from_hf_config(raw, dtype="float16").dtype == "float16"
     assert cli.main(["plan", "--hf-config", "gemma-2-9b", "--profile", "h200-pcie-measured",
-                     "--dtype", "float32", "--json"]) == 0
+                     "--dtype", "fp32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"]["dtype"] == "float32" and out["model"]["family"] == "gemma2"
 

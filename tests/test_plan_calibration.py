@@ -13,7 +13,7 @@ from superoffload.config import MiB, OffloadConfig
 from superoffload.plan import cost, facts
 from superoffload.plan.calibrate import fit_compute, union_s
 from superoffload.plan.profiles_measured import ACHIEVED_TFLOPS
-from superoffload.plan.schedule import ENGINE_NEXT, ENGINE_TODAY
+from superoffload.plan.schedule import ENGINE, ENGINE_H200_MEASURED
 from superoffload.telemetry import events as ev
 
 H200 = plan.profiles.get("h200-pcie-measured")
@@ -52,7 +52,7 @@ def test_the_measured_table_is_reproduced(table) -> None:
 
 def test_only_the_plain_row_is_fitted() -> None:
     fitted = [r for r in facts.H200_ROWS if r.fitted]
-    assert [r.schedule for r in fitted] == ["gpu"]
+    assert [r.system for r in fitted] == ["gpu"]
     again = fit_compute(H200, facts.H200_SHAPE, fitted[0].measured_ms / 1e3)
     assert again.device_achieved_tflops == pytest.approx(ACHIEVED_TFLOPS, rel=1e-3)
     with pytest.raises(ValueError, match="plain_iteration_s"):
@@ -108,14 +108,14 @@ def test_step_order_fifo_vs_edf_on_the_h200() -> None:
     tech = plan.Techniques(rollback_rate=0.0)
     # the engine FACTS.md measured, and the same engine with only the order changed
     fifo = plan.simulate(facts.H200_SHAPE, H200, config=cfg,
-                         techniques=tech.replace(engine=ENGINE_TODAY))
-    edf = plan.simulate(facts.H200_SHAPE, H200, config=cfg,
-                        techniques=tech.replace(engine=replace(ENGINE_TODAY, step_order="edf")))
+                         techniques=tech.replace(engine=ENGINE_H200_MEASURED))
+    deadline = plan.simulate(facts.H200_SHAPE, H200, config=cfg, techniques=tech.replace(
+        engine=replace(ENGINE_H200_MEASURED, step_order="deadline")))
     # FIFO steps the bucket the next forward needs first last: the host-layer forward waits
     # for the whole CPU queue; EDF lets it start while the CPU steps later layers' buckets
-    assert edf.iteration_s < fifo.iteration_s * 0.95
+    assert deadline.iteration_s < fifo.iteration_s * 0.95
     it = fifo.timeline[-1].iteration - 1
-    for res, first_needed_last in ((fifo, True), (edf, False)):
+    for res, first_needed_last in ((fifo, True), (deadline, False)):
         steps = sorted((s for s in res.timeline if s.kind == ev.KIND_CPU_STEP
                         and s.iteration == it), key=lambda s: s.start_s)
         last_id = max(s.bucket for s in steps)
@@ -124,8 +124,8 @@ def test_step_order_fifo_vs_edf_on_the_h200() -> None:
     now = plan.simulate(facts.H200_SHAPE, H200, config=cfg, techniques=tech)
     now_fifo = plan.simulate(facts.H200_SHAPE, H200, config=cfg.replace(step_order="fifo"),
                              techniques=tech)
-    assert cfg.step_order == "deadline" and now.plan.engine == ENGINE_NEXT
-    assert now_fifo.plan.engine == replace(ENGINE_NEXT, step_order="fifo")
+    assert cfg.step_order == "deadline" and now.plan.engine == ENGINE
+    assert now_fifo.plan.engine == replace(ENGINE, step_order="fifo")
     assert now.iteration_s < now_fifo.iteration_s * 0.95
 
 
@@ -136,16 +136,16 @@ def test_the_tuner_picks_the_fastest_measured_ratio() -> None:
     fixed = {"cpu_cores_frac": 0.9, "device": "cuda"}
     cfg, why, pred = plan.tune(facts.H200_SHAPE, H200, plan.Constraints(
         rollback_rate=0.0, fixed=fixed, engine=facts.H200_ENGINE))
-    fastest = min(r.measured_ms for r in facts.H200_ROWS if r.schedule == "superoffload")
+    fastest = min(r.measured_ms for r in facts.H200_ROWS if r.system == "superoffload")
     assert fastest == 156.5
     assert 0.2 <= cfg.ratio <= 0.4, why
     assert pred.iteration_s * 1e3 <= fastest * 1.05
-    assert ENGINE_TODAY == facts.H200_ENGINE
+    assert ENGINE_H200_MEASURED == facts.H200_ENGINE
     # the same search for the engine now (the default): a prediction, not yet measured --
     # the H200 target: >= 0.92x plain at the tuner's pick
     cfg_now, _, now = plan.tune(facts.H200_SHAPE, H200, plan.Constraints(
         rollback_rate=0.0, fixed=fixed))
-    assert now.plan.engine == ENGINE_NEXT
+    assert now.plan.engine == ENGINE
     assert now.iteration_s < pred.iteration_s
     plain = facts.H200_ROWS[0].measured_ms
     assert plain / (now.iteration_s * 1e3) >= 0.92

@@ -15,7 +15,7 @@ from superoffload.cli import main
 from superoffload.config import MiB, OffloadConfig
 from superoffload.plan import parallel
 from superoffload.plan.memory import offloaded_params
-from superoffload.plan.schedule import ENGINE_NEXT, ENGINE_TODAY
+from superoffload.plan.schedule import ENGINE, ENGINE_H200_MEASURED
 from superoffload.telemetry import events as ev
 
 GH200 = plan.profiles.get("gh200")
@@ -26,8 +26,8 @@ HOST_CAST = OffloadConfig(grad_cast="host", param_cast="host", weights="stationa
 
 # Numbers of the single-rank planner, pinned so a change to dp=1 shows: (iteration_s,
 # steady_iteration_s, device bytes, host bytes, spans). Re-pinned when the planner's default
-# became the engine that runs (plan.schedule.ENGINE = ENGINE_NEXT: EDF stepping, copy-first
-# D2H, small buckets merged, fused tail step). Against the previous pins (ENGINE_TODAY):
+# became the engine that runs (plan.schedule.ENGINE: EDF stepping, copy-first
+# D2H, small buckets merged, fused tail step). Against the previous pins (ENGINE_H200_MEASURED):
 # gh200 13B 2.9168 -> 2.8826 s (the tail step: 1.28B tail params x (118 - 28) B / 4 TB/s =
 # 28.8 ms, and 28 x 20 - 14 x 1 launches x 10 us = 5.5 ms), 2 x 4 B x 20480 more device
 # staging for the weights cast on the device (the largest host bucket now holds the MLP
@@ -79,7 +79,7 @@ def test_ring_collectives_by_hand() -> None:
         parallel.ring_time_s(1.0, 0, GH200)
 
 
-@pytest.mark.parametrize("engine", [None, ENGINE_TODAY], ids=["engine-now", "h200-measured"])
+@pytest.mark.parametrize("engine", [None, ENGINE_H200_MEASURED], ids=["engine-now", "h200-measured"])
 def test_simulated_bucket_spans_move_this_ranks_shard(engine) -> None:
     # ratio 1, 64 MiB buckets, bf16 both ways. The engine's buckets hold whole parameters;
     # the last block's MLP projection (5120 x 20480 = 104,857,600 params) is larger than a
@@ -91,7 +91,7 @@ def test_simulated_bucket_spans_move_this_ranks_shard(engine) -> None:
                       plan.Techniques(engine=engine))
     proj = 5120 * 20480
     if engine is None:
-        assert r.plan.engine == ENGINE_NEXT
+        assert r.plan.engine == ENGINE
         b, numel, stats = 0, 3 * 5120 + proj, 0.0  # copy first: no stats before the D2H
     else:
         assert r.plan.bucket_plan.buckets[0].numel == 3 * 5120
@@ -265,10 +265,10 @@ SHAPE = ["--profile", "gh200", "--layers", "8", "--hidden", "2048", "--heads", "
 
 
 def test_cli_dp(capsys) -> None:
-    assert main(["simulate", *SHAPE, "--schedule", "superoffload", "--dp", "4", "--json"]) == 0
+    assert main(["simulate", *SHAPE, "--system", "superoffload", "--dp", "4", "--json"]) == 0
     (res,) = json.loads(capsys.readouterr().out)["results"]
     assert res["dp"] == 4 and res["collective_s"] > 0
-    assert main(["simulate", *SHAPE, "--schedule", "superoffload", "--dp", "4",
+    assert main(["simulate", *SHAPE, "--system", "superoffload", "--dp", "4",
                  "--collective-gbps", "450", "--json"]) == 0
     (fast,) = json.loads(capsys.readouterr().out)["results"]
     assert fast["collective_s"] < res["collective_s"]

@@ -194,11 +194,11 @@ def test_plan_and_tune_take_the_new_flags(capsys, tmp_path) -> None:
     argv = ["plan", "--hf-config", "qwen2.5-7b", "--profile", "h100-sxm", "--seq", "1024",
             "--host-gb", "130", "--json"]
     assert cli.main(argv) == 0
-    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    rows = {r["system"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert not rows["superoffload flow"]["fits"]
     assert "--allow-bf16-moments" in rows["superoffload flow"]["problems"][0]
     assert cli.main([*argv, "--allow-bf16-moments"]) == 0
-    rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    rows = {r["system"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     flow = rows["superoffload flow"]
     assert flow["fits"] and flow["config"]["optimizer_state_dtype"] == "bf16"
     assert "CHANGES THE NUMERICS" in flow["explanation"]

@@ -10,7 +10,7 @@ import torch
 
 from superoffload import plan
 from superoffload.models.gpt import GPT, gpt_tiny
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 
 REQUIRED_POSITIVE = (
     "device_peak_tflops", "device_achieved_tflops", "device_memory_bytes", "device_mem_bw_gbps",

@@ -22,9 +22,7 @@ from superoffload.models.gpt import GPT, GPTConfig
 from superoffload.plan.buckets import ParamSpec
 from superoffload.plan.schedule import (
     ENGINE,
-    ENGINE_NEXT,
-    ENGINE_TODAY,
-    STEP_ORDER_OF,
+    ENGINE_H200_MEASURED,
     EngineVariant,
     ScheduleFacts,
     engine_for,
@@ -130,22 +128,66 @@ def test_frozen_and_tied_parameters_are_listed_as_the_engine_sees_them() -> None
     assert shape.param_table[0][0] == 0 and shape.param_table[-1][0] == shape.layers + 1
 
 
+def test_planner_choice_sets_are_the_configs() -> None:
+    # the planner's own tuples hold the config's members (declared once, in config.py)
+    from typing import get_args
+
+    from superoffload.config import StepOrder, choices_of
+    from superoffload.plan import cost, fsdp_units, grad_accum
+    from superoffload.plan.device_grads import PLACES
+
+    assert grad_accum.PLACES == PLACES == choices_of("grad_accum_on", decided=True)
+    assert choices_of("weights", decided=True) == fsdp_units.WEIGHTS
+    assert choices_of("optimizer_state_dtype") == cost.STATE_DTYPES
+    assert sorted(cost.PARAM_CAST_PREFERENCE) == sorted(choices_of("param_cast", decided=True))
+    assert all(EngineVariant(step_order=o).step_order == o for o in get_args(StepOrder))
+
+
+def test_old_names_still_work_with_a_deprecation_warning() -> None:
+    # the simulated system was called "schedule"; the two engine variants ENGINE_TODAY/NEXT
+    shape = plan.ModelShape.from_module(_gpt(), seq=32)
+    res = plan.simulate(shape, PCIE, system="gpu", config=CFG)
+    with pytest.warns(DeprecationWarning, match="system="):
+        old = plan.simulate(shape, PCIE, schedule="gpu", config=CFG)
+    assert old.summary() == res.summary() and res.plan.system == "gpu"
+    with pytest.warns(DeprecationWarning, match="Resolved.system"):
+        assert res.plan.schedule == "gpu"
+    with pytest.warns(DeprecationWarning, match="max_model_size"):
+        assert plan.max_model_size(PCIE, schedule="gpu") == plan.max_model_size(PCIE, "gpu")
+    with pytest.warns(DeprecationWarning, match="fit_problems"):
+        assert plan.fit_problems(shape, PCIE, schedule="gpu") == plan.fit_problems(shape, PCIE,
+                                                                                   "gpu")
+    for old_name, new in (("ENGINE_TODAY", ENGINE_H200_MEASURED), ("ENGINE_NEXT", ENGINE),
+                          ("SCHEDULES", plan.SYSTEMS)):
+        with pytest.warns(DeprecationWarning, match=old_name):
+            assert getattr(plan, old_name) is new
+    from superoffload.plan import schedule
+
+    with pytest.warns(DeprecationWarning, match="ENGINE_NEXT"):
+        assert schedule.ENGINE_NEXT is ENGINE
+    with pytest.raises(AttributeError):
+        plan.ENGINE_LATER  # noqa: B018
+
+
 def test_engine_variant_is_the_rule_books() -> None:
     # the default is the engine that runs, in the order the config selects,
     # as runtime/engine.py resolves it: "deadline" -> EDF, "fifo" -> FIFO
     res = plan.simulate(plan.ModelShape.from_module(_gpt(), seq=32), PCIE, config=CFG)
-    assert ENGINE == ENGINE_NEXT and res.plan.engine == ENGINE
+    assert res.plan.engine == ENGINE
     assert CFG.step_order == "deadline" and engine_for(CFG) == ENGINE
     fifo_cfg = CFG.replace(step_order="fifo")
     fifo = plan.simulate(res.shape, PCIE, config=fifo_cfg)
-    assert fifo.plan.engine == engine_for(fifo_cfg) == replace(ENGINE_NEXT, step_order="fifo")
+    assert fifo.plan.engine == engine_for(fifo_cfg) == replace(ENGINE, step_order="fifo")
     assert fifo.summary()["plan"]["engine"]["step_order"] == "fifo"
-    assert STEP_ORDER_OF == {"deadline": "edf", "fifo": "fifo"}
+    # the planner's old name for "deadline" is still accepted, with a deprecation note
+    with pytest.warns(DeprecationWarning, match="'edf' is now 'deadline'"):
+        assert EngineVariant(step_order="edf") == replace(ENGINE_H200_MEASURED,  # type: ignore[arg-type]
+                                                          step_order="deadline")
     # a variant given to Techniques is used as it is, whatever the config's order
     today = plan.simulate(res.shape, PCIE, config=CFG,
-                          techniques=plan.Techniques(engine=ENGINE_TODAY))
-    assert today.plan.engine == ENGINE_TODAY and today.plan.engine.step_order == "fifo"
-    assert engine_for(fifo_cfg, ENGINE_TODAY) is ENGINE_TODAY
+                          techniques=plan.Techniques(engine=ENGINE_H200_MEASURED))
+    assert today.plan.engine == ENGINE_H200_MEASURED and today.plan.engine.step_order == "fifo"
+    assert engine_for(fifo_cfg, ENGINE_H200_MEASURED) is ENGINE_H200_MEASURED
     with pytest.raises(ValueError, match="OffloadConfig.step_order='lifo'"):
         engine_for(OffloadConfig(step_order="lifo"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="step_order"):

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from superoffload import plan
 from superoffload.config import OffloadConfig
-from superoffload.plan.schedule import ENGINE_NEXT, ENGINE_TODAY, EngineVariant
-from superoffload.plan.simulate import N_ITER, edf, fifo
+from superoffload.plan.schedule import ENGINE, ENGINE_H200_MEASURED, EngineVariant
+from superoffload.plan.sim_core import deadline_order, fifo_order
+from superoffload.plan.simulate import N_ITER
 from superoffload.telemetry import events as ev
 
 GH200 = plan.profiles.get("gh200")
@@ -38,13 +39,13 @@ CASES = [
 def test_edf_by_hand() -> None:
     # jobs 0, 1, 2 ready at 0, 1, 1.5; each takes 2; lane free at 0. Job 0 runs first (alone);
     # at 2 both 1 and 2 are ready: the higher index (needed first by the next forward) runs
-    start, end = edf(np.array([0.0, 1.0, 1.5]), np.array([2.0, 2.0, 2.0]), 0.0)
+    start, end = deadline_order(np.array([0.0, 1.0, 1.5]), np.array([2.0, 2.0, 2.0]), 0.0)
     assert start.tolist() == [0.0, 4.0, 2.0] and end.tolist() == [2.0, 6.0, 4.0]
     # all ready at once (no speculation: after validation): served highest first
-    start, _ = edf(np.array([5.0, 5.0, 5.0]), np.array([1.0, 1.0, 1.0]), 3.0)
+    start, _ = deadline_order(np.array([5.0, 5.0, 5.0]), np.array([1.0, 1.0, 1.0]), 3.0)
     assert start.tolist() == [7.0, 6.0, 5.0]
     # an idle lane waits for the next arrival
-    start, _ = edf(np.array([0.0, 10.0]), np.array([1.0, 1.0]), 0.0)
+    start, _ = deadline_order(np.array([0.0, 10.0]), np.array([1.0, 1.0]), 0.0)
     assert start.tolist() == [0.0, 10.0]
 
 
@@ -68,15 +69,15 @@ def _edf_reference(ready: list[float], dur: list[float], free: float) -> list[fl
 def test_edf_matches_brute_force(jobs, free, monotone) -> None:
     ready = sorted(r for r, _ in jobs) if monotone else [r for r, _ in jobs]
     dur = [d for _, d in jobs]
-    start, end = edf(np.array(ready), np.array(dur), free)
+    start, end = deadline_order(np.array(ready), np.array(dur), free)
     assert start.tolist() == pytest.approx(_edf_reference(ready, dur, free))
     assert end.tolist() == pytest.approx((start + np.array(dur)).tolist())
 
 
 def test_fifo_by_hand() -> None:
-    start, end = fifo(np.array([0.0, 1.0, 5.0]), np.array([2.0, 2.0, 1.0]), 0.0)
+    start, end = fifo_order(np.array([0.0, 1.0, 5.0]), np.array([2.0, 2.0, 1.0]), 0.0)
     assert start.tolist() == [0.0, 2.0, 5.0] and end.tolist() == [2.0, 4.0, 6.0]
-    start, end = fifo(np.array([0.0, 1.0, 5.0]), np.array([2.0, 2.0, 1.0]), 3.0)
+    start, end = fifo_order(np.array([0.0, 1.0, 5.0]), np.array([2.0, 2.0, 1.0]), 3.0)
     assert start.tolist() == [3.0, 5.0, 7.0] and end.tolist() == [5.0, 7.0, 8.0]
 
 
@@ -164,14 +165,14 @@ def test_ratio_limits_equal_the_simpler_schedules() -> None:
     # the engine now (the default) merges small buckets: the same 28 B/param, one launch
     # (10 us on GH200) fewer per bucket merged away
     so0_now = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0))
-    assert so0_now.plan.engine == ENGINE_NEXT
+    assert so0_now.plan.engine == ENGINE
     merged = len(gpu.plan.bucket_plan.buckets) - len(so0_now.plan.bucket_plan.buckets)
     assert merged > 0
     assert gpu.iteration_s - so0_now.iteration_s == pytest.approx(merged * 10e-6, rel=1e-9)
     # the engine FACTS.md measured: its unfused tail step moves 118 instead of 28 B/param,
     # with 20 launches per bucket
     so0_today = plan.simulate(SMALL, GH200, "superoffload", OffloadConfig(ratio=0.0),
-                              plan.Techniques(engine=ENGINE_TODAY))
+                              plan.Techniques(engine=ENGINE_H200_MEASURED))
     n, buckets = SMALL.params, len(so0_today.plan.bucket_plan.buckets)
     extra = (n * (118 - 28) / 4000e9) + buckets * (20 - 1) * 10e-6
     assert so0_today.iteration_s - gpu.iteration_s == pytest.approx(extra, rel=1e-9)
@@ -298,7 +299,7 @@ def test_adaptive_weights_contribute_when_weights_do_not_fit() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="schedule"):
+    with pytest.raises(ValueError, match="system"):
         plan.simulate(SMALL, GH200, "deepspeed")
     with pytest.raises(TypeError, match="ModelShape"):
         plan.simulate({"layers": 2}, GH200)  # type: ignore[arg-type]
@@ -306,7 +307,7 @@ def test_bad_arguments() -> None:
         plan.Techniques(rollback_rate=2.0)
 
 
-@pytest.mark.parametrize("engine", [ENGINE_TODAY, ENGINE_NEXT], ids=["fifo", "edf"])
+@pytest.mark.parametrize("engine", [ENGINE_H200_MEASURED, ENGINE], ids=["fifo", "deadline"])
 def test_clipped_iteration_timeline_is_consistent(engine) -> None:
     from superoffload.plan.simulate import _run
     from superoffload.plan.techniques import resolve

@@ -75,7 +75,7 @@ def test_tune_accepts_a_module() -> None:
 
 
 def test_max_model_size_orders_the_policies() -> None:
-    sizes = {s: plan.max_model_size(GH200, schedule=s, seq=1024, micro_batch=1) for s in plan.SCHEDULES}
+    sizes = {s: plan.max_model_size(GH200, system=s, seq=1024, micro_batch=1) for s in plan.SYSTEMS}
     assert 0 < sizes["gpu"] < sizes["zero-offload"] <= sizes["superoffload"]
     # GPU-only is bounded by 16 B/param (bf16 weight and gradient, fp32 master, m, v) of
     # 91 GB usable HBM
@@ -88,13 +88,13 @@ def test_max_model_size_orders_the_policies() -> None:
     assert plan.fit_problems(plan.gpt_by_layers(layers + 1, seq=1024, micro_batch=1), GH200, "superoffload")
     bigger_host = GH200.replace(host_memory_bytes=960e9)
     assert plan.max_model_size(bigger_host, seq=1024) > sizes["superoffload"]
-    with pytest.raises(ValueError, match="schedule"):
-        plan.max_model_size(GH200, schedule="fsdp")
+    with pytest.raises(ValueError, match="system"):
+        plan.max_model_size(GH200, system="fsdp")
 
 
 def test_memory_by_hand_for_zero_offload() -> None:
-    # DeepSpeed ZeRO-2 + offload_optimizer (plan/deepspeed.py, modelled on
-    # deepspeedai/DeepSpeed:deepspeed/runtime/zero/stage_1_and_2.py)
+    # DeepSpeed ZeRO-2 + offload_optimizer (plan/deepspeed.py, modelled on DeepSpeed's own
+    # ZeRO stage 1/2 code)
     shape = plan.ModelShape(layers=4, hidden=1024, heads=8, vocab=50257, seq=1024)
     res = plan.simulate(shape, GH200, "zero-offload")
     n = shape.params

@@ -15,7 +15,7 @@ import torch
 
 from superoffload.config import OffloadConfig
 from superoffload.kernels.hyper import DEFAULTS, FLAGS, AdamHyper
-from superoffload.runtime import guard
+from superoffload.runtime import contract
 from superoffload.runtime.state import EngineState
 
 BASE = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
@@ -65,8 +65,8 @@ def test_per_step_hash_sees_every_key(key, group):
     base = AdamHyper.from_group({**DEFAULTS, **BASE})
     other = AdamHyper.from_group(group)
     for clip in (None, 1.0):
-        assert guard.hyper_hash([base], clip) != guard.hyper_hash([other], clip), key
-    assert guard.hyper_hash([base], None) != guard.hyper_hash([base], 1.0)
+        assert contract.hyper_hash([base], clip) != contract.hyper_hash([other], clip), key
+    assert contract.hyper_hash([base], None) != contract.hyper_hash([base], 1.0)
 
 
 def _state() -> EngineState:
@@ -77,9 +77,9 @@ def _state() -> EngineState:
 @pytest.mark.parametrize(("key", "group"), VARIANTS, ids=[k for k, _ in VARIANTS])
 def test_fingerprint_sees_every_key_and_names_it(key, group):
     st, config = _state(), OffloadConfig()
-    base = guard.fingerprint(st, config, [AdamHyper.from_group({**DEFAULTS, **BASE})])
-    other = guard.fingerprint(st, config, [AdamHyper.from_group(group)])
-    diff = guard.first_difference([base, other], [0, 1])
+    base = contract.fingerprint(st, config, [AdamHyper.from_group({**DEFAULTS, **BASE})])
+    other = contract.fingerprint(st, config, [AdamHyper.from_group(group)])
+    diff = contract.first_difference([base, other], [0, 1])
     assert diff is not None and diff.startswith("param_groups"), key
     field = {"betas[0]": "beta1", "betas[1]": "beta2",
              "decoupled_weight_decay": "adamw_mode"}.get(key, key)
@@ -89,10 +89,10 @@ def test_fingerprint_sees_every_key_and_names_it(key, group):
 def test_fingerprint_sees_every_config_field_but_the_rank_local_ones():
     st, config = _state(), OffloadConfig()
     names = {f.name for f in dataclasses.fields(OffloadConfig)}
-    assert names >= guard._RANK_LOCAL  # a renamed field is not silently compared
-    base = guard.fingerprint(st, config, [])
-    for name in sorted(names - guard._RANK_LOCAL):
+    assert names >= contract._RANK_LOCAL  # a renamed field is not silently compared
+    base = contract.fingerprint(st, config, [])
+    for name in sorted(names - contract._RANK_LOCAL):
         changed = copy.copy(config)
         object.__setattr__(changed, name, object())  # any other value
-        diff = guard.first_difference([base, guard.fingerprint(st, changed, [])], [0, 1])
+        diff = contract.first_difference([base, contract.fingerprint(st, changed, [])], [0, 1])
         assert diff is not None and diff.startswith(f"config.{name} "), name

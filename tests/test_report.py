@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from superoffload.telemetry import Recorder, Span
-from superoffload.telemetry.report import write_html_report as old_name
 from superoffload.widgets import layout as L
 from superoffload.widgets.report import PLOTLY_JS, write_html_report
 from superoffload.widgets.traces import SPECS
@@ -82,13 +81,13 @@ def test_the_report_is_one_offline_file_in_the_dashboards_words_and_colours(tmp_
         assert lay["yaxis"]["title"]["text"], lay["title"]["text"]
     bw = next(data for data, lay in figures if lay["title"]["text"].startswith("link traffic"))
     assert [t["line"]["color"] for t in bw] == [L.METRIC_COLORS["d2h"], L.METRIC_COLORS["h2d"]]
-    assert old_name is not None and PLOTLY_JS == "plotly.min.js"
+    assert PLOTLY_JS == "plotly.min.js"
 
 
 def test_report_can_share_plotly_js_beside_it(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
     a = write_html_report(_recorder().spans(), tmp_path / "a.html", title="a", inline_js=False)
-    b = old_name(_recorder().spans(), tmp_path / "b.html", title="b", inline_js=False)
+    b = write_html_report(_recorder().spans(), tmp_path / "b.html", title="b", inline_js=False)
     assert (tmp_path / PLOTLY_JS).stat().st_size > 1_000_000
     assert f"src='{PLOTLY_JS}'" in a.read_text() and b.stat().st_size < 1_000_000
     assert len(list(tmp_path.glob("*.js"))) == 1

@@ -11,7 +11,7 @@ weights of a step that never happened. Checked right after the skipped step, by 
   restores pre-step copies), after the skipped step and at the end of the run;
 * inverse and "auto" rollback: the kernel's inverse rewrites the bf16 copy in its pass, so
   device == bf16(master) holds there too. (This run keeps no element aside under "auto";
-  tests/test_rollback_guard.py covers the kept elements.)
+  tests/test_auto_rollback.py covers the kept elements.)
 """
 
 from __future__ import annotations

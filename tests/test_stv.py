@@ -126,7 +126,7 @@ def test_injected_nan_rolls_back_and_matches_reference(dtype):
 
 def test_forced_clipping_replays_and_matches_reference():
     # the rollback machinery itself: rollback="auto" would not speculate these buckets at all
-    # (each alone is above max_grad_norm: clipping is certain; tests/test_rollback_guard.py)
+    # (each alone is above max_grad_norm: clipping is certain; tests/test_auto_rollback.py)
     config = cfg(max_grad_norm=0.05, rollback="inverse")
     ref, _ = run(config, reference=True)
     got, st = run(config)

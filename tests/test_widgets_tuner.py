@@ -33,7 +33,7 @@ SHAPE = plan.ModelShape(layers=8, hidden=1024, heads=16, vocab=50257, seq=1024, 
 
 
 def simulated_s(config: so.OffloadConfig, profile: str = "gh200") -> float:
-    return plan.simulate(SHAPE, plan.profiles.get(profile), schedule="superoffload", config=config).iteration_s
+    return plan.simulate(SHAPE, plan.profiles.get(profile), system="superoffload", config=config).iteration_s
 
 
 def test_every_control_change_shows_the_planners_prediction() -> None:
@@ -63,7 +63,7 @@ def test_set_moves_the_controls_and_extends_the_bucket_choices() -> None:
     assert tuner.controls["speculation"].value == "off"
     assert pred.iteration_s == pytest.approx(simulated_s(tuner.config, "h100-pcie"), rel=1e-12)
     assert pred.baseline_s == pytest.approx(
-        plan.simulate(SHAPE, plan.profiles.get("h100-pcie"), schedule="zero-offload").iteration_s
+        plan.simulate(SHAPE, plan.profiles.get("h100-pcie"), system="zero-offload").iteration_s
     )
 
 

@@ -98,5 +98,5 @@ def test_the_comparison_with_zero_offload_says_why_on_the_same_profile() -> None
     slower = dataclasses.replace(cpu, name="cpu-laptop-calibrated",
                                  device_achieved_tflops=cpu.device_achieved_tflops / 3)
     tuner.use_calibration(SimpleNamespace(profile=slower, line=lambda: "fitted"))
-    want = plan.simulate(SHAPE, slower, schedule="zero-offload").iteration_s
+    want = plan.simulate(SHAPE, slower, system="zero-offload").iteration_s
     assert tuner.prediction.baseline_s == pytest.approx(want)

@@ -167,7 +167,7 @@ static void case_many_tensors(void) {
     run_case("many_tensors", pre, &h, &x);
 }
 
-/* Gradients may alias each other (the kernel only reads them: kernels/validate.py): a call
+/* Gradients may alias each other (the kernel only reads them: kernels/checks.py): a call
  * whose grads share memory computes what copies compute. */
 static void case_aliasing_grads(void) {
     int64_t sizes[3] = {5000, 5000, 3000};

@@ -10,7 +10,7 @@
 
 static int nonfinite(double x) { return x != x || x == INFINITY || x == -INFINITY; }
 
-/* A step over inf/NaN inputs: it runs (validation is the caller's, kernels/validate.py),
+/* A step over inf/NaN inputs: it runs (validation is the caller's, kernels/checks.py),
  * every element with a non-finite input gets a non-finite p, the others stay finite.
  * Digests: NaN bits differ between ISAs (default NaN sign) and between compilers (which
  * operand of a two-NaN operation propagates), so tests compare the canonical digest. */

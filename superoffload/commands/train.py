@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         usage=f"{PROG} [options]   (--help lists them)",
     )
     add_arguments(p)
-    from superoffload.distributed.launch import add_parallel_args
+    from superoffload.distributed.process_group import add_parallel_args
 
     add_parallel_args(p)  # --dp/--sp/--dist-backend/--dist-timeout-s (docs/distributed.md)
     p.set_defaults(func=_run)

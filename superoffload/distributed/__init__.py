@@ -20,7 +20,7 @@ from superoffload.distributed.groups import (
     create_groups,
     plan_parallel_layout,
 )
-from superoffload.distributed.launch import (
+from superoffload.distributed.process_group import (
     DistInfo,
     DistributedError,
     add_parallel_args,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.process_group import collective_guard
 
 DEFAULT_HEADROOM = 0.85
 """Fraction of the available memory the ranks may plan to use (page cache, the model's own

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.process_group import collective_guard
 from superoffload.distributed.ulysses import (
     check_sequence_split,
     group_rank,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.process_group import collective_guard
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

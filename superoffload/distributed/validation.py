@@ -2,7 +2,7 @@
 they build, and sum one validation vector per iteration (runtime/transport.py packs it).
 
 * ``agree_fingerprint``: every rank compares the engine's fingerprint (parameters, resolved
-  configuration, param groups: runtime/guard.py) once, before any collective whose sizes
+  configuration, param groups: runtime/contract.py) once, before any collective whose sizes
   depend on it, and all raise the same ``RanksDisagree`` naming the first field that
   differs, instead of training apart silently or hanging in a mismatched collective;
 * ``all_reduce_validation``: the local statistics, the contract's checks and which
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from superoffload.distributed.launch import collective_guard
-from superoffload.runtime.backend import GradStats
-from superoffload.runtime.guard import RanksDisagree, first_difference
+from superoffload.distributed.process_group import collective_guard
+from superoffload.runtime.contract import RanksDisagree, first_difference
+from superoffload.runtime.devices import GradStats
 from superoffload.runtime.transport import (
     Checks,
     GlobalStats,

@@ -16,7 +16,7 @@
     accelerator.save_state("ckpt")            # ... accelerator.load_state("ckpt") resumes exactly
 
 Like the Lightning strategy, and like accelerate's own DeepSpeed path
-(huggingface/accelerate:src/accelerate/accelerator.py sends `backward` to DeepSpeed's engine
+(the Accelerator sends `backward` to DeepSpeed's engine
 and lets it clip), the
 accelerator takes over what the engine must own and leaves the script alone:
 
@@ -62,7 +62,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import EngineMetrics, adam_hyper, engine_config
 from superoffload.kernels.hyper import torch_flag_keys, torch_flags
-from superoffload.runtime.guard import owner
+from superoffload.runtime.contract import owner
 
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -129,8 +129,7 @@ class OffloadAcceleratedOptimizer(torch.optim.Optimizer):
         before = engine.stats.skipped_steps
         engine.step()
         # NOTE: the engine stepped on the passed optimizer's behalf; tell its LR scheduler
-        # (pytorch/pytorch:torch/optim/lr_scheduler.py `patch_track_step_called` sets the same
-        # flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
+        # (torch's LR scheduler wraps `optimizer.step` to set the same flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         self._micro = 0
         self._skipped = engine.stats.skipped_steps > before

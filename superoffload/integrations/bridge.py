@@ -4,8 +4,8 @@
   engine's. The engine clips inside its step (global norm, speculation-then-validation, paper
   §4.3), so the framework must not clip `p.grad` itself; an OffloadConfig that contradicts the
   framework is refused, naming both settings -- as DeepSpeed's Trainer integration refuses a
-  DeepSpeed config that mismatches TrainingArguments (`HfTrainerDeepSpeedConfig.
-  trainer_config_finalize` in huggingface/transformers:src/transformers/integrations/deepspeed.py).
+  DeepSpeed config that mismatches TrainingArguments (transformers' DeepSpeed
+  config check when the Trainer starts; docs/integrations.md).
 * `backward`: framework losses arrive already divided by the accumulation steps
   (`Trainer.training_step`, Lightning's `_ClosureResult`), and `engine.backward` divides
   again (DeepSpeed semantics; `Trainer` passes `scale_wrt_gas=False` to DeepSpeed for the same

@@ -6,10 +6,8 @@
                                   train_dataset=ds, offload_config=so.presets.gh200())
     trainer.train()                                   # or .train(resume_from_checkpoint=True)
 
-How it hooks in -- the places DeepSpeed's integration uses (docs/integrations.md:
-huggingface/transformers:src/transformers/trainer.py,
-huggingface/transformers:src/transformers/integrations/deepspeed.py,
-huggingface/accelerate:src/accelerate/accelerator.py), nothing else:
+How it hooks in -- the places transformers' and accelerate's own DeepSpeed integration uses
+(docs/integrations.md, "Hugging Face `Trainer`"), nothing else:
 
 * `create_optimizer` builds the engine from Trainer's own param groups (decay / no decay) and
   TrainingArguments' AdamW hyperparameters; `self.optimizer` becomes `OffloadedOptimizer`, a
@@ -61,8 +59,7 @@ ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw
 
 def deepspeed_for_trainer(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
     """A Trainer-style DeepSpeed dict as the engine takes it. "auto" gets the TrainingArguments
-    value, as transformers fills it (`HfTrainerDeepSpeedConfig.trainer_config_process` in
-    huggingface/transformers:src/transformers/integrations/deepspeed.py); `optimizer` /
+    value, as transformers fills a DeepSpeed config from its TrainingArguments; `optimizer` /
     `scheduler` sections whose params are all "auto" are dropped (Trainer builds both from
     TrainingArguments), explicit values are refused; `zero_optimization.reduce_bucket_size:
     "auto"` keeps the engine's bucket size (docs/integrations.md, "Hugging Face `Trainer`")."""
@@ -204,8 +201,7 @@ class SuperOffloadTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator (re-made by hyperparameter search too), with the two calls
-        accelerate routes to DeepSpeed's engine (huggingface/accelerate:src/accelerate/accelerator.py)
-        sent to ours."""
+        accelerate routes to DeepSpeed's engine sent to ours."""
         super().create_accelerator_and_postprocess()
         self.accelerator.backward = self._engine_backward  # type: ignore[method-assign]
         self.accelerator.clip_grad_norm_ = self._engine_clips  # type: ignore[method-assign]

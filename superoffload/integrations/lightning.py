@@ -6,8 +6,7 @@
     trainer.fit(module)            # the LightningModule is unchanged: configure_optimizers
                                    # returns torch.optim.AdamW (or Adam) and any LR scheduler
 
-Like Lightning's own `DeepSpeedStrategy`
-(Lightning-AI/pytorch-lightning:src/lightning/pytorch/strategies/deepspeed.py) the
+Like Lightning's own `DeepSpeedStrategy` (docs/integrations.md, "PyTorch Lightning"), the
 strategy takes the optimizer `configure_optimizers` returns and hands its parameter groups
 and hyperparameters to the engine; the module's AdamW object stays what Lightning and the LR
 schedulers see, and its groups' lr / betas / eps / weight_decay and AdamW flags are copied
@@ -188,8 +187,7 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
                 gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         engine.step()
         # NOTE: the engine stepped on the module optimizer's behalf; tell its LR scheduler
-        # (pytorch/pytorch:torch/optim/lr_scheduler.py `patch_track_step_called` sets the same
-        # flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
+        # (torch's LR scheduler wraps `optimizer.step` to set the same flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
         getattr(optimizer, "_optimizer", optimizer)._opt_called = True
         self._steps += 1
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))

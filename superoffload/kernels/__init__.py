@@ -1,6 +1,6 @@
 """CPU Adam/AdamW kernels: the compiled CFFI module when built, else a pure-torch fallback.
 
-Public API (DESIGN.md §4, issues 2 and 11; docs/kernel.md):
+Public API (DESIGN.md §4; docs/kernel.md):
     AdamHyper(lr, beta1, beta2, eps, weight_decay, adamw_mode=True, bias_correction=True,
               maximize=False)
     AdamHyper.from_group(param_group)     # the one hyper-parameter type; torch.optim.AdamW's
@@ -28,27 +28,24 @@ Public API (DESIGN.md §4, issues 2 and 11; docs/kernel.md):
 ``threads=None`` means the one thread rule (``superoffload.threads``: the affinity mask).
 SUPEROFFLOAD_KERNEL=torch forces the fallback (read at import); a missing build falls back
 with one warning; a stale build (ABI version mismatch) raises ImportError.
+
+Importing this package loads torch and the compiled module, and does nothing else: no
+thread, no environment variable. The compiled kernel's first call settles the process's
+OpenMP wait policy, once (it may park an OpenMP pool on a daemon thread,
+``superoffload-omp-throttle``: kernels/openmp.py; docs/kernel.md, "Threads, the work split
+and the OpenMP wait policy").
 """
 
 from __future__ import annotations
 
-# First, before torch loads libgomp (ours is bound to torch's copy): a passive OpenMP wait
-# policy unless the user chose one (kernels/openmp.py, issue 11 §4).
-from superoffload.kernels.openmp import (
-    choose_wait_policy,
-    openmp_library,
-    throttle_spinning,
-    wait_policy,
-)
+import os
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
 
-choose_wait_policy()
+import torch
 
-import os  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from types import ModuleType  # noqa: E402
-
-import torch  # noqa: E402
+from superoffload.kernels.openmp import openmp_library, wait_policy
 
 KERNEL_ENV = "SUPEROFFLOAD_KERNEL"
 
@@ -70,16 +67,6 @@ def _load_backend() -> tuple[ModuleType, str]:
 
 
 _impl, _BACKEND = _load_backend()
-
-
-def _park_openmp_pool(threads: int) -> None:
-    """One kernel region of exactly `threads` threads (grad_stats gives a thread at least
-    32 Ki elements: SO_MIN_ELEMS_PER_THREAD), for the spin throttle of kernels/openmp.py."""
-    _impl.grad_stats_multi([torch.zeros(threads * 32768, dtype=torch.bfloat16)], threads)
-
-
-if _BACKEND == "cffi":  # torch imported first: throttle libgomp's spinning (issue 20 §6)
-    throttle_spinning(_park_openmp_pool)
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -114,6 +101,7 @@ def adam_rollback(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
 adam_step_multi = _impl.adam_step_multi
 adam_rollback_multi = _impl.adam_rollback_multi
 
+from superoffload.kernels.checks import ExecOptions  # noqa: E402
 from superoffload.kernels.device_adam import device_adam_multi  # noqa: E402
 from superoffload.kernels.hyper import AdamHyper  # noqa: E402
 from superoffload.kernels.prepared import (  # noqa: E402
@@ -122,7 +110,6 @@ from superoffload.kernels.prepared import (  # noqa: E402
     StalePreparedCall,
     prepare,
 )
-from superoffload.kernels.validate import ExecOptions  # noqa: E402
 
 
 def prepare_adam(params: list[torch.Tensor], grads: list[torch.Tensor] | None,
@@ -145,7 +132,7 @@ grad_stats_multi = _impl.grad_stats_multi
 non-finite values)."""
 rollback_risk_multi = _impl.rollback_risk_multi
 """(grads, exp_avg_sqs, *, grad_scale, c_v, threads=None) -> how many elements have
-(g * grad_scale)^2 > c_v * v: the rollback guard's pre-check (runtime/rollback_guard.py);
+(g * grad_scale)^2 > c_v * v: the rollback guard's pre-check (runtime/auto_rollback.py);
 fp32 or bf16 gradients, fp32 moments."""
 
 

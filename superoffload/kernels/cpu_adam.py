@@ -1,9 +1,10 @@
 """Thin wrapper over the compiled CFFI kernel `superoffload.kernels._cpu_adam_cffi`.
 
-Three layers (STYLE.md §7): cext/so_cpu_adam.h declares, the private compiled module
-implements, this file checks every argument (validate.py, before any memory is touched)
-and turns every return code into an exception. Importing it fails with ImportError when
-the compiled module is missing or was built from another version of cext/.
+Three layers (docs/conventions.md, "Kernel bindings in three layers"): cext/so_cpu_adam.h
+declares, the private compiled module implements, this file checks every argument
+(kernels/checks.py, before any memory is touched) and turns every return code into an
+exception. Importing it fails with ImportError when the compiled module is missing or was
+built from another version of cext/.
 
 SUPEROFFLOAD_SIMD=auto|portable|avx2|avx512|neon|sve picks the SIMD path per call
 (default auto: the best the CPU has); simd_path() reports the one that runs.
@@ -13,20 +14,22 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from superoffload.kernels.prepared import multi_entry_points
-from superoffload.kernels.validate import (
+from superoffload.kernels.checks import (
     AdamCall,
     AdamTensors,
     check_grads,
     check_tensors,
     check_threads,
 )
+from superoffload.kernels.openmp import start_throttle
+from superoffload.kernels.prepared import multi_entry_points
 
 try:
     from superoffload.kernels._cpu_adam_cffi import ffi, lib  # type: ignore[import-not-found]
@@ -58,6 +61,28 @@ _DTYPE_CODES = {torch.float32: lib.SO_DTYPE_F32, torch.bfloat16: lib.SO_DTYPE_BF
 _SCHEDULES = {"static": lib.SO_SCHED_STATIC, "dynamic": lib.SO_SCHED_DYNAMIC}
 _NONFINITE = {lib.SO_ERR_NONFINITE_PARAM: "param", lib.SO_ERR_NONFINITE_EXP_AVG: "exp_avg",
               lib.SO_ERR_NONFINITE_EXP_AVG_SQ: "exp_avg_sq", lib.SO_ERR_NONFINITE_GRAD: "grad"}
+
+
+_throttle_started = False  # read on every call: the only cost of the check below
+_throttle_lock = threading.Lock()
+
+
+def _first_call() -> None:
+    """The process's first kernel call settles the OpenMP wait policy (kernels/openmp.py:
+    it may park a pool with a kernel call of its own, which must not come back here, so
+    the flag is set before). Import starts no thread; this runs once per process."""
+    global _throttle_started
+    with _throttle_lock:
+        if _throttle_started:
+            return
+        _throttle_started = True
+    start_throttle(_park_pool)
+
+
+def _park_pool(threads: int) -> None:
+    """One kernel region of exactly `threads` threads (grad_stats gives a thread at least
+    32 Ki elements: SO_MIN_ELEMS_PER_THREAD in cext/so_cpu_adam.c)."""
+    grad_stats_multi([torch.zeros(threads * 32768, dtype=torch.bfloat16)], threads)
 
 
 def _requested_simd() -> int:
@@ -147,6 +172,8 @@ def describe_grads(desc: Descriptor, t: AdamTensors) -> Descriptor:
 
 def run(desc: Descriptor, call: AdamCall, rollback: bool) -> None:
     """Apply a validated call in one parallel region."""
+    if not _throttle_started:
+        _first_call()
     hp, hy = call, call.hyper
     h = ffi.new("so_adam_hparams *", {
         "lr": hy.lr, "beta1": hy.beta1, "beta2": hy.beta2, "eps": hy.eps,
@@ -169,6 +196,8 @@ adam_step_multi, adam_rollback_multi = multi_entry_points(sys.modules[__name__])
 def bandwidth_probe(params, grads, exp_avgs, exp_avg_sqs, *, threads=None) -> None:
     """Benchmark probe: the fp32 step's memory traffic (28 B/param) with no Adam maths:
     p += g, m += g, v += g in one parallel region. Its speed is the step's floor."""
+    if not _throttle_started:
+        _first_call()
     desc = describe(check_tensors(params, grads, exp_avgs, exp_avg_sqs))
     _raise_for(lib.so_bandwidth_probe(desc.struct, check_threads(threads), _requested_simd()),
                "bandwidth_probe")
@@ -195,6 +224,8 @@ def grad_stats_describe(gs: list[torch.Tensor]) -> StatsDescriptor:
 
 
 def grad_stats_run(d: StatsDescriptor, threads: int) -> tuple[float, int]:
+    if not _throttle_started:
+        _first_call()
     sum_sq = ffi.new("double *")
     nonfinite = ffi.new("int64_t *")
     rc = lib.so_grad_stats_multi(d.addrs[1], d.numels, d.count, d.dtype, threads,
@@ -212,6 +243,8 @@ def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
 def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
                         grad_scale: float, c_v: float, threads: int | None = None) -> int:
     """Elements with (g * grad_scale)^2 > c_v * v (cext/so_guard.c; the rollback guard)."""
+    if not _throttle_started:
+        _first_call()
     gs = check_grads(grads)
     if len(exp_avg_sqs) != len(gs) or any(
             v.dtype != torch.float32 or not v.is_contiguous() or v.device.type != "cpu"

@@ -4,7 +4,7 @@ The compiled kernel is CPU-only; a GPU tail bucket's fp32 master and moments liv
 device and are stepped there with the verdict's clip/unscale factor. The keyword signature
 is the kernels' (``adam_step_multi``), so the engine calls either through one path.
 
-Fused path (issue 11 §6): ``torch._fused_adamw_`` / ``torch._fused_adam_`` (the kernels of
+Fused path: ``torch._fused_adamw_`` / ``torch._fused_adam_`` (the kernels of
 ``torch.optim.AdamW(fused=True)``: one multi-tensor launch that reads p, g, m, v and writes
 p, m, v, 28 B/param for fp32), then ``torch._foreach_copy_`` for the low-precision copy (one
 launch, 6 B/param). Differences from our CPU kernel that the wrapper absorbs:

@@ -53,8 +53,6 @@ DEFAULTS: dict[str, Any] = {
     "bias_correction": True,
     "maximize": False,
 }
-GROUP_KEYS = frozenset(DEFAULTS)
-"""The hyper-parameter keys of a param group (besides ``params``)."""
 
 
 # ---------------------------------------------------------------------------- torch's flags

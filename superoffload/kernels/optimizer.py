@@ -1,11 +1,11 @@
 """`CPUAdam`: a torch.optim.Optimizer over the CPU Adam kernel, with rollback.
 
-NOTE: it subclasses torch.optim.Optimizer (as torchao's CPUOffloadOptimizer does, STYLE.md
-§4) so LR schedulers, zero_grad, param groups and state_dict/load_state_dict (through
+NOTE: it subclasses torch.optim.Optimizer (as torchao's CPUOffloadOptimizer does; docs/conventions.md,
+"PyTorch's optimizer contract") so LR schedulers, zero_grad, param groups and state_dict/load_state_dict (through
 torch.save) work as with torch.optim.AdamW; the per-parameter state uses AdamW's keys
 (`step` as a float tensor, `exp_avg`, `exp_avg_sq`), so the two load each other's state.
 
-Parameters may be fp32, bf16 or fp16 (issue 14: a drop-in where people use DeepSpeed's
+Parameters may be fp32, bf16 or fp16 (a drop-in where people use DeepSpeed's
 CPUAdam or torch AdamW on a bf16 model). A bf16/fp16 parameter gets an fp32 master in
 `state[p]["master_param"]`; the kernel steps the master and writes the rounded parameter in
 the same pass (its fused low-precision copy, DESIGN.md §4), so updates smaller than half a
@@ -22,7 +22,7 @@ rollback() undoes the last step exactly (to a few ulps, DESIGN.md §4) using the
 still in .grad and the hyper-parameters that step used (a scheduler's lr change in between
 does not enter the inverse).
 
-FSDP2 (issue 21; docs/distributed.md, "FSDP2"): ``DTensor`` parameters are stepped on their
+FSDP2 (docs/distributed.md, "FSDP2"): ``DTensor`` parameters are stepped on their
 local shards (uneven and empty ones included) and the state is DTensors in the layout
 ``torch.distributed.checkpoint`` saves and reshards. A DTensor parameter must live on the
 CPU: on a GPU that means ``fully_shard(..., offload_policy=CPUOffloadPolicy())``. Without it
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from superoffload.kernels.checks import MOMENT_DTYPES, check_threads
 from superoffload.kernels.hyper import AdamHyper, normalise_group
 from superoffload.kernels.optimizer_batches import (
     LOW_PRECISION,
@@ -52,7 +53,6 @@ from superoffload.kernels.optimizer_batches import (
     local_shard,
     state_like,
 )
-from superoffload.kernels.validate import MOMENT_DTYPES, check_threads
 
 PARAM_DTYPES = (torch.float32, *LOW_PRECISION)
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")

@@ -5,7 +5,7 @@ A param group's parameters that have a gradient are split into BATCHES, one kern
 dtype. Each batch holds a ``PreparedAdam`` (kernels/prepared.py) over the fp32 masters (the
 parameters themselves when they are fp32), the moments and the low-precision parameters
 (written by the kernel's fused copy), so ``step()`` validates only the new gradients
-(issue 11 §3: per-call validation was ~10% of a 180-tensor step).
+(per-call validation was ~10% of a 180-tensor step).
 
 The step counts keep torch.optim.AdamW's layout (``state[p]["step"]``, a float32 scalar
 tensor per parameter) but each is a VIEW into one float32 vector per batch, so one
@@ -16,7 +16,7 @@ dtypes), when a state entry it captured is replaced (``load_state_dict``, a user
 ``state[p][...]``), or when a prepared tensor moved (``p.data = ...``): every step checks
 identities, which costs ~0.2 us per tensor.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``, issue 21) hands the optimizer ``DTensor``
+FSDP2 (``torch.distributed.fsdp.fully_shard``) hands the optimizer ``DTensor``
 parameters and gradients: the kernel steps each rank's LOCAL shard (``DTensor.to_local()``,
 a contiguous view into FSDP2's padded shard buffer; it may be empty on a rank when a dim-0
 shard has fewer rows than ranks). The state keeps AdamW's layout as DTensors of the

@@ -2,9 +2,9 @@
 
 A bucket's tensors never move between steps (DESIGN.md §3), yet a plain
 ``adam_step_multi`` call re-checks every tensor (dtype, device, contiguity, lengths, the
-O(n log n) overlap check of kernels/validate.py) and rebuilds the CFFI pointer arrays each
-time: ~10% of a 180-tensor ``CPUAdam.step`` (issue 11 §3). A ``PreparedAdam`` does that work
-once and then each ``step``/``rollback`` only checks its numbers (kernels/validate.py
+O(n log n) overlap check of kernels/checks.py) and rebuilds the CFFI pointer arrays each
+time: ~10% of a 180-tensor ``CPUAdam.step``. A ``PreparedAdam`` does that work
+once and then each ``step``/``rollback`` only checks its numbers (kernels/checks.py
 ``check_call``) and that no tensor moved::
 
     prep = kernels.prepare_adam(params, grads, exp_avgs, exp_avg_sqs, params_lp=None)
@@ -31,8 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
-from superoffload.kernels.hyper import AdamHyper
-from superoffload.kernels.validate import (
+from superoffload.kernels.checks import (
     AdamCall,
     AdamTensors,
     ExecOptions,
@@ -41,6 +40,7 @@ from superoffload.kernels.validate import (
     check_tensors,
     check_threads,
 )
+from superoffload.kernels.hyper import AdamHyper
 
 _data_ptr = torch.Tensor.data_ptr
 

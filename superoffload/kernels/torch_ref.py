@@ -17,10 +17,9 @@ import sys
 
 import torch
 
+from superoffload.kernels.checks import AdamCall, AdamTensors, check_grads
 from superoffload.kernels.prepared import multi_entry_points
-from superoffload.kernels.validate import AdamCall, AdamTensors, check_grads
 
-SIMD_PATH = "torch"
 STATS_BLOCK = 4096  # = SO_STATS_BLOCK in cext/so_cpu_adam.h
 _MASK32 = 0xFFFFFFFF
 

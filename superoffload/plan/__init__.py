@@ -6,7 +6,7 @@ Pure code: no threads, no devices, no torch state (torch only to describe a modu
     from superoffload import plan
     prof = plan.profiles.get("gh200")
     shape = plan.ModelShape(layers=40, hidden=5120, heads=40, vocab=50257, seq=4096, micro_batch=4)
-    res = plan.simulate(shape, prof, schedule="superoffload")
+    res = plan.simulate(shape, prof, system="superoffload")
     cfg, why, prediction = plan.tune(shape, prof)
 
 The schedule simulated is the one the engine runs: ``plan.schedule.resolve_schedule`` (the one
@@ -40,21 +40,21 @@ from superoffload.plan.calibrate import (
 from superoffload.plan.capacity import fit_problems, gpt_by_layers, max_model_size
 from superoffload.plan.device_grads import DeviceGrads, device_grads
 from superoffload.plan.grad_accum import GradAccumChoice, choose_grad_accum
-from superoffload.plan.guard import SimulationTooLarge
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.measure import measure_local
-from superoffload.plan.memory import Memory, memory
-from superoffload.plan.profiles import HardwareProfile
-from superoffload.plan.schedule import ENGINE, ENGINE_NEXT, ENGINE_TODAY, EngineVariant, engine_for
+from superoffload.plan.memory import memory
+from superoffload.plan.memory_types import Memory
+from superoffload.plan.schedule import ENGINE, ENGINE_H200_MEASURED, EngineVariant, engine_for
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import LaneStats, SimResult, choose_weights, simulate
-from superoffload.plan.techniques import SCHEDULES, ZERO_OFFLOAD, Techniques
+from superoffload.plan.size_limit import SimulationTooLarge
+from superoffload.plan.techniques import SYSTEMS, ZERO_OFFLOAD, System, Techniques
 from superoffload.plan.tune import Constraints, InfeasibleError, tune
 from superoffload.plan.weights import WeightChoice
 
 __all__ = [
     "ENGINE",
-    "ENGINE_NEXT",
-    "ENGINE_TODAY",
+    "ENGINE_H200_MEASURED",
     "EngineVariant",
     "engine_for",
     "DeviceGrads",
@@ -66,7 +66,8 @@ __all__ = [
     "facts",
     "fit_compute",
     "schedule",
-    "SCHEDULES",
+    "SYSTEMS",
+    "System",
     "ZERO_OFFLOAD",
     "ablation",
     "Constraints",
@@ -97,3 +98,16 @@ __all__ = [
     "simulate",
     "tune",
 ]
+
+_RENAMED = {"ENGINE_TODAY": "ENGINE_H200_MEASURED", "ENGINE_NEXT": "ENGINE", "SCHEDULES": "SYSTEMS"}
+"""Old public names, still importable with a DeprecationWarning (docs/planner.md, "Renamed")."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(f"plan.{name} is now plan.{new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superoffload.config import OffloadConfig
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import simulate
 from superoffload.plan.techniques import ZERO_OFFLOAD, Techniques

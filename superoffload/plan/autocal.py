@@ -1,4 +1,4 @@
-"""Calibrate the planner on the first iterations of a real run (issue 18, item 2). Pure.
+"""Calibrate the planner on the first iterations of a real run (docs/planner.md). Pure.
 
 The engine's telemetry of a few steady iterations (spans per lane, the step-to-step
 iteration time) is the best description of this machine for this model: ``calibrate_run``
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from superoffload.plan.calibrate import calibrate
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.techniques import Techniques
 from superoffload.telemetry.events import Span

@@ -106,9 +106,9 @@ def plan_buckets(
       past ``bucket_bytes``).
       So the small tensors between two large ones (norms, biases) ride with a large one
       rather than paying a bucket's fixed costs alone (a D2H, a kernel call, an H2D, a
-      validation: issue 11, 34 of 101 host buckets under 1 M parameters on a 1.2 B GPT);
+      validation: 34 of 101 host buckets under 1 M parameters on a 1.2 B GPT);
       a parameter larger than a bucket that starts a bucket gets it to itself. Without
-      ``merge_small`` (the engine before issue 11) every overflow closes the bucket.
+      ``merge_small`` (``ENGINE_H200_MEASURED``) every overflow closes the bucket.
     * The first buckets in gradient-ready order covering (closest to) ``ratio`` of the bytes
       are offloaded; the rest are GPU tail buckets (paper §4.2).
     """

@@ -32,7 +32,7 @@ from superoffload.plan.cost import (
     UNFUSED_TAIL_LAUNCHES,
     tail_bytes_per_param,
 )
-from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.schedule import ENGINE
 from superoffload.plan.shapes import ModelShape
 from superoffload.telemetry import events as ev
@@ -176,7 +176,7 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
 
 @dataclass(frozen=True, slots=True)
 class CalibrationState:
-    """Whether a profile's predictions rest on a measured run of the engine (issue 18)."""
+    """Whether a profile's predictions rest on a measured run of the engine."""
 
     calibrated: bool
     """True when the compute rate was fitted to a measured run (``calibrate`` on engine

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from superoffload.config import OffloadConfig
+from superoffload.config import OffloadConfig, choices_of
 from superoffload.plan.feasible import search
 from superoffload.plan.grad_accum import resolve_decided
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.parallel import rank_profile
-from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
-from superoffload.plan.techniques import SCHEDULES
+from superoffload.plan.techniques import SYSTEMS, system_of
 
 MAX_LAYERS = 1000
 
@@ -39,37 +39,43 @@ def gpt_by_layers(layers: int, *, seq: int, micro_batch: int, vocab: int = 50257
                       dp=dp, ranks_per_host=ranks_per_host)
 
 
-def fit_problems(shape: ModelShape, prof: HardwareProfile, schedule: str,
+def fit_problems(shape: ModelShape, prof: HardwareProfile, system: str | None = None,
                  config: OffloadConfig | None = None, *,
                  allow_bf16_moments: bool = False,
-                 weights: Literal["stationary", "flow"] | None = None) -> list[str]:
+                 weights: Literal["stationary", "flow"] | None = None,
+                 schedule: str | None = None) -> list[str]:
     """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
     config, every setting that saves memory is searched (plan/feasible.py: the ratio down from
     1 when the host binds, weight-flow when the device binds, bf16 moments only when
     `allow_bf16_moments`): the same search ``tune`` starts from; ``weights`` ("stationary" or
-    "flow") keeps the weight policy fixed in it."""
-    if config is not None or schedule != "superoffload":
+    "flow") keeps the weight policy fixed in it. ``schedule=`` is the old name of ``system=``
+    (a DeprecationWarning)."""
+    system = system_of(system, schedule, "fit_problems")
+    if config is not None or system != "superoffload":
         prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
         auto = None
-        if config is not None and config.weights == "auto" and schedule == "superoffload":
+        if config is not None and config.weights == "auto" and system == "superoffload":
             auto = choose_weights(shape, prof, config)  # as plan.simulate decides it
-        plan = resolve_decided(shape, prof, schedule, config, None, auto=auto)
+        plan = resolve_decided(shape, prof, system, config, None, auto=auto)
         return check_fits(memory(shape, prof, plan), prof)
-    dtypes = ("fp32", "bf16") if allow_bf16_moments else ("fp32",)
+    dtypes = choices_of("optimizer_state_dtype") if allow_bf16_moments else ("fp32",)
     if weights is not None:
         return list(search(shape, prof, OffloadConfig(weights=weights), fixed={"weights"},
                            dtypes=dtypes).problems)
     return list(search(shape, prof, OffloadConfig(), dtypes=dtypes).problems)
 
 
-def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: int = 1024,
+def max_model_size(prof: HardwareProfile, system: str | None = None, seq: int = 1024,
                    micro_batch: int = 1, config: OffloadConfig | None = None,
                    activation_checkpointing: bool = True, dp: int = 1,
-                   ranks_per_host: int = 1, allow_bf16_moments: bool = False) -> int:
-    """Parameters of the largest GPT-like model that fits `prof` under `schedule` (0 if none);
-    with `dp` ranks (`ranks_per_host` per host) every rank must fit (plan/parallel.py)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+                   ranks_per_host: int = 1, allow_bf16_moments: bool = False, *,
+                   schedule: str | None = None) -> int:
+    """Parameters of the largest GPT-like model that fits `prof` running `system` (default
+    "superoffload"; 0 if none); with `dp` ranks (`ranks_per_host` per host) every rank must fit
+    (plan/parallel.py). ``schedule=`` is the old name of ``system=`` (a DeprecationWarning)."""
+    system = system_of(system, schedule, "max_model_size", default="superoffload")
+    if system not in SYSTEMS:
+        raise ValueError(f"system={system!r}: use one of {', '.join(SYSTEMS)}")
     best = 0
     lo, hi = 1, MAX_LAYERS
     # memory grows monotonically with layers (and hidden), so bisect on the layer count
@@ -78,7 +84,7 @@ def max_model_size(prof: HardwareProfile, schedule: str = "superoffload", seq: i
         shape = gpt_by_layers(mid, seq=seq, micro_batch=micro_batch,
                               activation_checkpointing=activation_checkpointing, dp=dp,
                               ranks_per_host=ranks_per_host)
-        if fit_problems(shape, prof, schedule, config, allow_bf16_moments=allow_bf16_moments):
+        if fit_problems(shape, prof, system, config, allow_bf16_moments=allow_bf16_moments):
             hi = mid - 1
         else:
             best = shape.params

@@ -1,4 +1,4 @@
-"""The device-compute lane: seconds of each layer's forward and backward (issue 18, item 2).
+"""The device-compute lane: seconds of each layer's forward and backward.
 
 Three terms per layer (shapes: plan/formulas.py; rates: the HardwareProfile):
   matmuls      FLOPs / device_achieved_tflops
@@ -8,8 +8,8 @@ Three terms per layer (shapes: plan/formulas.py; rates: the HardwareProfile):
   dispatch     operations x device_op_s: Python, autograd and the launch of each operation
                (0 = not modelled). On a GPU the host issues kernels ahead of the device, so
                the layer takes max(device work, dispatch); on the CPU backend one thread does
-               both, so they add (a 121 K-parameter model on a CPU is all dispatch: issue 18
-               measured 5-27x too fast predictions without this term).
+               both, so they add (a 121 K-parameter model on a CPU is all dispatch: without
+               this term its predictions were measured 5-27x too fast).
 Backward moves 2x the element-wise bytes and issues 2x the operations of the forward;
 activation checkpointing adds one forward of each block (Narayanan et al. 2021, §5.1).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 
 

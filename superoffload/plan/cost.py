@@ -22,7 +22,7 @@ Formulas (paper section in brackets; SuperOffload, Lian et al., arXiv 2509.21271
               cpu_adam_bf16_moments_relative (docs/kernel.md: ~1.3 vs ~3 G params/s per
               thread in cache), so it pays only where the bus, not the cores, bounds the lane
   device Adam fused: t = launch per bucket + params * 28 B / device_bw; the unfused
-              foreach step: ~20 launches per bucket and ~118 B/param (issue 11, item 6)
+              foreach step: ~20 launches per bucket and ~118 B/param
   compute     t = FLOPs / achieved FLOP/s           (FLOPs from ModelShape: 6 N tokens + attention,
                                                     + 2 N tokens recompute with checkpointing)
   casting     device: launch + elems / device_cast_rate; host: elems / host_cast_rate, a separate
@@ -36,19 +36,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
+from superoffload.config import choices_of
 from superoffload.plan.compute import layer_times
-from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.threads import optimizer_threads, runtime_threads
 
 Kernel = Literal["ours", "deepspeed", "torch"]
-KERNELS: tuple[str, ...] = ("ours", "deepspeed", "torch")
+KERNELS: tuple[str, ...] = get_args(Kernel)
 Direction = Literal["h2d", "d2h"]
-STATE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
+STATE_DTYPES: tuple[str, ...] = choices_of("optimizer_state_dtype")
 """OffloadConfig.optimizer_state_dtype: the dtype of the host's Adam moments."""
 BF16_MOMENT_SAVING = 8.0
 """Bytes per parameter bf16 moments save in the CPU step: m and v read and written as 2 B
@@ -159,10 +160,10 @@ def cpu_adam_time_s(params: float, prof: HardwareProfile, threads: int, kernel: 
 
 
 UNFUSED_TAIL_BYTES = 118.0
-"""Device bytes per parameter of the unfused tail step (ENGINE_TODAY's kernels.device_adam_multi:
-~13 foreach passes, per-tensor casts and temporaries; issue 11, item 6)."""
+"""Device bytes per parameter of the unfused tail step (``ENGINE_H200_MEASURED``'s kernels.device_adam_multi:
+~13 foreach passes, per-tensor casts and temporaries)."""
 UNFUSED_TAIL_LAUNCHES = 20
-"""Kernel launches per tail bucket of the unfused tail step (ENGINE_TODAY; issue 11, item 6)."""
+"""Kernel launches per tail bucket of the unfused tail step (``ENGINE_H200_MEASURED``)."""
 FUSED_TAIL_LAUNCHES = 1
 """A fused multi-tensor step (``torch._fused_adamw_`` or one Triton kernel): one per bucket."""
 
@@ -171,8 +172,8 @@ def device_adam_time_s(params: float, prof: HardwareProfile, *, tail_step: str =
                        buckets: int = 1) -> float:
     """Device Adam over `params` parameters in `buckets` buckets: "fused" is bandwidth bound at
     28 B/param (read bf16 grad + fp32 p, m, v; write p, m, v + the bf16 copy) with one launch
-    per bucket; "unfused" is ENGINE_TODAY's foreach step, 118 B/param and 20 launches per
-    bucket."""
+    per bucket; "unfused" is ``ENGINE_H200_MEASURED``'s foreach step, 118 B/param and 20
+    launches per bucket."""
     if params <= 0:
         return 0.0
     if tail_step == "fused":
@@ -301,6 +302,14 @@ def per_param_lane_s(prof: HardwareProfile, grad_cast: str, param_cast: str, ker
     }
 
 
+PARAM_CAST_PREFERENCE = ("host", "device")
+"""``param_cast``'s decided values in the order ``choose_casting`` and ``plan.tune`` try them:
+host casting first (§4.4: the Superchip casts the weights on the host). A search order, not the
+``CastSide`` declaration's order; kept as it was so that a tie the tuner breaks by position
+(equal preference and equal score) still falls the same way. Its members are the config's
+(tests/test_plan_schedule.py)."""
+
+
 def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
                    bucket_params: float, moments: str = "fp32") -> tuple[str, str, str]:
     """Pick (grad_cast, param_cast) minimising the offload pipeline's bottleneck lane (its
@@ -308,8 +317,8 @@ def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
     the host bus it shares with both DMA directions, so moving fp32 costs host bandwidth
     too (FACTS.md H200: the bus, not the link, bounds the pipeline). Returns a reason too."""
     candidates = []
-    for g in ("device", "host"):
-        for p in ("host", "device"):
+    for g in choices_of("grad_cast", decided=True):
+        for p in PARAM_CAST_PREFERENCE:
             lanes = per_param_lane_s(prof, g, p, kernel, threads, bucket_params, moments)
             key = max(lanes["d2h"], lanes["cpu"], lanes["h2d"])
             total = lanes["d2h"] + lanes["cpu"] + lanes["h2d"]

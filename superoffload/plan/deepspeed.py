@@ -1,20 +1,20 @@
 """The peer users actually run: DeepSpeed ZeRO-2 with ``offload_optimizer: {device: cpu}``.
 
-The planner's "zero-offload" schedule. Modelled from DeepSpeed's own code (read at
-github.com/deepspeedai/DeepSpeed, ``deepspeed/runtime/zero/stage_1_and_2.py`` and
-``deepspeed/runtime/zero/config.py``), not from the ZeRO-Offload paper's description,
-because FACTS.md measured DeepSpeed 0.19.8 at 746.6 ms where the paper-style model said 484.
+The planner's "zero-offload" system. Modelled from DeepSpeed's own code (its ZeRO stage 1/2
+optimizer and its ZeRO config defaults, DeepSpeed 0.19.8), not from the ZeRO-Offload paper's
+description, because FACTS.md measured DeepSpeed 0.19.8 at 746.6 ms where the paper-style
+model said 484.
 
-What one iteration does (dp ranks; DS = stage_1_and_2.py):
+What one iteration does (dp ranks; DS = DeepSpeed's ZeRO stage 1/2 code):
   backward   gradients gather in "ipg" reduce buckets of ``reduce_bucket_size`` elements
-             (config.py default 5e8; whole parameters, a larger one alone). When a bucket is
+             (DS config default 5e8; whole parameters, a larger one alone). When a bucket is
              full (``reduce_independent_p_g_buckets_and_remove_grads``) it is reduced
              (``average_tensor``: reduce-scatter in the model dtype; nothing at dp=1) and, per
              parameter of this rank's partition (``copy_grads_in_partition`` with cpu_offload):
              ``.double().norm(2)`` on the GPU, ``_has_inf_or_nan`` tested with a Python ``if``
              (a host sync per parameter), ``.to(fp32)`` on the GPU and a pinned fp32 D2H copy
              (``async_inplace_copy_grad_to_fp32_buffer_from_gpu``). ZeRO-2's ``overlap_comm``
-             defaults to False (config.py ``overlap_comm_valid``: True only for stage 3), so
+             defaults to False (DS config ``overlap_comm_valid``: True only for stage 3), so
              all of it runs on the compute stream: backward waits for it.
   step       ``complete_grad_norm_calculation_for_cpu_offload``: one ``.item()`` per
              parameter; ``unscale_and_clip_grads``: ``mul_`` over the fp32 gradient partition
@@ -40,16 +40,16 @@ import numpy as np
 from superoffload.config import OffloadConfig
 from superoffload.plan import compute, cost, parallel
 from superoffload.plan.buckets import plan_buckets
+from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.memory_types import Memory
-from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 from superoffload.telemetry import events as ev
 
 REDUCE_BUCKET_ELEMS = 500_000_000
-"""``reduce_bucket_size`` default (deepspeed/runtime/zero/config.py)."""
+"""``reduce_bucket_size`` default (DeepSpeed's ZeRO config)."""
 OVERLAP_COMM = False
-"""ZeRO-2's default (config.py ``overlap_comm_valid``: only stage 3 defaults to True)."""
+"""ZeRO-2's default (DeepSpeed config ``overlap_comm_valid``: only stage 3 defaults to True)."""
 GRAD_PASS_BYTES = 56.0
 """Device bytes per gradient element of the per-parameter processing: the copy into the ipg
 buffer (2 + 2), ``.double().norm(2)`` (2 + 8 + 8), ``_has_inf_or_nan`` (float, isnan, isinf,
@@ -69,7 +69,7 @@ def resolve_zero2(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,
     plan = plan_buckets(shape.param_specs(), bucket_bytes=REDUCE_BUCKET_ELEMS * 4, ratio=1.0)
     low = shape.dtype != "float32"
     return Resolved(
-        schedule="zero-offload", bucket_bytes=REDUCE_BUCKET_ELEMS * 4, whole_model_bucket=False,
+        system="zero-offload", bucket_bytes=REDUCE_BUCKET_ELEMS * 4, whole_model_bucket=False,
         ratio=1.0, speculate=False, rollback_rate=rollback_rate, grad_cast="device",
         param_cast="host" if low else "device", weights="stationary", kernel="deepspeed",
         threads=prof.cpu_cores, prefetch_depth=cfg.prefetch_depth, snapshot_rollback=False,

@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PLACES = ("device", "host")
+from superoffload.config import choices_of
+
+PLACES: tuple[str, ...] = choices_of("grad_accum_on", decided=True)
 """Where gradients of offloaded buckets accumulate over micro-steps (resolved, never "auto")."""
 
 

@@ -2,7 +2,7 @@
 
 `benchmarks/bench_engine.py` on one H200 (PCIe Gen5) with a 16-core Xeon host, GPT 24 x 2048
 (1.21 B parameters, vocab 256, learned positions, tied head, no activation checkpointing),
-bf16, batch 8 x 1024, no clipping. Each row is (label, schedule, OffloadConfig changes, measured
+bf16, batch 8 x 1024, no clipping. Each row is (label, system, OffloadConfig changes, measured
 ms). `calibration_table()` predicts every row with the measured profile
 (plan/profiles_measured.py) and the engine variant the measurements were taken with
 (`H200_ENGINE`, the engine at ef04687: FIFO stepping, unfused tail step), so that
@@ -11,7 +11,7 @@ ms). `calibration_table()` predicts every row with the measured profile
 
 prints predicted next to measured (docs/planner.md). tests/test_plan_calibration.py pins it.
 Only the plain row was used to fit a figure (device_achieved_tflops); the rest are predictions.
-`targets()` predicts issue 11's targets on the same machine for the engine that runs now
+`targets()` predicts the H200 speed targets on the same machine for the engine that runs now
 (``plan.schedule.ENGINE``, not yet measured on a GPU): >= 0.92x plain at the tuner's pick,
 >= 0.65x plain at ratio 0.7, each also with bf16 moments.
 """
@@ -24,7 +24,7 @@ from typing import Any
 from superoffload.config import MiB, OffloadConfig
 from superoffload.plan import profiles
 from superoffload.plan.hardware import HardwareProfile
-from superoffload.plan.schedule import ENGINE_TODAY, EngineVariant
+from superoffload.plan.schedule import ENGINE_H200_MEASURED, EngineVariant
 from superoffload.plan.shapes import ModelShape
 from superoffload.presets import gh200, pcie_host
 
@@ -34,14 +34,14 @@ H200_SHAPE = ModelShape(layers=24, hidden=2048, heads=16, vocab=256, seq=1024, m
 """The 1.21 B GPT of FACTS.md's table (``GPT(GPTConfig(n_layer=24, n_embd=2048, n_head=16,
 block_size=1024))``, bench_engine.py's byte vocabulary)."""
 
-H200_ENGINE = ENGINE_TODAY
+H200_ENGINE = ENGINE_H200_MEASURED
 """The engine the table was measured with (project at ef04687)."""
 
 
 @dataclass(frozen=True, slots=True)
 class FactRow:
     label: str
-    schedule: str
+    system: str
     """"gpu" (plain PyTorch), "superoffload" (our engine), "zero-offload" (DeepSpeed)."""
     config: OffloadConfig | None
     measured_ms: float
@@ -95,7 +95,7 @@ def calibration_table(prof: HardwareProfile | None = None, engine: EngineVariant
     tech = Techniques(rollback_rate=0.0, engine=engine)
     out = []
     for row in H200_ROWS:
-        res = simulate(shape, prof, row.schedule, row.config, tech)
+        res = simulate(shape, prof, row.system, row.config, tech)
         out.append(CalibrationRow(row, res.iteration_s * 1e3))
     return out
 
@@ -118,18 +118,18 @@ def format_table(rows: list[CalibrationRow], next_rows: list[CalibrationRow] | N
 
 
 PLAIN_MS = H200_ROWS[0].measured_ms
-"""The measured plain row, what issue 11's targets are relative to."""
+"""The measured plain row, what the H200 speed targets are relative to."""
 
 
 @dataclass(frozen=True, slots=True)
 class TargetRow:
-    """One of issue 11's settings, predicted (never measured) for an engine variant."""
+    """One of the H200 speed targets' settings, predicted (never measured) for an engine variant."""
 
     label: str
     config: OffloadConfig
     predicted_ms: float
     target: float | None
-    """Issue 11's target as a share of plain's speed (plain ms / ours ms), None for a
+    """The H200 speed target as a share of plain's speed (plain ms / ours ms), None for a
     what-if row."""
 
     @property
@@ -140,7 +140,7 @@ class TargetRow:
 
 def targets(prof: HardwareProfile | None = None, engine: EngineVariant | None = None,
             shape: ModelShape = H200_SHAPE) -> list[TargetRow]:
-    """Issue 11's targets predicted on `prof` (default h200-pcie-measured) for `engine` (None:
+    """The H200 speed targets predicted on `prof` (default h200-pcie-measured) for `engine` (None:
     the engine that runs, ``plan.schedule.engine_for(config)``): the tuner's pick as
     ``bench_engine.py --tuned`` asks for it (device, pinned memory and no clipping fixed), the
     pcie_host preset at ratio 0.7, and each with bf16 moments (the tuner allowed them)."""
@@ -180,7 +180,7 @@ def format_targets(rows: list[TargetRow]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------- out of sample (issue 18, item 2)
+# ----------------------------------------------------------- out of sample
 MATMUL_PROBE_TFLOPS = 708.0
 """FACTS.md, H200 machine: measure_local's bf16 square-matmul probe (4096^3)."""
 
@@ -204,7 +204,7 @@ def raw_profile(elementwise: bool = True) -> HardwareProfile:
 
 def out_of_sample_table() -> str:
     """Every FACTS.md row predicted from the raw measured profile: the matmul probe alone
-    (the planner before issue 18) and with the element-wise term; no figure fitted."""
+    (the planner before the element-wise term) and with the element-wise term; no figure fitted."""
     old = calibration_table(raw_profile(elementwise=False))
     new = calibration_table(raw_profile())
     head = (f"{'schedule':50} {'measured ms':>11} {'matmul probe':>12} {'error':>7} "

@@ -1,5 +1,5 @@
 """Will it fit, and at which setting? The memory search behind ``tune``, ``fit_problems`` and
-``max_model_size`` (issue 18, item 1).
+``max_model_size``.
 
 A setting fits when both memories hold what it keeps (plan/memory.py). The settings trade one
 side for the other:
@@ -16,7 +16,7 @@ side for the other:
   device's best chance: when the device does not fit there, no ratio fits. (With a device
   cast fixed by the caller the device side may rise by up to 8 B/param of staging per
   direction: then every smaller prefix is checked too.) The old search tried ratio 1 only:
-  right when the device binds, wrong when the host does (issue 18: Llama-3-8B at seq 4096 on
+  right when the device binds, wrong when the host does (Llama-3-8B at seq 4096 on
   h200-pcie-measured fits at ratio 0.3).
 * weight-flow (ratio 1 by the rule book) keeps a few blocks of weights on the device: the most
   device-frugal setting and the most host-hungry one.
@@ -38,9 +38,10 @@ from itertools import accumulate
 
 from superoffload.config import OffloadConfig
 from superoffload.plan.grad_accum import resolve_decided
-from superoffload.plan.memory import Memory, check_fits, fit_sides, memory
+from superoffload.plan.hardware import HardwareProfile
+from superoffload.plan.memory import check_fits, fit_sides, memory
+from superoffload.plan.memory_types import Memory
 from superoffload.plan.parallel import rank_profile
-from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.techniques import Techniques, resolve
 

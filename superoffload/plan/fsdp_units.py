@@ -24,7 +24,7 @@ each unit once in its post-backward -- not on a micro-step that only accumulates
 device (``set_requires_gradient_sync(False)``). A bucket's gradients are complete when the
 last unit holding one of its parameters has reduce-scattered (``UnitPlan.buckets_of``).
 
-Pure data in, data out: no torch (STYLE.md §2).
+Pure data in, data out: no torch (docs/conventions.md, "Pure planning core").
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from superoffload.config import choices_of
 from superoffload.plan.buckets import (
     GRAD_BYTES_PER_PARAM,
     BucketPlan,
@@ -42,7 +43,7 @@ from superoffload.plan.buckets import (
 
 ROOT = -1
 """``block_of`` value of a parameter outside the blocks (the root unit holds it)."""
-WEIGHTS = ("stationary", "flow")
+WEIGHTS: tuple[str, ...] = choices_of("weights", decided=True)
 
 
 def group_blocks(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ figures, the ``plan.memory`` and ``plan.sim_core`` every prediction uses:
 
 ``resolve_decided`` is ``techniques.resolve`` with that decision made first: every planner
 entry point (simulate, the memory search, capacity) resolves through it, so a prediction
-describes the place the engine uses. Pure: no torch, no threads (STYLE.md §2). The engine
+describes the place the engine uses. Pure: no torch, no threads (docs/conventions.md, "Pure planning core"). The engine
 calls ``choose_grad_accum`` for "auto" with its own facts (``ModelShape.from_module`` of the
 model, the resolved profile: the rank's share of the host when ranks share one).
 """
@@ -34,11 +34,11 @@ model, the resolved profile: the rank's share of the host when ranks share one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from superoffload.config import OffloadConfig
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import check_fits, memory
-from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.sim_core import accumulation_micro_step_s
@@ -46,7 +46,9 @@ from superoffload.plan.techniques import Techniques, resolve
 from superoffload.plan.weights import fmt_gb
 
 Place = Literal["device", "host"]
-PLACES: tuple[Place, ...] = ("device", "host")
+PLACES: tuple[Place, ...] = get_args(Place)
+"""``grad_accum_on`` decided (the config's members without "auto"; tests/test_plan_schedule.py
+checks they agree)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +133,13 @@ def choose_grad_accum(shape: ModelShape, profile: HardwareProfile, config: Offlo
         device_memory_bytes=profile.device_memory_bytes)
 
 
-def resolve_decided(shape: ModelShape, prof: HardwareProfile, schedule: str,
+def resolve_decided(shape: ModelShape, prof: HardwareProfile, system: str,
                     config: OffloadConfig | None, techniques: Techniques | None, *,
                     auto: Any = None) -> Resolved:
     """``techniques.resolve`` with grad_accum_on="auto" decided first (``choose_grad_accum``)
     when it matters: the SuperOffload schedule accumulating over several micro-steps."""
     accum = None
-    if (schedule == "superoffload" and config is not None and config.grad_accum_on == "auto"
+    if (system == "superoffload" and config is not None and config.grad_accum_on == "auto"
             and config.grad_accum_steps > 1):
         accum = choose_grad_accum(shape, prof, config, techniques=techniques, auto=auto)
-    return resolve(shape, prof, schedule, config, techniques, auto=auto, accum=accum)
+    return resolve(shape, prof, system, config, techniques, auto=auto, accum=accum)

@@ -1,8 +1,7 @@
 """A Hugging Face causal LM's `config.json` -> the planner's ModelShape (no transformers needed).
 
 Families and what differs from our GPT block (plan/shapes.py), as `transformers` 5.x registers
-their parameters (modeling_llama.py, modeling_mistral.py, modeling_qwen2.py, modeling_gpt2.py,
-modeling_gpt_neox.py):
+their parameters (each family's modeling file in huggingface/transformers):
   llama, mistral  GQA: q (heads*hd x h), k and v (kv_heads*hd x h), o (h x heads*hd); biases only
                   with `attention_bias` (q, k, v, o) / `mlp_bias`; SwiGLU MLP gate, up (f x h),
                   down (h x f); two RMSNorm weights; final norm; untied head by default

@@ -1,4 +1,4 @@
-"""Any architecture ``transformers`` can build, read on the meta device (issue 18, item 3).
+"""Any architecture ``transformers`` can build, read on the meta device.
 
 The shipped families (llama, mistral, qwen2, gpt2, gpt_neox: plan/hf_config.py) are counted
 from formulas without transformers. Every other ``model_type`` is instantiated here with

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from superoffload.plan.capacity import MAX_LAYERS, fit_problems
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 
 DEEPSPEED_ESTIMATOR = {"gpu_bytes_per_param": 2.0, "cpu_bytes_per_param": 16.0,

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.probe import dispatch_op_s
-from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.timing import busy_flags, load_average, relative_spread, repeat
 
 CACHE_ENV = "SUPEROFFLOAD_CACHE_DIR"

@@ -46,8 +46,8 @@ from __future__ import annotations
 import numpy as np
 
 from superoffload.plan.device_grads import DeviceGrads, device_grads
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory_types import Memory
-from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 
@@ -63,7 +63,7 @@ TRANSIENTS = ("loss_transient", "step_temporaries")
 def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
     """Parameters whose fp32 state lives on the host: the whole host buckets of the engine's
     bucket table (plan.schedule rule book), as the engine and the simulator offload them."""
-    if plan.schedule == "gpu":
+    if plan.system == "gpu":
         return 0.0
     return float(plan.host_numel)
 
@@ -78,7 +78,7 @@ def largest_host_bucket(plan: Resolved) -> float:
 
 def grads_of(shape: ModelShape, plan: Resolved) -> DeviceGrads:
     """The device-gradient rule (plan/device_grads.py) for a resolved schedule."""
-    if plan.schedule == "gpu":
+    if plan.system == "gpu":
         host: list[int] = []
     elif plan.whole_model_bucket:
         host = [plan.host_numel]
@@ -93,7 +93,7 @@ def grads_of(shape: ModelShape, plan: Resolved) -> DeviceGrads:
 
 def streamed_numel(shape: ModelShape, plan: Resolved) -> int:
     """Elements weight-flow streams: the blocks' (everything else stays resident)."""
-    if plan.weights != "flow" or plan.schedule == "gpu":
+    if plan.weights != "flow" or plan.system == "gpu":
         return 0
     return int(sum(shape.layer_params()[1:-1]))
 
@@ -101,7 +101,7 @@ def streamed_numel(shape: ModelShape, plan: Resolved) -> int:
 def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     """Per-side bytes for `shape` under the resolved schedule `plan` (per rank when dp > 1).
     The "zero-offload" schedule is DeepSpeed's, with its own buffers (plan/deepspeed.py)."""
-    if plan.schedule == "zero-offload":
+    if plan.system == "zero-offload":
         from superoffload.plan.deepspeed import zero2_memory
 
         return zero2_memory(shape, plan)
@@ -134,7 +134,7 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     grads = grads_of(shape, plan)
     temporaries = 0.0
     if low and prof.device_type == "cuda" and grads.tail_numel:
-        tail_buckets = (plan.bucket_plan.buckets if plan.schedule == "gpu"
+        tail_buckets = (plan.bucket_plan.buckets if plan.system == "gpu"
                         else plan.bucket_plan.device_buckets)
         temporaries = 4.0 * max((b.numel for b in tail_buckets), default=0)
     parts, kept = _device_peak(shape, plan, resident, grads, w, temporaries)
@@ -164,7 +164,7 @@ def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
         tied = np.flatnonzero((layer == 0) & (numel == shape.vocab * shape.hidden))
         arrival[tied[:1]] = top
     on_host = np.zeros(len(numel), dtype=bool)
-    if plan.schedule != "gpu":
+    if plan.system != "gpu":
         for b in plan.bucket_plan.host_buckets:
             on_host[list(b.param_indices)] = True
     # gradients arrived once layer k's backward has run (k = top .. 0): a reverse cumsum

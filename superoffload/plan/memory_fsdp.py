@@ -39,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 
 from superoffload.plan.device_grads import device_grads
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory_types import Memory
-from superoffload.plan.profiles import HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 

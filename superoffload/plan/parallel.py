@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 
 
 def _check_ranks(ranks: int) -> None:

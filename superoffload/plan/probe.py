@@ -1,5 +1,5 @@
 """The device's speed for THIS model: its own matmul shapes, attention, element-wise passes and
-the host's cost per operation, measured on the machine (issue 18, item 2).
+the host's cost per operation, measured on the machine.
 
 A square-matmul probe is not what a model reaches: FACTS.md's H200 measured 708 TFLOP/s on
 one, the 1.21 B GPT trained at the equivalent of 533; and on a 2-core CPU a 121 K-parameter
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from superoffload.plan import formulas
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.timing import busy_flags, repeat
 

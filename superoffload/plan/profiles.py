@@ -12,11 +12,10 @@ Units: bytes, seconds, GB/s = 1e9 B/s, TFLOPS = 1e12 FLOP/s, params/s.
 
 from __future__ import annotations
 
-from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, GB, GiB, HardwareProfile
+from superoffload.plan.hardware import GB, HardwareProfile
 from superoffload.plan.profiles_measured import h200_pcie_measured
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "GB", "GiB", "HardwareProfile", "NAMES", "PROFILES", "get",
-           "names"]
+__all__ = ["NAMES", "PROFILES", "get", "names"]
 
 
 _GRACE_ADAM = 1e9 / 0.082  # FACTS.md: GraceAdam, 1B params in 0.082 s on 72 Grace cores

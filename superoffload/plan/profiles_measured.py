@@ -98,7 +98,7 @@ def h200_pcie_measured() -> HardwareProfile:
             ("device_launch_s", "estimate: ~10 us per kernel launch or event record"),
             ("cpu_call_s", "estimate: per-bucket work of the CPU lane besides the kernel pass "
                            "(validation with a host float(), 5-6 ffi.new, a span, a future and "
-                           "the queue hand-off; issue 11, item 3)"),
+                           "the queue hand-off)"),
             ("host_write_allocate", "x86 stores allocate (write-allocate reads)"),
         ),
         notes="The H200 machine of FACTS.md: links, casts, host copy bandwidth and the warm "

@@ -3,6 +3,7 @@ peer, plan/deepspeed.py, too — a module of its own so neither imports the othe
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,8 @@ from superoffload.plan.schedule import ENGINE, EngineVariant
 class Resolved:
     """The concrete schedule one simulation runs (every 'auto' decided, every rule applied)."""
 
-    schedule: str
+    system: str
+    """What is simulated: "superoffload", "zero-offload" or "gpu" (``plan.techniques.System``)."""
     bucket_bytes: int
     """Bytes of fp32 gradient per bucket (4 B/param), as OffloadConfig.bucket_bytes."""
     whole_model_bucket: bool
@@ -65,10 +67,18 @@ class Resolved:
         object.__setattr__(self, "host_numel", host)
         object.__setattr__(self, "device_numel", self.bucket_plan.total_numel - host)
 
+    @property
+    def schedule(self) -> str:
+        """Deprecated: the old name of ``system``."""
+        warnings.warn("Resolved.schedule is now Resolved.system", DeprecationWarning, stacklevel=2)
+        return self.system
+
     def as_dict(self) -> dict[str, Any]:
-        """JSON-safe fields (the bucket table as counts)."""
+        """JSON-safe fields (the bucket table as counts; "schedule" repeats "system" under its
+        old key for one release, docs/planner.md)."""
         out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__  # type: ignore[attr-defined]
                                if k not in ("bucket_plan", "engine", "units")}
+        out["schedule"] = self.system
         out["reasons"] = list(self.reasons)
         out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
                          "d2h_stats_first": self.engine.d2h_stats_first,

@@ -24,11 +24,11 @@ that runs and telemetry can record the effective values:
   micro-step the place does not matter ("device");
 * the engine's implementation choices that change the timeline (``EngineVariant``: the step
   order of offloaded buckets, the GPU tail step, the D2H stats launch, small-bucket merging):
-  ``ENGINE`` is what the engine implements (since issue 11: ``ENGINE_NEXT``), and
-  ``engine_for(config)`` is that variant with the step order ``OffloadConfig.step_order``
-  selects ("deadline" -> "edf", "fifo" -> "fifo"). The engine (runtime/engine.py) and the
-  planner (plan/techniques.py) both resolve with it, so they agree for either setting.
-  ``ENGINE_TODAY`` is the engine FACTS.md's H200 table was measured with (plan/facts.py);
+  ``ENGINE`` is what the engine implements, and ``engine_for(config)`` is that variant with
+  the step order ``OffloadConfig.step_order`` selects ("deadline" or "fifo"). The engine
+  (runtime/engine.py) and the planner (plan/techniques.py) both resolve with it, so they
+  agree for either setting. ``ENGINE_H200_MEASURED`` is the engine FACTS.md's H200 table was
+  measured with (plan/facts.py);
 * data parallel (``ScheduleFacts.blocks`` given): the FSDP2 units and the buckets each holds
   (``plan.fsdp_units.plan_units``, the rule ``FsdpOffloadEngine`` shards a model with: blocks
   grouped up to one bucket weight-stationary, one host-resident unit per block under
@@ -37,47 +37,61 @@ that runs and telemetry can record the effective values:
   a bucket is complete when the last unit holding one of its parameters has reduce-scattered
   (docs/planner.md, "Data parallel").
 
-No torch, no threads, no devices (STYLE.md §2).
+No torch, no threads, no devices (docs/conventions.md, "Pure planning core").
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Literal, get_args
 
-from superoffload.config import OffloadConfig
+from superoffload.config import OffloadConfig, StepOrder, choices_of
 from superoffload.plan.buckets import BucketPlan, ParamSpec, plan_buckets
 from superoffload.plan.fsdp_units import UnitPlan, plan_units, unit_buckets
-from superoffload.plan.profiles import HardwareProfile
-from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
+from superoffload.plan.hardware import HardwareProfile
+from superoffload.threads import optimizer_threads, runtime_threads
 
-__all__ = ["ENGINE", "ENGINE_NEXT", "ENGINE_TODAY", "STEP_ORDER_OF", "EngineVariant", "Schedule",
-           "ScheduleFacts", "engine_for", "optimizer_threads", "resolve_casting",
-           "resolve_grad_accum", "resolve_schedule", "runtime_threads", "specs_of",
-           "usable_cores"]
+__all__ = ["ENGINE", "ENGINE_H200_MEASURED", "EngineVariant", "Schedule", "ScheduleFacts",
+           "TailStep", "engine_for", "resolve_casting", "resolve_grad_accum", "resolve_schedule",
+           "specs_of"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")
-STEP_ORDERS = ("fifo", "edf")
-TAIL_STEPS = ("unfused", "fused")
+TailStep = Literal["unfused", "fused"]
+TAIL_STEPS: tuple[TailStep, ...] = get_args(TailStep)
+DEPRECATED_STEP_ORDERS: dict[str, StepOrder] = {"edf": "deadline"}
+"""Step orders the planner spelled differently before it took the config's names."""
+
+
+def step_order_of(value: str, where: str) -> StepOrder:
+    """``value`` as the config's step order: the old planner name "edf" becomes "deadline" with
+    a DeprecationWarning (``where`` names what was given, for the note)."""
+    new = DEPRECATED_STEP_ORDERS.get(value)
+    if new is None:
+        return value  # type: ignore[return-value]  # checked against StepOrder by the caller
+    warnings.warn(f"{where}={value!r} is now {new!r}", DeprecationWarning, stacklevel=4)
+    return new
 
 
 @dataclass(frozen=True, slots=True)
 class EngineVariant:
-    """How the engine implements the schedule, where that changes the timeline (issue 11)."""
+    """How the engine implements the schedule, where that changes the timeline."""
 
-    step_order: str = "fifo"
-    """Order the CPU steps (and H2D sends) offloaded buckets: "fifo" in gradient-ready order
-    (the bucket the next forward needs first is stepped last), or "edf", earliest deadline
-    first (of the buckets ready, the one the next forward needs first is stepped and sent
-    first; DESIGN.md §6)."""
-    tail_step: str = "unfused"
+    step_order: StepOrder = "fifo"
+    """Order the CPU steps (and H2D sends) offloaded buckets, as ``OffloadConfig.step_order``:
+    "fifo" in gradient-ready order (the bucket the next forward needs first is stepped last),
+    or "deadline", earliest deadline first (of the buckets ready, the one the next forward
+    needs first is stepped and sent first; DESIGN.md §6). The old name "edf" is accepted with
+    a DeprecationWarning."""
+    tail_step: TailStep = "unfused"
     """GPU tail step: "unfused" (``kernels.device_adam_multi``: ~13 foreach passes, per-tensor
-    casts, ~118 B/param and ~20 launches per bucket, issue 11 item 6) or "fused" (one pass
+    casts, ~118 B/param and ~20 launches per bucket) or "fused" (one pass
     reading bf16 gradients and writing the bf16 copy: 28 B/param, one launch per bucket)."""
     d2h_stats_first: bool = True
     """The D2H lane launches the bucket's ~9 norm/non-finite kernels before its copy and keeps
-    one bucket in flight with a host round trip each (issue 11 item 8); False: copy first,
+    one bucket in flight with a host round trip each; False: copy first,
     stats after, several buckets in flight."""
     merge_small_buckets: bool = False
     """Buckets less than half full ride with the next parameter instead of closing
@@ -90,38 +104,47 @@ class EngineVariant:
     simulator's case for switching)."""
 
     def __post_init__(self) -> None:
-        if self.step_order not in STEP_ORDERS:
+        order = step_order_of(self.step_order, "EngineVariant.step_order")
+        if order not in get_args(StepOrder):
             raise ValueError(f"EngineVariant.step_order={self.step_order!r}: use one of "
-                             f"{STEP_ORDERS}")
+                             f"{get_args(StepOrder)}")
+        object.__setattr__(self, "step_order", order)  # frozen: the one normalisation
         if self.tail_step not in TAIL_STEPS:
             raise ValueError(f"EngineVariant.tail_step={self.tail_step!r}: use one of "
                              f"{TAIL_STEPS}")
 
 
-ENGINE_TODAY = EngineVariant()
+ENGINE_H200_MEASURED = EngineVariant()
 """The engine at 167091f / ef04687, the one FACTS.md's H200 table was measured with: FIFO
 stepping, unfused tail step, stats launched before each copy, no small-bucket merging."""
-ENGINE_NEXT = EngineVariant(step_order="edf", tail_step="fused", d2h_stats_first=False,
-                            merge_small_buckets=True)
-"""The engine issue 11 asked for and 21db21a landed: earliest deadline first, copy-first D2H
-with several buckets in flight, small buckets merged, fused tail step
-(kernels/device_adam.py)."""
-ENGINE = ENGINE_NEXT
-"""What the engine implements now (the planner's default): ``ENGINE_NEXT``. Its step order
-is the default ``OffloadConfig.step_order`` ("deadline"); ``engine_for`` applies another."""
+ENGINE = EngineVariant(step_order="deadline", tail_step="fused", d2h_stats_first=False,
+                       merge_small_buckets=True)
+"""What the engine implements now (the planner's default; landed at 21db21a): earliest
+deadline first, copy-first D2H with several buckets in flight, small buckets merged, fused tail
+step (kernels/device_adam.py). Its step order is the default ``OffloadConfig.step_order``
+("deadline"); ``engine_for`` applies another."""
 
-STEP_ORDER_OF = {"deadline": "edf", "fifo": "fifo"}
-"""``OffloadConfig.step_order`` -> ``EngineVariant.step_order`` (runtime/scheduler.py steps
-"deadline" earliest deadline first, "fifo" in gradient-ready order)."""
+_RENAMED = {"ENGINE_TODAY": "ENGINE_H200_MEASURED", "ENGINE_NEXT": "ENGINE"}
+"""Old public names of the two variants, still importable with a DeprecationWarning."""
+
+
+def __getattr__(name: str) -> EngineVariant:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"plan.schedule.{name} is now {new}", DeprecationWarning, stacklevel=2)
+        return globals()[new]  # type: ignore[no-any-return]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def engine_for(config: OffloadConfig, base: EngineVariant = ENGINE) -> EngineVariant:
     """The variant the engine runs for ``config``: ``base`` (the engine's implementation) with
-    the step order ``config.step_order`` selects. The engine and the planner both call it."""
-    order = STEP_ORDER_OF.get(config.step_order)
-    if order is None:
-        raise ValueError(f"OffloadConfig.step_order={config.step_order!r}: use one of "
-                         f"{tuple(STEP_ORDER_OF)}")
+    the step order ``config.step_order`` selects (runtime/launch.py and runtime/stv.py step
+    "deadline" earliest deadline first, "fifo" in gradient-ready order). The engine and the
+    planner both call it."""
+    order = config.step_order
+    if order not in get_args(StepOrder):
+        raise ValueError(f"OffloadConfig.step_order={order!r}: use one of "
+                         f"{get_args(StepOrder)}")
     return base if base.step_order == order else replace(base, step_order=order)
 
 
@@ -253,7 +276,7 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str,
     if config.grad_accum_steps == 1:
         return "device", ()  # nothing accumulates
     if decided is not None:
-        if decided not in ("device", "host"):
+        if decided not in choices_of("grad_accum_on", decided=True):
             raise ValueError(f"resolve_schedule: grad_accum={decided!r}; pass 'device' or 'host'")
         return decided, ()
     if device_type == "cpu":
@@ -269,7 +292,7 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
     ``plan.choose_weights``); otherwise ``config.weights``. ``grad_accum``: the decided place
     when ``config.grad_accum_on`` is "auto" (``plan.grad_accum.choose_grad_accum``)."""
     policy = config.weights if weights is None else weights
-    if policy not in ("stationary", "flow"):
+    if policy not in choices_of("weights", decided=True):
         raise ValueError(f"resolve_schedule: weights={policy!r}; decide 'auto' first "
                          "(plan.choose_weights) and pass 'stationary' or 'flow'")
     notes: list[str] = []

@@ -185,7 +185,8 @@ class ModelShape:
 
     @property
     def n_param_tensors(self) -> int:
-        """Length of the parameter list, without building it (the simulator's size guard)."""
+        """Length of the parameter list, without building it (the simulator's size limit,
+        plan/size_limit.py)."""
         if self.param_table is not None:
             return len(self.param_table)
         if self.block_params_override is not None or self.other_params_override is not None:

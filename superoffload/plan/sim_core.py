@@ -21,18 +21,18 @@ from itertools import chain
 import numpy as np
 
 from superoffload.plan import compute, cost, parallel, sim_fsdp
-from superoffload.plan.profiles import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 from superoffload.telemetry import events as ev
 
 D2H_STATS_LAUNCHES = 9
-"""Norm / non-finite kernels ENGINE_TODAY's D2H lane launches per bucket ahead of the copy
-(issue 11, item 8); with one bucket in flight it also pays a host round trip (2 launches).
+"""Norm / non-finite kernels ``ENGINE_H200_MEASURED``'s D2H lane launches per bucket ahead of
+the copy; with one bucket in flight it also pays a host round trip (2 launches).
 The engine now copies first (EngineVariant.d2h_stats_first=False): none of this."""
 
 
-def fifo(ready: np.ndarray, dur: np.ndarray, free_s: float) -> tuple[np.ndarray, np.ndarray]:
+def fifo_order(ready: np.ndarray, dur: np.ndarray, free_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Start and end times of jobs served in order by one lane free from `free_s`:
     end_i = max(end_{i-1}, ready_i) + dur_i, in closed form
     end_i = C_i + max(free_s, max_{j<=i}(ready_j - C_{j-1})), C = cumsum(dur)."""
@@ -43,7 +43,8 @@ def fifo(ready: np.ndarray, dur: np.ndarray, free_s: float) -> tuple[np.ndarray,
     return end - dur, end
 
 
-def edf(ready: np.ndarray, dur: np.ndarray, free_s: float) -> tuple[np.ndarray, np.ndarray]:
+def deadline_order(ready: np.ndarray, dur: np.ndarray,
+                   free_s: float) -> tuple[np.ndarray, np.ndarray]:
     """Non-preemptive earliest-deadline-first on one lane: whenever it is free, of the jobs
     ready the one with the highest index runs (bucket ids follow gradient-ready order, the
     reverse of forward order, so the highest id is needed first by the next forward). A heap
@@ -111,7 +112,7 @@ def layout(shape: ModelShape, plan: Resolved) -> Layout:
     p = np.bincount(layer, weights=pn, minlength=n_layers).astype(float)
     stream_end = float(p.sum()) - np.concatenate([[0], np.cumsum(pn)[:-1]]).astype(float)
     p_hb = np.full(len(pn), -1, dtype=np.int64)
-    host = () if plan.schedule == "gpu" else plan.bucket_plan.host_buckets
+    host = () if plan.system == "gpu" else plan.bucket_plan.host_buckets
     if host:  # host bucket ids are 0..len(host)-1 (plan_buckets offloads a leading run)
         sizes = [len(b.param_indices) for b in host]
         members = np.fromiter(chain.from_iterable(b.param_indices for b in host),
@@ -128,7 +129,7 @@ def layout(shape: ModelShape, plan: Resolved) -> Layout:
     live = pn > 0
     has_off = np.bincount(layer[on_host & live], minlength=n_layers) > 0
     has_tail = np.bincount(layer[~on_host & live], minlength=n_layers) > 0
-    n_tail = len(plan.bucket_plan.device_buckets) if plan.schedule != "gpu" else len(
+    n_tail = len(plan.bucket_plan.device_buckets) if plan.system != "gpu" else len(
         plan.bucket_plan.buckets)
     return Layout(p, float(numel.sum()), numel, b_hi, key // max(nb, 1), key % max(nb, 1),
                   has_tail, has_off, n_tail)
@@ -152,7 +153,7 @@ def in_arrival_order(order: Order, ready: np.ndarray, dur: np.ndarray,
     """``order`` over jobs arriving at ``ready``: FIFO serves them as they arrive (the engine
     launches a bucket when its gradients are complete, which under FSDP2 need not follow the
     bucket ids); EDF picks by bucket id itself."""
-    if order is edf or len(ready) < 2 or bool(np.all(np.diff(ready) >= 0)):
+    if order is deadline_order or len(ready) < 2 or bool(np.all(np.diff(ready) >= 0)):
         return order(ready, dur, free_s)
     sent = np.argsort(ready, kind="stable")
     start, end = np.empty(len(ready)), np.empty(len(ready))
@@ -259,7 +260,7 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     dstep = cost.device_adam_time_s(tail, prof, tail_step=plan.engine.tail_step,
                                     buckets=lay.n_tail_buckets) + tail_ar
     validate = 2 * prof.device_launch_s + val_ar
-    order: Order = edf if plan.engine.step_order == "edf" else fifo
+    order: Order = deadline_order if plan.engine.step_order == "deadline" else fifo_order
 
     chunks: list = []
     bwd_ends: list[float] = []
@@ -283,7 +284,7 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
 
         if nb:
             # the D2H lane copies buckets as their gradients complete
-            ds, de = in_arrival_order(fifo, grad_ready + pre_d2h, d2h_dur, d2h_free)
+            ds, de = in_arrival_order(fifo_order, grad_ready + pre_d2h, d2h_dur, d2h_free)
             d2h_free = float(de.max())
             cpu_ready = de if plan.speculate else np.maximum(de, v_end)
             cs, ce = in_arrival_order(order, cpu_ready, cpu_dur, cpu_free)
@@ -314,7 +315,7 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                 # H2D in the order the steps finish (FIFO: bucket order; EDF: need order)
                 sent = np.argsort(h2d_ready, kind="stable")
                 hs, he = np.empty(nb), np.empty(nb)
-                hs[sent], he[sent] = fifo(h2d_ready[sent], h2d_dur[sent], h2d_free)
+                hs[sent], he[sent] = fifo_order(h2d_ready[sent], h2d_dur[sent], h2d_free)
                 h2d_free = float(he.max())
                 chunks.append((ev.LANE_H2D, ev.KIND_H2D, hs, he, it, buckets,
                                (shard * p_bytes).astype(np.int64)))

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from superoffload.plan import cost, parallel
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 from superoffload.telemetry import events as ev

@@ -17,8 +17,9 @@ casting and threads. Per iteration (plan/sim_core.py):
     deadline first) and pays `cpu_call_s` per bucket; its pass shares the host memory bus with
     both DMA directions (plan/cost.py, "host lane"); an iteration that clips rolls the
     speculated buckets back and replays them;
-  tail buckets: one device step after validation, fused (28 B/param) or ENGINE_TODAY's unfused
-    foreach step (118 B/param, 20 launches per bucket) (EngineVariant.tail_step).
+  tail buckets: one device step after validation, fused (28 B/param) or
+    ``ENGINE_H200_MEASURED``'s unfused foreach step (118 B/param, 20 launches per bucket)
+    (EngineVariant.tail_step).
 "zero-offload" is DeepSpeed ZeRO-2 + offload_optimizer, modelled from its code
 (plan/deepspeed.py). The bucket lanes are vectorised scans (EDF: a heap), so a 100-layer
 model simulates in milliseconds; spans are materialised only when `SimResult.timeline` is read.
@@ -33,7 +34,7 @@ NCCL they overlap compute (``SimResult.collective_backend`` says which). The "gp
 with data parallel is plain PyTorch's DDP: every gradient all-reduced before the step.
 Steady state: 4 iterations are simulated; the period is the distance between the last two
 backward ends. Clipping costs `rollback_rate x` the extra time of a clipped iteration.
-Shapes whose simulation would not fit in memory are refused first (plan/guard.py).
+Shapes whose simulation would not fit in memory are refused first (plan/size_limit.py).
 """
 
 from __future__ import annotations
@@ -46,15 +47,16 @@ import numpy as np
 from superoffload.config import OffloadConfig
 from superoffload.plan import cost, deepspeed, parallel, sim_core, sim_fsdp
 from superoffload.plan.grad_accum import resolve_decided
-from superoffload.plan.memory import Memory, check_fits, memory, offloaded_params
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
+from superoffload.plan.memory import check_fits, memory, offloaded_params
+from superoffload.plan.memory_types import Memory
+from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.sim_core import edf, fifo
-from superoffload.plan.techniques import Resolved, Techniques
+from superoffload.plan.techniques import Techniques, system_of
 from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice, fmt_gb
 from superoffload.telemetry import events as ev
 
-__all__ = ["N_ITER", "LaneStats", "SimResult", "edf", "fifo", "simulate"]
+__all__ = ["N_ITER", "LaneStats", "SimResult", "simulate"]
 
 N_ITER = 4
 
@@ -146,7 +148,8 @@ class SimResult:
         """JSON-safe numbers (for --json and widgets)."""
         return {
             "profile": self.profile,
-            "schedule": self.plan.schedule,
+            "system": self.plan.system,
+            "schedule": self.plan.system,  # the old key, for one release (docs/planner.md)
             "params": self.shape.params,
             "iteration_s": self.iteration_s,
             "steady_iteration_s": self.steady_iteration_s,
@@ -170,20 +173,24 @@ class SimResult:
         }
 
 
-def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoffload",
-             config: OffloadConfig | None = None, techniques: Techniques | None = None) -> SimResult:
-    """Predict the steady-state iteration of `shape` on `prof` (see the module docstring)."""
+def simulate(shape: ModelShape, prof: HardwareProfile, system: str | None = None,
+             config: OffloadConfig | None = None, techniques: Techniques | None = None, *,
+             schedule: str | None = None) -> SimResult:
+    """Predict the steady-state iteration of `shape` on `prof` running `system` (one of
+    ``plan.SYSTEMS``, default "superoffload"; see the module docstring). ``schedule=`` is the
+    old name of ``system=`` (a DeprecationWarning)."""
+    system = system_of(system, schedule, "simulate", default="superoffload")
     if not isinstance(shape, ModelShape):
         raise TypeError(f"simulate: shape must be a ModelShape, got {type(shape).__name__}")
     if not isinstance(prof, HardwareProfile):
         raise TypeError(f"simulate: prof must be a HardwareProfile, got {type(prof).__name__}")
     prof = parallel.rank_profile(prof, shape.ranks_per_host)  # this rank's share of the host
     auto = None
-    if schedule == "superoffload" and config is not None and config.weights == "auto" and (
+    if system == "superoffload" and config is not None and config.weights == "auto" and (
             techniques is None or techniques.adaptive_weights):
         auto = choose_weights(shape, prof, config)  # the engine's rule (plan/weights.py)
-    plan = resolve_decided(shape, prof, schedule, config, techniques, auto=auto)
-    lay = None if plan.schedule == "zero-offload" else sim_core.layout(shape, plan)
+    plan = resolve_decided(shape, prof, system, config, techniques, auto=auto)
+    lay = None if plan.system == "zero-offload" else sim_core.layout(shape, plan)
     ends, chunks = _run(shape, prof, plan, N_ITER, None, lay)
     period = float(ends[-1] - ends[-2])
     penalty = 0.0
@@ -196,7 +203,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, schedule: str = "superoff
     lanes = _lane_stats(chunks, window)
     mem = memory(shape, prof, plan)
     accumulation = 0.0
-    if plan.schedule != "zero-offload" and plan.grad_accum_steps > 1:
+    if plan.system != "zero-offload" and plan.grad_accum_steps > 1:
         accumulation = (plan.grad_accum_steps - 1) * sim_core.accumulation_micro_step_s(
             shape, prof, plan, lay)
     return SimResult(
@@ -226,7 +233,7 @@ def _collective_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
     """Per-rank collective seconds of one iteration: the busy time the lanes carry for them."""
     if shape.dp * shape.dp_replicate == 1:
         return 0.0
-    if plan.schedule == "zero-offload" or lay is None:
+    if plan.system == "zero-offload" or lay is None:
         return deepspeed.zero2_collective_s(shape, prof, plan)
     if plan.units is not None:  # FSDP2 (plan/sim_fsdp.py)
         return sim_fsdp.fsdp_layout(shape, prof, plan, len(lay.numel)).iteration_collective_s
@@ -249,7 +256,7 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
          clipped_iter: int | None, lay: sim_core.Layout | None = None
          ) -> tuple[list[float], list]:
     """The iterations of `plan`'s schedule: DeepSpeed's for "zero-offload", ours otherwise."""
-    if plan.schedule == "zero-offload":
+    if plan.system == "zero-offload":
         return deepspeed.zero2_run(shape, prof, plan, n_iter)
     return sim_core.run(shape, prof, plan, n_iter, clipped_iter, lay)
 

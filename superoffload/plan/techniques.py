@@ -22,23 +22,23 @@
 config on the model's real parameter list -- effective ratio (1 under weight-flow, also with
 data parallel), buckets of whole parameters, casting, threads, and with data parallel the
 FSDP2 units ``FsdpOffloadEngine`` shards the model into -- and applies the ablation switches
-on top. The "zero-offload" schedule is the peer users run, DeepSpeed ZeRO-2 with
+on top. The "zero-offload" system is the peer users run, DeepSpeed ZeRO-2 with
 ``offload_optimizer`` (plan/deepspeed.py); "gpu" is plain PyTorch with a fused AdamW.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from superoffload.config import OffloadConfig
 from superoffload.plan import cost
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.schedule import (
-    ENGINE_NEXT,
-    ENGINE_TODAY,
+    ENGINE_H200_MEASURED,
     EngineVariant,
     ScheduleFacts,
     engine_for,
@@ -46,11 +46,35 @@ from superoffload.plan.schedule import (
 )
 from superoffload.plan.shapes import ModelShape
 
-Schedule = Literal["superoffload", "zero-offload", "gpu"]
-SCHEDULES: tuple[str, ...] = ("superoffload", "zero-offload", "gpu")
+System = Literal["superoffload", "zero-offload", "gpu"]
+"""What a simulation models: SuperOffload (the engine), DeepSpeed ZeRO-2 with offload_optimizer
+(plan/deepspeed.py), or plain PyTorch with everything on the GPU."""
+SYSTEMS: tuple[System, ...] = get_args(System)
+
+
+def system_of(system: str | None, schedule: str | None, where: str,
+              default: str | None = None) -> str:
+    """The system a caller asked for: ``system``, or the old keyword ``schedule`` with a
+    DeprecationWarning (``where`` names the function for the note); ``default`` when neither."""
+    if schedule is not None:
+        if system is not None:
+            raise TypeError(f"{where}: give system= only (schedule= is its old name)")
+        warnings.warn(f"{where}(schedule=...) is now {where}(system=...)", DeprecationWarning,
+                      stacklevel=3)
+        return schedule
+    if system is None:
+        if default is None:
+            raise TypeError(f"{where}: missing the system (one of {', '.join(SYSTEMS)})")
+        return default
+    return system
+
 
 # Clipping frequency the paper reports for BLOOM-176B pre-training: 93 of ~79,000 steps (FACTS.md).
 PAPER_CLIP_RATE = 93 / 79_000
+
+
+Casting = Literal["superchip", "host"]
+"""Where the ablation casts: as the rule book decides on a Superchip, or everything on the host."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,7 +85,7 @@ class Techniques:
     gpu_tail: bool = True
     stv: bool = True
     rollback_rate: float = PAPER_CLIP_RATE
-    casting: Literal["superchip", "host"] = "superchip"
+    casting: Casting = "superchip"
     adaptive_weights: bool = True
     kernel: cost.Kernel = "ours"
     engine: EngineVariant | None = None
@@ -71,13 +95,14 @@ class Techniques:
     def __post_init__(self) -> None:
         if not 0.0 <= self.rollback_rate <= 1.0:
             raise ValueError(f"Techniques.rollback_rate={self.rollback_rate}: use a fraction in [0, 1]")
-        if self.casting not in ("superchip", "host"):
-            raise ValueError(f"Techniques.casting={self.casting!r}: use 'superchip' or 'host'")
+        if self.casting not in get_args(Casting):
+            raise ValueError(f"Techniques.casting={self.casting!r}: use "
+                             f"{' or '.join(repr(c) for c in get_args(Casting))}")
         if self.kernel not in cost.KERNELS:
             raise ValueError(f"Techniques.kernel={self.kernel!r}: use one of {cost.KERNELS}")
         if self.engine is not None and not isinstance(self.engine, EngineVariant):
             raise ValueError(f"Techniques.engine={self.engine!r}: use a plan.schedule."
-                             "EngineVariant (ENGINE_TODAY, ENGINE_NEXT) or None")
+                             "EngineVariant (ENGINE, ENGINE_H200_MEASURED) or None")
 
     def replace(self, **changes: Any) -> Techniques:
         return dataclasses.replace(self, **changes)
@@ -87,43 +112,43 @@ ZERO_OFFLOAD = Techniques(buckets=False, gpu_tail=False, stv=False, casting="hos
                           adaptive_weights=False, kernel="deepspeed")
 """ZeRO-Offload (Ren et al. 2021) as the paper describes it, on our schedule: step after
 backward, whole-model transfers of bf16, casts on the CPU, DeepSpeed's CPUAdam, weights stay
-on the device. The ablation's starting point; the "zero-offload" *schedule* is the real peer
+on the device. The ablation's starting point; the "zero-offload" *system* is the real peer
 (DeepSpeed ZeRO-2 with offload_optimizer, plan/deepspeed.py)."""
 
-ENGINE_FUSED = dataclasses.replace(ENGINE_TODAY, tail_step="fused")
-"""The "gpu" schedule's variant: plain PyTorch's ``AdamW(fused=True)`` is one fused step over
+ENGINE_FUSED = dataclasses.replace(ENGINE_H200_MEASURED, tail_step="fused")
+"""The "gpu" system's variant: plain PyTorch's ``AdamW(fused=True)`` is one fused step over
 the parameters' buckets as ``plan_buckets`` cuts them without merging (the variant the plain
 row of FACTS.md was fitted with: profiles_measured.ACHIEVED_TFLOPS). Nothing is offloaded, so
 step order and D2H launch order do not apply."""
-__all__ = ["ENGINE_NEXT", "PAPER_CLIP_RATE", "SCHEDULES", "ZERO_OFFLOAD", "Resolved",
-           "Techniques", "resolve"]
+__all__ = ["PAPER_CLIP_RATE", "SYSTEMS", "ZERO_OFFLOAD", "Casting", "System", "Techniques",
+           "resolve", "system_of"]
 
 
-def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
+def resolve(shape: ModelShape, prof: HardwareProfile, system: str,
             config: OffloadConfig | None, techniques: Techniques | None, *,
             auto: Any = None, accum: Any = None) -> Resolved:
-    """Turn (schedule, config, techniques) into a Resolved schedule: the rule book decides what
+    """Turn (system, config, techniques) into a Resolved schedule: the rule book decides what
     the engine runs (plan.schedule), then the ablation switches apply. 'auto' fields ask the
     cost model; ``auto``: the WeightChoice for weights="auto"; ``accum``: the GradAccumChoice
     for grad_accum_on="auto" (plan.grad_accum.resolve_decided decides it first; without one
     the rule book accumulates on the device and says so). "zero-offload" is DeepSpeed
     ZeRO-2 + offload_optimizer and ignores
     `techniques` (but its rollback_rate); "gpu" keeps everything on the device."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
-    from superoffload.plan.guard import check_size  # before any per-parameter work (issue 12)
+    if system not in SYSTEMS:
+        raise ValueError(f"system={system!r}: use one of {', '.join(SYSTEMS)}")
+    from superoffload.plan.size_limit import check_size  # before any per-parameter work
 
     check_size(shape, config)
     cfg = (config or OffloadConfig()).validate()
     tech = techniques or Techniques()
-    if schedule == "zero-offload":
+    if system == "zero-offload":
         from superoffload.plan import deepspeed
 
         return deepspeed.resolve_zero2(shape, prof, cfg, tech.rollback_rate)
     reasons: list[str] = []
     changes: dict[str, Any] = {}
     weights = "stationary"
-    if tech.adaptive_weights and schedule == "superoffload":
+    if tech.adaptive_weights and system == "superoffload":
         if cfg.weights == "auto":
             # the engine's rule (plan.choose_weights) simulates both policies, so the caller
             # decides it: plan.simulate does, passing `auto` (no import cycle through here)
@@ -136,7 +161,7 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
             weights = cfg.weights
     if not tech.gpu_tail:
         changes["ratio"] = 1.0
-    if schedule == "gpu":
+    if system == "gpu":
         changes["ratio"] = 0.0
     if tech.casting == "host":
         changes.update(grad_cast="host", param_cast="host")
@@ -151,9 +176,9 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
                        param_cast=p if cfg.param_cast == "auto" else cfg.param_cast)
         reasons.append(why)
     engine = tech.engine or engine_for(cfg)  # the engine's own rule (runtime/engine.py)
-    if schedule == "gpu":
+    if system == "gpu":
         engine = ENGINE_FUSED  # plain PyTorch: torch.optim.AdamW(fused=True)
-    fsdp = shape.dp > 1 and schedule == "superoffload"  # FsdpOffloadEngine's units
+    fsdp = shape.dp > 1 and system == "superoffload"  # FsdpOffloadEngine's units
     facts = ScheduleFacts(params=shape.param_specs(), model_dtype=shape.dtype,
                           device_type=prof.device_type, dp=shape.dp,
                           usable_cores=prof.cpu_cores, local_ranks=1, profile=prof,
@@ -168,10 +193,10 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
         speculate = tech.stv and tech.rollback_rate < cfg.adaptive_threshold
     else:
         speculate = tech.stv and cfg.speculation == "on"
-    if schedule == "gpu":
+    if system == "gpu":
         speculate = False
     return Resolved(
-        schedule=schedule,
+        system=system,
         bucket_bytes=int(cfg.bucket_bytes),
         whole_model_bucket=not tech.buckets,
         ratio=float(rules.ratio),
@@ -184,7 +209,7 @@ def resolve(shape: ModelShape, prof: HardwareProfile, schedule: str,
         threads=rules.threads,
         prefetch_depth=cfg.prefetch_depth,
         snapshot_rollback=cfg.rollback == "snapshot",
-        optimizer_state_dtype="fp32" if schedule == "gpu" else cfg.optimizer_state_dtype,
+        optimizer_state_dtype="fp32" if system == "gpu" else cfg.optimizer_state_dtype,
         bucket_plan=rules.bucket_plan,
         engine=rules.engine,
         requested_ratio=float(cfg.ratio),

@@ -1,5 +1,5 @@
-"""Repeatable timings for the machine probes (issue 18, item 2: three back-to-back quick
-profiles disagreed by 2x on a shared host).
+"""Repeatable timings for the machine probes (three back-to-back quick profiles
+disagreed by 2x on a shared host).
 
 ``repeat(fn, trials)``: one warm-up call (page faults, allocator, lazy init, thread start),
 then `trials` timed calls; the median is the figure and the spread (max - min) / median says

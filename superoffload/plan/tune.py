@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from superoffload.config import MIN_BUCKET_BYTES, MiB, OffloadConfig
+from superoffload.config import MIN_BUCKET_BYTES, MiB, OffloadConfig, choices_of
+from superoffload.plan.cost import PARAM_CAST_PREFERENCE
 from superoffload.plan.feasible import Feasibility, search
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.schedule import EngineVariant
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import SimResult, simulate
@@ -154,10 +155,10 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     knobs: dict[str, list[Any]] = {
         "bucket_bytes": _bucket_choices(shape, cons),
         "ratio": list(cons.ratio_choices) + window,
-        "weights": ["stationary", "flow"],
-        "grad_cast": ["device", "host"],
-        "param_cast": ["host", "device"],
-        "speculation": ["on", "off", "adaptive"],
+        "weights": list(choices_of("weights", decided=True)),
+        "grad_cast": list(choices_of("grad_cast", decided=True)),
+        "param_cast": list(PARAM_CAST_PREFERENCE),  # a search order, not the declaration's
+        "speculation": list(choices_of("speculation")),
         "cpu_cores_frac": _threads_frac(eff),
         "prefetch_depth": [1, 2, 3],
     }
@@ -216,7 +217,7 @@ def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,
     explains the choice."""
     found: dict[str, tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]]]] = {}
     errors: dict[str, InfeasibleError] = {}
-    for dtype in ("fp32", "bf16"):
+    for dtype in choices_of("optimizer_state_dtype"):  # fp32 first: bf16 must beat it
         try:
             found[dtype] = _search(shape, eff, cons, base.replace(optimizer_state_dtype=dtype),
                                    run)

@@ -10,17 +10,17 @@ forward), file:function in the order it runs (docs/engine.md, "Reading one step"
    something happened);
 2. freeze: engine.py:OffloadEngine._freeze -> frozen.py:FrozenIteration ->
    launch.py:Launcher.begin; at the last micro-step kernels/hyper.py:hypers_of,
-   rollback_guard.py:check_rollback_mode, launch.py:Launcher.micro_step;
+   auto_rollback.py:check_rollback_mode, launch.py:Launcher.micro_step;
 3. launch: launch.py:GradReady.__call__ -> Launcher.on_grad_ready -> Launcher._launch ->
    departures.py:Departures.depart -> local_transport.py:LocalTransport.launch ->
    transfers.py:D2HTask.run (d2h lane);
 4. speculative step: steps.py:step_task -> iteration.py:Parts.submit ->
-   worker.py:ThreadLane.submit -> steps.py:StepTask.run (rollback_guard.py:Guard.protect,
+   lanes.py:ThreadLane.submit -> steps.py:StepTask.run (auto_rollback.py:AutoRollback.protect,
    state_overflow.py:may_overflow) -> steps.py:run_calls -> kernels/prepared.py;
 5. publish: publishes.py:Publishes.publish -> local_transport.py:LocalTransport.publish ->
    transfers.py:H2DTask.run (h2d lane);
 6. validate: engine.py:OffloadEngine.step -> stv.py:validate (LocalTransport.tail_stats,
-   stv.py:host_overflow, guard.py:Contract.edited, LocalTransport.reduce_stats);
+   stv.py:host_overflow, contract.py:Contract.edited, LocalTransport.reduce_stats);
 7. decide: stv.py:decide -> stv.py:verdict;
 8. settle / rollback: stv.py:settle (stv.py:rollback -> steps.py:rollback_task, a replay's
    steps.py:step_task, the tail's steps.py:device_step);

@@ -1,4 +1,5 @@
-"""Measure a settings change as an interleaved A/B while the engine trains (issue 18, item 5).
+"""Measure a settings change as an interleaved A/B while the engine trains (docs/planner.md,
+"Apply, measured: an interleaved A/B").
 
 ``ABTrial(engine, old, new).start()`` alternates the old (A) and new (B) settings through
 the public ``engine.reconfigure`` -- applied where the next iteration starts -- for `block`

@@ -1,5 +1,6 @@
-"""Calibrate the planner by itself after the first iterations of a training run (issue 18,
-item 2): the glue between a running engine and plan/autocal.py.
+"""Calibrate the planner by itself after the first iterations of a training run
+(docs/planner.md, "Calibration on this machine"): the glue between a running engine and
+plan/autocal.py.
 
 ``AutoCalibrator(engine, shape, profile).start()`` listens after every optimizer step
 (runtime/step_listener.py), lets `skip` iterations warm up, and after `after` more reads the

@@ -16,9 +16,9 @@ import torch
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.plan.schedule import Schedule, ScheduleFacts, resolve_schedule
-from superoffload.runtime.backend import Backend
 from superoffload.runtime.casting import CastPolicy, cast_policy
-from superoffload.runtime.guard import Contract
+from superoffload.runtime.contract import Contract
+from superoffload.runtime.devices import DeviceOps
 from superoffload.runtime.state import EngineState, ParamState
 from superoffload.runtime.transport import Transport
 from superoffload.runtime.weights import WeightPolicyController
@@ -30,7 +30,7 @@ class Builder(Protocol):
 
     config: OffloadConfig
     state: EngineState
-    backend: Backend
+    device_ops: DeviceOps
     transport: Transport
     contract: Contract
     telemetry: Recorder
@@ -74,9 +74,9 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Trans
             choice = choose_grad_accum(shape(), rank_profile(profile(), transport.local_ranks),
                                        config.replace(weights=weights))
             place, why = choice.place, choice.reason
-            if place == "host" and not transport.sums_on_host:
+            if place == "host" and not transport.accumulates_on_host:
                 place, why = "device", f"{why}; but the {transport.name!r} transport sums on the device"
-    if place == "host" and not transport.sums_on_host:
+    if place == "host" and not transport.accumulates_on_host:
         raise ConfigError(
             f"OffloadConfig.grad_accum_on='host' is not supported by the {transport.name!r} "
             "transport; use grad_accum_on='device'")
@@ -89,14 +89,14 @@ def build(engine: Builder, states: Mapping[int, ParamState], facts: ScheduleFact
     ``states``."""
     st, cfg = engine.state, engine.config
     weights = engine.weights
-    place, why = resolve_grad_accum(cfg, engine.backend.device.type, engine.transport,
+    place, why = resolve_grad_accum(cfg, engine.device_ops.device.type, engine.transport,
                                     weights.shape_for_planning, weights.profile, weights.active)
     if why:  # "auto": the planner's cost model decided
         engine.telemetry.note(engine.iteration, f"grad_accum_on='auto': {place} ({why})")
     schedule = resolve_schedule(cfg, facts, weights=weights.active, grad_accum=place)
     engine.accum_on_host = place == "host"
     cast = engine.cast = cast_policy(schedule, engine.model_dtype,
-                                     sum_on_host=engine.accum_on_host)
+                                     accum_on_host=engine.accum_on_host)
     st.schedule = schedule
     st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
     st.buffers = engine.transport.build(

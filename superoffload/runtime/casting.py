@@ -31,13 +31,13 @@ class CastPolicy:
     param_on_host: bool
     """True: the CPU kernel writes the low-precision copy; it crosses the link as is."""
     model_dtype: torch.dtype
-    sum_on_host: bool = False
+    accum_on_host: bool = False
     """Gradients accumulate on the host (``OffloadConfig.grad_accum_on="host"``): the host
     buffer holds an fp32 sum whatever dtype crosses (a bf16 sum would round every add)."""
 
     @property
     def grad_host_dtype(self) -> torch.dtype:
-        return self.model_dtype if self.grad_on_host and not self.sum_on_host else torch.float32
+        return self.model_dtype if self.grad_on_host and not self.accum_on_host else torch.float32
 
     @property
     def low_precision(self) -> bool:
@@ -45,9 +45,9 @@ class CastPolicy:
 
 
 def cast_policy(schedule: Schedule, model_dtype: torch.dtype, *,
-                sum_on_host: bool = False) -> CastPolicy:
+                accum_on_host: bool = False) -> CastPolicy:
     """The casting the schedule decided (``plan.schedule.resolve_casting``), for the buffers;
-    ``sum_on_host``: gradients accumulate on the host (fp32 host buffers)."""
+    ``accum_on_host``: gradients accumulate on the host (fp32 host buffers)."""
     low = model_dtype != torch.float32
     return CastPolicy(low and schedule.grad_cast == "host", low and schedule.param_cast == "host",
-                      model_dtype, sum_on_host)
+                      model_dtype, accum_on_host)

@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes, checksums verified on load, orphans cleaned (issue 12).
+"""Checkpoint files: atomic writes, checksums verified on load, orphans cleaned
+(docs/failure_semantics.md, "Resume").
 
 Every checkpoint file (``engine.pt``; ZeRO's ``rankNNNNN-of-NNNNN.pt``) is
 

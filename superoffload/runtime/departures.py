@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from superoffload.runtime.backend import PendingStats
+from superoffload.runtime.devices import PendingStats
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.transfers import InFlight

@@ -1,5 +1,5 @@
-"""CUDA events as the device clock of the telemetry (issue 11: what the GPU did, not when the
-host enqueued it).
+"""CUDA events as the device clock of the telemetry (what the GPU did, not when the host
+enqueued it).
 
 A mark is a ``torch.cuda.Event(enable_timing=True)`` recorded on a stream, plus the reference
 it is measured from: ``calibrate()`` records a reference event, waits for it and reads the

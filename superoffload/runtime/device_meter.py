@@ -1,4 +1,4 @@
-"""Device-memory accounting for the CPU backend, where the "device" is the CPU (DESIGN.md §3).
+"""Device-memory accounting for the CPU device ops, where the "device" is the CPU (DESIGN.md §3).
 
 On CUDA ``torch.cuda.max_memory_allocated`` answers "how much device memory did this
 iteration need"; on a CPU-only machine nothing does, so the memory claims -- weight-flow's

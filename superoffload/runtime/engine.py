@@ -30,12 +30,14 @@ from torch.utils.hooks import RemovableHandle
 
 from superoffload.config import RECONFIGURABLE, OffloadConfig
 from superoffload.kernels.hyper import AdamHyper, hypers_of
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for
-from superoffload.runtime import build, checkpoint, guard, stv
-from superoffload.runtime.backend import Backend, make_backend
+from superoffload.runtime import build, checkpoint, contract, stv
+from superoffload.runtime.auto_rollback import check_rollback_mode
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.deprecated import DeprecatedAlias, renamed_keyword
 from superoffload.runtime.device_clock import CudaClock
+from superoffload.runtime.devices import DeviceOps, make_device_ops
 from superoffload.runtime.errors import (
     EngineClosed,
     EngineError,
@@ -45,6 +47,7 @@ from superoffload.runtime.errors import (
 )
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.iteration import EngineStats, Parts
+from superoffload.runtime.lanes import Barrier, Lane, make_lane
 from superoffload.runtime.launch import (
     Launcher,
     check_backward,
@@ -52,7 +55,7 @@ from superoffload.runtime.launch import (
     grad_hooks,
     passes,
 )
-from superoffload.runtime.lifetime import release, settle
+from superoffload.runtime.lifetime import quiesce, release
 from superoffload.runtime.local_transport import LocalTransport
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.optim_view import (
@@ -66,7 +69,6 @@ from superoffload.runtime.optim_view import (
 )
 from superoffload.runtime.publishes import Publishes, forward_hooks
 from superoffload.runtime.reconfigure import Reconfigurer
-from superoffload.runtime.rollback_guard import check_rollback_mode
 from superoffload.runtime.state import EngineState, ParamState, initial_state
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.transfers import InFlight
@@ -74,12 +76,11 @@ from superoffload.runtime.transport import Transport, TransportContext
 from superoffload.runtime.weight_writes import WeightWrites
 from superoffload.runtime.weightflow import WeightFlow
 from superoffload.runtime.weights import WeightPolicyController
-from superoffload.runtime.worker import Barrier, Lane, make_lane
 from superoffload.telemetry.events import KIND_BACKWARD, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 from superoffload.threads import usable_cores
 
-__all__ = ["EngineError", "EngineStats", "OffloadEngine"]
+__all__ = ["OffloadEngine"]
 
 
 class OffloadEngine:
@@ -96,7 +97,8 @@ class OffloadEngine:
         telemetry: Recorder | None = None,
         *,
         inline: bool = False,
-        backend: Backend | None = None,
+        device_ops: DeviceOps | None = None,
+        backend: DeviceOps | None = None,
         profile: HardwareProfile | str | None = None,
         seq_len: int | None = None,
         micro_batch: int | None = None,
@@ -113,17 +115,18 @@ class OffloadEngine:
         self.telemetry = telemetry or Recorder(enabled=config.telemetry,
                                                max_events=config.telemetry_max_events,
                                                rank=self.transport.rank)
-        self.backend = backend or make_backend(config.device, pin_memory=config.pin_memory)
-        if self.backend.device.type == "cuda":  # device spans on the GPU's clock (issue 11)
-            self.telemetry.clock = CudaClock(self.backend.device, self.telemetry.now)
+        self.device_ops = renamed_keyword("backend", backend, "device_ops", device_ops) \
+            or make_device_ops(config.device, pin_memory=config.pin_memory)
+        if self.device_ops.device.type == "cuda":  # device spans on the GPU's clock
+            self.telemetry.clock = CudaClock(self.device_ops.device, self.telemetry.now)
         self.failures = FailureBox()
         self.closed = False
         self._closed_why = ""
         groups = param_groups_from(model, optimizer)
         self.state = EngineState.from_model(model, groups)
-        self.state.check_placement(self.backend.device, config.precision)
-        guard.claim(self.trainable_params(), self, [self.state.names[i] for i in self.state.trainable])
-        self.contract = guard.Contract(self.state)
+        self.state.check_placement(self.device_ops.device, config.precision)
+        contract.claim(self.trainable_params(), self, [self.state.names[i] for i in self.state.trainable])
+        self.contract = contract.Contract(self.state)
         self.optimizer = EngineOptimizer(groups, step_fn=self._step,
                                          zero_grad_fn=self.zero_grad,
                                          state_fn=self.state_dict, load_fn=self.load_state_dict,
@@ -136,25 +139,25 @@ class OffloadEngine:
         # none of the parts below holds the engine: their futures' callbacks outlive a call
         # on the lane threads and must not keep a dropped engine alive (lifetime.py); what an
         # iteration reads of it is frozen when the iteration begins (frozen.py)
-        self.worker: Lane = make_lane("cpu_worker", inline=inline, on_error=self.failures.record)
+        self.cpu_worker: Lane = make_lane("cpu_worker", inline=inline, on_error=self.failures.record)
         self.fetch_lane: Lane = make_lane("fetch", inline=inline, on_error=self.failures.record)
         self.in_flight = InFlight(self.failures, self.transport.stall_hint)
         self.transport.start(TransportContext(
-            state=self.state, backend=self.backend, recorder=self.telemetry, inline=inline,
+            state=self.state, device_ops=self.device_ops, recorder=self.telemetry, inline=inline,
             on_error=self.failures.record, in_flight=self.in_flight,
-            fingerprint=guard.fingerprint(self.state, self.config, hypers)))
+            fingerprint=contract.fingerprint(self.state, self.config, hypers)))
         self.accum_on_host = False  # the resolved grad_accum_on is "host" (set by builds)
         self.cast: CastPolicy | None = None  # the casting in force (set by builds)
         self.publishes = Publishes(
-            state=self.state, contract=self.contract, backend=self.backend,
+            state=self.state, contract=self.contract, device_ops=self.device_ops,
             recorder=self.telemetry, transport=self.transport, in_flight=self.in_flight)
         self.parts = Parts(state=self.state, transport=self.transport, contract=self.contract,
-                           worker=self.worker, publishes=self.publishes, in_flight=self.in_flight,
+                           cpu_worker=self.cpu_worker, publishes=self.publishes, in_flight=self.in_flight,
                            recorder=self.telemetry, stats=EngineStats())
         start = FrozenIteration(  # what a forward before the first iteration waits with
             number=0, config=self.config, streamed=frozenset(), loss_scale=self.scaler.loss_scale,
             threads=1, speculate=self.adaptive.enabled, accum_on_host=False)
-        self.launcher = Launcher(self.parts, self.backend, start)
+        self.launcher = Launcher(self.parts, self.device_ops, start)
         self.last_grad_norm: float | None = None  # the last step's (grad_norm())
         self.reconfigurer = Reconfigurer(self)
         self.weights = WeightPolicyController(
@@ -176,9 +179,10 @@ class OffloadEngine:
         self._finalizer = weakref.finalize(self, release, self.lanes, self.hooks)
 
     # ------------------------------------------------------------------ views
+    backend, worker = DeprecatedAlias("device_ops"), DeprecatedAlias("cpu_worker")  # old names
     @property
     def lanes(self) -> tuple[Lane, ...]:
-        return (*self.transport.lanes, self.worker, self.fetch_lane)
+        return (*self.transport.lanes, self.cpu_worker, self.fetch_lane)
 
     @property
     def iteration(self) -> int:
@@ -218,11 +222,11 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ building
     def _facts(self) -> ScheduleFacts:
-        cfg, cuda = self.config, self.backend.device.type == "cuda"
+        cfg, cuda = self.config, self.device_ops.device.type == "cuda"
         auto_cast = "auto" in (cfg.grad_cast, cfg.param_cast) and self.model_dtype != torch.float32
         return ScheduleFacts(
             params=self.state.param_specs(), model_dtype=self.state.dtype_name,
-            device_type=self.backend.device.type, dp=self.transport.grad_divisor,
+            device_type=self.device_ops.device.type, dp=self.transport.grad_divisor,
             usable_cores=usable_cores(), local_ranks=self.transport.local_ranks,
             profile=self.weights.profile() if cuda and auto_cast else None,
             engine=engine_for(cfg))  # the planner's rule: the planner predicts this engine
@@ -244,7 +248,7 @@ class OffloadEngine:
         self.publishes.home_ready.clear()
 
     def new_flow(self, depth: int) -> WeightFlow:
-        return WeightFlow(self.model, self.launcher, self.backend, self.transport.home, depth,
+        return WeightFlow(self.model, self.launcher, self.device_ops, self.transport.home, depth,
                           self.fetch_lane)
 
     # ------------------------------------------------------------------ training API
@@ -326,7 +330,7 @@ class OffloadEngine:
             stv.settle(it, v, glob, parts)
             stv.close_iteration(it, v, glob, parts, scaler=self.scaler, adaptive=self.adaptive)
             self.last_grad_norm = v.grad_norm
-        except guard.ContractError:  # the same on every rank: roll the iteration back
+        except contract.ContractError:  # the same on every rank: roll the iteration back
             self._abort()
             self.synchronize()
             raise
@@ -446,7 +450,7 @@ class OffloadEngine:
         it = self.launcher.current
         if passes(it) == 0 and it.validated is None:
             if self.last_grad_norm is None:
-                raise guard.ContractError("grad_norm() before any backward(): there is no "
+                raise contract.ContractError("grad_norm() before any backward(): there is no "
                                           "gradient yet; call it after backward()")
             return self.last_grad_norm
         self._gradients_final("grad_norm()")
@@ -483,10 +487,10 @@ class OffloadEngine:
         it, gas = self.launcher.current, self.config.grad_accum_steps
         done = passes(it)
         if done == 0:
-            raise guard.ContractError(f"{what} before any backward() since the last step(): "
+            raise contract.ContractError(f"{what} before any backward() since the last step(): "
                                       "there is no gradient yet; call it after backward()")
         if done < gas:
-            raise guard.ContractError(
+            raise contract.ContractError(
                 f"{what} after backward() {done} of {gas} (OffloadConfig.grad_accum_steps): "
                 "the gradients are still accumulating; call it after the last micro-step's "
                 "backward(), just before step()")
@@ -564,7 +568,7 @@ class OffloadEngine:
         current state) and step from the next iteration with fresh moments, as torch's do."""
         self._settled("optimizer.add_param_group()")
         if self.weights.active == "flow":
-            raise guard.ContractError(
+            raise contract.ContractError(
                 "optimizer.add_param_group() under weights='flow' is not supported (the streamed "
                 "blocks are planned from the parameters present at initialize): list every "
                 "group at so.initialize (a group may start with lr=0), or use "
@@ -573,7 +577,7 @@ class OffloadEngine:
         new = new_params(group, st)
         self.synchronize()
         states = self.export_states()
-        guard.claim([st.params[i] for i in new], self, [st.names[i] for i in new])
+        contract.claim([st.params[i] for i in new], self, [st.names[i] for i in new])
         self.optimizer.append_group(group)
         g = len(self.optimizer.param_groups) - 1
         for i in new:
@@ -581,7 +585,7 @@ class OffloadEngine:
             states[i] = initial_state(st.params[i])
         st.trainable = sorted(set(st.trainable) | set(new))
         # every data-parallel rank must add the same group (the re-plan below is collective)
-        self.transport.agree(guard.fingerprint(st, self.config, self._hypers()))
+        self.transport.agree(contract.fingerprint(st, self.config, self._hypers()))
         self._build(states)
         self.reinstall_hooks()
         self.contract.rebase(new)
@@ -629,7 +633,7 @@ class OffloadEngine:
         """Stop the lanes, remove every hook, leave the model holding its latest weights
         (weight-flow: copied back from the homes without the lanes). Idempotent."""
         self._finalizer()
-        guard.release(self.trainable_params(), self)
+        contract.release(self.trainable_params(), self)
         flow, self.weights.flow = self.weights.flow, None
         if flow is not None:
             flow.restore_in_place()
@@ -641,7 +645,7 @@ class OffloadEngine:
         if self.closed:
             return
         seen = self.failures.reported
-        stuck = None if self.failures.failed else settle(self.lanes)
+        stuck = None if self.failures.failed else quiesce(self.lanes)
         if not self.failures.failed and stuck is None:
             with contextlib.suppress(Exception):  # a lane's failure is kept: raised below
                 self._drain()
@@ -668,7 +672,7 @@ class OffloadEngine:
         self.hooks += self._core_hooks
 
     def supersede(self, why: str) -> None:
-        """Another engine took the model (runtime/guard.py ``claim``): roll back a half
+        """Another engine took the model (runtime/contract.py ``claim``): roll back a half
         iteration, close, and say ``why`` on any later call."""
         if self.closed:
             return

@@ -2,7 +2,7 @@
 
 Every failure that happens on a lane (a transfer, the CPU optimizer, a collective) is
 stored by the engine and raised in the training thread at its next call as an
-``EngineError`` (``superoffload.distributed.launch.DistributedError`` is one, for a failed
+``EngineError`` (``superoffload.distributed.process_group.DistributedError`` is one, for a failed
 collective), so ``except EngineError`` catches what the engine can raise from any thread.
 """
 

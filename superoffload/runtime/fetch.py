@@ -1,7 +1,7 @@
 """What weight-flow streams, and the task that fetches one block (paper §4.5).
 
 ``find_blocks``/``block_params`` pick the streamed parameters; ``FetchTask`` is the frozen
-task the ``fetch`` lane runs (runtime/worker.py): wait for the CPU step that last wrote the
+task the ``fetch`` lane runs (runtime/lanes.py): wait for the CPU step that last wrote the
 block's host copies, then one H2D copy of the block, recorded as a ``weight_fetch`` span on
 the h2d lane. The schedule that submits them is runtime/weightflow.py.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.backend import Backend
+from superoffload.runtime.devices import DeviceOps
 from superoffload.runtime.transfers import tensors_nbytes, wait_for
 from superoffload.telemetry.events import KIND_WEIGHT_FETCH, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
@@ -73,7 +73,7 @@ class FetchTask:
     """The last CPU step / rollback / replay of each bucket holding the block's weights."""
     ready: Any
     """Compute-stream token recorded when the buffer was allocated (CUDA event, or None)."""
-    backend: Backend
+    device_ops: DeviceOps
     recorder: Recorder
     watchdog_s: float
 
@@ -81,11 +81,11 @@ class FetchTask:
         for fut in self.after:
             wait_for(fut, self.watchdog_s, f"CPU step before the fetch of block {self.block}")
         with self.recorder.device_span(LANE_H2D, KIND_WEIGHT_FETCH,
-                                       stream=self.backend.stream("h2d"),
+                                       stream=self.device_ops.stream("h2d"),
                                        iteration=self.iteration,
                                        nbytes=tensors_nbytes(self.src_host)):
-            stream = getattr(self.backend, "h2d_stream", None)
+            stream = getattr(self.device_ops, "h2d_stream", None)
             if stream is not None and self.ready is not None:
                 # the buffer may reuse memory the compute stream still reads: order after it
                 stream.wait_event(self.ready)
-            return self.backend.h2d(self.src_host, self.dst_device)
+            return self.device_ops.h2d(self.src_host, self.dst_device)

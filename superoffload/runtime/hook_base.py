@@ -4,7 +4,7 @@ flow_hooks.py, weight_writes.py), and ``in_backward``, which they ask.
 A hook runs eagerly under ``torch.compile`` (``eager``) and holds only weak references (a dropped engine is collected: runtime/lifetime.py) and is
 a module-level class, so the model stays picklable while an engine is attached:
 ``torch.save(model)`` / ``pickle.dumps(model)`` write an inert function in the hook's place
-(the engine, its threads and buffers do not travel with the model; issue 17). A deep copy of
+(the engine, its threads and buffers do not travel with the model). A deep copy of
 the model shares the hook object, whose owner check then makes it do nothing on the copy.
 """
 
@@ -28,7 +28,7 @@ def eager(fn: F) -> F:
 def in_backward() -> bool:
     """True inside autograd's backward pass (activation-checkpoint recompute re-enters module
     forwards there). One place for the private call: ``torch._C._current_graph_task_id()`` is
-    -1 outside a graph task (pytorch/pytorch:torch/csrc/autograd/python_engine.cpp)."""
+    -1 outside a graph task (a backward pass)."""
     return bool(torch._C._current_graph_task_id() != -1)
 
 

@@ -11,15 +11,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from superoffload.runtime.auto_rollback import Rescue
+from superoffload.runtime.contract import Contract
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.guard import Contract
+from superoffload.runtime.lanes import Lane
 from superoffload.runtime.publishes import Publishes
-from superoffload.runtime.rollback_guard import Rescue
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, priority
 from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import GlobalStats, Transport
-from superoffload.runtime.worker import Lane
 from superoffload.telemetry.recorder import Recorder
 
 __all__ = ["EngineStats", "Flight", "Iteration", "Parts"]
@@ -42,7 +42,7 @@ class EngineStats:
     """Buckets whose own gradient was non-finite (never speculated)."""
     guarded_elements: int = 0
     """``rollback="auto"``: elements whose pre-step values a speculative step kept because
-    the inverse's error bound did not hold for them (runtime/rollback_guard.py)."""
+    the inverse's error bound did not hold for them (runtime/auto_rollback.py)."""
     speculation_enabled: bool = True
     reconfigurations: int = 0
 
@@ -132,7 +132,7 @@ class Parts:
     state: EngineState
     transport: Transport
     contract: Contract
-    worker: Lane
+    cpu_worker: Lane
     """The CPU optimizer's lane (``cpu_worker``)."""
     publishes: Publishes
     in_flight: InFlight
@@ -143,7 +143,7 @@ class Parts:
                after: Sequence[Future[Any]] = ()) -> Future[Any]:
         """A task of bucket ``b`` on the CPU worker once ``after`` is done, earliest deadline
         first (``steps.priority``); ``synchronize()`` waits for it."""
-        return self.in_flight.add(self.worker.submit(task, after=after,
+        return self.in_flight.add(self.cpu_worker.submit(task, after=after,
                                                      priority=priority(b, frozen)))
 
     def bucket_params(self, b: int) -> tuple[int, ...]:

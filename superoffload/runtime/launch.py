@@ -34,14 +34,14 @@ from torch.utils.hooks import RemovableHandle
 
 from superoffload.config import OffloadConfig
 from superoffload.kernels.hyper import AdamHyper
-from superoffload.runtime.backend import Backend
+from superoffload.runtime.auto_rollback import may_speculate
+from superoffload.runtime.contract import ContractError
 from superoffload.runtime.departures import Departures
+from superoffload.runtime.devices import DeviceOps
 from superoffload.runtime.errors import EngineError
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.guard import ContractError
 from superoffload.runtime.hook_base import PicklableHook, eager
 from superoffload.runtime.iteration import Flight, Iteration, Parts
-from superoffload.runtime.rollback_guard import speculable
 from superoffload.runtime.steps import make_calls, step_task
 
 Transform = Callable[[str, torch.Tensor], "torch.Tensor | None"]
@@ -51,8 +51,8 @@ class Launcher:
     """The iteration in progress of one engine and its buckets' launches (see the module
     docstring). The training thread owns it; the hooks may run on autograd's threads."""
 
-    def __init__(self, parts: Parts, backend: Backend, frozen: FrozenIteration) -> None:
-        self.parts, self.backend = parts, backend
+    def __init__(self, parts: Parts, device_ops: DeviceOps, frozen: FrozenIteration) -> None:
+        self.parts, self.device_ops = parts, device_ops
         self.iteration = 0
         """Optimizer iterations completed (the next one's number)."""
         self.current = Iteration(frozen)
@@ -190,13 +190,13 @@ class Launcher:
         cfg = frozen.config
         groups = {st.group_of[i] for i in parts.bucket_params(b)}  # the same on every rank
         moments = buf.exp_avg[0].dtype if buf.exp_avg else torch.float32
-        if not speculable([frozen.hypers[g] for g in sorted(groups)], moments, cfg.rollback,
+        if not may_speculate([frozen.hypers[g] for g in sorted(groups)], moments, cfg.rollback,
                           cfg.max_grad_norm):
             return  # stepped once, after the verdict (runtime/stv.py)
         if cfg.rollback == "snapshot":
-            buf.ensure_snapshot(self.backend.alloc_host)
+            buf.ensure_snapshot(self.device_ops.alloc_host)
         fl.spec_scale = 1.0 / (frozen.loss_scale * transport.grad_divisor)
-        # queued once its gradients landed, then earliest deadline first (worker.py)
+        # queued once its gradients landed, then earliest deadline first (lanes.py)
         fl.spec = parts.submit(step_task(b, buf, calls, frozen, parts.recorder,
                                          scale=fl.spec_scale, after=stats, speculative=True,
                                          replay=False),

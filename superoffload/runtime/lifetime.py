@@ -17,16 +17,16 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from superoffload.runtime.worker import Barrier, Lane, describe
+from superoffload.runtime.lanes import Barrier, Lane, describe
 
 CLOSE_TIMEOUT_S = 5.0
-"""How long ``close()`` waits without progress: ``settle`` gives up once no lane has begun or
+"""How long ``close()`` waits without progress: ``quiesce`` gives up once no lane has begun or
 ended a task for this long, and release then waits at most this long for the threads to exit.
 A lane stuck in a collective, a hung copy or a hung CPU step is a daemon thread and is
 abandoned (never blocks exit); ``close()`` then says which (docs/failure_semantics.md)."""
 
 
-def settle(lanes: Sequence[Lane], quiet_s: float | None = None) -> str | None:
+def quiesce(lanes: Sequence[Lane], quiet_s: float | None = None) -> str | None:
     """Wait until every lane has run what was submitted to it, for as long as work progresses;
     give up once no lane has begun or ended a task for ``quiet_s`` (``CLOSE_TIMEOUT_S``).
     Returns None when every lane is idle, else what is stuck (and abandons those lanes, so

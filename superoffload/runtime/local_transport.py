@@ -1,7 +1,7 @@
 """The single-process transport: D2H of a bucket's gradients, H2D of its new weights (§4.2).
 
 A host bucket keeps its fp32 master, moments and a gradient buffer on the host (pinned on
-CUDA); its gradients are copied device -> host on the ``d2h`` lane (the backend computes the
+CUDA); its gradients are copied device -> host on the ``d2h`` lane (the device ops compute the
 bucket's local validation statistics on the way) and, after the CPU step, its weights host ->
 device on the ``h2d`` lane: the bf16 copy the kernel wrote (host-side casting) or the fp32
 master cast on the device (paper §4.4). A GPU tail bucket keeps everything on the device and
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from superoffload.plan.buckets import BucketPlan
-from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.devices import GradStats
 from superoffload.runtime.frozen import FrozenIteration
+from superoffload.runtime.lanes import Lane, Priority, make_lane
 from superoffload.runtime.state import (
     BucketBuffers,
     ParamState,
@@ -36,7 +37,6 @@ from superoffload.runtime.transport import (
     Published,
     TransportContext,
 )
-from superoffload.runtime.worker import Lane, Priority, make_lane
 
 
 class LocalTransport:
@@ -45,7 +45,7 @@ class LocalTransport:
     name = "local"
     collective = False
     ordered_launch = False
-    sums_on_host = True
+    accumulates_on_host = True
     grad_divisor = 1
     rank = 0
     local_ranks = 1
@@ -74,7 +74,7 @@ class LocalTransport:
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
               flow: bool, snapshot: bool,
               moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
-        st, be = self.ctx.state, self.ctx.backend
+        st, be = self.ctx.state, self.ctx.device_ops
         self.buffers, self._pos = [], {}
         for bucket in plan.buckets:
             params = [st.params[i] for i in bucket.param_indices]
@@ -97,13 +97,13 @@ class LocalTransport:
         views = tuple(buf.grad_host[self._pos[i]] for i in present)
         if accumulated is None:  # one D2H per optimizer step: the final gradients
             task = D2HTask(bucket=b, iteration=frozen.number, grads=grads,  # type: ignore[arg-type]
-                           grad_host=views, ready=ctx.backend.ready_token(),
-                           backend=ctx.backend, recorder=ctx.recorder)
+                           grad_host=views, ready=ctx.device_ops.ready_token(),
+                           device_ops=ctx.device_ops, recorder=ctx.recorder)
         else:  # host accumulation: this micro-step's gradients join the fp32 host sums
             summed = sorted(set(present) | accumulated)
             task = D2HTask(
                 bucket=b, iteration=frozen.number, grads=grads,  # type: ignore[arg-type]
-                grad_host=views, ready=ctx.backend.ready_token(), backend=ctx.backend,
+                grad_host=views, ready=ctx.device_ops.ready_token(), device_ops=ctx.device_ops,
                 recorder=ctx.recorder, add=tuple(i in accumulated for i in present),
                 stats_host=tuple(buf.grad_host[self._pos[i]] for i in summed),
                 want_stats=final)
@@ -127,7 +127,7 @@ class LocalTransport:
         grads = [p.grad for b in buckets for p in self.buffers[b].params if p.grad is not None]
         if not grads:
             return GradStats(0.0, 0)
-        return self.ctx.backend.device_stats(grads)  # one reduction: one device sync on CUDA
+        return self.ctx.device_ops.device_stats(grads)  # one reduction: one device sync on CUDA
 
     def tail_grads(self, b: int) -> list[torch.Tensor]:
         return [p.grad if p.grad is not None else torch.zeros_like(p)
@@ -163,7 +163,7 @@ class LocalTransport:
                     params[i].data.copy_(src[k])
                 else:
                     lost.append(i)  # an fp32 tail parameter is its own master
-        self.ctx.backend.synchronize()
+        self.ctx.device_ops.synchronize()
         return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
@@ -179,7 +179,7 @@ class LocalTransport:
         fut = self._lanes[1].submit(H2DTask(
             bucket=b, iteration=frozen.number, src_host=tuple(src[k] for k in keep),
             dst_device=tuple(buf.params[k].data for k in keep), after=after,
-            backend=ctx.backend, recorder=ctx.recorder, watchdog_s=frozen.config.watchdog_s),
+            device_ops=ctx.device_ops, recorder=ctx.recorder, watchdog_s=frozen.config.watchdog_s),
             after=(after,), priority=priority)  # issued as soon as its step ends, by deadline
         return Published(fut, after)
 

@@ -1,5 +1,5 @@
-"""Dynamic loss scaling for fp16, with DeepSpeed's semantics (deepspeed/runtime/fp16/
-loss_scaler.py, ``DynamicLossScaler.update_scale``): halve on overflow once ``hysteresis``
+"""Dynamic loss scaling for fp16, with DeepSpeed's semantics (its dynamic loss
+scaler): halve on overflow once ``hysteresis``
 overflows have been tolerated, never below ``min_scale``; double after ``scale_window``
 overflow-free iterations. bf16 and fp32 use a static scale (1.0 unless configured).
 """

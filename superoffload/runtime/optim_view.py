@@ -1,4 +1,5 @@
-"""The engine's optimizer as a ``torch.optim.Optimizer`` (STYLE.md §4: keep PyTorch's contracts).
+"""The engine's optimizer as a ``torch.optim.Optimizer`` (docs/conventions.md,
+"PyTorch's optimizer contract").
 
 NOTE: ``EngineOptimizer`` holds the param groups (lr, betas, eps, weight_decay, ...) and
 nothing else; the state lives in the engine's bucket buffers. Its ``step()`` and

@@ -5,7 +5,7 @@ After a bucket's CPU step (or its rollback) its new weights are published (H2D, 
 shards); a module's forward pre-hook (``WaitWeights``) waits only for its own buckets' last
 publish, so the first layers (GPU tail buckets) start at once. A parameter written while its
 publish is still in flight raced the copy lane: every write since ``step()`` is discarded and
-``WeightsWrittenInFlight`` raised (runtime/guard.py, runtime/weight_writes.py). Weight-flow's
+``WeightsWrittenInFlight`` raised (runtime/contract.py, runtime/weight_writes.py). Weight-flow's
 fetches wait for ``home_ready`` (runtime/weightflow.py).
 
 The root module's hooks (``forward_hooks``) open each forward: a failed lane surfaces before
@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-from superoffload.runtime.backend import Backend
+from superoffload.runtime.contract import Contract
+from superoffload.runtime.devices import DeviceOps
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.guard import Contract
 from superoffload.runtime.hook_base import PicklableHook, eager
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, members_of, priority
@@ -40,9 +40,9 @@ from superoffload.telemetry.recorder import Recorder
 class Publishes:
     """Per bucket, the last publish a module must wait for before it runs."""
 
-    def __init__(self, *, state: EngineState, contract: Contract, backend: Backend,
+    def __init__(self, *, state: EngineState, contract: Contract, device_ops: DeviceOps,
                  recorder: Recorder, transport: Transport, in_flight: InFlight) -> None:
-        self.state, self.contract, self.backend = state, contract, backend
+        self.state, self.contract, self.device_ops = state, contract, device_ops
         self.recorder, self.transport, self.in_flight = recorder, transport, in_flight
         self.pending: dict[int, Future[Any]] = {}
         """Per bucket, the device copy of its last publish, until a forward waited for it."""
@@ -83,7 +83,7 @@ class Publishes:
                 self.pending[b] = fut
                 self.discard_racing_writes()  # every bucket still in flight, then raise
             t0 = self.recorder.now()
-            self.backend.wait(self.in_flight.wait(fut, f"{self.transport.name} publish of "
+            self.device_ops.wait(self.in_flight.wait(fut, f"{self.transport.name} publish of "
                                                        f"bucket {b}", frozen.config.watchdog_s))
             self.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, self.recorder.now(),
                               iteration=iteration, bucket=b)
@@ -100,10 +100,10 @@ class Publishes:
         racing = [i for i in written if bucket_of.get(i) in pending]
         for b, fut in pending.items():
             assert frozen is not None, "a pending publish records its iteration"
-            self.backend.wait(self.in_flight.wait(fut, f"{self.transport.name} publish of "
+            self.device_ops.wait(self.in_flight.wait(fut, f"{self.transport.name} publish of "
                                                        f"bucket {b}", frozen.config.watchdog_s))
             self.pending.pop(b, None)
-        self.backend.synchronize()
+        self.device_ops.synchronize()
         if racing:
             lost = self.transport.restore(written) or []
             self.contract.rebase(written)

@@ -1,8 +1,8 @@
 """Call functions after every optimizer step of an engine, from the training thread.
 
 torch's optimizer contract has ``Optimizer.register_step_post_hook(hook)``: hooks run after
-each ``step()`` (torch/optim/optimizer.py, ``profile_hook_step``), in the thread that
-stepped. The engine's ``optimizer`` is a torch optimizer whose ``step()`` is ``engine.step``,
+each ``step()`` (``torch.optim.Optimizer.profile_hook_step`` runs them), in the thread
+that stepped. The engine's ``optimizer`` is a torch optimizer whose ``step()`` is ``engine.step``,
 so a hook sees every iteration end, whatever loop drives the engine (ours, Trainer,
 Lightning, a notebook's background thread) -- without touching the engine.
 

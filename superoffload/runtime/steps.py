@@ -8,9 +8,9 @@ takes effect on the next step and never races with the worker.
 Rollback (DESIGN.md §4): "inverse" applies the kernel's algebraic inverse with the same
 gradient, scale and hyperparameters (exact to a few ulps where the rejected gradient does not
 dwarf the moments' history); "snapshot" restores pre-step copies of p, m, v taken just before
-the speculative step (bit-exact, 12 B/param); "auto" (the default) is the inverse guarded by
+the speculative step (bit-exact, 12 B/param); "auto" (the default) is the inverse checked against
 its error bound: elements beyond it are kept exactly, buckets certain to be clipped or with
-too many such elements are not speculated (runtime/rollback_guard.py).
+too many such elements are not speculated (runtime/auto_rollback.py).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import torch
 
 from superoffload import kernels
 from superoffload.kernels import AdamHyper
+from superoffload.runtime.auto_rollback import AutoRollback, Rescue
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.rollback_guard import Guard, Rescue
+from superoffload.runtime.lanes import Priority
 from superoffload.runtime.state import BucketBuffers
 from superoffload.runtime.state_overflow import StateOverflow, may_overflow, trial
 from superoffload.runtime.transfers import wait_for
-from superoffload.runtime.worker import Priority
 from superoffload.telemetry.events import (
     KIND_CPU_STEP,
     KIND_DEVICE_STEP,
@@ -72,9 +72,9 @@ def run_calls(
 
     On the CPU each call is prepared once (``kernels.prepare_adam``: tensors validated and
     the C descriptor built when first used, kept on the bucket's buffers, which never move;
-    issue 11 item 3) and then only its numbers are checked per step. A host bucket's
-    gradient buffers are part of the prepared call; the tail of the CPU backend passes its
-    ``.grad`` tensors per call (they are new every iteration)."""
+    docs/kernel.md, "Prepared calls") and then only its numbers are checked per step. A host
+    bucket's gradient buffers are part of the prepared call; the tail on the CPU device ops
+    passes its ``.grad`` tensors per call (they are new every iteration)."""
     on_cpu = buffers.master[0].device.type == "cpu" if buffers.master else True
     if rollback and not on_cpu:
         raise RuntimeError("device buckets are never speculated, so never rolled back")
@@ -159,8 +159,8 @@ class StepTask:
     watchdog_s: float
     seed: int = 0
     """``OffloadConfig.seed``: the stochastic rounding of bf16 moments (``sr_seed``)."""
-    guard: Guard | None = None
-    """``rollback="auto"``: the speculative step's guard (what to keep, when to decline)."""
+    auto_rollback: AutoRollback | None = None
+    """``rollback="auto"``: what the speculative step keeps, or whether it declines."""
     undone: Future[Any] | None = None
     """A replay: the rollback it follows (False when the speculative step had not run, e.g.
     declined under "auto": then this is the bucket's first step, not a replay)."""
@@ -184,8 +184,8 @@ class StepTask:
                                    for k, c in enumerate(self.calls)])
                 if bad:
                     return StateOverflow(bad)
-            if self.guard is not None:
-                kept = self.guard.protect(buf, self.calls, self.grad_scale, stats.sum_sq)
+            if self.auto_rollback is not None:
+                kept = self.auto_rollback.protect(buf, self.calls, self.grad_scale, stats.sum_sq)
                 if kept is False:
                     return False  # clipping is certain: settle steps it after the verdict
                 rescue = kept if isinstance(kept, Rescue) else None
@@ -258,7 +258,7 @@ def step_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...]
               after: Future[Any] | None, speculative: bool, replay: bool,
               undone: Future[Any] | None = None) -> StepTask:
     """The task stepping ``calls`` of bucket ``bucket`` with the iteration's settings: a
-    speculative step (after its gradients' move ``after``; kept by "snapshot", guarded by
+    speculative step (after its gradients' move ``after``; kept by "snapshot", checked by
     "auto"), a replay after the rollback ``undone``, or a bucket's only step."""
     cfg = frozen.config
     return StepTask(
@@ -266,7 +266,7 @@ def step_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...]
         threads=frozen.threads, after=after, skip_nonfinite=speculative,
         snapshot=speculative and cfg.rollback == "snapshot", replay=replay, recorder=recorder,
         watchdog_s=cfg.watchdog_s, seed=cfg.seed,
-        guard=Guard(cfg.max_grad_norm, frozen.threads)
+        auto_rollback=AutoRollback(cfg.max_grad_norm, frozen.threads)
         if speculative and cfg.rollback == "auto" else None,
         undone=undone)
 

@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.backend import GradStats
+from superoffload.runtime.contract import RanksDisagree, hyper_hash, hyper_tuple
+from superoffload.runtime.devices import GradStats
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.guard import RanksDisagree, hyper_hash, hyper_tuple
 from superoffload.runtime.iteration import Flight, Iteration, Parts
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.state_overflow import StateOverflow, clipped_safely, may_overflow, trial
@@ -135,7 +135,7 @@ def check_again(it: Iteration, parts: Parts, glob: GlobalStats) -> GlobalStats:
 
 
 def checks(it: Iteration, parts: Parts) -> Checks:
-    """This rank's contract checks for the validation reduce (runtime/guard.py)."""
+    """This rank's contract checks for the validation reduce (runtime/contract.py)."""
     frozen = it.frozen
     return Checks(edited=bool(parts.contract.edited()),
                   hyper_hash=hyper_hash(frozen.hypers, frozen.config.max_grad_norm))

@@ -7,7 +7,7 @@ on CUDA, its own stream). Each records one telemetry span with the bytes it move
 bucket). ``wait_for`` bounds a wait by the watchdog and names the late task; ``InFlight``
 keeps what the training thread submitted since the last ``synchronize()`` and waits for it,
 a lane's failure surfacing as the engine's own error. Task modules never submit (the lanes
-run their tasks: worker.py), so the calls between them go one way.
+run their tasks: lanes.py), so the calls between them go one way.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.backend import Backend, GradStats, PendingStats, host_stats
+from superoffload.runtime.devices import DeviceOps, GradStats, PendingStats, host_stats
 from superoffload.runtime.errors import FailureBox, WatchdogTimeout
-from superoffload.runtime.worker import Lane, describe, explain
+from superoffload.runtime.lanes import Lane, describe, explain
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
 
@@ -81,7 +81,7 @@ class InFlight:
 
     def wait_all(self, watchdog_s: float) -> None:
         """Every future added here is done (after the lanes ran a barrier: chained tasks are
-        queued late, worker.py, so each future is waited for itself)."""
+        queued late, lanes.py, so each future is waited for itself)."""
         futures, self.futures = self.futures, []
         for fut in futures:
             self.wait(fut, "a task submitted before synchronize()", watchdog_s)
@@ -127,8 +127,8 @@ class D2HTask:
     grad_host: tuple[torch.Tensor, ...]
     """Matching host views; a dtype change here is the device-side cast."""
     ready: Any
-    """Backend token recorded when the last gradient was final (a CUDA event, or None)."""
-    backend: Backend
+    """The device ops' token recorded when the last gradient was final (a CUDA event, or None)."""
+    device_ops: DeviceOps
     recorder: Recorder
     add: tuple[bool, ...] | None = None
     """Host accumulation (``OffloadConfig.grad_accum_on="host"``): per gradient, add it into
@@ -141,14 +141,14 @@ class D2HTask:
 
     def run(self) -> GradStats | PendingStats | None:
         with self.recorder.device_span(
-            LANE_D2H, KIND_D2H, stream=self.backend.stream("d2h"), iteration=self.iteration,
+            LANE_D2H, KIND_D2H, stream=self.device_ops.stream("d2h"), iteration=self.iteration,
             bucket=self.bucket,  # what crosses: the host dtype when the device casts first
             nbytes=tensors_nbytes(self.grad_host if self.add is None else self.grads),
         ):
             if self.add is None:
-                return self.backend.d2h(self.grads, self.grad_host, self.ready)
+                return self.device_ops.d2h(self.grads, self.grad_host, self.ready)
             if self.grads:
-                self.backend.d2h_add(self.grads, self.grad_host, self.add, self.ready)
+                self.device_ops.d2h_add(self.grads, self.grad_host, self.add, self.ready)
         if not self.want_stats:
             return None
         return host_stats(self.stats_host if self.stats_host is not None else self.grad_host)
@@ -165,7 +165,7 @@ class H2DTask:
     """``param.data`` of each member (writes bypass autograd's version counter)."""
     after: Future[Any] | None
     """The step (or rollback) this copy publishes; a step that did not run needs no copy."""
-    backend: Backend
+    device_ops: DeviceOps
     recorder: Recorder
     watchdog_s: float
 
@@ -175,7 +175,7 @@ class H2DTask:
             if stepped is False:
                 return None
         with self.recorder.device_span(
-            LANE_H2D, KIND_H2D, stream=self.backend.stream("h2d"), iteration=self.iteration,
+            LANE_H2D, KIND_H2D, stream=self.device_ops.stream("h2d"), iteration=self.iteration,
             bucket=self.bucket, nbytes=tensors_nbytes(self.src_host),
         ):
-            return self.backend.h2d(self.src_host, self.dst_device)
+            return self.device_ops.h2d(self.src_host, self.dst_device)

@@ -24,13 +24,13 @@ from typing import Any, Protocol
 import torch
 
 from superoffload.plan.buckets import BucketPlan
-from superoffload.runtime.backend import Backend, GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.contract import hashes_agree
+from superoffload.runtime.devices import DeviceOps, GradStats
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.guard import hashes_agree
+from superoffload.runtime.lanes import ErrorSink, Lane, Priority
 from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
 from superoffload.runtime.transfers import InFlight
-from superoffload.runtime.worker import ErrorSink, Lane, Priority
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -58,14 +58,14 @@ class GlobalStats:
     partial: frozenset[int] = frozenset()
     """Of those, the ones some rank had no gradient for (every rank knows which)."""
     edited: int = 0
-    """Ranks on which a gradient changed after the engine took it (runtime/guard.py)."""
+    """Ranks on which a gradient changed after the engine took it (runtime/contract.py)."""
     agree: bool = True
-    """Every rank steps with the same hyper-parameters (the guard's hash, summed)."""
+    """Every rank steps with the same hyper-parameters (the contract's hash, summed)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Checks:
-    """What the validation reduce carries besides the statistics (runtime/guard.py): this
+    """What the validation reduce carries besides the statistics (runtime/contract.py): this
     rank's verdict on gradient edits and the hash of its hyper-parameters in force."""
 
     edited: bool = False
@@ -81,7 +81,7 @@ _HEAD = 7
 def validation_vector(local: GradStats, present: frozenset[int], checks: Checks,
                       trainable: Sequence[int]) -> list[float]:
     """What a collective transport all-reduces (SUM) to validate an iteration: the local
-    statistics, the guard's checks (runtime/guard.py: an edit flag and two 16-bit hyper hashes
+    statistics, the contract's checks (runtime/contract.py: an edit flag and two 16-bit hyper hashes
     with their squares), then 1 per trainable parameter with a local gradient."""
     h1, h2 = checks.hyper_hash
     values = [local.sum_sq, float(local.nonfinite), float(checks.edited),
@@ -107,7 +107,7 @@ class TransportContext:
     """What a transport is given when the engine starts."""
 
     state: EngineState
-    backend: Backend
+    device_ops: DeviceOps
     recorder: Recorder
     inline: bool
     on_error: ErrorSink
@@ -115,7 +115,7 @@ class TransportContext:
     """The engine's waits (a lane's failure surfaces as the engine's error): a transport that
     waits for a publish outside the engine's own calls (FSDP2's pre-hooks) waits through it."""
     fingerprint: Mapping[str, Any] | None = None
-    """What every data-parallel rank must agree on (``guard.fingerprint``): a collective
+    """What every data-parallel rank must agree on (``contract.fingerprint``): a collective
     transport compares it over its ranks before its first collective."""
 
 
@@ -133,7 +133,7 @@ class Transport(Protocol):
     rank: int
     local_ranks: int
     """Ranks sharing this host's cores and memory (the thread rule splits the cores)."""
-    sums_on_host: bool
+    accumulates_on_host: bool
     """``launch`` honours ``accumulated=`` and ``final=`` (``OffloadConfig.grad_accum_on=
     "host"``: every micro-step's gradients are summed into the host buffers)."""
 
@@ -160,9 +160,9 @@ class Transport(Protocol):
         statistics of what this rank will step (host buckets), None for tail buckets.
         ``frozen``: the iteration's settings (its number, weight-flow's streamed parameters).
         The caller frees the device gradients once this returns (runtime/departures.py): the
-        transport's task must hold what it still reads. With ``sums_on_host``: ``accumulated``
-        (parameters whose host buffer already holds a partial sum: add into it, copy
-        elsewhere; None: a plain move) and ``final`` (False: an earlier micro-step, no
+        transport's task must hold what it still reads. With ``accumulates_on_host``:
+        ``accumulated`` (parameters whose host buffer already holds a partial sum: add into it,
+        copy elsewhere; None: a plain move) and ``final`` (False: an earlier micro-step, no
         statistics wanted)."""
         ...
 
@@ -211,7 +211,7 @@ class Transport(Protocol):
                 frozen: FrozenIteration, priority: Priority) -> Published:
         """After ``after`` (a step or rollback of bucket ``b``), bring its weights back;
         ``frozen``: the iteration's settings (its number, watchdog, streamed parameters);
-        ``priority``: the deadline order a reorderable lane may use (worker.py)."""
+        ``priority``: the deadline order a reorderable lane may use (lanes.py)."""
         ...
 
     def home(self, index: int) -> torch.Tensor:

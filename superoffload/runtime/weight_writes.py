@@ -1,11 +1,12 @@
-"""Weights written outside the engine: torch's semantics, or an error (issue 17 §3).
+"""Weights written outside the engine: torch's semantics, or an error
+(docs/failure_semantics.md, "What you may do with the engine").
 
 With a ``torch.optim`` optimizer, ``model.load_state_dict(best)`` (restoring an EMA or the best
 model) or ``p.mul_(0.5)`` under ``no_grad`` between steps simply changes the weights the next
 step starts from; the moments carry on. The engine keeps fp32 masters on the host (and, for a
 bf16 model, a bf16 copy there), so it must notice such a write and adopt it, or the next step
 of an offloaded bucket would start from the old master and undo it while a GPU tail bucket
-kept it (half one way, half the other). runtime/guard.py holds the detection (version
+kept it (half one way, half the other). runtime/contract.py holds the detection (version
 counters); this module acts on it:
 
 * at the start of each iteration (the first ``backward()``, or ``step()`` after a plain
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime.guard import Contract, ContractError
+from superoffload.runtime.contract import Contract, ContractError
 from superoffload.runtime.hook_base import PicklableHook
 from superoffload.runtime.launch import Launcher
 from superoffload.runtime.state import EngineState

@@ -25,7 +25,7 @@ whatever buffer is current):
   ``k`` (with reentrant checkpointing the forward ran under no_grad, so there is no output
   node and this is the only one), the post-hook does nothing.
 
-A fetch is a frozen task on its own lane (the ``fetch`` thread, driving the backend's H2D
+A fetch is a frozen task on its own lane (the ``fetch`` thread, driving the device ops' H2D
 stream on CUDA) and waits for the CPU step (or rollback/replay) that last wrote the block's
 home buckets; it records a ``weight_fetch`` span on the h2d lane.
 """
@@ -46,7 +46,7 @@ from superoffload.runtime.hook_base import in_backward
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 
 if TYPE_CHECKING:
-    from superoffload.runtime.backend import Backend
+    from superoffload.runtime.devices import DeviceOps
     from superoffload.runtime.launch import Launcher
 
 
@@ -80,9 +80,9 @@ class WeightFlow:
     (state, telemetry, the waits, the per-bucket futures a fetch waits for); ``home``: where a
     parameter's host copy lives (the transport's; runtime/transport.py)."""
 
-    def __init__(self, model: torch.nn.Module, launcher: Launcher, backend: Backend,
+    def __init__(self, model: torch.nn.Module, launcher: Launcher, device_ops: DeviceOps,
                  home: Callable[[int], torch.Tensor], depth: int, lane: Any) -> None:
-        self.launcher, self.parts, self.backend = launcher, launcher.parts, backend
+        self.launcher, self.parts, self.device_ops = launcher, launcher.parts, device_ops
         self.home = home
         self.depth = depth
         self.lane = lane
@@ -99,7 +99,7 @@ class WeightFlow:
         self.shapes = [[p.shape for p in ps] for ps in self.params]
         self.numel = [sum(p.numel() for p in ps) for ps in self.params]
         self.dtype = st.model_dtype
-        self.device = backend.device
+        self.device = device_ops.device
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.resident: dict[int, _Resident] = {}
         self._pool: list[torch.Tensor] = []
@@ -192,12 +192,12 @@ class WeightFlow:
             offset += n
         after = tuple(f for f in (parts.publishes.home_ready.get(b)
                                   for b in self._home_buckets(k)) if f is not None)
-        be = self.backend
+        be = self.device_ops
         ready = be.ready_token() if be.device.type == "cuda" else None
         task = FetchTask(
             block=k, iteration=launcher.iteration,
             src_host=tuple(self.home(i) for i in self.indices[k]), dst_device=tuple(views),
-            after=after, ready=ready, backend=be, recorder=parts.recorder,
+            after=after, ready=ready, device_ops=be, recorder=parts.recorder,
             watchdog_s=launcher.current.frozen.config.watchdog_s,
         )
         with torch.no_grad():
@@ -232,7 +232,7 @@ class WeightFlow:
             return self._pool.pop(i)[:numel]
         if self._pool:  # none fits: give one back so at most depth + 1 buffers exist
             self._pool.pop(0)
-        return self.backend.alloc_device(numel, self.dtype)
+        return self.device_ops.alloc_device(numel, self.dtype)
 
     def ensure(self, k: int, kind: str = "f") -> None:
         """Block k is resident and its copy has landed (the compute stream waits on CUDA)."""
@@ -248,14 +248,14 @@ class WeightFlow:
             rec.add(LANE_COMPUTE, KIND_WAIT, t0, rec.now(), iteration=self.launcher.iteration)
         else:
             token = res.future.result()
-        self.backend.wait(token)
+        self.device_ops.wait(token)
 
     def _release_now(self, k: int, *, force: bool = False) -> None:
         res = self.resident.pop(k, None)
         if res is not None:
             # an unused prefetch may still be copying: the compute stream orders after it
             # before the memory is handed out again
-            self.backend.wait(self.parts.in_flight.wait(
+            self.device_ops.wait(self.parts.in_flight.wait(
                 res.future, f"fetch of block {k}", self.launcher.current.frozen.config.watchdog_s))
             self.resident_bytes -= res.nbytes
             if len(self.resident) + len(self._pool) < self.depth + 1:

@@ -26,18 +26,48 @@ from typing import Any, Protocol
 import torch
 
 from superoffload.config import OffloadConfig
-from superoffload.plan.profiles import HardwareProfile
+from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
 from superoffload.plan.weights import WeightChoice
-from superoffload.runtime.backend import Backend
+from superoffload.runtime.devices import DeviceOps
 from superoffload.runtime.hook_base import in_backward
 from superoffload.runtime.launch import Launcher
-from superoffload.runtime.policy import resolve_profile
 from superoffload.runtime.weightflow import WeightFlow
 from superoffload.telemetry.recorder import Recorder
 
 log = logging.getLogger("superoffload.weights")
+
+
+# ------------------------------------------------ which profile "auto" asks the planner with
+def default_profile(device_type: str) -> HardwareProfile:
+    """The preset "auto" uses when no profile is given: the measured profile of this host if
+    one is cached (``plan.measure_local``), else a preset for the device type."""
+    from superoffload.plan import profiles
+
+    if device_type == "cpu":
+        from superoffload.plan.measure import cached_profile
+
+        hit = cached_profile()  # never measures inside initialize()
+        return hit if hit is not None else profiles.get("cpu-laptop")
+    return profiles.get("h200-pcie")
+
+
+def resolve_profile(profile: HardwareProfile | str | None, device_type: str) -> HardwareProfile:
+    """A HardwareProfile from an instance, a preset name, "measure" or None (the default)."""
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if profile is None:
+        return default_profile(device_type)
+    if profile == "measure":
+        from superoffload.plan.measure import measure_local
+
+        return measure_local(quick=True, progress=False)
+    if isinstance(profile, str):
+        from superoffload.plan import profiles
+
+        return profiles.get(profile)
+    raise TypeError(f"profile: pass a HardwareProfile, a preset name or 'measure', not {type(profile)}")
 
 
 class PolicyHost(Protocol):
@@ -45,7 +75,7 @@ class PolicyHost(Protocol):
 
     config: OffloadConfig
     telemetry: Recorder
-    backend: Backend
+    device_ops: DeviceOps
     launcher: Launcher
     model: torch.nn.Module
     iteration: int
@@ -117,13 +147,6 @@ class WeightPolicyController:
         with self._lock:
             self.pending.update(changes)
 
-    def device_weight_bytes(self, *, peak: bool = False) -> int:
-        """Bytes of model weights on the device now (or at this iteration's peak)."""
-        flow = self.flow
-        if flow is None:
-            return self.fixed_weight_bytes
-        return self.fixed_weight_bytes + (flow.iteration_peak_bytes if peak else flow.held_bytes)
-
     def _measure_fixed(self) -> None:
         flow = self.flow
         skip = set() if flow is None else {id(p) for ps in flow.params for p in ps}
@@ -159,15 +182,15 @@ class WeightPolicyController:
         and bring it back in backward: ``torch.autograd.graph.save_on_cpu``. Device memory
         for activations then drops to the recompute of one block; the cost is a D2H + H2D of
         every saved tensor (the option the paper pairs with weight-flow for long sequences)."""
-        # on the CPU backend the "host copy" is a separate CPU tensor: DeviceMeter, whose
+        # on the CPU device ops the "host copy" is a separate CPU tensor: DeviceMeter, whose
         # saved-tensor hooks this inner context replaces, then no longer counts it
-        pin = self.engine.backend.device.type == "cuda" and self.engine.config.pin_memory
+        pin = self.engine.device_ops.device.type == "cuda" and self.engine.config.pin_memory
         return torch.autograd.graph.save_on_cpu(pin_memory=pin)
 
     # ------------------------------------------------------------------ decisions
     def profile(self) -> HardwareProfile:
         if self._profile is None:
-            self._profile = resolve_profile(self._profile_arg, self.engine.backend.device.type)
+            self._profile = resolve_profile(self._profile_arg, self.engine.device_ops.device.type)
         return self._profile
 
     def shape(self) -> ModelShape:

@@ -32,7 +32,7 @@ Several iterations are summed up as `telemetry.window` pools them (`Summary`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -123,10 +123,6 @@ def link_utilisation_pct(gbps_wall: float, peak_gbps: float | None) -> float:
     if peak_gbps is None or not peak_gbps > 0:
         return math.nan
     return 100.0 * gbps_wall / peak_gbps
-
-
-def _intervals(spans: Iterable[Span]) -> list[Interval]:
-    return [(s.start_s, s.end_s) for s in spans]
 
 
 def device_busy(spans: Sequence[Span]) -> list[Interval]:

@@ -190,7 +190,7 @@ ENGINE_SCALARS: dict[str, tuple[str, float]] = {
     "device_weight_bytes": ("device_weight_gb", 1e-9),
     "device_mem_bytes": ("device_mem_gb", 1e-9),
 }
-"""The engine's recorder scalars (runtime/settle.py, runtime/engine.py) in this vocabulary:
+"""The engine's recorder scalars (runtime/stv.py, runtime/engine.py) in this vocabulary:
 (name, factor from the engine's unit). A scalar not listed keeps its own name."""
 
 

@@ -163,10 +163,3 @@ def window_of(ms: Sequence[IterationMetrics], **kw: float | None) -> Window:
     if not ms:
         return Window(-1, -1, 0, window_values(ms, **kw))
     return Window(ms[0].iteration, ms[-1].iteration, len(ms), window_values(ms, **kw))
-
-
-def last_complete(ms: Sequence[IterationMetrics], count: int) -> list[IterationMetrics]:
-    """The newest `count` of `ms` (what "the last 20 iterations" pools)."""
-    if count < 1:
-        raise ValueError(f"last_complete: count={count} must be >= 1 iterations")
-    return list(ms[-count:])

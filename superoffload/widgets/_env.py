@@ -102,13 +102,3 @@ def bind_thread_output(parent: Any) -> None:
         setter(parent)
     elif hasattr(ipython, "set_parent"):
         ipython.set_parent(parent)
-
-
-def display_or_print(obj: Any, text: str) -> None:
-    """`IPython.display.display(obj)` inside a kernel, else print `text`."""
-    if in_notebook():
-        from IPython.display import display
-
-        display(obj)
-    else:
-        print(text)

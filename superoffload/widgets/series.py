@@ -33,10 +33,9 @@ import numpy as np
 from superoffload.telemetry import metrics
 from superoffload.telemetry import ranks as rank_util
 from superoffload.telemetry import vocabulary as vocab
-from superoffload.telemetry.events import KIND_REPLAY, KIND_ROLLBACK, LANES, Span
+from superoffload.telemetry.events import KIND_REPLAY, KIND_ROLLBACK, Span
 from superoffload.telemetry.window import RECENT_ITERATIONS, WEIGHTS, Window, window_of
 from superoffload.widgets.history import Binned
-from superoffload.widgets.timeline import LANE_LABELS
 
 RECONFIGURE_PREFIXES = ("reconfigure applied", "weights:")
 """Engine notes that mark a change of settings (runtime/engine.py, runtime/weights.py)."""
@@ -240,13 +239,6 @@ class DashboardState:
         """Ranks on the timeline, ascending ([0] for a single-rank run)."""
         return rank_util.ranks_of(self.timeline_spans()) or [0]
 
-    def lane_labels(self) -> list[str]:
-        """Timeline row labels, top to bottom; "r{rank} ..." when several ranks are drawn."""
-        ranks = self.ranks()
-        multi = len(ranks) > 1
-        return [rank_util.lane_label(LANE_LABELS[lane], r, multi)
-                for r, lane in rank_util.lane_rows(ranks)]
-
     def _rank(self, rank: int | None) -> int | None:
         if rank is not None and rank not in self.history_by_rank:
             raise ValueError(f"rank={rank}: ranks seen are {sorted(self.history_by_rank)}")
@@ -335,5 +327,3 @@ class DashboardState:
     def has_device_memory(self) -> bool:
         return self.device_mem_gb.has_finite()
 
-    def lanes_present(self) -> list[str]:
-        return [lane for lane in LANES if any(s.lane == lane for s in self.timeline_spans())]

@@ -64,7 +64,7 @@ def predicted_step(shape: Any, profile: Any, config: Any, micro_batches: int = 1
     extra micro-batches' share of the one-micro-batch compute time."""
     from superoffload import plan
 
-    res = plan.simulate(shape, profile, schedule="superoffload", config=config)
+    res = plan.simulate(shape, profile, system="superoffload", config=config)
     seconds, tflops = float(res.iteration_s), float(res.tflops)
     if micro_batches > 1:
         compute_s = seconds * _compute_share(res)  # one micro-batch's forward + backward

@@ -288,7 +288,7 @@ class OffloadTuner:
         if self.preview is not None:
             from superoffload import plan
 
-            sim = plan.simulate(self.shape, self.profile, schedule="superoffload", config=config)
+            sim = plan.simulate(self.shape, self.profile, system="superoffload", config=config)
         return pred, prediction_text(pred), sim, compared
 
     def on_control(self, change: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ class ChangeRow:
 def _time(shape: Any, profile: Any, config: OffloadConfig) -> float | None:
     from superoffload import plan
 
-    res = plan.simulate(shape, profile, schedule="superoffload", config=config)
+    res = plan.simulate(shape, profile, system="superoffload", config=config)
     return float(res.iteration_s) if res.fits else None
 
 

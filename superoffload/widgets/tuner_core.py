@@ -88,7 +88,7 @@ def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: floa
     from superoffload.plan.calibrate import calibration_state
     from superoffload.plan.memory import DEVICE_HEADROOM, HOST_HEADROOM
 
-    res = plan.simulate(shape, profile, schedule="superoffload", config=config)
+    res = plan.simulate(shape, profile, system="superoffload", config=config)
     state = calibration_state(profile)
     device, host = memory_bytes(res.memory)
     dev_cap = getattr(profile, "device_memory_bytes", None)
@@ -113,15 +113,9 @@ def baseline_result(shape: Any, profile: Any) -> Any:
     from superoffload import plan
 
     try:
-        return plan.simulate(shape, profile, schedule="zero-offload", config=None)
+        return plan.simulate(shape, profile, system="zero-offload", config=None)
     except ValueError:
         return None
-
-
-def baseline_iteration_s(shape: Any, profile: Any) -> float | None:
-    """The ZeRO-Offload schedule's iteration time (None: not simulated)."""
-    res = baseline_result(shape, profile)
-    return float(res.iteration_s) if res is not None else None
 
 
 _LANE_WORDS = {

@@ -24,7 +24,7 @@ def write_page(tuner: Any, path: Path) -> Path:
         from superoffload import plan
         from superoffload.widgets.dashboard import LiveDashboard
 
-        res = plan.simulate(tuner.shape, tuner.profile, schedule="superoffload", config=tuner.config)
+        res = plan.simulate(tuner.shape, tuner.profile, system="superoffload", config=tuner.config)
         dash = LiveDashboard(None, live=False)
         dash.show_simulation(res, profile=tuner.profile)
         body += dash.figure.to_html(full_html=False, include_plotlyjs=True)

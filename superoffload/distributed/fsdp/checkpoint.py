@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from superoffload.distributed.fsdp import legacy
-from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.process_group import collective_guard
 from superoffload.kernels.optimizer_batches import is_dtensor
 from superoffload.runtime import checkpoint as single
 from superoffload.runtime.ckpt_files import (

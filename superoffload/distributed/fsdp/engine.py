@@ -31,7 +31,7 @@ from superoffload.distributed.fsdp.units import block_modules, is_sharded, shard
 from superoffload.distributed.validation import agree_fingerprint
 from superoffload.kernels.hyper import hypers_of
 from superoffload.plan.schedule import ScheduleFacts
-from superoffload.runtime import guard
+from superoffload.runtime import contract
 from superoffload.runtime.engine import OffloadEngine
 from superoffload.runtime.optim_view import param_groups_from
 from superoffload.runtime.state import EngineState
@@ -40,10 +40,10 @@ from superoffload.telemetry.recorder import Recorder
 
 def job_mesh() -> Any:
     """The mesh ``init_distributed`` built (mesh.py), else a 1-D mesh over every rank."""
-    from superoffload.distributed import launch
+    from superoffload.distributed import process_group
 
     try:
-        return launch.get_groups().mesh.fsdp
+        return process_group.get_groups().mesh.fsdp
     except RuntimeError:  # torch.distributed started by someone else
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -52,13 +52,13 @@ def job_mesh() -> Any:
 
 
 def agree_before_sharding(model: torch.nn.Module, optimizer: Any, config: OffloadConfig) -> None:
-    """Every rank built the same model, configuration and param groups (runtime/guard.py's
+    """Every rank built the same model, configuration and param groups (runtime/contract.py's
     fingerprint), or all raise ``RanksDisagree``: checked before rank 0's weights are
     broadcast, which with another model's shapes would fail inside the backend."""
     groups = param_groups_from(model, optimizer)
     state = EngineState.from_model(model, groups)
     group = dist.group.WORLD
-    agree_fingerprint(guard.fingerprint(state, config, hypers_of(groups)), group,
+    agree_fingerprint(contract.fingerprint(state, config, hypers_of(groups)), group,
                       dist.get_process_group_ranks(group))
 
 

@@ -30,13 +30,14 @@ from superoffload.distributed.fsdp import hooks
 from superoffload.distributed.fsdp.comm import guard_collectives
 from superoffload.distributed.fsdp.flow import check_flow_units
 from superoffload.distributed.fsdp.units import Unit, fsdp_units
-from superoffload.distributed.launch import stall_cause
+from superoffload.distributed.process_group import stall_cause
 from superoffload.distributed.validation import agree_fingerprint, all_reduce_validation
 from superoffload.kernels.optimizer_batches import is_dtensor, local_shard, state_like
 from superoffload.plan.buckets import Bucket, BucketPlan
-from superoffload.runtime.backend import GradStats
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.devices import GradStats
 from superoffload.runtime.frozen import FrozenIteration
+from superoffload.runtime.lanes import Priority, describe
 from superoffload.runtime.local_transport import LocalTransport
 from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
 from superoffload.runtime.transport import (
@@ -46,7 +47,6 @@ from superoffload.runtime.transport import (
     Published,
     TransportContext,
 )
-from superoffload.runtime.worker import Priority, describe
 
 
 class FsdpTransport(LocalTransport):
@@ -122,7 +122,7 @@ class FsdpTransport(LocalTransport):
         """Each rank allocates its local shard of every bucket from ``states`` (full tensors,
         or DTensors of the parameters' layout) and writes the masters into the shards (a
         load, a resharded resume)."""
-        st, be = self.ctx.state, self.ctx.backend
+        st, be = self.ctx.state, self.ctx.device_ops
         if flow and be.device.type != "cpu":
             check_flow_units(self.units, st.model)
         numels = [[local_shard(st.params[i]).numel() for i in b.param_indices]
@@ -219,7 +219,7 @@ class FsdpTransport(LocalTransport):
                  if (g := self.device_grad(i)) is not None]
         if not grads:
             return GradStats(0.0, 0)
-        stats = self.ctx.backend.device_stats(grads)
+        stats = self.ctx.device_ops.device_stats(grads)
         return stats if self.first_replica else GradStats(0.0, stats.nonfinite)
 
     def tail_grads(self, b: int) -> list[torch.Tensor]:
@@ -260,7 +260,7 @@ class FsdpTransport(LocalTransport):
                     buf.params[k].copy_(src[k])
                 else:
                     lost.append(i)  # an fp32 tail shard is its own master
-        self.ctx.backend.synchronize()
+        self.ctx.device_ops.synchronize()
         return lost
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from superoffload.distributed.launch import collective_guard
+from superoffload.distributed.process_group import collective_guard
 from superoffload.plan.fsdp_units import block_units
 
 

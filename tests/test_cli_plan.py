@@ -1,4 +1,4 @@
-"""`python -m superoffload plan --hf-config ...` (commands/fit.py): the fit table per schedule,
+"""`python -m superoffload plan --hf-config ...` (commands/plan.py): the fit table per system,
 memory, predicted time and tuned settings, from a shipped name or a config.json path."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_llama_13b_on_h200_pcie_needs_offloading(capsys):
     out = run_json(capsys, "--hf-config", "llama-2-13b", "--profile", "h200-pcie", "--seq",
                    "4096", "--micro-batch", "1")
     assert out["model"]["params"] == 13_015_864_320 and out["model"]["seq"] == 4096
-    rows = {r["schedule"]: r for r in out["rows"]}
+    rows = {r["system"]: r for r in out["rows"]}
     assert list(rows) == ["plain (GPU only)", "ZeRO-Offload", "superoffload stationary",
                           "superoffload flow"]
     plain = rows["plain (GPU only)"]
@@ -27,7 +27,7 @@ def test_llama_13b_on_h200_pcie_needs_offloading(capsys):
     # m, v) does not fit 141 GB; the reason says so (7B's 108 GB does: plan.memory)
     assert not plain["fits"] and "device memory" in plain["problems"][0]
     assert rows["ZeRO-Offload"]["fits"] and rows["superoffload stationary"]["fits"]
-    # what the table prints is what the planner predicts for the same shape and schedule
+    # what the table prints is what the planner predicts for the same shape and system
     shape = plan.ModelShape.from_hf_config("llama-2-13b", seq=4096)
     zero = plan.simulate(shape, plan.profiles.get("h200-pcie"), "zero-offload")
     assert rows["ZeRO-Offload"]["iteration_s"] == pytest.approx(zero.iteration_s)
@@ -100,7 +100,7 @@ def test_host_bound_models_fit_at_a_lower_ratio(capsys):
     # host memory binds, so the search walks the ratio down from 1
     out = run_json(capsys, "--hf-config", "llama-3-8b", "--profile", "h200-pcie-measured",
                    "--seq", "4096")
-    rows = {r["schedule"]: r for r in out["rows"]}
+    rows = {r["system"]: r for r in out["rows"]}
     stat = rows["superoffload stationary"]
     assert stat["fits"] and stat["config"]["ratio"] < 0.5, stat
     assert stat["host_bytes"] <= 125 * 2**30 * 0.9 and stat["device_bytes"] <= 141e9 * 0.95

@@ -1,8 +1,10 @@
-"""Executors: the small typed concurrency interface of the runtime (STYLE.md §9).
+"""Lanes: the small typed concurrency interface of the runtime (docs/conventions.md,
+"Lanes: submit -> Future").
 
-Every lane (transfers, the CPU optimizer, weight fetches) is an executor with one method,
-``submit(task, *, after=(), priority=LAST) -> Future``. A task is a frozen dataclass with a
-``run()`` method; its result or exception travels back through the Future.
+Every lane (transfers, the CPU optimizer -- the ``cpu_worker`` --, weight fetches) is an
+executor with one method, ``submit(task, *, after=(), priority=LAST) -> Future``. A task is
+a frozen dataclass with a ``run()`` method; its result or exception travels back through
+the Future.
 
 * ``after``: futures the task depends on. The task is queued only once all of them are done
   (a done-callback chains it), so a lane thread never blocks on another task's future: any
@@ -186,7 +188,7 @@ class ThreadLane:
         self.current_since_s = 0.0
         """``time.monotonic()`` when ``current`` began."""
         self.progress_s = time.monotonic()
-        """When a task last began or ended here (``lifetime.settle``: is work progressing?)."""
+        """When a task last began or ended here (``lifetime.quiesce``: is work progressing?)."""
         self._thread = threading.Thread(target=self._loop, name=f"superoffload-{name}", daemon=True)
         self._thread.start()
 

@@ -1,7 +1,7 @@
 """rollback="auto": the inverse is used only within its error bound (docs/engine.md, "The default
 rollback").
 
-* The bound B(rho) of runtime/rollback_guard.py is checked against the kernel: step, invert,
+* The bound B(rho) of runtime/auto_rollback.py is checked against the kernel: step, invert,
   and the restored moments' effect on the next update stays below B(rho) element by element.
 * The default configuration of every entry point matches AdamW + clip_grad_norm_ within
   1e-5 relative (max |diff| / max |w| over the fp32 masters after 20 steps) for clip ratios
@@ -22,7 +22,7 @@ import superoffload as so
 from superoffload import kernels
 from superoffload.config import ConfigError
 from superoffload.kernels import AdamHyper
-from superoffload.runtime.rollback_guard import (
+from superoffload.runtime.auto_rollback import (
     INVERSE_TOLERANCE,
     inverse_bound,
     rho_limit,
@@ -234,7 +234,7 @@ def test_rescued_elements_refresh_the_host_bf16_copy():
 def test_rescue_restore_writes_every_kept_value_back(dense):
     """Rescue.restore by itself: p, m, v and the low-precision copy of each kept element get
     their pre-step values back (whole runs when dense), and nothing else is touched."""
-    from superoffload.runtime.rollback_guard import Rescue
+    from superoffload.runtime.auto_rollback import Rescue
 
     gen = torch.Generator().manual_seed(5)
     p, m, v, g = (torch.randn(1000, generator=gen) for _ in range(4))

@@ -1,11 +1,11 @@
-"""Refuse a simulation that would not fit in memory, before anything is allocated (issue 12).
+"""Refuse a simulation that would not fit in memory, before anything is allocated.
 
 `simulate --layers 100000 --hidden 100000 --heads 100` grew to 24 GB and was killed: the
 planner works per parameter tensor (the engine's bucket table, plan/buckets.py) and per layer
 (the compute lane's Python loop), so its memory grows with those counts, not with the
 parameter count itself. The estimate below is an upper bound from the shape alone (every
 parameter tensor its own bucket), with per-item costs measured on CPython 3.12 / NumPy 2
-(tests/test_plan_guard.py keeps it an upper bound on a real run).
+(tests/test_plan_size_limit.py keeps it an upper bound on a real run).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from superoffload import plan
 from superoffload.cli import main
 from superoffload.config import OffloadConfig
-from superoffload.plan.guard import (
+from superoffload.plan.size_limit import (
     MAX_SIMULATION_BYTES,
     SimulationTooLarge,
     check_size,

@@ -1,7 +1,7 @@
 """Start torch.distributed from torchrun's environment, with bounded timeouts and clear errors.
 
 `torchrun --nproc-per-node N <your_script>.py` sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT for each worker (PyTorch docs, "torchrun (Elastic Launch)"); `init_distributed()`
+MASTER_PORT for each rank (PyTorch docs, "torchrun (Elastic Launch)"); `init_distributed()`
 reads them, picks NCCL when CUDA is present and gloo otherwise, binds the rank to
 cuda:LOCAL_RANK, and creates the dp x sp groups of `groups.py`. Run without torchrun (none of
 the variables set) it starts a one-rank group, so the same script works on a laptop.
@@ -10,7 +10,7 @@ Hangs: every collective of the process group times out after `timeout_s` (gloo r
 calling thread; NCCL's watchdog tears the process down, TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the
 default). A rank that *dies* is usually noticed sooner: gloo sees the closed TCP connection at
 the next collective, and torchrun's agent stops the remaining workers of a failed group.
-`collective_guard()` turns the backend's error into a `DistributedError` that names this rank,
+`collective_guard()` turns the dist backend's error into a `DistributedError` that names this rank,
 the collective and the timeout.
 
     info = init_distributed(sp=2)            # under torchrun
@@ -271,21 +271,6 @@ def stall_cause(ranks: list[int]) -> str:
     return (f"rank(s) {stopped} on this host are stopped" if stopped else
             f"rank(s) {gone} on this host have exited" if gone else
             "no local peer is stopped or gone: look at the other hosts' ranks")
-
-
-def collective_timeout_s() -> float:
-    """The collective timeout of this job (``init_distributed(timeout_s=...)``)."""
-    return _STATE.info.timeout_s if _STATE is not None else DEFAULT_TIMEOUT_S
-
-
-def new_group_like(ranks: list[int]) -> dist.ProcessGroup:
-    """``dist.new_group(ranks)`` with the job's collective timeout: a group made without one
-    gets torch's default (30 min) instead of the world group's, so a stalled peer would
-    block its collectives for half an hour (measured: an async all_reduce on such a group
-    ignored a 5 s world timeout)."""
-    group = dist.new_group(ranks, timeout=timedelta(seconds=collective_timeout_s()))
-    assert group is not None
-    return group
 
 
 def _require_state(caller: str) -> _State:

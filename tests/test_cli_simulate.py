@@ -1,4 +1,5 @@
-"""`python -m superoffload simulate|tune`: tables, --json, errors with exit code 2."""
+"""`python -m superoffload simulate|tune|capacity` (commands/simulate.py, commands/tune.py):
+tables, --json, errors with exit code 2."""
 
 from __future__ import annotations
 
@@ -21,13 +22,35 @@ def test_simulate_prints_a_table_and_the_ablation(capsys) -> None:
 
 
 def test_simulate_json(capsys) -> None:
-    assert main(["simulate", *SHAPE, "--schedule", "superoffload", "--ratio", "0.8",
+    assert main(["simulate", *SHAPE, "--system", "superoffload", "--ratio", "0.8",
                  "--disable", "stv", "--bucket-mb", "32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     (res,) = data["results"]
     assert res["schedule"] == "superoffload" and res["plan"]["ratio"] == 0.8
     assert res["plan"]["speculate"] is False and res["plan"]["bucket_bytes"] == 32 << 20
     assert res["iteration_s"] > 0 and set(res["memory"]) == {"device", "host"}
+    # the system is written under its new key and its old one (for one release)
+    assert res["system"] == res["schedule"] == res["plan"]["system"] == res["plan"]["schedule"]
+
+
+def test_old_flag_and_value_spellings_still_work_with_a_note(capsys) -> None:
+    # --schedule is now --system, "edf" is now "deadline": same result, a note on stderr
+    new = ["simulate", *SHAPE, "--system", "gpu", "--step-order", "deadline", "--json"]
+    old = ["simulate", *SHAPE, "--schedule", "gpu", "--step-order", "edf", "--json"]
+    assert main(new) == 0
+    got_new = capsys.readouterr()
+    assert main(old) == 0
+    got_old = capsys.readouterr()
+    assert got_old.out == got_new.out and got_new.err == ""
+    assert "note: --schedule is now --system" in got_old.err
+    assert "note: --step-order edf is now deadline" in got_old.err
+    # plan/tune --dtype take the config's spelling; torch's is still read, with a note
+    tiny = ["tune", "--hf-config", "llama-2-7b", "--seq", "128", "--micro-batch", "1", "--json"]
+    assert main([*tiny, "--dtype", "bf16"]) == 0
+    bf16 = capsys.readouterr()
+    assert main([*tiny, "--dtype", "bfloat16"]) == 0
+    bfloat16 = capsys.readouterr()
+    assert bfloat16.out == bf16.out and "note: --dtype bfloat16 is now bf16" in bfloat16.err
 
 
 def test_tune_json_and_out_file(capsys, tmp_path) -> None:
@@ -69,15 +92,15 @@ def test_facts_table_against_fact_md(capsys) -> None:
 
 
 def test_engine_variant_flags(capsys) -> None:
-    base = ["simulate", *SHAPE, "--schedule", "superoffload", "--ratio", "0.5", "--json"]
+    base = ["simulate", *SHAPE, "--system", "superoffload", "--ratio", "0.5", "--json"]
 
     def run(*flags: str) -> dict:
         assert main([*base, *flags]) == 0
         return json.loads(capsys.readouterr().out)["results"][0]
 
     now, fifo, unfused = run(), run("--step-order", "fifo"), run("--tail-step", "unfused")
-    # the default is the engine that runs (plan.schedule.ENGINE = ENGINE_NEXT)
-    assert now["plan"]["engine"] == {"step_order": "edf", "tail_step": "fused",
+    # the default is the engine that runs (plan.schedule.ENGINE)
+    assert now["plan"]["engine"] == {"step_order": "deadline", "tail_step": "fused",
                                      "d2h_stats_first": False, "merge_small_buckets": True,
                                      "buckets_per_unit": False}
     assert run("--step-order", "edf") == now == run("--step-order", "deadline")

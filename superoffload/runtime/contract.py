@@ -1,9 +1,9 @@
-"""The engine keeps torch's optimizer contract (issue 17; docs/failure_semantics.md, "What you
+"""The engine keeps torch's optimizer contract (docs/failure_semantics.md, "What you
 may do with the engine").
 
 Whatever a training loop may do with a ``torch.optim`` optimizer, the engine either does the
 same or raises at once naming the supported way; never half one way and half the other, never
-a result that depends on when a copy lane ran. This guard beside ``EngineState`` holds the
+a result that depends on when a copy lane ran. This module beside ``EngineState`` holds the
 checks both transports share:
 
 * gradients: a bucket's gradients are taken when it launches (post-accumulate-grad hook); an

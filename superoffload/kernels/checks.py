@@ -183,7 +183,7 @@ class ExecOptions:
 
     schedule: str = "static"
     """"static": one contiguous range per thread; "dynamic": chunks handed out on demand, so
-    one preempted thread does not stretch the call (issue 11 §4). Static is the default:
+    one preempted thread does not stretch the call. Static is the default:
     dynamic measured 0.86-1.02x of it with the data in DRAM (docs/kernel.md)."""
     chunk_elems: int = 65536
     """Elements per chunk of the dynamic schedule (a multiple of 64; the kernel makes chunks
@@ -304,15 +304,6 @@ def _same_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype | Non
     if len(dtypes) > 1:
         raise TypeError(f"all {name} must share one dtype in a call, got {sorted(map(str, dtypes))}")
     return next(iter(dtypes)) if dtypes else None
-
-
-def _fast_ok(t: object, dtypes: frozenset) -> bool:
-    """The common case in a few cheap attribute reads; any failure is re-checked by
-    _check_tensor for the message."""
-    return (isinstance(t, torch.Tensor) and t.layout is torch.strided and t.dtype in dtypes
-            and t.is_cpu and t.is_contiguous())
-
-
 
 
 def _scan(seq: list, allowed: frozenset) -> tuple[tuple[int, ...], tuple[int, ...], set] | None:

@@ -1,12 +1,12 @@
-"""Device specifics behind one small interface (DESIGN.md §2-3): CPU and CUDA.
+"""Device ops: the device specifics behind one small interface (DESIGN.md §2-3): CPU and CUDA.
 
-The engine runs the same schedule on both. A backend allocates buffers, copies a bucket's
+The engine runs the same schedule on both. The device ops allocate buffers, copy a bucket's
 gradients device->host (computing the bucket's local validation statistics on the way),
-copies updated weights host->device, and orders the next forward after those copies.
+copy updated weights host->device, and order the next forward after those copies.
 
-* ``CPUBackend``: the "device" is the CPU; device buffers are ordinary tensors; transfers are
+* ``CpuDeviceOps``: the "device" is the CPU; device buffers are ordinary tensors; transfers are
   copies run on the transfer threads; nothing to order (a finished copy is visible).
-* ``CUDABackend``: D2H and H2D run on their own ``torch.cuda.Stream``s into pinned, reused
+* ``CudaDeviceOps``: D2H and H2D run on their own ``torch.cuda.Stream``s into pinned, reused
   host buffers; a ``torch.cuda.Event`` recorded on the compute stream when a bucket's
   gradients are final orders the D2H after them; the H2D event is waited on by the compute
   stream (not the host) just before the module that needs the bucket runs.
@@ -51,7 +51,7 @@ class PendingStats:
         return GradStats(float(self.host[0]), int(self.host[1]))
 
 
-class Backend(Protocol):
+class DeviceOps(Protocol):
     device: torch.device
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
@@ -109,7 +109,7 @@ def stats_tensor(grads: Sequence[torch.Tensor], device: torch.device) -> torch.T
     return torch.stack([sum_sq, (~finite).sum().float()])
 
 
-class CPUBackend:
+class CpuDeviceOps:
     """The device is the CPU. Same schedule, plain tensors and copies."""
 
     def __init__(self) -> None:
@@ -161,12 +161,12 @@ class CPUBackend:
         return None
 
 
-class CUDABackend:
+class CudaDeviceOps:
     """CUDA streams, pinned host memory and events (needs a GPU; tested in test_cuda_engine)."""
 
     def __init__(self, device: torch.device, *, pin_memory: bool = True) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError("CUDABackend needs CUDA; use device='cpu' or 'auto'")
+            raise RuntimeError("CudaDeviceOps needs CUDA; use device='cpu' or 'auto'")
         self.device = device
         self.pin_memory = pin_memory
         self.d2h_stream = torch.cuda.Stream(device=device)
@@ -193,7 +193,8 @@ class CUDABackend:
     ) -> PendingStats:
         """Enqueue the copy, then the bucket's statistics, on the D2H stream and return at
         once: the copy goes first (the CPU step needs it), the ~9 norm kernels after it, and
-        nothing here waits, so the lane keeps several buckets in flight (issue 11 item 8)."""
+        nothing here waits, so the lane keeps several buckets in flight
+        (docs/engine.md, "Device spans on the device's clock")."""
         stream = self.d2h_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if ready is not None:
@@ -264,15 +265,15 @@ class CUDABackend:
         torch.cuda.synchronize(self.device)
 
 
-def make_backend(device: str, *, pin_memory: bool) -> Backend:
-    """Resolve OffloadConfig.device ("auto", "cpu", "cuda", "cuda:N") to a backend."""
+def make_device_ops(device: str, *, pin_memory: bool) -> DeviceOps:
+    """Resolve OffloadConfig.device ("auto", "cpu", "cuda", "cuda:N") to its device ops."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        return CPUBackend()
+        return CpuDeviceOps()
     if not torch.cuda.is_available():
         raise ValueError(f"OffloadConfig.device={device!r} but CUDA is not available; use 'cpu' or 'auto'")
     dev = torch.device(device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    return CUDABackend(dev, pin_memory=pin_memory)
+    return CudaDeviceOps(dev, pin_memory=pin_memory)

@@ -1,4 +1,5 @@
-"""When the inverse rollback is exact enough, and what to keep when it is not (issue 17 §1).
+"""When the inverse rollback is exact enough, and what to keep when it is not (docs/engine.md,
+"The default rollback").
 
 Legend: g = the gradient the kernel reads (grad * grad_scale, + wd * p in L2 mode), m, v =
 the moments before the speculative step, t = (1-b2) g^2, u = 2^-24 (fp32 unit roundoff),
@@ -97,8 +98,9 @@ def invertible(hyper: AdamHyper) -> bool:
 
 
 def check_rollback_mode(rollback: str, speculation: str, hypers: Sequence[AdamHyper]) -> None:
-    """The unguarded inverse cannot undo a step whose betas are 0 or 1: refuse it up front
-    (at ``initialize`` and whenever param groups change), naming the safe modes."""
+    """The inverse alone (``rollback="inverse"``) cannot undo a step whose betas are 0 or 1:
+    refuse it up front (at ``initialize`` and whenever param groups change), naming the safe
+    modes."""
     if rollback != "inverse" or speculation == "off":
         return
     for k, h in enumerate(hypers):
@@ -242,10 +244,10 @@ def risky(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
 
 
 @dataclass(frozen=True, slots=True)
-class Guard:
+class AutoRollback:
     """What ``rollback="auto"`` decides in the worker before a bucket's speculative step
     (items 1 and 2 of the module docstring). The training thread has already declined what
-    the configuration alone rules out (``speculable``, item 3); what depends on the data is
+    the configuration alone rules out (``may_speculate``, item 3); what depends on the data is
     decided here."""
 
     max_grad_norm: float | None
@@ -284,7 +286,7 @@ class Guard:
                            dense=sum(int(i.numel()) for i in index) > DENSE_FRACTION * total)
 
 
-def speculable(hypers: Sequence[AdamHyper], moments: torch.dtype, config_rollback: str,
+def may_speculate(hypers: Sequence[AdamHyper], moments: torch.dtype, config_rollback: str,
                max_grad_norm: float | None) -> bool:
     """Training thread, at launch: may this bucket be speculated at all? Under "auto", not
     when the inverse does not exist for one of its groups (betas 0 or 1), nor with bf16
