@@ -113,6 +113,40 @@ def test_views_still_live_when_the_kernel_exits_are_frozen_by_the_exit_hook(
     assert "superoffload-train: not started" in outputs.text() and snap.EXIT_NOTE in outputs.text()
 
 
+class _Kernel:
+    """ipykernel's side of a shutdown request: `do_shutdown` runs before the reply."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def do_shutdown(self, restart: bool) -> dict[str, Any]:
+        self.calls.append(f"do_shutdown(restart={restart})")
+        return {"status": "ok", "restart": restart}
+
+
+def test_a_shutdown_request_freezes_the_live_views_before_the_kernel_replies(
+        outputs: Outputs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front-end's shutdown (or restart) runs the freeze before ipykernel replies: after
+    the reply the server may drop output the exit hook sends later."""
+    kernel = _Kernel()
+    monkeypatch.setattr(_env, "_get_ipython", lambda: type("IP", (), {"kernel": kernel})())
+    monkeypatch.setattr(snap.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(snap, "_hooked", False)
+    monkeypatch.setattr(snap, "exiting", False)
+    trainer = BackgroundTrainer(lambda i: 1.0, steps=5)
+    trainer._ipython_display_()
+    assert len(outputs.live()) == 1
+    seen = []
+    _env.on_kernel_shutdown(lambda: seen.append(len(outputs.live())))  # sees the freeze done
+    _env.on_kernel_shutdown(lambda: 1 / 0)  # a failing hook does not stop the shutdown
+    assert kernel.do_shutdown(True) == {"status": "ok", "restart": True}
+    assert kernel.calls == ["do_shutdown(restart=True)"]
+    assert seen == [0] and outputs.live() == [] and snap.EXIT_NOTE in outputs.text()
+    _env.on_kernel_shutdown(snap.freeze_all)  # hooked once per function
+    kernel.do_shutdown(False)
+    assert seen == [0, 0] and kernel.calls[-1] == "do_shutdown(restart=False)"
+
+
 def test_a_placeholder_holds_the_place_until_its_view_appears(outputs: Outputs) -> None:
     slot = snap.placeholder("measuring this machine ...")
     assert outputs.by_id[slot.display_id]["text/plain"] == "measuring this machine ..."

@@ -11,9 +11,11 @@ keeps an output slot (an IPython display id) it can rewrite:
     tuner) shows its widget in a slot while the run is going and replaces it IN PLACE with a
     static snapshot when the run ends, so a notebook saved afterwards opens with the
     figure and the last state instead of "model not found";
-  * views still live when the kernel shuts down are frozen by an `atexit` hook
-    (`freeze_all`): the kernel's exit runs it before ipykernel closes its output channel
-    (atexit runs the newest hook first), so the front-end still receives the snapshots.
+  * views still live when the kernel shuts down are frozen (`freeze_all`) when the
+    front-end asks the kernel to shut down or restart, before the kernel replies
+    (`_env.on_kernel_shutdown`): after the reply the server may tear the channels down
+    before late output reaches the page. Any other exit runs it from an `atexit` hook,
+    before ipykernel closes its output channel (atexit runs the newest hook first).
     A kernel that is killed (SIGKILL, a crash) cannot do this; the dashboard's snapshot
     under its figure, rewritten every few seconds, is what remains then.
 
@@ -151,7 +153,8 @@ def register(view: Freezable) -> None:
     with _live_lock:
         _live.add(view)
         if not _hooked:
-            atexit.register(freeze_all)
+            _env.on_kernel_shutdown(freeze_all)  # a shutdown asked by the front-end
+            atexit.register(freeze_all)  # any other exit of the process
             _hooked = True
 
 
