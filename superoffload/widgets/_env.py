@@ -78,7 +78,7 @@ def _get_ipython() -> Any:
         return None
 
 
-def on_kernel_shutdown(fn: Callable[[], None]) -> bool:
+def on_kernel_shutdown(fn: Callable[[], object]) -> bool:
     """Call `fn()` when the front-end asks this kernel to shut down or restart, before the
     kernel replies; True when hooked. The reply lets the server tear the kernel's channels
     down, so output sent later (from an ``atexit`` hook) can be lost on the way: measured,
@@ -87,7 +87,7 @@ def on_kernel_shutdown(fn: Callable[[], None]) -> bool:
     front-end shuts the kernel down"; this wraps the running kernel's, once per function."""
     kernel = getattr(_get_ipython(), "kernel", None)
     original = getattr(kernel, "do_shutdown", None)
-    if original is None:
+    if kernel is None or original is None:
         return False
     hooked = getattr(original, "superoffload_hooks", None)
     if hooked is None:
