@@ -33,6 +33,11 @@ from _tiny_models import make_model
 from superoffload.distributed import init_distributed, shutdown
 from superoffload.distributed.fsdp import FsdpOffloadEngine
 
+BUILT: list[FsdpOffloadEngine] = []
+"""Engines this rank built: closed before the process group goes, as a training script
+ends (an engine left open after an error can still hold a collective in flight, and
+tearing the group down under it aborts the process at exit)."""
+
 
 def build(rank: int, args: dict[str, Any]) -> tuple[torch.nn.Module, FsdpOffloadEngine]:
     field, odd = args.get("field"), rank == 1
@@ -55,6 +60,7 @@ def build(rank: int, args: dict[str, Any]) -> tuple[torch.nn.Module, FsdpOffload
     if odd and field == "weight_decay":  # HYPER's is 0.1
         hyper["weight_decay"] = 0.2
     engine = FsdpOffloadEngine(model, hyper, make_config(run))
+    BUILT.append(engine)
     return model, engine
 
 
@@ -138,6 +144,9 @@ def main() -> None:
             raise SystemExit(f"unknown scenario {scenario}")
     except Exception as exc:
         record(out, rank, exc)
+    finally:
+        for engine in BUILT:
+            engine.close()  # after an error too: the engine's contract says close() completes
     shutdown()
 
 
