@@ -41,4 +41,4 @@ mutants:
 	$(PY) scripts/mutants.py
 
 clean:
-	rm -rf build *.egg-info superoffload/kernels/_cpu_adam_cffi*.so
+	rm -rf build *.egg-info superoffload/kernels/_cpu_adam_cffi*.so superoffload/storage/_aio_cffi*.so

@@ -111,7 +111,7 @@ def best(fn: Callable[[], object], repeats: int) -> float:
 def static_figure_s(iterations: int) -> float:
     """The end-of-run static figure of a recorded run of `iterations` iterations (what replaces
     the live dashboard in place when the run ends)."""
-    from superoffload.widgets.dashboard import LiveDashboard
+    from superoffload.widgets.dashboard.dashboard import LiveDashboard
 
     rec = Recorder(max_events=SPANS_PER_ITERATION * iterations + 10)
     for s in timeline(iterations):

@@ -18,7 +18,8 @@
 # and name .whl in the run's carry. They are installed into a scratch folder on PYTHONPATH
 # (pip --target, or unzipped when pip is missing); nothing is installed into the image.
 #
-# Steps: 1 environment; 2 cffi from .whl/ and the kernel built in place; 3 the CUDA tests
+# Steps: 1 environment; 2 cffi from .whl/ and the kernel built in place (the storage tier's
+# I/O engine with it); 2b the storage tier on CUDA (first: it never ran on a GPU); 3 the CUDA tests
 # (pytest -m cuda); 4 probes: links and the DRAM-resident CPU Adam in the engine's variant
 # (plan.measure_local, saved as profile.json), and the planner's table against FACTS.md;
 # 5 the 1.21 B GPT (24 x 2048, bf16, batch 8 x 1024) plain, at ratios 0.3 / 0.5 / 0.7 / 0.9
@@ -96,6 +97,45 @@ timeout 60 "$PY" -c "
 import superoffload as so, superoffload.kernels as k
 print('superoffload', so.__version__, '| kernel backend:', k.backend(), '| simd:', k.simd_path())
 " || note_fail "import superoffload" $?
+
+step "2b. storage tier on CUDA: pinned slots, CUDA copies, I/O rates (docs/storage.md)"
+# First, as the storage tier has never run on a GPU: a GPT with its state in files under
+# $TMPDIR trains bit for bit as in host memory (clipping every step: versions undo, replays
+# read back), then the disk's rates with the project's I/O engine (plan.measure uses them).
+timeout 150 "$PY" - "$CUDA" "${TMPDIR:-/tmp}/superoffload-tier" <<'PYEOF' || note_fail "storage tier" $?
+import sys, time, torch
+import superoffload as so
+from superoffload.models import GPT, gpt_small
+from superoffload.storage import AioEngine, measure_storage
+from superoffload.telemetry.storage_io import storage_io
+cuda, folder = sys.argv[1] == "1", sys.argv[2]
+dev = torch.device("cuda" if cuda else "cpu")
+g = torch.Generator().manual_seed(1)
+data = [(torch.randint(0, 256, (8, 128), generator=g).to(dev),
+         torch.randint(0, 256, (8, 128), generator=g).to(dev)) for _ in range(6)]
+out = {}
+for name, extra in (("memory", {}), ("tier", {"storage_path": folder, "storage_buffer_count": 2})):
+    torch.manual_seed(0)
+    model = GPT(gpt_small()).to(dev, torch.bfloat16)
+    cfg = so.OffloadConfig(device=str(dev), ratio=0.7, bucket_bytes=1 << 18, max_grad_norm=0.3,
+                           rollback="snapshot", **extra)
+    with so.initialize(model, {"lr": 1e-3}, cfg) as engine:
+        t0 = time.perf_counter()
+        for x, y in data:
+            engine.backward(model(x, y)); engine.step(); engine.zero_grad()
+        engine.synchronize()
+        out[name] = (engine.master_weights(), time.perf_counter() - t0, engine.stats.replays,
+                     storage_io(engine.telemetry.spans()))
+diff = max(float((out["memory"][0][k] - out["tier"][0][k]).abs().max()) for k in out["tier"][0])
+print(f"tier vs memory: max |diff| {diff:g} (must be 0), replays {out['tier'][2]}, "
+      f"{out['tier'][1]:.2f} s vs {out['memory'][1]:.2f} s for 6 steps; backend "
+      f"{AioEngine().backend}")
+print(out["tier"][3].line() if out["tier"][3] else "no storage spans recorded")
+m = measure_storage(folder, size_bytes=1 << 30, block_bytes=1 << 20, queue_depth=32)
+print(f"disk under {folder}: read {m.read_gbps:.2f} GB/s, write {m.write_gbps:.2f} GB/s "
+      f"({m.backend}, direct={m.direct})")
+sys.exit(0 if diff == 0.0 else 1)
+PYEOF
 
 step "3. CUDA tests (pytest -m cuda)"
 timeout 150 "$PY" -m pytest -q -m cuda -p no:cacheprovider -o addopts="" \

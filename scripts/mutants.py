@@ -51,11 +51,13 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = Path(__file__).resolve().parent.parent
 LIST = ROOT / "scripts" / "mutants.toml"
 KERNEL_GLOB = "superoffload/kernels/_cpu_adam_cffi*"
+# every compiled module of setup.py's cffi_modules: the kernel and the storage I/O engine
+MODULE_GLOBS = (KERNEL_GLOB, "superoffload/storage/_aio_cffi*")
 KERNEL_SOURCES = ("cext/*.c", "cext/*.h", "cext/*.py")
 # The build step of setup.py (cffi_modules), run inside the copy; tmpdir "." because the
 # build script names its sources relative to the working directory.
-BUILD = ("import runpy; runpy.run_path('cext/build_cpu_adam.py')['ffibuilder']"
-         ".compile(tmpdir='.', verbose=False)")
+BUILD = ("import runpy\nfor script in ('cext/build_cpu_adam.py', 'cext/build_aio.py'):\n"
+         "    runpy.run_path(script)['ffibuilder'].compile(tmpdir='.', verbose=False)")
 PROBE = ("import superoffload, superoffload.kernels as k; "
          "from superoffload.kernels import _cpu_adam_cffi as c; "
          "print(superoffload.__file__); print(c.__file__); print(k.backend())")
@@ -158,16 +160,16 @@ def copy_tree(root: Path, dest: Path) -> None:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(root / rel, target)
-    for so in root.glob(KERNEL_GLOB + ".so"):
+    for so in (so for pattern in MODULE_GLOBS for so in root.glob(pattern + ".so")):
         shutil.copy2(so, dest / so.relative_to(root))
 
 
 def kernel_stale(root: Path) -> str | None:
     """Why the working tree's compiled kernel cannot be used as is (missing, or older than
     cext/), else None."""
-    built = list(root.glob(KERNEL_GLOB + ".so"))
-    if not built:
-        return "no compiled kernel in the tree"
+    built = [so for pattern in MODULE_GLOBS for so in root.glob(pattern + ".so")]
+    if len(built) < len(MODULE_GLOBS):
+        return "a compiled module is missing in the tree"
     newest = max((p.stat().st_mtime for pat in KERNEL_SOURCES for p in root.glob(pat)),
                  default=0.0)
     if newest > min(p.stat().st_mtime for p in built):
@@ -215,7 +217,8 @@ def build_kernel(copy: Path, timeout_s: float) -> str | None:
 
 
 def remove_kernel(copy: Path) -> None:
-    for p in [*copy.glob(KERNEL_GLOB), *copy.glob("cext/*.o")]:
+    for p in [*(p for pattern in MODULE_GLOBS for p in copy.glob(pattern)),
+              *copy.glob("cext/*.o")]:
         p.unlink()
 
 
@@ -285,8 +288,10 @@ def run_mutant(mutant: Mutant, copy: Path, source: Path, timeout_s: float) -> Ou
 def restore_kernel(copy: Path, source: Path) -> None:
     """Put the unmutated kernel back: the one built at the start (``source``)."""
     remove_kernel(copy)
-    for so in source.glob("*.so"):
-        shutil.copy2(so, copy / "superoffload" / "kernels" / so.name)
+    for so in source.rglob("*.so"):
+        target = copy / so.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(so, target)
 
 
 def table(rows: Sequence[tuple[Mutant, Outcome]]) -> str:
@@ -353,8 +358,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if err is not None:
                 print(f"mutants: {err}", file=sys.stderr)
                 return 3
-        for so in copy.glob(KERNEL_GLOB + ".so"):
-            shutil.copy2(so, kernel / so.name)
+        for so in (so for pattern in MODULE_GLOBS for so in copy.glob(pattern + ".so")):
+            target = kernel / so.relative_to(copy)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(so, target)
         err = probe(copy)
         if err is not None:
             print(f"mutants: {err}", file=sys.stderr)

@@ -37,6 +37,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "models": ("superoffload.models", None),
     "data": ("superoffload.data", None),
     "distributed": ("superoffload.distributed", None),
+    "export_hf": ("superoffload.export", "export_hf"),  # a run as a Hugging Face folder
     # the engine's contract errors (runtime/contract.py), caught as so.ContractError & co
     **{name: ("superoffload.runtime.contract", name) for name in (
         "ContractError", "GradientEdited", "WeightsWrittenInFlight", "MidIterationState",

@@ -1,5 +1,5 @@
 """`python -m superoffload <command>`: train, bench, simulate, tune, capacity, plan (a Hugging
-Face config).
+Face config), export (a checkpoint as a Hugging Face folder).
 
 Each command lives in a module under `superoffload.commands` named after it, which exposes
 `add_parser(subparsers)` (which sets `func` on its parser) so this file stays a dispatcher;
@@ -16,7 +16,8 @@ from superoffload.process_env import claim_wait_policy
 
 # (command module, its parser function), in the order `--help` lists the commands
 COMMANDS = (("train", "add_parser"), ("bench", "add_parser"), ("simulate", "add_parser"),
-            ("tune", "add_parser"), ("simulate", "add_capacity_parser"), ("plan", "add_parser"))
+            ("tune", "add_parser"), ("simulate", "add_capacity_parser"), ("plan", "add_parser"),
+            ("export", "add_parser"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,8 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 StepOrder = Literal["deadline", "fifo"]
 StateDtype = Literal["fp32", "bf16"]
 GradAccumOn = Literal["auto", "device", "host"]
+Direct = Literal["auto", "on", "off"]
+WeightHomes = Literal["auto", "host", "storage"]
 Live = Literal["live", "replan", "forward"]
 """How ``engine.reconfigure`` applies a field: "live" (next iteration boundary), "replan"
 (the buckets are rebuilt first) or "forward" (where the next forward starts: weight policy)."""
@@ -202,6 +204,35 @@ class OffloadConfig:
     pin_memory: bool = _field(True, bound=BOOL)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
+    storage_path: str | None = _field(None, bound=Bound("str", none_ok=True, test=lambda v: v.strip() != "", fix="use the path of a folder on a local disk (NVMe), or None to keep the optimizer state in host memory"))
+    """The storage tier (docs/storage.md; DeepSpeed's ``offload_optimizer.nvme_path``): a folder
+    where the fp32 master and Adam moments of offloaded buckets live in files, streamed through
+    ``storage_buffer_count`` pinned host buffers (read ahead in the order backward finishes
+    buckets, stepped, written back). None keeps all optimizer state in host memory."""
+
+    host_memory_budget_bytes: int | None = _field(None, bound=Bound("int", lo=1, none_ok=True, fix="use a whole number of bytes, or None for no cap"))
+    """A cap on the host memory the engine keeps (pinned buffer pool, gradient buffers in
+    flight, resident optimizer state; plan/storage.py). With ``storage_path`` the buckets that
+    fit stay resident (those backward finishes last) and the rest live in files; without it, a
+    model whose state exceeds the budget is refused at ``initialize`` naming what it needs."""
+
+    storage_buffer_count: int = _field(4, bound=Bound("int", lo=1, hi=4096, fix="use a whole number of buckets in [1, 4096] (each buffer holds one bucket's master, moments and gradient)"))
+    """Pinned host buffers of the storage tier, one bucket's working set each (DeepSpeed's
+    ``buffer_count`` counts one state tensor per buffer: its value / 4 for Adam)."""
+
+    storage_block_bytes: int = _field(1 * MiB, bound=Bound("int", lo=4096, hi=1 << 30, test=lambda v: v % 4096 == 0, fix="use a multiple of 4096 bytes in [4096, 1 GiB] (DeepSpeed's aio.block_size; 1 MiB by default)"))
+    """Size of one I/O request of the storage tier (DeepSpeed's ``aio.block_size``)."""
+
+    storage_queue_depth: int = _field(32, bound=Bound("int", lo=1, hi=4096, fix="use a whole number in [1, 4096] (DeepSpeed's aio.queue_depth)"))
+    """I/O requests of the storage tier in flight at once (DeepSpeed's ``aio.queue_depth``)."""
+
+    storage_threads: int = _field(1, bound=Bound("int", lo=1, hi=64, fix="use a whole number in [1, 64] (DeepSpeed's aio.thread_count)"))
+    """Threads submitting the storage tier's I/O in parallel (DeepSpeed's ``aio.thread_count``)."""
+
+    storage_direct: Direct = _field("auto", bound=CHOICE)
+    """O_DIRECT for the storage tier's files: "auto" (where the file system allows it, else
+    buffered I/O, said once), "on" (required: an error where it is not allowed) or "off"."""
+
     optimizer_state_dtype: StateDtype = _field("fp32", numerics=True, bound=CHOICE)
     """Adam moments of the offloaded buckets on the host: "fp32" (28 B/param moved by the CPU
     step) or "bf16" with stochastic rounding (20 B/param, 4 B/param less host memory;
@@ -220,6 +251,15 @@ class OffloadConfig:
 
     prefetch_depth: int = _field(2, live="forward", bound=Bound("int", lo=1, fix="use a whole number of blocks >= 1"))
     """Weight-flow: blocks fetched ahead of the one running."""
+
+    weight_homes: WeightHomes = _field("auto", bound=CHOICE)
+    """Weight-flow with a storage tier: where the tier's buckets keep the weights the blocks
+    stream from, their *homes* (docs/storage.md, "Weights on the tier"; DeepSpeed's
+    ``offload_param.device``): "host" (host memory, 2 B/param), "storage" (in the tier's files
+    with the optimizer state, read ahead of forward and backward through ``prefetch_depth + 1``
+    pinned staging buffers) or "auto" (storage only when ``host_memory_budget_bytes`` cannot
+    hold them). An fp32 model's home is its master, in the files. "storage" needs
+    ``storage_path``."""
 
     watchdog_s: float = _field(300.0, live="live", bound=Bound("real", lo=MIN_WATCHDOG_S, fix=f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take longer than that; the default is 300)"))
     """A bucket stuck in flight longer than this raises an error naming it instead of hanging."""

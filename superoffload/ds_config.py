@@ -9,7 +9,8 @@ Converted (DeepSpeed's names and meanings, docs: deepspeed.ai/docs/config-json):
 ``bf16``/``fp16`` (``enabled``, ``loss_scale`` (0 = dynamic), ``initial_scale_power``,
 ``loss_scale_window``, ``hysteresis``, ``min_loss_scale``), ``optimizer`` (``type`` Adam/AdamW,
 ``params``), ``zero_optimization`` (``stage``, ``reduce_bucket_size``, ``offload_optimizer``
-with ``device``, ``pin_memory``, ``ratio``, ``super_offload``, ``cpuadam_cores_perc``), a few
+with ``device``, ``pin_memory``, ``ratio``, ``super_offload``, ``cpuadam_cores_perc``,
+``offload_param``: weight-flow, ``_offload_param``), a few
 logging keys that do not affect training, and a ``superoffload`` section holding any
 OffloadConfig field. Anything else, or a contradiction, is a ``ConfigError`` naming the key.
 
@@ -56,9 +57,21 @@ from superoffload.config import ConfigError, OffloadConfig
 _TOP = {
     "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
     "gradient_clipping", "bf16", "fp16", "optimizer", "zero_optimization", "superoffload",
+    "aio",
 }
-_ZERO = {"stage", "offload_optimizer", "reduce_bucket_size"}
-_OFFLOAD = {"device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc"}
+_ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size"}
+_PARAM = {"device", "nvme_path", "buffer_count", "pin_memory"}
+_OFFLOAD = {"device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc", "nvme_path",
+            "buffer_count"}
+_AIO = {"block_size", "queue_depth", "thread_count", "intra_op_parallelism", "use_gds"}
+AIO_FIELDS = {"block_size": "storage_block_bytes", "queue_depth": "storage_queue_depth",
+              "thread_count": "storage_threads", "intra_op_parallelism": "storage_threads"}
+"""DeepSpeed's ``aio`` keys and the OffloadConfig field each sets (the same meaning: bytes
+per request, requests in flight, parallel submitting threads; ``intra_op_parallelism`` is
+the newer name of ``thread_count``)."""
+AIO_STATES_PER_BUFFER = 4
+"""DeepSpeed's ``offload_optimizer.buffer_count`` counts buffers of one state tensor each
+(Adam: parameter, gradient, both moments); a buffer of ours holds a whole bucket's four."""
 _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
          "min_loss_scale", "auto_cast"}
 _BF16 = {"enabled"}
@@ -66,7 +79,9 @@ _OPT_PARAMS = {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_
 ACCEPTED_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(_TOP), "zero_optimization": frozenset(_ZERO),
     "zero_optimization.offload_optimizer": frozenset(_OFFLOAD), "fp16": frozenset(_FP16),
-    "bf16": frozenset(_BF16), "optimizer.params": frozenset(_OPT_PARAMS)}
+    "zero_optimization.offload_param": frozenset(_PARAM),
+    "bf16": frozenset(_BF16), "optimizer.params": frozenset(_OPT_PARAMS),
+    "aio": frozenset(_AIO)}
 """Every DeepSpeed key ``from_deepspeed`` reads, by section ("" = the top level): the
 surface test (tests/test_surface.py) freezes it."""
 DEEPSPEED_DEFAULTS = {"ratio": 1.0, "cpu_cores_frac": 0.8}
@@ -222,12 +237,15 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
     off = _section(zero, "offload_optimizer", "zero_optimization.")
     _unknown(off, _OFFLOAD, "zero_optimization.offload_optimizer.")
     device = off.get("device", "cpu" if off else "none")
-    _stage(zero, offloads=device == "cpu")
-    if device not in ("cpu", "none"):
+    _stage(zero, offloads=device in ("cpu", "nvme"))
+    if device not in ("cpu", "nvme", "none"):
         raise ConfigError(
-            f"zero_optimization.offload_optimizer.device={device!r}: use 'cpu' (or 'none'); "
-            "NVMe offload is not supported"
+            f"zero_optimization.offload_optimizer.device={device!r}: use 'cpu', 'nvme' (the "
+            "storage tier, docs/storage.md) or 'none'"
         )
+    fields.update(_storage(off, device, _section(ds, "aio", "")))
+    if device == "nvme":
+        device = "cpu"  # the offload schedule; the tier holds the state (docs/storage.md)
     if device == "none":
         if off.get("ratio", 0.0):
             raise ConfigError(
@@ -243,6 +261,12 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
         fields["cpu_cores_frac"] = off["cpuadam_cores_perc"]
     if not _bool(off, "super_offload", path, default=True):
         fields["speculation"] = "off"  # ZeRO-Offload schedule: step after validation
+    for key, value in _offload_param(zero, fields.get("storage_path")).items():
+        if key in fields and fields[key] != value:
+            raise ConfigError(f"zero_optimization.offload_param gives {key}={value!r} and "
+                              f"zero_optimization.offload_optimizer {fields[key]!r}: one "
+                              "setting here (the weights live with the optimizer state)")
+        fields[key] = value
 
     overrides = _section(ds, "superoffload", "")
     names = {f.name for f in dataclasses.fields(OffloadConfig)}
@@ -273,6 +297,81 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
     except TypeError as exc:  # a wrong type that the dataclass constructor rejects
         raise ConfigError(f"DeepSpeed config: {exc}") from exc
     return config, _optimizer(ds), differences
+
+
+def _storage(off: Mapping[str, Any], device: str, aio: Mapping[str, Any]) -> dict[str, Any]:
+    """``offload_optimizer.device: "nvme"`` with ``nvme_path`` and ``buffer_count``, and the
+    ``aio`` block, as OffloadConfig's storage fields (DeepSpeed's meanings; what differs is
+    refused naming the difference)."""
+    path, out = "zero_optimization.offload_optimizer.", {}
+    _unknown(aio, _AIO, "aio.")
+    for key in ("single_submit", "overlap_events", "use_gds"):
+        if key in aio:
+            _bool(aio, key, "aio.")
+    if aio.get("use_gds"):
+        raise ConfigError("aio.use_gds=true: GPUDirect Storage (NVMe to GPU memory) is not "
+                          "supported; the tier reads into pinned host buffers (drop use_gds)")
+    if "thread_count" in aio and "intra_op_parallelism" in aio \
+            and aio["thread_count"] != aio["intra_op_parallelism"]:
+        raise ConfigError("aio.thread_count and aio.intra_op_parallelism differ: they are one "
+                          "setting (parallel submitting threads); give one")
+    for key, field in AIO_FIELDS.items():
+        if key in aio:
+            out[field] = _int(aio, key, "aio.", low=1)
+    if device != "nvme":
+        for key in ("nvme_path", "buffer_count"):
+            if key in off:
+                raise ConfigError(f"{path}{key} is set but {path}device={device!r}: it applies "
+                                  "to device 'nvme' only")
+        return out
+    if not isinstance(off.get("nvme_path"), str) or not off["nvme_path"].strip():
+        raise ConfigError(f"{path}device='nvme' needs {path}nvme_path: the folder on a local "
+                          "NVMe disk where the optimizer state lives")
+    out["storage_path"] = off["nvme_path"]
+    if "buffer_count" in off:
+        count = _int(off, "buffer_count", path, low=AIO_STATES_PER_BUFFER)
+        if count % AIO_STATES_PER_BUFFER:
+            raise ConfigError(
+                f"{path}buffer_count={count}: DeepSpeed's buffers hold one state tensor each "
+                f"and Adam has {AIO_STATES_PER_BUFFER} per bucket; here a buffer holds all "
+                f"{AIO_STATES_PER_BUFFER}, so use a multiple of {AIO_STATES_PER_BUFFER} "
+                f"(buffer_count / {AIO_STATES_PER_BUFFER} buckets in flight), or "
+                "superoffload.storage_buffer_count")
+        out["storage_buffer_count"] = count // AIO_STATES_PER_BUFFER
+    return out
+
+
+def _offload_param(zero: Mapping[str, Any], state_path: str | None) -> dict[str, Any]:
+    """``offload_param`` (DeepSpeed ZeRO-3's parameter offload) as weight-flow: the blocks'
+    weights live on the host ("cpu": ``weight_homes="host"``) or in the storage tier's file
+    beside each bucket's optimizer state ("nvme": ``"storage"``; so the state must be there
+    too, ``state_path``), read through ``buffer_count`` = ``prefetch_depth + 1`` buffers."""
+    path = "zero_optimization.offload_param."
+    par = _section(zero, "offload_param", "zero_optimization.")
+    _unknown(par, _PARAM, path)
+    device = par.get("device", "none")
+    if device not in ("cpu", "nvme", "none"):
+        raise ConfigError(f"{path}device={device!r}: use 'cpu', 'nvme' or 'none'")
+    for key in ("nvme_path", "buffer_count"):
+        if key in par and device != "nvme":
+            raise ConfigError(f"{path}{key} is set but {path}device={device!r}: it applies "
+                              "to device 'nvme' only")
+    if device == "none":
+        return {}
+    if zero.get("stage") != 3:
+        raise ConfigError(f"{path}device={device!r} needs zero_optimization.stage 3, as in "
+                          "DeepSpeed (set stage 3; the engine streams the weights itself)")
+    if device == "nvme" and par.get("nvme_path") != state_path:
+        raise ConfigError(f"{path}device='nvme' keeps each bucket's weights in the storage "
+                          "tier's file beside its optimizer state: set zero_optimization."
+                          "offload_optimizer.device='nvme' with the same nvme_path")
+    out: dict[str, Any] = {"weights": "flow",
+                           "weight_homes": "host" if device == "cpu" else "storage"}
+    if "pin_memory" in par:
+        out["pin_memory"] = _bool(par, "pin_memory", path)
+    if "buffer_count" in par:
+        out["prefetch_depth"] = _int(par, "buffer_count", path, low=2) - 1
+    return out
 
 
 def _optimizer(ds: Mapping[str, Any]) -> dict[str, Any]:

@@ -149,7 +149,7 @@ def adamw_reference(run: dict[str, Any], data: list, steps: int, rank: int,
 
 def scenario_train(out: Path, rank: int, world: int, args: dict[str, Any]) -> None:
     results: dict[str, Any] = {}
-    data = global_data(2 * args["steps"])
+    data = global_data(3 * args["steps"])  # up to 3 micro-steps per step
     try:  # the host-memory check: every rank raises before allocating
         build({"host_available_bytes": 1})
         results["budget_error"] = None

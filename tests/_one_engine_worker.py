@@ -6,7 +6,7 @@ Scenarios:
   schedule  build FsdpOffloadEngine for each config in args["configs"] and write the
             schedule it runs (effective ratio, bucket table, threads) per config, rank 0 only
   sparse    a layer only rank 0's loss uses and one no rank uses: train 3 steps, write the
-            full masters (rank 0)
+            full masters and the model's full parameters (rank 0)
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ def scenario_sparse(out: Path, rank: int, world: int, args: dict[str, Any]) -> N
             engine.zero_grad()
         masters = engine.master_weights()
         rollbacks = engine.stats.rollbacks
+        engine.synchronize()  # every publish landed in the model's shards
+        params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
     if rank == 0:
-        torch.save({"masters": masters, "rollbacks": rollbacks}, out / "sparse.pt")
+        torch.save({"masters": masters, "rollbacks": rollbacks, "params": params},
+                   out / "sparse.pt")
 
 
 def main() -> None:

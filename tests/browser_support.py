@@ -177,6 +177,20 @@ JS_EXECUTE = """async (code) => {
   return out;
 }"""
 
+JS_RUN_CELL = """async (index) => {
+  // run one cell again (a person's Shift+Enter on it); resolves when it has run
+  const app = window.jupyterapp, nb = app.shell.currentWidget;
+  nb.content.activeCellIndex = index;
+  await app.commands.execute('notebook:run-cell');
+  return true;
+}"""
+
+JS_RESTART_KERNEL = """async () => {
+  // what Kernel > Restart Kernel does once its dialog is confirmed
+  await window.jupyterapp.shell.currentWidget.sessionContext.restartKernel();
+  return true;
+}"""
+
 JS_SAVE_AND_SHUT_DOWN = """async () => {
   const app = window.jupyterapp, w = app.shell.currentWidget;
   await app.commands.execute('docmanager:save');
@@ -217,7 +231,7 @@ JS_DASHBOARD = r"""() => {
   const status = document.querySelector('.so-dash-status');
   const trainer = document.querySelector('.so-trainer-status');
   const plot = box ? box.querySelector('.so-liveplot') : null;
-  const gd = box ? box.querySelector('.js-plotly-plot') : null;
+  const gd = plot ? plot.querySelector('.js-plotly-plot') : null;
   const trace = (name) => {  // _fullData: the arrays as drawn (data may hold base64 specs)
     if (!gd || !gd._fullData) return null;
     const t = gd._fullData.find(d => d.name === name);
@@ -232,13 +246,28 @@ JS_DASHBOARD = r"""() => {
     drawMs: plot ? Number(plot.dataset.drawMs || 0) : 0,
     pending: plot ? (plot.dataset.pending || '') : '',
     stalls: plot ? Number(plot.dataset.stalls || 0) : 0,
+    // the first figure with data: when it reached the page, when it was drawn (ms)
+    firstDataMs: plot ? Number(plot.dataset.firstDataMs || 0) : 0,
+    renderedMs: plot ? Number(plot.dataset.renderedMs || 0) : 0,
+    dataToDrawMs: plot && plot.dataset.dataToDrawMs ? Number(plot.dataset.dataToDrawMs) : null,
+    // plotly.js evaluated once per page: when it started and was ready (ms since the epoch)
+    plotlyMs: plot && plot.dataset.plotlyReadyMs
+      ? [Number(plot.dataset.plotlyStartedMs), Number(plot.dataset.plotlyReadyMs)] : null,
+    fallback: box ? (() => {  // the copy drawn in place when the live figure did not start
+      const f = box.querySelector('.so-dash-fallback .js-plotly-plot');
+      if (!f || !f._fullData) return null;
+      const line = f._fullData.find(t => t.name === 'iteration time' && t.fill !== 'toself');
+      return {traces: f._fullData.filter(t => t.x && t.x.length).length,
+              points: line && line.x ? line.x.length : 0,
+              title: (f.layout.title && f.layout.title.text) || '',
+              shown: f.getBoundingClientRect().height > 0}; })() : null,
     status: text(status),
     trainer: trainer ? trainer.textContent : '',
     runs: gd && gd._fullData ? gd._fullData.filter(d => /^run\d/.test(d.legendgroup || '') && d.x && d.x.length)
       .map(d => ({name: d.name, axis: d.xaxis, n: d.x.length, x0: Number(d.x[0])})) : [],
     title: gd && gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
     measured: trace('iteration time'),
-    compute: trace('compute'),
+    compute: trace('device compute'),
     shapes: gd && gd.layout && gd.layout.shapes ? gd.layout.shapes.map(s => ({xref: s.xref, x0: s.x0})) : [],
     annotations: gd && gd.layout && gd.layout.annotations ? gd.layout.annotations.map(a => a.text || '') : [],
   };

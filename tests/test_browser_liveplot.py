@@ -1,4 +1,4 @@
-"""The live figure's browser side (`widgets/liveplot.py`) alone in Chromium: no JupyterLab, a
+"""The live figure's browser side (`widgets/shared/liveplot.py`) alone in Chromium: no JupyterLab, a
 fake widget model, the real plotly.js. What a person needs of it, each checked on the page:
 
 * a view off screen draws nothing while figures arrive, and draws the NEWEST one as soon as
@@ -17,26 +17,34 @@ from typing import Any
 
 import pytest
 
-from superoffload.widgets import liveplot
+from superoffload.widgets.shared import liveplot
 from tests import browser_support as bs
 
 pytestmark = pytest.mark.browser
 
-PAGE = """<!doctype html><html><head><meta charset='utf-8'><script src='{plotly}'></script></head>
+PAGE = """<!doctype html><html><head><meta charset='utf-8'></head>
 <body style='margin:0'><div id='spacer' style='height:3000px'>spacer</div><div id='view' style='width:800px'></div>
 <script>
-window.figureOf = (n) => ({{data: [{{x: Array.from({{length: n}}, (_, i) => i), y: Array.from({{length: n}}, (_, i) => i * i),
-                          type: 'scatter', mode: 'lines', name: 'n' + n}}], layout: {{height: 300, title: {{text: 'figure ' + n}}}}}});
-window.makeModel = () => {{
-  const state = {{figure: {{}}, config: {{}}}}, listeners = {{}};
+window.figureOf = (n) => {{  // packed as the kernel packs it (plotjson.pack): JSON bytes, no arrays
+  const fig = {{data: [{{x: Array.from({{length: n}}, (_, i) => i), y: Array.from({{length: n}}, (_, i) => i * i),
+                type: 'scatter', mode: 'lines', name: 'n' + n}}], layout: {{height: 300, title: {{text: 'figure ' + n}}}}}};
+  return {{json: new DataView(new TextEncoder().encode(JSON.stringify(fig)).buffer), arrays: []}};
+}};
+window.makeModel = (library) => {{
+  const state = {{figure: {{}}, config: {{}}, library: 'lib', token: 'view-1'}}, listeners = {{}};
+  const manager = {{get_model: async (id) => library}};  // the PlotlyLibrary model
   return {{state, get: (k) => state[k], on: (ev, cb) => (listeners[ev] = listeners[ev] || []).push(cb),
+          send: (msg) => (window.sent = window.sent || []).push(msg), widget_manager: manager,
           set: (k, v) => {{ state[k] = v; (listeners['change:' + k] || []).forEach(cb => cb()); }}}};
 }};
-window.start = async (js) => {{
+window.start = async (js, plotly) => {{
+  const bytes = new TextEncoder().encode(plotly);
+  const library = {{get: (k) => (k === 'source' ? new DataView(bytes.buffer) : undefined)}};
   const url = URL.createObjectURL(new Blob([js], {{type: 'text/javascript'}}));
   const mod = await import(url);
-  window.model = makeModel();
+  window.model = makeModel(library);
   window.view = document.getElementById('view');
+  await mod.default.initialize({{model: window.model}});
   mod.default.render({{model: window.model, el: window.view}});
 }};
 window.drawn = () => {{
@@ -56,7 +64,7 @@ def page(tmp_path: Path) -> Any:
         pytest.skip(f"{bs.CHROMIUM} is absent: apt-get install chromium")
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
     html = tmp_path / "liveplot.html"
-    html.write_text(PAGE.format(plotly=liveplot.plotly_bundle().as_uri()))
+    html.write_text(PAGE.format())
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=bs.CHROMIUM, args=bs.CHROMIUM_ARGS)
         try:
@@ -64,7 +72,8 @@ def page(tmp_path: Path) -> Any:
             errors: list[str] = []
             p.on("pageerror", lambda e: errors.append(str(e)))
             p.goto(html.as_uri())
-            p.evaluate("(js) => window.start(js)", liveplot.render_js())
+            p.evaluate("([js, plotly]) => window.start(js, plotly)",
+                       [liveplot.render_js(), liveplot.plotly_bundle().read_text()])
             yield p
             assert errors == [], errors
         finally:
@@ -114,6 +123,22 @@ def test_a_draw_that_never_settles_does_not_block_the_next_ones(page: Any) -> No
     assert got["stalls"] == 1 and got["points"] == 4 and got["plots"] == 1, got
     _send(page, 5)  # and it keeps drawing at its usual pace afterwards
     assert _wait_drawn(page, "figure 5", 3000)["stalls"] == 1
+
+
+def test_the_module_is_small_says_it_started_and_loads_plotly_once_per_page(page: Any) -> None:
+    # plotly.js travels apart: anywidget gives a module 2 s to load and initialize
+    pytest.importorskip("anywidget")
+    assert len(liveplot.live_plot_class()._esm) < 40_000, "not 4.8 MB of plotly.js inside"
+    assert page.evaluate("() => window.sent") == [{"event": "initialized"}]
+    page.evaluate("() => window.view.scrollIntoView()")
+    _send(page, 3)
+    _wait_drawn(page, "figure 3", 30_000)
+    # a second view on the same page reuses the evaluated plotly.js (one per page)
+    again = page.evaluate("""async () => {
+      const key = Object.keys(globalThis).filter(k => k.startsWith('__superoffload_plotly_'));
+      return key.length === 1 && (await globalThis[key[0]]) === window.view.soLivePlot.plotly;
+    }""")
+    assert again, "plotly.js is evaluated once and shared through globalThis"
 
 
 def test_a_burst_of_figures_is_folded_into_few_draws_ending_on_the_newest(page: Any) -> None:

@@ -32,7 +32,7 @@ import torch
 from _tiny_models import make_model
 
 import superoffload as so
-from superoffload.runtime import checkpoint
+from superoffload.runtime import checkpoint, ckpt_manifest
 from superoffload.runtime.ckpt_files import CheckpointCorrupt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -68,7 +68,7 @@ import torch
 torch.set_num_threads(1)
 from _tiny_models import make_model
 import superoffload as so
-from superoffload.runtime import checkpoint
+from superoffload.runtime import checkpoint, ckpt_manifest
 folder, kind = sys.argv[1], sys.argv[3]
 model = make_model(seed=0)
 engine = so.initialize(model, {"lr": 3e-3}, so.OffloadConfig(device="cpu", bucket_bytes=4096,
@@ -86,7 +86,7 @@ with open("/proc/self/statm") as f:
 limit = pages * os.sysconf("SC_PAGE_SIZE") + (1 << 30)
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 t0 = time.monotonic()
-print("damaged:", checkpoint.damaged(folder), flush=True)
+print("damaged:", ckpt_manifest.damaged(folder), flush=True)
 try:
     engine.load_checkpoint(folder)
     print("loaded", flush=True)
@@ -134,7 +134,7 @@ def test_a_file_of_another_size_is_refused_without_reading_it(tmp_path: Path,
     assert f"engine.pt is not the file {tmp_path / 'ckpt' / 'meta.json'} describes " \
            f"(iteration 2, {size:,} bytes" in message
     assert f"it has {size + 100:,} bytes" in message and "it was not read" in message
-    assert checkpoint.damaged(str(tmp_path / "ckpt")) == \
+    assert ckpt_manifest.damaged(str(tmp_path / "ckpt")) == \
         f"engine.pt has {size + 100:,} bytes, meta.json records {size:,} bytes"
 
 
@@ -161,7 +161,7 @@ def test_an_engine_pt_copied_from_another_save_is_refused_naming_both(tmp_path: 
            f"{theirs[:12]}" in message
     assert "copied in from another save; it was not loaded" in message
     assert "killed" not in message
-    assert checkpoint.damaged(str(tmp_path / "a")) == \
+    assert ckpt_manifest.damaged(str(tmp_path / "a")) == \
         "engine.pt does not match the SHA-256 its meta.json records"
 
 
@@ -188,7 +188,7 @@ def test_a_save_stopped_before_its_rename_loads_the_previous_one_and_says_so(
         monkeypatch.undo()
     assert json.loads((tmp_path / "meta.json").read_text())["iteration"] == 3
     assert sorted(os.listdir(tmp_path)) == ["engine.pt", "meta.json"]  # no temporary left
-    assert checkpoint.damaged(str(tmp_path)) is None
+    assert ckpt_manifest.damaged(str(tmp_path)) is None
     model, fresh = _engine(seed=1)
     with fresh, pytest.warns(RuntimeWarning, match=r"describes a save that did not finish "  # type: ignore[attr-defined]
                              r"\(iteration 3.*still holds the save before it \(iteration 2"):

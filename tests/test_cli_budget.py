@@ -117,6 +117,61 @@ def test_the_estimate_uses_the_measured_rates(monkeypatch: pytest.MonkeyPatch) -
     assert calls == []
 
 
+def test_eval_batches_100000_with_batch_2_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--eval-batches 100000 --batch 2` (GPT small, 300 steps) was accepted on a machine of
+    many cores: 3 s at their peak, under the probe threshold, and 15-34 min of evaluation in
+    fact (a forward of 2 x 128 tokens uses a core or two). It outweighs the training (more
+    forwards than three per step), so it is measured, whatever the cores, and refused: about
+    12 min here against 2 (a busy machine only makes it longer)."""
+    monkeypatch.setattr(run_budget, "usable_cores", lambda: 64)
+    s = _settings("--eval-batches", "100000", "--batch", "2")
+    assert s.model == "small" and s.steps == 300
+    with pytest.raises(run_budget.UsageError, match=r"^--eval-batches 100000: the final "
+                       r"evaluation would take about .* \(100000 forwards of 2 x 128 tokens at "
+                       r"the rates this machine reached .*; use --eval-batches \d+ or fewer"):
+        run_budget.check(s, torch.device("cpu"))
+
+
+def test_an_evaluation_is_measured_exactly_when_it_outweighs_the_training(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values, with the probe replaced by known rates and a 2 ms fixed cost per forward: an
+    evaluation of more forwards than three per training step is measured however short it
+    is at the peak, one of at most three per step never is; the fixed cost counts a forward
+    once per evaluation batch and three times per training step, and the count the error
+    offers passes while one more is refused."""
+    monkeypatch.setattr(run_budget, "usable_cores", lambda: 2)
+    rates = run_budget.Rates(dense=2.0e10, attention=5.0e9, forward_fixed_s=2e-3)
+    calls: list[int] = []
+    monkeypatch.setattr(run_budget, "probe", lambda s: (calls.append(1), rates)[1])
+    cpu = torch.device("cpu")
+    for steps, batches, probed in ((10, 30, False), (10, 31, True), (300, 100000, True)):
+        calls.clear()
+        s = _settings("--model", "tiny", "--batch", "1", "--seq", "8", "--steps", str(steps),
+                      "--eval-batches", str(batches))
+        est = run_budget.measured(s, cpu)
+        # the peak alone would never have measured it
+        assert est.peak_step_s * batches / 3 < run_budget.PROBE_ABOVE_S
+        assert calls == ([1] if probed else []), (steps, batches)
+    compute = est.dense_flops / 2.0e10 + est.attention_flops / 5.0e9
+    assert est.eval_s(7) == pytest.approx(7 * (compute / 3 + 2e-3), rel=1e-12)
+    assert est.train_s(7) == pytest.approx(7 * (compute + 6e-3), rel=1e-12)
+    fits = int(run_budget.MAX_EVAL_S / est.eval_s(1))  # about 120 s of 2 ms forwards
+    with pytest.raises(run_budget.UsageError, match=f"use --eval-batches {fits} or fewer"):
+        run_budget.check(s, cpu)
+    for batches, refused in ((fits, False), (fits + 1, True)):
+        s = _settings("--model", "tiny", "--batch", "1", "--seq", "8", "--steps", "300",
+                      "--eval-batches", str(batches))
+        with (pytest.raises(run_budget.UsageError) if refused else contextlib.nullcontext()):
+            run_budget.check(s, cpu)
+
+
+def test_the_fixed_cost_of_a_forward_is_measured_without_touching_the_runs_rng() -> None:
+    before = torch.get_rng_state()
+    fixed = run_budget.forward_fixed_s(_settings("--model", "tiny"))
+    assert torch.equal(before, torch.get_rng_state())
+    assert 0.0 < fixed < 1.0
+
+
 def _read_until(stream: object, text: str, timeout_s: float) -> str:
     """What a process wrote to a pipe until `text` appeared (tqdm ends lines with \\r)."""
     deadline, seen = time.monotonic() + timeout_s, ""

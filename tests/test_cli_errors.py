@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from superoffload.cli import build_parser, main
-from superoffload.commands.train import engine_config
 from superoffload.commands.train_args import resolve
+from superoffload.commands.train_build import engine_config
 from superoffload.config import MIN_BUCKET_BYTES
 
 TRAIN = "python -m superoffload train: error: "

@@ -28,7 +28,7 @@ def test_simulate_json(capsys) -> None:
     (res,) = data["results"]
     assert res["schedule"] == "superoffload" and res["plan"]["ratio"] == 0.8
     assert res["plan"]["speculate"] is False and res["plan"]["bucket_bytes"] == 32 << 20
-    assert res["iteration_s"] > 0 and set(res["memory"]) == {"device", "host"}
+    assert res["iteration_s"] > 0 and set(res["memory"]) == {"device", "host", "storage"}
     # the system is written under its new key and its old one (for one release)
     assert res["system"] == res["schedule"] == res["plan"]["system"] == res["plan"]["schedule"]
 

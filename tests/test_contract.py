@@ -160,8 +160,9 @@ def test_clip_grad_norm_refuses_what_torch_would_not_do_the_same():
             engine.clip_grad_norm_(1.0)
         with pytest.raises(ValueError, match="norm_type"):
             engine.clip_grad_norm_(1.0, norm_type=1.0)
-        with pytest.raises(ValueError, match="max_norm"):
-            engine.clip_grad_norm_(-1.0)
+        for bad in (-1.0, 0.0, float("nan")):  # inf is torch's "read the norm, clip nothing"
+            with pytest.raises(ValueError, match="max_norm"):
+                engine.clip_grad_norm_(bad)
 
 
 def test_clip_grad_norm_error_if_nonfinite():

@@ -236,8 +236,6 @@ def test_auto_values_come_from_training_arguments():
 
 
 @pytest.mark.parametrize(("section", "key"), [
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
     ({"amp": {"enabled": True}}, "amp"),
     ({"sparse_gradients": True}, "sparse_gradients"),  # flags, not sections, are refused too
@@ -247,12 +245,6 @@ def test_auto_values_come_from_training_arguments():
 def test_keys_that_change_results_are_refused_by_name(section, key):
     with pytest.raises(ConfigError, match=f"DeepSpeed key {key} would change"):
         so.from_deepspeed(section)
-    off = {k: ({kk: ({"device": "none"} if kk == "offload_param" else vv)
-                    for kk, vv in v.items()} if isinstance(v, dict) else v)
-           for k, v in section.items()}
-    if key == "zero_optimization.offload_param":  # switched off: harmless, listed
-        with pytest.warns(ds_keys.DeepSpeedNotice, match="offload_param"):
-            so.from_deepspeed(off)
 
 
 def test_initialize_takes_trainer_json():

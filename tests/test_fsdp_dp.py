@@ -54,6 +54,12 @@ FP32 = {
     "gas": {"grad_accum_steps": 2, "ratio": 1.0},
     # accumulation on the host: every micro-step reduce-scatters and its shards leave
     "gas_host": {"grad_accum_steps": 2, "grad_accum_on": "host", "max_grad_norm": 0.5},
+    # ... with the gradients kept on the device too: FSDP2 adds each micro-step's reduced
+    # shard into the kept .grad, which leaves once (2 and 3 micro-steps)
+    "gas_host_keep": {"grad_accum_steps": 2, "grad_accum_on": "host", "keep_device_grads": True,
+                      "max_grad_norm": 0.5},
+    "gas3_host_keep": {"grad_accum_steps": 3, "grad_accum_on": "host",
+                       "keep_device_grads": True, "max_grad_norm": 0.5},
     # an overflow on the last rank only in step 1: every rank rolls back and skips that step
     "skip": {"poison_step": 1, "rollback": "snapshot"},
     # no speculation: every shard is stepped after validation
@@ -89,7 +95,7 @@ def _ranks(scenario: str, world: int, out: Path, args: dict, **kw: object) -> li
 def _reference(run: dict, sched: object = None) -> dict[str, torch.Tensor]:
     dtype = getattr(torch, run.get("dtype", "float32"))
     gas = run.get("grad_accum_steps", 1)
-    data, steps = global_data(2 * STEPS), STEPS
+    data, steps = global_data(3 * STEPS), STEPS
     if "poison_step" in run:  # a skipped step consumes its batch and changes nothing
         del data[run["poison_step"]]
         steps -= 1
@@ -178,7 +184,11 @@ def four(tmp_path_factory: pytest.TempPathFactory, checkpointed: tuple[Path, dic
 @pytest.mark.parametrize("name", sorted(FP32))
 def test_dp2_matches_single_process_fp32(trained: dict, name: str) -> None:
     got = trained[name]
-    assert max_diff(_reference(FP32[name]), got["weights"]) < 1e-6
+    # 3 micro-steps: loss / 3 rounds, in FSDP2's average of the ranks' means otherwise than in
+    # the whole batch's mean, and Adam's first steps amplify it for tiny gradient elements
+    # (measured 7.1e-6, the same with and without kept gradients; summing them twice: 6e-2)
+    tol = 2e-5 if FP32[name].get("grad_accum_steps") == 3 else 1e-6
+    assert max_diff(_reference(FP32[name]), got["weights"]) < tol
     # the parameters every rank computes with are the masters (all-gathered shards)
     assert max_diff(got["params"], got["weights"]) == 0.0
     assert got["stats"]["iterations"] == STEPS

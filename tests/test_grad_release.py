@@ -127,6 +127,25 @@ def test_backward_waits_at_the_bound_while_copies_are_stuck(bound):
     assert seen["grads"] <= (bound + 1) * LAYER_BYTES
 
 
+def test_a_copy_stuck_at_the_bound_is_named_within_the_watchdog():
+    """A copy that never lands (the gate stays shut): backward's wait at the bound ends after
+    ``watchdog_s`` with a WatchdogTimeout naming the move and the setting that bounds it,
+    instead of hanging."""
+    from superoffload.runtime.errors import WatchdogTimeout
+
+    model, ops = mlp(), GatedDeviceOps()
+    engine = OffloadEngine(model, dict(HYPER), mlp_config(grad_buckets_in_flight=1,
+                                                          watchdog_s=0.2), device_ops=ops)
+    try:
+        with pytest.raises(WatchdogTimeout, match=r"local move of bucket \d+'s gradients "
+                           r"\(OffloadConfig.grad_buckets_in_flight\) did not finish within "
+                           r"OffloadConfig.watchdog_s=0.2 s"):
+            engine.backward(model(torch.randn(16, WIDTH)).square().mean())
+    finally:
+        ops.gate.set()
+        engine.close()
+
+
 def test_keep_device_grads_keeps_them_as_torch_does():
     peak, after_backward, after_step, grads_none = run_metered(mlp_config(keep_device_grads=True))
     assert peak == after_backward == after_step == LAYERS * LAYER_BYTES
@@ -213,9 +232,38 @@ def test_training_matches_adamw_with_gradients_freed(dtype, place, gas):
     assert max_diff(want, got) < (2e-6 if dtype == torch.float32 else 2e-3)
 
 
-def test_host_accumulation_is_exact_for_a_parameter_missing_from_a_micro_step():
+@pytest.mark.parametrize("gas", [2, 3])
+def test_kept_gradients_with_host_accumulation_match_plain_accumulation(gas):
+    """keep_device_grads=True with grad_accum_on="host": a kept ``.grad`` already holds the
+    earlier micro-steps (autograd adds into it), so it leaves once, at the last micro-step.
+    ``p.grad``, ``full_grad`` and ``grad_norm`` equal plain accumulation's, and 4 steps with
+    clipping match AdamW to 2e-6 (fp32, as above). Counting the earlier micro-steps again
+    gave full_grad = 3 g1 + g2 for 2 micro-steps and masters 4e-2 off."""
+    data = batches(4 * gas)
+    want, want_norm = reference_grads(make_model(), data, gas)
+    cfg = cpu_config(ratio=0.6, grad_accum_steps=gas, grad_accum_on="host",
+                     keep_device_grads=True, max_grad_norm=0.3)
+    model = make_model()
+    with so.initialize(model, dict(HYPER), cfg) as engine:
+        assert engine.accum_on_host and engine.bucket_plan.host_buckets
+        for x, y in data[:gas]:
+            engine.backward(model(x, y))
+        assert engine.grad_norm() == pytest.approx(want_norm, rel=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(engine.full_grad(p), want[name], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7)  # kept
+        engine.step()
+    ref = train_reference(make_model(), data, steps=4, gas=gas, max_norm=0.3)
+    got, stats = train_engine(make_model(), data, cfg, steps=4)
+    assert stats.iterations == 4 and stats.clipped_steps >= 2
+    assert max_diff(ref, got) < 2e-6
+
+
+@pytest.mark.parametrize("used_in", ["last", "first"])
+def test_host_accumulation_is_exact_for_a_parameter_missing_from_a_micro_step(used_in):
     """A parameter with no gradient in the first micro-step starts its host sum in the
-    second (a copy, not an add onto last iteration's buffer)."""
+    second (a copy, not an add onto last iteration's buffer); one with a gradient in the
+    first micro-step only is stepped from its host sum (it has no gradient in the last)."""
     data = batches(8)
 
     class Gated(torch.nn.Module):
@@ -228,7 +276,7 @@ def test_host_accumulation_is_exact_for_a_parameter_missing_from_a_micro_step():
         def forward(self, x, y):
             loss = self.base(x, y)
             self.calls += 1
-            if self.calls % 2 == 0:  # every second micro-step only
+            if self.calls % 2 == (0 if used_in == "last" else 1):  # one micro-step of two
                 loss = loss + self.extra(torch.ones(61)).square().mean()
             return loss
 

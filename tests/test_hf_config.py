@@ -19,6 +19,7 @@ PUBLISHED = {
     "llama-2-7b": 6_738_415_616,    # meta-llama/Llama-2-7b-hf ("6.74B params")
     "llama-2-13b": 13_015_864_320,  # meta-llama/Llama-2-13b-hf ("13B")
     "llama-3-8b": 8_030_261_248,    # meta-llama/Meta-Llama-3-8B ("8.03B params")
+    "llama-3.1-70b": 70_553_706_496,  # meta-llama/Llama-3.1-70B ("70.6B params")
     "mistral-7b": 7_241_732_096,    # mistralai/Mistral-7B-v0.1 ("7.24B params")
     "qwen2.5-0.5b": 494_032_768,    # Qwen/Qwen2.5-0.5B ("0.49B"; tied embeddings)
     "qwen2.5-7b": 7_615_616_512,    # Qwen/Qwen2.5-7B ("7.61B")

@@ -196,19 +196,12 @@ def test_save_state_and_load_state_resume_bit_identically(tmp_path: Path) -> Non
 
 
 def test_refusals_name_the_way(tmp_path: Path) -> None:
-    # an accumulation cut short by the end of the data loader (21 micro-batches of 2)
+    # (a data loader whose length is not a multiple of the accumulation steps is trained as
+    # plain Accelerate trains it: tests/test_accelerate_window.py)
     acc = accelerator(True)
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
     model, optimizer, data = acc.prepare(model, optimizer, loader(21))
-    with pytest.raises(ConfigError, match=r"after 1 of 2 backward passes .*"
-                       r"DataLoader\(drop_last=True\)"):
-        for x, y in data:
-            with acc.accumulate(model):
-                acc.backward(torch.nn.functional.mse_loss(model(x), y))
-                optimizer.step()
-                optimizer.zero_grad()
-    assert acc.engine.stats.iterations == 10  # the ten whole accumulations stepped
     with pytest.raises(ConfigError, match="clips by the global norm of all of them"):
         acc.clip_grad_norm_(list(model.parameters())[:2], 1.0)
     with pytest.raises(ConfigError, match="clip_grad_norm_"):

@@ -143,6 +143,60 @@ def test_fp32_matches_trainer_adamw(tmp_path):
     assert isinstance(got.optimizer, OffloadedOptimizer)
 
 
+@pytest.mark.parametrize("gas", [2, 3])
+def test_kept_gradients_accumulated_on_the_host_log_trainers_grad_norm(tmp_path, gas):
+    """keep_device_grads=True with grad_accum_on="host" (each alone was exact): every logged
+    grad_norm and the masters equal Trainer + AdamW's (the pair used to count earlier
+    micro-steps again: a grad_norm 2-3x too large)."""
+    run = dict(gradient_accumulation_steps=gas, max_steps=6, logging_steps=1)
+    ref_model = make_model()
+    ref = Trainer(model=ref_model, args=arguments(tmp_path / "ref", **run),
+                  train_dataset=Tokens(80, 1), eval_dataset=Tokens(8, 2))
+    ref.train()
+    got = train_offload(tmp_path / "so", offload=ENGINE.replace(keep_device_grads=True,
+                                                                grad_accum_on="host"), **run)
+    assert got.engine.accum_on_host
+    assert len(losses(got, "grad_norm")) == 6
+    assert losses(got, "grad_norm") == pytest.approx(losses(ref, "grad_norm"), rel=1e-4)
+    assert max_diff(dict(ref_model.named_parameters()), masters(got)) < 1e-5
+
+
+class NormWatch:
+    """Records what Trainer's own grad-norm helper returns each step (the value it logs; a
+    callback or subclass reads the same)."""
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        out = super()._get_grad_norm(model, grad_norm)  # type: ignore[misc]
+        self.seen.append(None if out is None else float(out))  # type: ignore[attr-defined]
+        return out
+
+
+class WatchedTrainer(NormWatch, Trainer):
+    seen: list[float | None] = []
+
+
+class WatchedOffload(NormWatch, SuperOffloadTrainer):
+    seen: list[float | None] = []
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0])
+def test_trainers_grad_norm_helper_returns_the_whole_models_norm(tmp_path, max_grad_norm):
+    """Trainer's clip_grad_norm_ (or, without clipping, clip_grad_norm_(..., inf)) returns
+    the engine's pre-clip norm over every bucket, step by step as plain Trainer's (rel 1e-4);
+    it used to return None (the offloaded gradients are not in p.grad)."""
+    run = dict(max_steps=4, logging_steps=1, max_grad_norm=max_grad_norm, eval_strategy="no")
+    WatchedTrainer.seen, WatchedOffload.seen = [], []
+    ref = WatchedTrainer(model=make_model(), args=arguments(tmp_path / "ref", **run),
+                         train_dataset=Tokens(80, 1))
+    ref.train()
+    got = WatchedOffload(model=make_model(), args=arguments(tmp_path / "so", **run),
+                         train_dataset=Tokens(80, 1), offload_config=ENGINE)
+    got.train()
+    assert len(got.seen) == len(ref.seen) == 4 and None not in ref.seen
+    assert got.seen == pytest.approx(ref.seen, rel=1e-4)
+    assert losses(got, "grad_norm") == pytest.approx(ref.seen, rel=1e-4)
+
+
 def test_bf16_autocast_over_fp32_weights_matches_trainer_adamw(tmp_path):
     ref_model = make_model()
     Trainer(model=ref_model, args=arguments(tmp_path / "ref", bf16=True),

@@ -23,9 +23,9 @@ from superoffload.telemetry import metrics
 from superoffload.telemetry.vocabulary import METRICS, summary_values
 from superoffload.telemetry.window import window_values
 from superoffload.train_loop import StepInfo, TrainSettings, train
-from superoffload.widgets.panels import Workload, status_lines
-from superoffload.widgets.runstate import RunState
-from superoffload.widgets.series import DashboardState
+from superoffload.widgets.dashboard.state import DashboardState
+from superoffload.widgets.dashboard.status import Workload, status_lines
+from superoffload.widgets.shared.runstate import RunState
 
 STEPS = 30
 

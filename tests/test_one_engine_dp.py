@@ -71,3 +71,9 @@ def test_a_parameter_steps_iff_some_rank_has_its_gradient(tmp_path: Path, ratio:
     assert torch.equal(masters["idle.weight"], torch.ones(8, 8))  # nobody: untouched
     for name, p in ref.named_parameters():
         torch.testing.assert_close(masters[name], p.detach(), rtol=0, atol=2e-6, msg=name)
+    # and the weights the model computes with: FSDP2 reduced zeros for idle, so it was
+    # stepped speculatively (weight decay alone moves it by lr * wd) and rolled back; the
+    # restored value must reach its shards too, not only the master
+    assert got["rollbacks"] > 0 or ratio == 0.0
+    assert torch.equal(got["params"]["idle.weight"], torch.ones(8, 8))
+    assert all(torch.equal(got["params"][n], masters[n]) for n in masters)

@@ -12,10 +12,11 @@ MiB = 1 << 20
 
 
 def test_link_time_latency_plus_bytes_over_peak() -> None:
-    # 64 MiB over C2C: 20 us + 67108864 B / 450e9 B/s = 169.13 us (~87% of peak)
+    # 64 MiB over C2C: 20 us + 67108864 B / 375e9 B/s (the measured rate) = 198.96 us
     t = cost.link_time_s(64 * MiB, GH200, "h2d")
-    assert t == pytest.approx(20e-6 + 67108864 / 450e9, rel=1e-12)
-    assert cost.link_gbps(64 * MiB, GH200, "d2h") == pytest.approx(67108864 / t / 1e9)
+    assert t == pytest.approx(20e-6 + 67108864 / 375e9, rel=1e-12)
+    assert cost.link_gbps(64 * MiB, GH200, "h2d") == pytest.approx(67108864 / t / 1e9)
+    assert cost.link_time_s(64 * MiB, GH200, "d2h") == pytest.approx(20e-6 + 67108864 / 297e9)
     assert cost.link_time_s(0, GH200, "h2d") == 0.0
 
 
@@ -24,7 +25,7 @@ def test_link_table_is_log_interpolated() -> None:
     # 1e7 is halfway in log between 1e6 and 1e8: 15 GB/s
     assert cost.link_time_s(1e7, prof, "h2d") == pytest.approx(1e7 / 15e9)
     assert cost.link_time_s(1e9, prof, "h2d") == pytest.approx(1e9 / 20e9)  # clamped
-    assert cost.link_time_s(1e7, prof, "d2h") == pytest.approx(20e-6 + 1e7 / 450e9)  # no table
+    assert cost.link_time_s(1e7, prof, "d2h") == pytest.approx(20e-6 + 1e7 / 297e9)  # no table
 
 
 def test_cpu_adam_reproduces_the_grace_figures() -> None:

@@ -45,9 +45,25 @@ def test_the_gh200_row_is_what_the_command_prints(capsys: pytest.CaptureFixture[
     assert cli.main(["capacity", "--profiles", "gh200", "--json"]) == 0
     row = json.loads(capsys.readouterr().out)["rows"][0]
     printed = [float(re.match(r"[\d.]+", cell).group()) for cell in _doc_row("gh200")]
-    assert printed == [round(row[c.label] / 1e9, 1) for c in largest.COLUMNS]
+    assert printed == [round(row[c.label] / 1e9, 1) for c in largest.COLUMNS] + [
+        round(row[largest.TIER_TIME], 1)]
     sizes = {c.label: row[c.label] for c in largest.COLUMNS}
     # offloading fits more than the device alone; bf16 moments more than fp32 ones
     assert sizes["plain GPU"] < sizes["SuperOffload stationary"] < sizes[
         "SuperOffload, bf16 moments"]
     assert "(paper 25)" in _doc_row("gh200")[3]
+    # the storage tier's target: >= 100 B on one GH200, with its predicted iteration time
+    assert sizes[largest.TIER] >= 100e9 and row[largest.TIER_TIME] > 0
+
+
+def test_the_measured_h200_host_with_four_drives_trains_70b() -> None:
+    from superoffload.plan import storage_presets
+
+    host = storage_presets.with_tier(plan.profiles.get("h200-pcie-measured"),
+                                     storage_presets.by_name("nvme-gen4x4"))
+    tier = next(c for c in largest.COLUMNS if c.label == largest.TIER)
+    params, layers = largest.largest_layers(host, tier)
+    assert params >= 70e9
+    cells = _doc_row("h200-pcie-measured")
+    assert float(cells[-2]) == round(params / 1e9, 1)  # capacity's default tier for it
+    assert float(cells[-1]) == round(largest.tier_iteration_s(host, layers), 1)

@@ -96,3 +96,21 @@ def test_fingerprint_sees_every_config_field_but_the_rank_local_ones():
         object.__setattr__(changed, name, object())  # any other value
         diff = contract.first_difference([base, contract.fingerprint(st, changed, [])], [0, 1])
         assert diff is not None and diff.startswith(f"config.{name} "), name
+
+
+def test_fingerprint_sees_which_group_each_parameter_is_in():
+    """Two ranks with the same parameters and the same two groups' hyper-parameters, the
+    bias in group 1 on one and in group 0 on the other: the ranks would step it with
+    different settings (the per-step hash of the groups agrees), so the fingerprint must
+    differ, naming that parameter."""
+    model = torch.nn.Linear(3, 2)
+    hyper = [{**DEFAULTS, **BASE}, {**DEFAULTS, **BASE, "weight_decay": 0.0}]
+    split = EngineState.from_model(model, [{"params": [model.weight], **hyper[0]},
+                                           {"params": [model.bias], **hyper[1]}])
+    joined = EngineState.from_model(model, [{"params": [model.weight, model.bias], **hyper[0]},
+                                            {"params": [], **hyper[1]}])
+    hypers = [AdamHyper.from_group(g) for g in hyper]
+    prints = [contract.fingerprint(st, OffloadConfig(), hypers) for st in (split, joined)]
+    diff = contract.first_difference(prints, [0, 1])
+    assert diff is not None and diff.startswith("parameter #1 differs"), diff
+    assert "'bias'" in diff

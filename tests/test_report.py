@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from superoffload.telemetry import Recorder, Span
-from superoffload.widgets import layout as L
-from superoffload.widgets.report import PLOTLY_JS, write_html_report
-from superoffload.widgets.traces import SPECS
+from superoffload.widgets.dashboard import layout as L
+from superoffload.widgets.dashboard.report import PLOTLY_JS, write_html_report
+from superoffload.widgets.dashboard.traces import SPECS
 
 
 def _recorder() -> Recorder:

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 from superoffload.telemetry import metrics, ranks
-from superoffload.telemetry.events import LANES, Span
+from superoffload.telemetry.events import LANE_LABELS, LANES, Span, lanes_in
 from superoffload.telemetry.recorder import Recorder
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.timeline import LANE_LABELS
-from superoffload.widgets.traces import TRACE
-from tests.widgets_support import record_iteration
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.dashboard.traces import TRACE
+from tests.widgets_support import FigureView, record_iteration
 
 
 def two_ranks(iterations: int = 4) -> tuple[Recorder, Recorder]:
@@ -100,18 +99,20 @@ def test_dashboard_draws_per_rank_lanes_and_keeps_per_rank_points() -> None:
     r0, r1 = two_ranks()
     merged = ranks.merge_rank_spans([r0, r1])
     dash = LiveDashboard.from_spans(merged, live=False)
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     assert len(fig.data) == len(TRACE), "still one trace per lane: a fixed figure"
     labels = list(fig.layout.yaxis.ticktext)
+    lanes = lanes_in(merged)  # the rows: the lanes the run used (no storage row here)
+    assert "storage" not in lanes and len(lanes) == 5
     assert labels[0] == "r0 " + LANE_LABELS["device_compute"]
-    assert labels[len(LANES) + 1] == "r1 " + LANE_LABELS["d2h"]
-    assert len(labels) == 2 * len(LANES)
+    assert labels[len(lanes) + 1] == "r1 " + LANE_LABELS["d2h"]
+    assert len(labels) == 2 * len(lanes)
     d2h = fig.data[TRACE["lane:d2h"]]
     ys = np.asarray(d2h.y, dtype=float)
     n0 = sum(1 for s in merged if s.lane == "d2h" and s.rank == 0)
     n1 = sum(1 for s in merged if s.lane == "d2h" and s.rank == 1)
-    assert np.sum(ys == LANES.index("d2h")) == 2 * n0
-    assert np.sum(ys == len(LANES) + LANES.index("d2h")) == 2 * n1
+    assert np.sum(ys == lanes.index("d2h")) == 2 * n0
+    assert np.sum(ys == len(lanes) + lanes.index("d2h")) == 2 * n1
     # per-rank metrics: each rank's series is its own, the plotted one is rank 0's
     for rank, rec in ((0, r0), (1, r1)):
         expected = metrics.iteration_metrics(rec.spans())
@@ -129,9 +130,11 @@ def test_single_rank_dashboard_is_unchanged() -> None:
     pytest.importorskip("plotly")
     r0, _ = two_ranks()
     dash = LiveDashboard.from_spans(r0.spans(), live=False)
-    assert list(dash.figure.layout.yaxis.ticktext) == [LANE_LABELS[x] for x in LANES]
-    assert set(np.asarray(dash.figure.data[TRACE["lane:h2d"]].y, dtype=float)[0::3]) == \
-        {LANES.index("h2d")}
+    fig = FigureView(dash.figure)
+    lanes = lanes_in(r0.spans())
+    assert list(fig.layout.yaxis.ticktext) == [LANE_LABELS[x] for x in lanes]
+    assert set(np.asarray(fig.data[TRACE["lane:h2d"]].y, dtype=float)[0::3]) == \
+        {lanes.index("h2d")}
     assert "rank" not in dash.summary()
 
 
@@ -142,7 +145,7 @@ def _figure_data(text: str) -> list[list[dict]]:
 
 def test_report_has_per_rank_lanes_and_a_per_rank_table(tmp_path: Path) -> None:
     pytest.importorskip("plotly")
-    from superoffload.widgets.report import write_html_report
+    from superoffload.widgets.dashboard.report import write_html_report
 
     r0, r1 = two_ranks()
     out = write_html_report(ranks.merge_rank_spans([r0, r1]), tmp_path / "r.html", title="dp2")

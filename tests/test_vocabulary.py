@@ -16,11 +16,12 @@ from superoffload.telemetry import metrics
 from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.tensorboard import scalar_rows
 from superoffload.telemetry.trace import chrome_trace
-from superoffload.widgets import layout as L
-from superoffload.widgets.panels import Expected, Workload, status_lines
-from superoffload.widgets.runstate import RunState
-from superoffload.widgets.series import DashboardState
-from superoffload.widgets.traces import SPECS
+from superoffload.widgets.dashboard import layout as L
+from superoffload.widgets.dashboard.expected import Expected
+from superoffload.widgets.dashboard.state import DashboardState
+from superoffload.widgets.dashboard.status import Workload, status_lines
+from superoffload.widgets.dashboard.traces import SPECS
+from superoffload.widgets.shared.runstate import RunState
 from tests.widgets_support import filled_recorder, record_iteration
 
 NAMES = set(vocab.METRICS)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from superoffload.telemetry.recorder import Recorder
-from superoffload.widgets import _env
-from superoffload.widgets.background import BackgroundTrainer
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.runstate import RunState
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.shared import env as _env
+from superoffload.widgets.shared.runstate import RunState
+from superoffload.widgets.shared.trainer import BackgroundTrainer
 from tests.widgets_support import FakeShell, record_iteration
 
 

@@ -11,15 +11,16 @@ import superoffload as so
 from superoffload import plan
 from superoffload.telemetry.events import LANES, Span
 from superoffload.telemetry.recorder import Recorder
-from superoffload.widgets import _env
-from superoffload.widgets import layout as L
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.marks import WAITING
-from superoffload.widgets.runstate import RunState
-from superoffload.widgets.series import DashboardState
-from superoffload.widgets.simfigure import sim_figures, sim_panels
-from superoffload.widgets.traces import TRACE
-from tests.widgets_support import FakeEngine, filled_recorder, record_iteration
+from superoffload.widgets.dashboard import layout as L
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.dashboard.marks import WAITING
+from superoffload.widgets.dashboard.simulation import sim_figures, sim_panels
+from superoffload.widgets.dashboard.state import DashboardState
+from superoffload.widgets.dashboard.traces import TRACE
+from superoffload.widgets.shared import env as _env
+from superoffload.widgets.shared.plotjson import unpack
+from superoffload.widgets.shared.runstate import RunState
+from tests.widgets_support import FakeEngine, FigureView, filled_recorder, record_iteration
 
 SHAPE = plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4)
 
@@ -35,13 +36,13 @@ def visible_panels(fig) -> list[str]:  # type: ignore[no-untyped-def]
 def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None:
     rec = Recorder()
     dash = LiveDashboard(rec, window_iterations=3)
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     assert visible_panels(fig) == ["timeline"], "no panel before it has data"
     t = 0.0
     for it in range(8):
         t = record_iteration(rec, it, t, loss=5.0 - 0.1 * it) + 0.001
         dash.refresh()
-    assert dash.figure is fig, "the FigureWidget is created once and updated in place"
+    assert dash.figure is fig.to_plotly_json(), "the figure is created once and updated in place"
     assert len(fig.data) == len(TRACE)
     shown = [s for s in rec.spans() if s.iteration >= 5]
     for lane, n in lane_counts(shown).items():
@@ -58,7 +59,7 @@ def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None
     assert fig.layout.width is None and fig.layout.autosize, "the width follows the output area"
     assert dash.title_text() == "superoffload · iteration 7" and not fig.layout.title.text, \
         "the live figure's title is the status line above it"
-    assert dash.static_figure()[0].layout.title.text == "superoffload · iteration 7"
+    assert FigureView(dash.static_figure()[0]).layout.title.text == "superoffload · iteration 7"
     assert "<" not in dash.summary(), "no markup in text output"
 
 
@@ -67,14 +68,14 @@ def test_until_the_first_complete_iteration_the_figure_says_it_is_waiting() -> N
     dash = LiveDashboard(rec)
     record_iteration(rec, 0, 0.0)  # one iteration: not complete until the one after next starts
     dash.refresh()
-    texts = [a.text for a in dash.figure.layout.annotations]
+    texts = [a.text for a in FigureView(dash.figure).layout.annotations]
     assert WAITING in texts, "not empty axes: the figure says what it waits for"
     assert any(line.startswith("waiting for the first complete iteration") for line in dash.status_lines())
     for it in (1, 2):
         record_iteration(rec, it, 0.034 * it)
     dash.refresh()
-    assert WAITING not in [a.text for a in dash.figure.layout.annotations]
-    assert visible_panels(dash.figure)[:2] == ["timeline", "speed"]
+    assert WAITING not in [a.text for a in FigureView(dash.figure).layout.annotations]
+    assert visible_panels(FigureView(dash.figure))[:2] == ["timeline", "speed"]
 
 
 def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
@@ -84,10 +85,11 @@ def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
     dash = LiveDashboard(engine, shape=SHAPE, profile="gh200")
     dash.refresh(final=True)
     for d in ("d2h", "h2d"):  # one line per direction, its own legend entry
-        peak = dash.figure.data[TRACE[f"{d}_peak"]]
-        assert set(np.asarray(peak.y, dtype=float)) == {450.0} and peak.name == f"planner's {d.upper()}"
+        peak = FigureView(dash.figure).data[TRACE[f"{d}_peak"]]
+        rate = getattr(plan.profiles.get("gh200"), f"{d}_gbps")
+        assert set(np.asarray(peak.y, dtype=float)) == {rate} and peak.name == f"planner's {d.upper()}"
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
-    assert dash.figure.data[TRACE["predicted_ms"]].y[0] == pytest.approx(res.iteration_s * 1e3)
+    assert FigureView(dash.figure).data[TRACE["predicted_ms"]].y[0] == pytest.approx(res.iteration_s * 1e3)
     assert "on profile gh200 (not calibrated; preset)" in dash.summary()
     # a reconfiguration: a new prediction step from its iteration, a marker on every panel
     engine.config = engine.config.replace(ratio=0.2)
@@ -96,12 +98,12 @@ def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
         record_iteration(engine.telemetry, it, it * 0.034)
     engine.iteration = 10
     dash.refresh(final=True)
-    pred = list(dash.figure.data[TRACE["predicted_ms"]].y)
+    pred = list(FigureView(dash.figure).data[TRACE["predicted_ms"]].y)
     res2 = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
     assert pred[5] == pytest.approx(res.iteration_s * 1e3) and pred[6] == pytest.approx(res2.iteration_s * 1e3)
-    shapes = dash.figure.layout.shapes
+    shapes = FigureView(dash.figure).layout.shapes
     assert {s.xref for s in shapes} >= {"x2", "x3", "x4"} and all(s.x0 in (6, 6.0) or s.xref == "x" for s in shapes)
-    assert any("ratio 0.9→0.2" in a.text for a in dash.figure.layout.annotations)
+    assert any("ratio 0.9→0.2" in a.text for a in FigureView(dash.figure).layout.annotations)
     assert "it. 6: reconfigure applied: ratio 0.9 -> 0.2" in dash.summary()
 
 
@@ -127,7 +129,7 @@ def test_rollbacks_replays_and_skipped_steps_are_marked_separately() -> None:
     rec.add("cpu_optimizer", "replay", 0.0705, 0.0706, iteration=2, bucket=0)
     rec.note(3, "overflow: non-finite gradient, step skipped; loss scale 1 -> 1")
     dash = LiveDashboard.from_spans(rec, title="stv")
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     (rb,) = [s for s in rec.spans() if s.kind == "rollback"]
     assert list(fig.data[TRACE["rollback"]].x) == [pytest.approx((rb.start_s + rb.end_s) / 2 * 1e3)]
     # on the CPU lane's row, the rollback above its middle and the replay below: never on
@@ -154,10 +156,11 @@ def test_show_simulation_uses_the_simulated_layout() -> None:
     dash.show_simulation(res)
     figs = dash.sim
     assert sim_panels(figs) == ["timeline", "lanes", "link", "memory"]
-    assert dash.figure.layout.title.text.startswith("simulated")
-    assert figs.link["d2h"].peak_gbps == 450.0 and figs.link["d2h"].gbps_busy <= 450.0 * 1.001
+    assert FigureView(dash.figure).layout.title.text.startswith("simulated")
+    d2h = plan.profiles.get("gh200").d2h_gbps
+    assert figs.link["d2h"].peak_gbps == d2h and figs.link["d2h"].gbps_busy <= d2h * 1.001
     assert [b.side for b in figs.memory] == ["device", "host"] and all(b.fits for b in figs.memory)
-    assert all(figs.exposed_ms[lane] <= figs.busy_ms[lane] + 1e-9 for lane in LANES)
+    assert all(figs.exposed_ms[lane] <= figs.busy_ms[lane] + 1e-9 for lane in figs.busy_ms)
     # ratio 0: nothing crosses the link, so no link panel
     none = sim_figures(plan.simulate(SHAPE, plan.profiles.get("gh200"), config=so.OffloadConfig(ratio=0.0)))
     assert "link" not in sim_panels(none)
@@ -168,7 +171,7 @@ def test_a_simulation_that_does_not_fit_says_so_in_red() -> None:
     dash = LiveDashboard(None)
     dash.show_simulation(plan.simulate(big, plan.profiles.get("gh200"), config=so.OffloadConfig(ratio=0.0)))
     assert dash.sim.problems and not all(b.fits for b in dash.sim.memory)
-    texts = [a.text for a in dash.figure.layout.annotations]
+    texts = [a.text for a in FigureView(dash.figure).layout.annotations]
     assert any(t.startswith("<b>DOES NOT FIT</b>") for t in texts)
     assert any("DOES NOT FIT" in line for line in dash.status_lines())
 
@@ -201,7 +204,7 @@ def test_outside_a_notebook_display_prints_a_summary_and_the_html_hint(capsys) -
 def test_without_plotly_it_explains_what_to_install(monkeypatch, capsys) -> None:
     monkeypatch.setattr(_env, "has_module", lambda name: name not in ("plotly", "anywidget"))
     dash = LiveDashboard(filled_recorder(3))
-    assert dash.figure is None and not dash.live
+    assert not dash.live and dash.widget is None, "no live widgets without plotly"
     dash.refresh()  # the state still follows the telemetry
     assert dash.state.spans_seen > 0
     dash.display()
@@ -235,10 +238,10 @@ def test_device_memory_is_drawn_only_when_known() -> None:
     for it in range(4):
         t = record_iteration(rec, it, t, loss=5.0) + 0.001
     dash.refresh()
-    assert len(dash.figure.data[TRACE["device_mem_gb"]].y) == 0, "CPU backend: no flat zero line"
+    assert len(FigureView(dash.figure).data[TRACE["device_mem_gb"]].y) == 0, "CPU backend: no flat zero line"
     rec.scalar("device_mem_bytes", 3, 5e9)  # the engine's own figure when it records one
     dash.refresh(final=True)
-    assert list(dash.figure.data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(5.0)
+    assert list(FigureView(dash.figure).data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(5.0)
 
 
 def test_static_dashboards_accept_a_fake_simulation() -> None:
@@ -248,7 +251,7 @@ def test_static_dashboards_accept_a_fake_simulation() -> None:
         profile="gh200", problems=[])
     dash = LiveDashboard(None)
     dash.show_simulation(sim)
-    assert dash.figure.layout.title.text == "simulated · 12.0 ms/iteration · 321 TFLOP/s · profile gh200"
+    assert FigureView(dash.figure).layout.title.text == "simulated · 12.0 ms/iteration · 321 TFLOP/s · profile gh200"
     assert [b.needed_gb for b in dash.sim.memory] == [2.0, 5.0]
 
 
@@ -259,11 +262,15 @@ def test_the_live_view_is_a_one_way_widget_with_the_figure_in_one_trait() -> Non
     assert dash.widget is not None and dash.plot in dash.widget.children
     # nothing the browser sends back is echoed: a busy kernel still hears the tuner
     assert dash.plot.trait_metadata("figure", "echo_update") is False
-    assert "Plotly.react" in dash.plot._esm and "module.exports" in dash.plot._esm
+    assert "Plotly.react" in dash.plot._esm and len(dash.plot._esm) < 40_000, "plotly.js apart"
     dash.refresh()
     sent = dash.plot.figure
+    assert set(sent) == {"json", "arrays"}, "the figure's JSON, its arrays as binary frames"
+    assert all(isinstance(a, memoryview) for a in sent["arrays"]) and sent["arrays"]
+    fig = unpack(sent)
+    np.testing.assert_allclose(fig["data"][TRACE["loss"]]["y"], dash.figure["data"][TRACE["loss"]]["y"])
     # the live figure leaves its title to the status line above it (one screen at 1366x768)
-    assert len(sent["data"]) == len(TRACE) and not sent["layout"]["title"]["text"]
+    assert len(fig["data"]) == len(TRACE) and not fig["layout"]["title"]["text"]
     assert dash.status.value.startswith("<div class='so-dash-status'") and "superoffload" in dash.status.value
     dash.refresh()  # nothing new: nothing sent
     assert dash.plot.figure is sent
@@ -284,7 +291,7 @@ def test_labels_and_legends_do_not_cover_one_another() -> None:
                               "[-5.0%, -1.0%] (90% CI, 6 pairs of 4 iterations): faster")
     dash = LiveDashboard(engine, shape=SHAPE, profile="gh200")
     dash.refresh(final=True)
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     percent = {s.name for s in fig.data if s.xaxis == "x4" and len(s.x)}
     assert percent == {"CPU step hidden", "device idle"}, "no 0.01 % lines on a 0-100 % axis"
     assert {s.name for s in fig.data if s.xaxis == "x3" and s.showlegend and len(s.x)} == \
@@ -298,8 +305,8 @@ def test_labels_and_legends_do_not_cover_one_another() -> None:
 
 
 def test_close_iteration_labels_and_link_numbers_stay_readable_in_the_simulated_layout() -> None:
-    from superoffload.widgets.simfigure import build_sim_figure
-    from superoffload.widgets.timeline import spaced_labels
+    from superoffload.widgets.dashboard.simulation import build_sim_figure
+    from superoffload.widgets.dashboard.timeline import spaced_labels
 
     assert spaced_labels({1: 0.0, 2: 3.0, 3: 40.0, 4: 41.0}, (0.0, 100.0)) == {1: 0.0, 3: 40.0}
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"))
@@ -312,13 +319,14 @@ def test_close_iteration_labels_and_link_numbers_stay_readable_in_the_simulated_
 
 
 def test_the_log_link_axis_spans_whole_decades_so_a_flat_rate_stays_flat() -> None:
-    from superoffload.widgets.plotdata import log_decades
+    from superoffload.widgets.dashboard.plotdata import log_decades
 
     assert log_decades([np.array([2.0, 2.0000001])]) == [0.0, 1.0], "not its last digits blown up"
     assert log_decades([np.array([0.3, np.nan])], also=(23.1, None)) == [-1.0, 2.0]
     assert log_decades([np.array([np.nan])]) is None
     dash = LiveDashboard(filled_recorder(8), profile="gh200")
     dash.refresh(final=True)
-    lo, hi = dash.figure.layout.yaxis3.range
+    lo, hi = FigureView(dash.figure).layout.yaxis3.range
     rates = dash.state.series()["d2h_gbps_busy"]
-    assert 10 ** lo <= rates.min() and max(rates.max(), 450.0) <= 10 ** hi and hi - lo >= 1
+    peak = plan.profiles.get("gh200").d2h_gbps
+    assert 10 ** lo <= rates.min() and max(rates.max(), peak) <= 10 ** hi and hi - lo >= 1

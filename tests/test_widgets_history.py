@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from superoffload.telemetry import metrics
+from superoffload.telemetry.binned import Binned
 from superoffload.telemetry.recorder import Recorder
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.history import Binned
-from superoffload.widgets.series import DashboardState, IterationPoint
-from superoffload.widgets.traces import TRACE
-from tests.widgets_support import record_iteration
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.dashboard.state import DashboardState, IterationPoint
+from superoffload.widgets.dashboard.traces import TRACE
+from tests.widgets_support import FigureView, record_iteration
 
 ITERATIONS = 2000  # past the 600-point bound: the stride doubles twice (1 -> 4)
 STALL_AT, STALL_S = 777, 0.050  # one iteration 50 ms slower than the others (~33 ms)
@@ -106,7 +106,7 @@ def test_the_live_figure_and_the_static_one_draw_the_whole_run() -> None:
     rec = long_run()
     dash = LiveDashboard(rec, window_iterations=4)
     dash.refresh(final=True)
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     line, band = fig.data[TRACE["iteration_ms"]], fig.data[TRACE["iteration_ms:band"]]
     assert len(line.x) <= 600 and line.x[0] == pytest.approx(1.5), "the first bin: 0..3"
     assert max(band.y) == pytest.approx(max(dash.state.series()["iteration_ms_max"]))
@@ -115,7 +115,62 @@ def test_the_live_figure_and_the_static_one_draw_the_whole_run() -> None:
     assert any(line.startswith("history: iterations 0-1999 in bins of 4") for line in dash.status_lines())
     # the static figure re-reads the recorder at a finer bound: stride 2 for 2,000 iterations
     static, lines = dash.static_figure()
+    static = FigureView(static)
     st = static.data[TRACE["iteration_ms"]]
     assert 1000 // 2 <= len(st.x) <= 1000 and st.x[0] == pytest.approx(0.5)
     assert max(static.data[TRACE["loss:band"]].y) == SPIKE
     assert any("bins of 2" in line for line in lines)
+
+
+def test_arrays_rebuild_only_what_changed_and_match_a_full_rebuild() -> None:
+    rng = np.random.default_rng(0)
+    b = Binned(max_bins=16)
+    for it in range(300):
+        b.add(it, float(rng.normal()), weight=float(rng.uniform(0.5, 2.0)))
+        if it % 7 == 0 or it > 290:
+            got = b.arrays()
+            fresh = Binned(max_bins=16)
+            fresh.merge(b)  # the same bins, read once from scratch
+            want = fresh.arrays()
+            for col in want:
+                np.testing.assert_array_equal(got[col], want[col], err_msg=f"{col} at {it}")
+
+
+def test_an_archive_merges_bin_into_bin_at_the_coarser_stride() -> None:
+    old, new = Binned(max_bins=8), Binned(max_bins=16)
+    for it in range(64):  # the archive: iterations 0..63 at stride 8
+        old.add(it, float(it))
+    for it in range(64, 80):  # the live series: stride 1
+        new.add(it, 1000.0)
+    new.merge(old)
+    a = new.arrays()
+    assert new.stride == old.stride == 8 and len(new) == 10, "no more doubling than needed"
+    assert a["first"][0] == 0 and a["last"][-1] == 79
+    assert new.count == 80 and new.extreme("min") == (0, 0.0) and new.extreme("max")[1] == 1000.0
+    assert all(int(f) // new.stride == int(la) // new.stride for f, la in zip(a["first"], a["last"]))
+
+
+def test_static_figure_csv_and_report_cover_a_run_longer_than_the_recorder_keeps(tmp_path) -> None:
+    from superoffload.widgets.dashboard.report import write_html_report
+
+    rec = Recorder(max_events=600)  # ~24 iterations of spans: the run is 50x longer, and
+    t = 0.0                         # longer than the archive's 1,000 bins (it bins by 2)
+    for it in range(1300):
+        t = record_iteration(rec, it, t, loss=SPIKE if it == 3 else 5.0) + 0.001
+        if it == 11:
+            t += STALL_S
+    assert rec.spans()[0].iteration > 1200
+    dash = LiveDashboard.from_spans(rec, live=False)  # never watched the run live
+    assert dash.state.coverage()[0] == 0, "its first read took the binned start too"
+    fig, lines = dash.static_figure()
+    line = FigureView(fig).data[TRACE["iteration_ms"]]
+    assert line.x[0] <= 1.0 and line.x[-1] >= 1290, "the whole run: from its first iteration"
+    band = FigureView(fig).data[TRACE["iteration_ms:band"]]
+    assert max(band.y) >= (0.033 + STALL_S) * 1e3 * 0.99, "the start's stall is still there"
+    assert max(FigureView(fig).data[TRACE["loss:band"]].y) == SPIKE, "and its loss spike"
+    rows = dash.csv_text().splitlines()
+    assert rows[1].startswith("0,") and int(rows[1].split(",")[1]) >= 1
+    assert max(int(r.split(",")[1]) for r in rows[1:]) == 2, "the start: rows of 2 iterations"
+    assert sum(int(r.split(",")[1]) for r in rows[1:]) == 1300, "every iteration counted once"
+    page = write_html_report(rec, tmp_path / "report.html", title="long").read_text()
+    assert "1300 iterations (" in page and "binned" in page

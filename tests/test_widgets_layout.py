@@ -11,21 +11,19 @@ import pytest
 
 from superoffload.telemetry import metrics
 from superoffload.telemetry.events import LANES, Span
-from superoffload.widgets import layout as L
-from superoffload.widgets import snapshot as snap
-from superoffload.widgets.panels import (
-    Expected,
+from superoffload.widgets.dashboard import layout as L
+from superoffload.widgets.dashboard.expected import Expected, predicted_at, prediction_gap
+from superoffload.widgets.dashboard.state import DashboardState, IterationPoint
+from superoffload.widgets.dashboard.status import (
     Workload,
     measured_arrays,
-    predicted_at,
-    prediction_gap,
     robust_top,
     status_lines,
 )
-from superoffload.widgets.runstate import RunState
-from superoffload.widgets.series import DashboardState, IterationPoint
-from superoffload.widgets.timeline import span_segments, timeline_view, vlines
-from superoffload.widgets.traces import SPECS
+from superoffload.widgets.dashboard.timeline import span_segments, timeline_view, vlines
+from superoffload.widgets.dashboard.traces import SPECS
+from superoffload.widgets.shared import slots as snap
+from superoffload.widgets.shared.runstate import RunState
 from tests.widgets_support import MB, filled_recorder, record_iteration
 
 
@@ -226,7 +224,7 @@ def test_timeline_is_in_ms_from_the_first_shown_iteration_with_boundaries() -> N
     view = timeline_view(spans)
     assert view.origin_s == 0.0
     assert view.boundaries == pytest.approx({0: 0.0, 1: 33.0, 2: 66.0})
-    compute = view.lanes[LANES.index("device_compute")]
+    compute = view.lanes["device_compute"]
     assert compute.x_ms[0] == 0.0 and compute.x_ms[1] == pytest.approx(10.0)
     later = timeline_view([s for s in spans if s.iteration >= 1])
     assert later.boundaries[1] == 0.0 and later.x_range_ms[0] == 0.0
@@ -311,3 +309,24 @@ def test_palettes_give_each_meaning_its_own_colour() -> None:
     every = [c.upper() for g in groups for c in g]
     assert len(every) == len(set(every)), "no colour means two things"
     assert len(L.LANE_COLORS) == len(LANES) == len(set(L.LANE_COLORS.values()))
+
+
+def test_the_timeline_and_the_trace_draw_the_lanes_the_run_used() -> None:
+    from superoffload.telemetry.events import LANE_LABELS, LANE_STORAGE, lanes_in
+    from superoffload.telemetry.trace import chrome_trace
+
+    plain = filled_recorder(3).spans()
+    stored = [*plain, Span(LANE_STORAGE, "tier_read", 0.011, 0.013, 1, 0, 1_000_000),
+              Span(LANE_STORAGE, "tier_write", 0.040, 0.042, 1, 0, 1_000_000)]
+    assert LANE_STORAGE in LANES and LANE_LABELS[LANE_STORAGE] == "storage I/O"
+    assert LANE_STORAGE not in lanes_in(plain) and lanes_in(stored)[-1] == LANE_STORAGE
+    without, with_storage = timeline_view(plain), timeline_view(stored)
+    assert "storage I/O" not in without.labels and without.rows == len(lanes_in(plain))
+    assert with_storage.labels[-1] == "storage I/O" and with_storage.rows == without.rows + 1
+    assert set(with_storage.lanes[LANE_STORAGE].y[0::3]) == {without.rows}, "its own row"
+
+    def tracks(spans: list[Span]) -> set[str]:
+        return {e["args"]["name"] for e in chrome_trace(spans)["traceEvents"]
+                if e.get("name") == "thread_name"}
+
+    assert "storage I/O" in tracks(stored) and "storage I/O" not in tracks(plain)

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from superoffload import plan
-from superoffload.widgets import _env
-from superoffload.widgets import snapshot as snap
-from superoffload.widgets.background import BackgroundTrainer
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.runstate import RunState
-from superoffload.widgets.tuner import OffloadTuner
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.shared import env as _env
+from superoffload.widgets.shared import slots as snap
+from superoffload.widgets.shared.runstate import RunState
+from superoffload.widgets.shared.trainer import BackgroundTrainer
+from superoffload.widgets.tuner.tuner import OffloadTuner
 from tests.widgets_support import FakeEngine, record_iteration
 
 SHAPE = plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4)

@@ -15,19 +15,19 @@ import superoffload as so
 from superoffload import plan
 from superoffload.config import ConfigError, MiB
 from superoffload.telemetry.abtest import latest_result
-from superoffload.widgets import _env
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.debounce import Inline, LatestOnly
-from superoffload.widgets.runstate import RunState
-from superoffload.widgets.tuner import OffloadTuner
-from superoffload.widgets.tuner_core import (
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.shared import env as _env
+from superoffload.widgets.shared.debounce import Inline, LatestOnly
+from superoffload.widgets.shared.runstate import RunState
+from superoffload.widgets.tuner.core import (
     TUNED_FIELDS,
     engine_changes,
     prediction_rows,
     reconfigurable_fields,
     setting_notes,
 )
-from tests.widgets_support import FakeEngine
+from superoffload.widgets.tuner.tuner import OffloadTuner
+from tests.widgets_support import FakeEngine, FigureView
 
 SHAPE = plan.ModelShape(layers=8, hidden=1024, heads=16, vocab=50257, seq=1024, micro_batch=2)
 
@@ -165,7 +165,7 @@ def test_the_planner_runs_off_the_ui_thread_once_per_burst() -> None:
 def test_a_preview_dashboard_draws_the_simulated_timeline_of_each_setting() -> None:
     preview = LiveDashboard(None)
     tuner = OffloadTuner(SHAPE, "gh200", preview=preview)
-    assert preview.figure.layout.title.text.startswith("simulated")
+    assert FigureView(preview.figure).layout.title.text.startswith("simulated")
     before = preview.simulation
     tuner.set(ratio=0.0)
     assert preview.simulation is not before

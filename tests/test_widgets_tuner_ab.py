@@ -22,8 +22,8 @@ from superoffload.telemetry.abtest import (
     pairs_needed,
     resolves,
 )
-from superoffload.widgets.tuner import OffloadTuner
-from superoffload.widgets.tuner_core import prediction_rows
+from superoffload.widgets.tuner.core import prediction_rows
+from superoffload.widgets.tuner.tuner import OffloadTuner
 
 pytest.importorskip("ipywidgets")
 SHAPE = plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4)

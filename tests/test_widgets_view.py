@@ -17,13 +17,13 @@ from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.csvfile import metrics_csv
 from superoffload.telemetry.recorder import Recorder
 from superoffload.telemetry.runfile import list_runs, load_run, save_run
-from superoffload.widgets import layout as L
-from superoffload.widgets.compare import BEFORE_AFTER
-from superoffload.widgets.dashboard import LiveDashboard
-from superoffload.widgets.smoothing import ema
-from superoffload.widgets.traces import TRACE
-from superoffload.widgets.view import ViewOptions
-from tests.widgets_support import FakeEngine, record_iteration
+from superoffload.widgets.dashboard import layout as L
+from superoffload.widgets.dashboard.compare import BEFORE_AFTER
+from superoffload.widgets.dashboard.dashboard import LiveDashboard
+from superoffload.widgets.dashboard.options import ViewOptions
+from superoffload.widgets.dashboard.smoothing import ema
+from superoffload.widgets.dashboard.traces import TRACE
+from tests.widgets_support import FakeEngine, FigureView, record_iteration
 
 pytest.importorskip("plotly")
 
@@ -68,7 +68,7 @@ def test_smoothing_hiding_and_the_wall_clock_axis_change_the_figure_not_the_data
     record_iteration(rec, 40, 40 * 0.033 + 2.0)  # a 2 s gap before the last iteration
     dash = LiveDashboard(rec, live=False)
     dash.refresh(final=True)
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     raw = np.asarray(fig.data[TRACE["iteration_ms"]].y, dtype=float)
     dash.set_view(smoothing=0.9)
     line = fig.data[TRACE["iteration_ms"]]
@@ -86,7 +86,7 @@ def test_smoothing_hiding_and_the_wall_clock_axis_change_the_figure_not_the_data
     assert x[-1] > 3.0, "the wall clock shows the 2 s gap an iteration axis hides"
     assert fig.layout.xaxis2.title.text == "" and "s since the run started" in \
         [fig.layout[f"xaxis{s}"].title.text for s in "23456"]
-    static, _ = dash.static_figure()  # the snapshot keeps the view on screen
+    static = FigureView(dash.static_figure()[0])  # the snapshot keeps the view on screen
     assert static.data[TRACE["iteration_ms"]].x[-1] == pytest.approx(x[-1])
 
 
@@ -106,7 +106,7 @@ def test_a_saved_run_loads_back_and_compares_on_the_same_axes(tmp_path: Path) ->
     dash = LiveDashboard(live, live=False)
     dash.refresh(final=True)
     assert dash.compare(folder) == ["slow"]
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     line = fig.data[TRACE["run0:iteration_ms"]]
     assert line.name == "slow" and line.showlegend and list(line.x)[0] == 0.0
     assert np.nanmean(np.asarray(line.y, dtype=float)) > np.nanmean(
@@ -143,7 +143,7 @@ def test_before_and_after_a_change_are_two_runs_from_zero() -> None:
     dash = LiveDashboard(engine, live=False, calibrate_after=None)
     dash.refresh(final=True)
     dash.compare(BEFORE_AFTER)
-    fig = dash.figure
+    fig = FigureView(dash.figure)
     before, after = fig.data[TRACE["run0:iteration_ms"]], fig.data[TRACE["run1:iteration_ms"]]
     assert before.name.startswith("before ratio 0.5 -> 0.8 (it. 1-19)"), before.name
     assert after.name == "after (it. 21-39)" and list(before.x)[0] == list(after.x)[0] == 0.0
@@ -158,14 +158,15 @@ def test_the_csv_holds_every_series_of_every_iteration(tmp_path: Path) -> None:
     path = dash.to_csv(tmp_path / "m.csv")
     rows = [line.split(",") for line in path.read_text().splitlines()]
     head, body = rows[0], rows[1:]
-    assert head == ["iteration", "time_s", *vocab.PER_ITERATION, "loss"]
+    assert head == ["iteration", "iterations", "time_s", *vocab.PER_ITERATION, "loss"]
     want = metrics.iteration_metrics(rec.spans())
     assert [int(r[0]) for r in body] == [m.iteration for m in want]
     for r, m in zip(body, want):
         values = vocab.iteration_values(m)
-        for name, cell in zip(vocab.PER_ITERATION, r[2:]):
+        assert r[1] == "1", "one row per iteration while the recorder holds its spans"
+        for name, cell in zip(vocab.PER_ITERATION, r[3:]):
             assert (cell == "") if math.isnan(values[name]) else float(cell) == values[name], name
-    assert metrics_csv([]) == "iteration,time_s," + ",".join(vocab.PER_ITERATION) + "\n"
+    assert metrics_csv([]) == "iteration,iterations,time_s," + ",".join(vocab.PER_ITERATION) + "\n"
 
 
 def test_the_toolbar_calls_the_dashboards_methods(tmp_path: Path) -> None:
@@ -195,3 +196,26 @@ def test_the_toolbar_calls_the_dashboards_methods(tmp_path: Path) -> None:
     assert base64.b64decode(encoded).decode() == dash.csv_text()
     dash.set_view(hidden=())  # a change made in code shows in the controls
     assert all(b.value for b in bar.panels.values())
+
+
+def test_the_save_button_keeps_the_run_and_the_compare_menu_lists_it_at_once(tmp_path: Path) -> None:
+    pytest.importorskip("ipywidgets")
+    engine = FakeEngine(iteration=12)
+    run(12, rec=engine.telemetry)
+    dash = LiveDashboard(engine, live=True, runs_dir=tmp_path / "runs", calibrate_after=None,
+                         title="ratio 0.5")
+    dash.refresh(final=True)
+    bar = dash.toolbar
+    assert list_runs(tmp_path / "runs") == []
+    bar.save.click()
+    (saved,) = list_runs(tmp_path / "runs")
+    assert saved.name.startswith("ratio-0.5-") and str(saved) in bar.compare.options, \
+        "in the menu at once, no other click needed"
+    assert f"saved {saved}" in bar.message.value
+    assert len(load_run(saved).metrics) == len(metrics.iteration_metrics(engine.telemetry.spans()))
+    dash.save_run()  # from code too: a new folder, listed at once
+    assert len([o for o in bar.compare.options if o.startswith(str(tmp_path))]) == 2
+    save_run(run(5), tmp_path / "runs" / "elsewhere")  # saved by another notebook
+    dash._runs_listed = -1e9  # the menu reads runs/ again on a refresh every RUNS_EVERY_S
+    dash.refresh()
+    assert str(tmp_path / "runs" / "elsewhere") in bar.compare.options

@@ -77,3 +77,42 @@ class FakeShell:
 
     def set_thread_parent(self, parent: Any) -> None:
         self.thread_parents.append((threading.current_thread().name, parent))
+
+
+class FigureView:
+    """Attribute access over a figure dict (widgets/shared/plotjson.py), as plotly's objects read:
+    `FigureView(dash.figure).layout.yaxis.ticktext`, `.data[k].x`; a missing key reads None."""
+
+    def __init__(self, value: Any) -> None:
+        object.__setattr__(self, "_value", value)
+
+    @staticmethod
+    def wrap(value: Any) -> Any:
+        return FigureView(value) if isinstance(value, (dict, list)) else value
+
+    def __getattr__(self, name: str) -> Any:
+        value = self._value
+        if isinstance(value, dict):
+            return FigureView.wrap(value.get(name))
+        raise AttributeError(name)
+
+    def __getitem__(self, key: Any) -> Any:
+        value = self._value
+        if isinstance(value, dict):
+            return FigureView.wrap(value.get(key))
+        return FigureView.wrap(value[key])
+
+    def __len__(self) -> int:
+        return len(self._value)
+
+    def __iter__(self) -> Any:
+        return (FigureView.wrap(v) for v in self._value)
+
+    def __eq__(self, other: Any) -> bool:
+        return bool(self._value == (other._value if isinstance(other, FigureView) else other))
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def to_plotly_json(self) -> Any:
+        return self._value

@@ -85,6 +85,34 @@ def bucket_mb(text: str) -> float:
     return value
 
 
+BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+"""Suffixes ``byte_size`` takes (case-insensitive): decimal and binary multiples."""
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes, with an optional unit: 1500000, 500MB, 8GiB, 1.5TB."""
+    stripped = text.strip()
+    number = stripped.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+    unit = stripped[len(number):].strip().upper()
+    if unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown unit {unit!r}; use a number of bytes with one of "
+            f"{', '.join(u for u in BYTE_UNITS if u)} (e.g. 8GiB)")
+    value = _real(number) * BYTE_UNITS[unit]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is below one byte: use e.g. 8GiB")
+    return int(value)
+
+
+def folder_path(text: str) -> str:
+    """A folder that exists or can be made (nothing is created here); a file is refused."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a file, not a folder; name a folder")
+    return str(path)
+
+
 def device_name(text: str) -> str:
     """"auto", "cpu", "cuda" or "cuda:N" (whether CUDA is present is checked at run time)."""
     if text in ("auto", "cpu", "cuda"):

@@ -211,7 +211,7 @@ def damaged(path: Path) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"its {TRAIN_JSON} is damaged: {exc}"
     if checkpoint_kind(path) == "single":
-        from superoffload.runtime.checkpoint import damaged as engine_damaged
+        from superoffload.runtime.ckpt_manifest import damaged as engine_damaged
 
         return engine_damaged(str(path))
     from superoffload.runtime.ckpt_files import check_digests

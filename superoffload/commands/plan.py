@@ -6,12 +6,16 @@
         --allow-bf16-moments       # the SuperOffload rows may use bf16 Adam moments
 
 For each system -- plain (everything on the GPU), ZeRO-Offload, SuperOffload with stationary
-weights and with weight-flow -- it prints whether the model fits, device and host memory and
-the predicted iteration time (plan.simulate, plan.memory); the two SuperOffload rows are tuned
-(plan.tune with the weight policy fixed), and the fastest fitting row's OffloadConfig and the
-tuner's explanation close the report (``--allow-bf16-moments``: the tuner may propose bf16
-Adam moments, ``plan.tune``'s rule). The report says which config keys were read and that
-a config's own code (``auto_map``) was not run. Shipped configs: plan/hf_configs/*.json.
+weights and with weight-flow, and, when the profile has a storage tier, SuperOffload with it --
+it prints whether the model fits, device, host and storage memory and the predicted iteration
+time (plan.simulate, plan.memory); the SuperOffload rows are tuned (plan.tune with the weight
+policy fixed; the tier row with ``Constraints(storage=True)``), a row with state on the tier
+says how many tokens per step hide its traffic (plan/tier_budget.py), and the fastest fitting
+row's OffloadConfig and the tuner's explanation close the report (``--allow-bf16-moments``:
+the tuner may propose bf16 Adam moments, ``plan.tune``'s rule). The report says which share
+of a shared host the job planned with (``--gpus-per-host``), where the main figures come from
+(their provenance), which config keys were read and that a config's own code (``auto_map``)
+was not run. Shipped configs: plan/hf_configs/*.json.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ import dataclasses
 import json
 from typing import Any
 
-from superoffload.commands.planner_args import dtype_arg, fail, load_profile, model_dtype
+from superoffload.commands.planner_args import (
+    dtype_arg,
+    fail,
+    load_profile,
+    machine_args,
+    model_dtype,
+    with_machine,
+)
 
 ROWS = (
     ("plain (GPU only)", "gpu", None),
@@ -30,8 +41,12 @@ ROWS = (
     ("superoffload flow", "superoffload", "flow"),
 )
 """(label, simulated system, fixed weight policy) per table row."""
+TIER_ROW = "superoffload + storage"
+"""The row that may keep state (and weight-flow's weights) on the storage tier: tuned with
+``Constraints(storage=True)``, both weight policies; shown when the profile has a tier."""
 CONFIG_KEYS = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
-               "cpu_cores_frac", "prefetch_depth", "max_grad_norm", "optimizer_state_dtype")
+               "cpu_cores_frac", "prefetch_depth", "max_grad_norm", "optimizer_state_dtype",
+               "storage_path", "host_memory_budget_bytes", "storage_buffer_count")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", default="gh200",
                    help="hardware preset (gh200, gb200, mi300a, h100-pcie, h200-pcie, ...), "
                         "'local' (measure this machine) or a profile JSON file")
+    machine_args(p)
     p.add_argument("--seq", type=int, help="tokens per sequence (default: the model's context, "
                                            "at most 4096)")
     p.add_argument("--micro-batch", type=int, default=1)
@@ -79,7 +95,24 @@ def system_rows(shape: Any, prof: Any, constraints: Any = None) -> list[dict[str
     from superoffload import plan
 
     cons = constraints if constraints is not None else plan.Constraints()
-    return [_row(label, system, weights, shape, prof, cons) for label, system, weights in ROWS]
+    rows = [_row(label, system, weights, shape, prof, cons) for label, system, weights in ROWS]
+    if cons.apply(prof).has_storage:
+        rows.append(_tier_row(shape, prof, cons, rows))
+    return rows
+
+
+def _tier_row(shape: Any, prof: Any, cons: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The storage tier's row: tuned with the tier allowed; a model that fits host memory
+    keeps nothing there, so then it is the fastest in-memory SuperOffload row (the tier adds
+    nothing but a folder to name)."""
+    row = _row(TIER_ROW, "superoffload", None, shape, prof,
+               dataclasses.replace(cons, storage=True))
+    fitting = [r for r in rows if r["fits"] and r["config"] is not None]
+    if fitting and not row.get("storage_bytes"):
+        best = min(fitting, key=lambda r: r["iteration_s"])
+        row = {**best, "system": TIER_ROW, "schedule": TIER_ROW,
+               "note": f"fits in host memory: as {best['system']}, nothing on the tier"}
+    return row
 
 
 def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -92,22 +125,34 @@ def _row(label: str, system: str, weights: str | None, shape: Any, prof: Any,
          cons: Any) -> dict[str, Any]:
     """One system: a simulation (plain, ZeRO-Offload) or a tune with `weights` fixed."""
     from superoffload import plan
+    from superoffload.plan.tier_budget import tier_cost
 
     out: dict[str, Any] = {"system": label, "schedule": label, "config": None}
-    if weights is None:
+    if system != "superoffload":
         res = plan.simulate(shape, cons.apply(prof), system)
         why = ""
     else:
         try:
-            fixed = dataclasses.replace(cons, fixed={**cons.fixed, "weights": weights})
+            fixed = cons if weights is None else dataclasses.replace(
+                cons, fixed={**cons.fixed, "weights": weights})
             cfg, why, res = plan.tune(shape, prof, fixed)
         except plan.InfeasibleError as exc:
             return {**out, "fits": False, "problems": [str(exc)], "device_bytes": None,
-                    "host_bytes": None, "iteration_s": None, "tflops": None, "explanation": ""}
+                    "host_bytes": None, "storage_bytes": None, "iteration_s": None,
+                    "tflops": None, "explanation": "", "storage_io": None}
         out["config"] = {k: getattr(cfg, k) for k in CONFIG_KEYS}
+    cost = tier_cost(shape, cons.apply(prof), res.plan) if system == "superoffload" else None
     return {**out, "fits": res.fits, "problems": list(res.problems),
             "device_bytes": res.memory["device"], "host_bytes": res.memory["host"],
-            "iteration_s": res.iteration_s, "tflops": res.tflops, "explanation": why}
+            "storage_bytes": res.memory["storage"], "iteration_s": res.iteration_s,
+            "tflops": res.tflops, "explanation": why,
+            "host_parts": dict(res.memory_detail.host_parts),
+            "storage_io": None if cost is None else {
+                "read_bytes": cost.read_bytes, "write_bytes": cost.write_bytes,
+                "io_s": cost.io_s, "tokens_needed": cost.tokens_needed,
+                "tokens_per_step": cost.tokens_per_step,
+                "storage_busy": res.lanes["storage"].utilization,
+                "weight_homes_in_files": _filed(shape, res)}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             activation_checkpointing=not args.no_checkpointing, dp=args.dp,
             ranks_per_host=args.ranks_per_host, **model_dtype(args))
         model = _model(raw, shape)
-        prof = load_profile(args.profile)
+        prof = with_machine(load_profile(args.profile), args)
         cons = plan.Constraints(
             device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
@@ -135,7 +180,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": model, "profile": prof.name, "calibrated": calibrated.calibrated,
                           "calibration": calibrated.text, "rows": rows,
-                          "best": None if best is None else best["system"]},
+                          "best": None if best is None else best["system"],
+                          "host_share": _share(prof, shape),
+                          "figures": {name: {"value": value, "provenance": kind,
+                                             "source": prof.source(name)}
+                                      for name, value, kind in prof.figures()}},
                          indent=1, default=float))
         return 0
     print(_report(model, prof, shape, rows, best))
@@ -180,9 +229,12 @@ def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, A
         f"({prof.host_memory_bytes / 1e9:.0f} GB); seq {shape.seq} x micro-batch "
         f"{shape.micro_batch}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}"
         + (f", {shape.dp} data-parallel ranks (figures per rank)" if shape.dp > 1 else ""),
+        _share_line(_share(prof, shape)),
+        _figures_line(prof),
         _keys_line(model),
         "",
-        f"{'system':24} {'fits':>4} {'device GB':>10} {'host GB':>8} {'iter ms':>9} {'TFLOPS':>7}  notes",
+        f"{'system':24} {'fits':>4} {'device GB':>10} {'host GB':>8} {'storage GB':>10} "
+        f"{'iter ms':>9} {'TFLOPS':>7}  notes",
     ]
     lines.append("-" * len(lines[-1]))
     for r in rows:
@@ -190,12 +242,14 @@ def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, A
             width = fmt.split(".")[0]
             return format("-", ">" + width) if row[key] is None else format(row[key] * scale, fmt)
 
-        note = "; ".join(r["problems"]) if not r["fits"] else (
+        note = "; ".join(r["problems"]) if not r["fits"] else r.get("note") or (
             "tuned: " + _settings(r["config"]) if r["config"] else "")
         lines.append(f"{r['system']:24} {'yes' if r['fits'] else 'NO':>4} "
                      f"{num('device_bytes', 1e-9, '10.1f')} {num('host_bytes', 1e-9, '8.1f')} "
+                     f"{num('storage_bytes', 1e-9, '10.1f')} "
                      f"{num('iteration_s', 1e3, '9.1f')} {num('tflops', 1.0, '7.0f')}  {note}".rstrip())
     lines.append("")
+    lines.extend(_tier_lines(rows))
     if best is None:
         lines.append("Nothing fits this profile: see the notes above (more host memory, "
                      "data-parallel ranks --dp, a shorter --seq or checkpointing help).")
@@ -228,4 +282,78 @@ def _settings(cfg: dict[str, Any]) -> str:
         parts.append(f"{cfg['optimizer_state_dtype']} moments (numerics change)")
     if cfg["weights"] == "flow":
         parts.append(f"prefetch {cfg['prefetch_depth']}")
+    if cfg.get("storage_path"):
+        budget = cfg.get("host_memory_budget_bytes")
+        parts.append("storage tier (name a folder for storage_path)" + (
+            f", host budget {budget / 1e9:.0f} GB" if budget else ""))
     return ", ".join(parts)
+
+
+def _share(prof: Any, shape: Any) -> dict[str, Any]:
+    """This rank's share of the host (plan.parallel.rank_profile): what the rows were
+    planned against."""
+    from superoffload.plan.parallel import host_share, rank_profile
+
+    mine = rank_profile(prof, shape.ranks_per_host)
+    return {"ways": host_share(prof, shape.ranks_per_host), "gpus_per_host": prof.gpus_per_host,
+            "host_memory_bytes": mine.host_memory_bytes, "cpu_cores": mine.cpu_cores,
+            "host_mem_bw_gbps": mine.host_mem_bw_gbps,
+            "storage": None if not mine.has_storage else {
+                "name": prof.storage_name, "read_gbps": mine.storage_read_gbps,
+                "write_gbps": mine.storage_write_gbps, "bytes": mine.storage_bytes,
+                "queue_depth": mine.storage_queue_depth}}
+
+
+def _share_line(share: dict[str, Any]) -> str:
+    """Three tiers of memory this job plans with, its share of a shared host said."""
+    ways = share["ways"]
+    whole = (f"1/{ways} of the host (--gpus-per-host {share['gpus_per_host']}: GPUs sharing "
+             "it; --gpus-per-host 1 gives this job all of it)" if ways > 1 else "the whole host")
+    tier = share["storage"]
+    storage = ("no storage tier (--storage names one)" if tier is None else
+               f"storage {tier['bytes'] / 1e12:.2f} TB at {tier['read_gbps']:.1f} GB/s read / "
+               f"{tier['write_gbps']:.1f} write, {tier['queue_depth']} requests in flight "
+               f"({tier['name']})")
+    return (f"this job: {whole}: host {share['host_memory_bytes'] / 1e9:.0f} GB, "
+            f"{share['cpu_cores']} cores, {share['host_mem_bw_gbps']:.0f} GB/s; {storage}")
+
+
+FIGURES = ("device_achieved_tflops", "device_memory_bytes", "h2d_gbps", "d2h_gbps",
+           "host_memory_bytes", "host_mem_bw_gbps", "cpu_cores",
+           "cpu_adam_params_per_s_per_core", "storage_read_gbps", "storage_write_gbps")
+"""The figures whose provenance the report shows (--json: every figure)."""
+
+
+def _figures_line(prof: Any) -> str:
+    """Where the main figures come from (HardwareProfile.provenance)."""
+    kinds = {name: kind for name, _, kind in prof.figures()}
+    shown = [f"{name} {kinds[name] or 'uncited'}" for name in FIGURES if name in kinds]
+    return "figures: " + ", ".join(shown) + " (--json: every figure and its source)"
+
+
+def _tier_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per row with state on the tier: its traffic and the tokens per step that hide it."""
+    out = []
+    for r in rows:
+        io = r.get("storage_io")
+        if not r["fits"] or io is None:
+            continue
+        hidden = ("hidden" if io["tokens_per_step"] >= io["tokens_needed"] else
+                  "NOT hidden: the step waits for the drives")
+        blocks = (f"; the weights of {io['weight_homes_in_files']} buckets there"
+                  if io["weight_homes_in_files"] else "")
+        out.append(f"{r['system']}: the storage tier moves {io['read_bytes'] / 1e9:.1f} GB in "
+                   f"and {io['write_bytes'] / 1e9:.1f} GB out per optimizer step "
+                   f"({io['io_s']:.2f} s of the drives, {io['storage_busy']:.0%} busy{blocks}); "
+                   f"forward and backward hide it from {io['tokens_needed']:,} tokens per step "
+                   f"(this run: {io['tokens_per_step']:,}, {hidden})")
+    return out + ([""] if out else [])
+
+
+def _filed(shape: Any, res: Any) -> int:
+    """Buckets whose weight-flow home is in the tier's files (plan/storage.py's rule)."""
+    from superoffload.plan.memory_host import host_side
+
+    dp = shape.dp if res.plan.units is not None else 1
+    tier = host_side(shape, res.plan, dp).tier
+    return 0 if tier is None else len(tier.file_homes)

@@ -18,6 +18,7 @@ from typing import Any
 from superoffload.commands.argtypes import renamed_values
 from superoffload.config import OffloadConfig, choices_of
 from superoffload.plan.schedule import DEPRECATED_STEP_ORDERS, TAIL_STEPS
+from superoffload.plan.storage_presets import NAMES as STORAGE_NAMES
 
 SHAPE_DEFAULTS = {"layers": 40, "hidden": 5120, "heads": 40, "vocab": 50257}
 """The GPT the shape flags describe when not given (a 12.8B GPT-3-like model)."""
@@ -68,11 +69,46 @@ def engine_variant(args: argparse.Namespace, cfg: OffloadConfig) -> Any:
     return replace(engine_for(cfg), tail_step=args.tail_step)
 
 
+def machine_args(p: argparse.ArgumentParser) -> None:
+    """The flags that change the profile's host share and storage tier."""
+    p.add_argument("--gpus-per-host", type=int, metavar="N",
+                   help="GPUs whose jobs share the host (its memory, cores and drives): one "
+                        "GPU gets 1/N of them; the profile says how many (8 on the *-sxm "
+                        "servers); 1: this job has the whole host")
+    p.add_argument("--storage", metavar="TIER",
+                   help="the storage tier: " + ", ".join(STORAGE_NAMES) + ", 'none', or "
+                        "measure:FOLDER (measured with the project's I/O engine); default: "
+                        "the profile's")
+
+
+def with_machine(prof: Any, args: argparse.Namespace) -> Any:
+    """``prof`` with ``--gpus-per-host`` and ``--storage`` applied."""
+    from superoffload.plan import storage_presets
+
+    if getattr(args, "gpus_per_host", None) is not None:
+        if args.gpus_per_host < 1:
+            raise ValueError(f"--gpus-per-host {args.gpus_per_host}: use a whole number >= 1")
+        prof = prof.replace(gpus_per_host=args.gpus_per_host, sources=tuple(
+            (k, v) for k, v in prof.sources if k != "gpus_per_host") + (
+            ("gpus_per_host", "spec: given on the command line (--gpus-per-host)"),))
+    tier = getattr(args, "storage", None)
+    if tier:
+        if tier.startswith("measure:"):
+            from superoffload.plan.measure_storage import measure_storage_tier
+
+            fields = measure_storage_tier(tier[len("measure:"):])
+        else:
+            fields = storage_presets.by_name(tier)
+        prof = storage_presets.with_tier(prof, fields)
+    return prof
+
+
 def shape_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="gh200",
                    help="preset name (gh200, gb200, mi300a, h100-pcie, h200-pcie, cpu-laptop, "
                         "h200-pcie-measured), 'local' (measure this machine), or a profile "
                         "JSON file")
+    machine_args(p)
     p.add_argument("--layers", type=int, help=f"transformer blocks (default {SHAPE_DEFAULTS['layers']})")
     p.add_argument("--hidden", type=int, help=f"width (default {SHAPE_DEFAULTS['hidden']})")
     p.add_argument("--heads", type=int, help=f"attention heads (default {SHAPE_DEFAULTS['heads']})")

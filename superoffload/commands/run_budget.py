@@ -8,7 +8,7 @@ optimizer step of the run on one rank, and the final evaluation, and refuses the
 * the step's memory (activations plus model state) exceeds the memory of the device that
   holds them (the host's RAM on the CPU, the GPU's on CUDA), shared by the ranks on this host;
 * one step takes longer than ``MAX_STEP_S``, or the evaluation (``--eval-batches``
-  forwards, a third of a step's FLOPs each) longer than ``MAX_EVAL_S`` and longer than the
+  forwards, a third of a step each) longer than ``MAX_EVAL_S`` and longer than the
   training itself (``--eval-batches 100000`` after 2 steps: hours of evaluation).
 
 Memory is a lower bound: activations as ``ACTIVATION_SHARE`` of Korthikanti et al. 2022
@@ -28,6 +28,14 @@ head size, best of a few tries, well under a second), because real kernels reach
 part of the peak -- here 1/15 for GPT small's matrix products and 1/20 to 1/45 for causal
 attention (11-28 GFLOP/s per core at head size 32, sequence 1024-16384): `train --model tiny
 --seq 100000` is 6 min per step at peak and about 2 hours per step in fact.
+
+The evaluation is measured whenever it outweighs the training: more forwards than three per
+training step. Whether it is longer than the training does not depend on the machine (both
+are counted in the same forwards), only whether it is longer than ``MAX_EVAL_S`` does, and
+the peak cannot vouch for that: `--eval-batches 100000 --batch 2` (GPT small) on 64 cores
+is 3 s at their peak, under the 20 s probe threshold, and took 15-34 min. The probe also
+times a forward of the model's depth at one token (``Rates.forward_fixed_s``): the cost of a
+forward that does not shrink with its tokens, which dominates small batches.
 """
 
 from __future__ import annotations
@@ -50,12 +58,14 @@ MAX_EVAL_S = 120.0
 """A final evaluation estimated above this (2 minutes) and longer than the whole run's
 training is refused: a long run may evaluate for long (eight batches of GPT-2 at 1024 tokens
 take some 20 minutes on 2 cores, after days of training), a short one may not evaluate for
-hours. The estimate counts FLOPs only, so it is low for a small model, whose forward is
-mostly per-layer overhead (GPT tiny, 16 x 128 tokens: 32 ms a forward measured, 16 ms
-estimated); the margin covers that."""
+hours. Measured, the estimate adds a forward's fixed cost to its FLOPs (`Rates`); it stays a
+little low (GPT tiny, 16 x 128 tokens: 32 ms a forward measured, 16 ms from the FLOPs
+alone), which the margin covers."""
 PROBE_ABOVE_S = 20.0
-"""A step or evaluation whose bound at peak exceeds this is measured (`probe`): below it,
-even a kernel at 1/30 of the peak keeps it within the limits."""
+"""A step whose bound at peak exceeds this is measured (`probe`): below it, even a kernel at
+1/30 of the peak keeps it within ``MAX_STEP_S``. Not so for the evaluation, whose limit is 5
+times shorter and whose small forwards reach less of the peak: it is measured whenever it
+outweighs the training (module docstring)."""
 CPU_PEAK_FLOPS_PER_CORE = {"fp32": 2.5e11, "bf16": 1.0e12}
 """FLOP/s of one core at best: two 512-bit FMA units at 3.9 GHz for fp32 (250 G); AMX tiles
 for bf16 (~1 T). Measured here: 12-18 GFLOP/s per core (fp32 GPT small, seq 4096-16384)."""
@@ -77,6 +87,9 @@ class Rates:
     """One of the model's matrix products (tokens x width @ width x 4 width)."""
     attention: float
     """Causal attention of one head of the model's size, forward and backward."""
+    forward_fixed_s: float = 0.0
+    """A forward's time that does not shrink with its tokens (Python, dispatch, the small
+    ops): the model's depth at one token, 0.1 ms a layer here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +130,17 @@ class StepEstimate:
         return (self.dense_flops / self.measured.dense
                 + self.attention_flops / self.measured.attention)
 
+    @property
+    def forward_fixed_s(self) -> float:
+        return 0.0 if self.measured is None else self.measured.forward_fixed_s
+
+    def train_s(self, steps: int) -> float:
+        """`steps` training steps, each three forwards' worth (forward and backward)."""
+        return steps * (self.step_s + 3.0 * self.forward_fixed_s)
+
     def eval_s(self, batches: int) -> float:
-        """`batches` evaluation forwards: a third of a step's arithmetic each."""
-        return batches * self.step_s / 3.0
+        """`batches` evaluation forwards: a third of a step each."""
+        return batches * (self.step_s / 3.0 + self.forward_fixed_s)
 
 
 def _dims(s: RunSettings) -> tuple[int, int, int, int, int]:
@@ -163,7 +184,12 @@ def estimate(s: RunSettings, device: torch.device) -> StepEstimate:
         capacity = host_memory_bytes() / ranks
         peak = usable_cores() * CPU_PEAK_FLOPS_PER_CORE[s.dtype] / ranks
         where = "host memory"
-    return StepEstimate(activations, activations + STATE_BYTES_PER_PARAM * params, capacity,
+    state = STATE_BYTES_PER_PARAM * params
+    if s.storage_path is not None:  # the optimizer state streams from files (docs/storage.md):
+        # weights and gradients in the model's dtype stay, plus what the host budget allows
+        w = 4.0 if s.dtype == "fp32" else 2.0
+        state = 2 * w * params + (s.host_memory_budget or 0) * (device.type == "cpu")
+    return StepEstimate(activations, activations + state, capacity,
                         tokens * 6.0 * params, tokens * 6.0 * layers * width * s.seq, peak,
                         where)
 
@@ -199,7 +225,21 @@ def probe(s: RunSettings) -> Rates:
         out.sum().backward()
 
     attention = 6.0 * head * seq * seq / _best_s(attend)  # 6 d T^2 of one head (module doc)
-    return Rates(dense, attention)
+    return Rates(dense, attention, forward_fixed_s(s))
+
+
+@torch.no_grad()  # as the evaluation runs
+def forward_fixed_s(s: RunSettings) -> float:
+    """A forward of a GPT of the run's layers and heads, 8 wide per head, at one token: what
+    a forward costs whatever its tokens (the HF model's is longer: a lower bound there)."""
+    from superoffload.models.gpt import GPT, GPTConfig
+
+    layers, _, heads, _, _ = _dims(s)
+    with torch.random.fork_rng(devices=[]):  # the run's own RNG stays untouched
+        model = GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=8 * heads, vocab_size=8,
+                              block_size=1).validate()).eval()
+    x = torch.zeros(1, 1, dtype=torch.long)
+    return _best_s(lambda: model(x, x))
 
 
 def measured(s: RunSettings, device: torch.device) -> StepEstimate:
@@ -208,7 +248,10 @@ def measured(s: RunSettings, device: torch.device) -> StepEstimate:
     est = estimate(s, device)
     refused_anyway = est.peak_step_s > MAX_STEP_S or est.memory_bytes > est.capacity_bytes
     longest = max(est.peak_step_s, est.eval_s(s.eval_batches))
-    if device.type == "cpu" and longest > PROBE_ABOVE_S and not refused_anyway:
+    # more forwards than the training's three a step: longer than the training on any
+    # machine, so whether it is refused turns on its length here (module docstring)
+    outweighs = s.eval_batches > 3 * s.steps
+    if device.type == "cpu" and (longest > PROBE_ABOVE_S or outweighs) and not refused_anyway:
         est = replace(est, measured=probe(s))
     return est
 
@@ -255,7 +298,7 @@ def check(s: RunSettings, device: torch.device) -> StepEstimate:
             f"{' and '.join(problems)}; use a shorter --seq{model}, a smaller --batch"
             + ("" if s.checkpointing else ", --checkpointing")
             + (", or a GPU" if device.type == "cpu" else ""))
-    evaluation, training = est.eval_s(s.eval_batches), s.steps * est.step_s
+    evaluation, training = est.eval_s(s.eval_batches), est.train_s(s.steps)
     if evaluation > max(MAX_EVAL_S, training):
         fits = int(max(MAX_EVAL_S, training) / est.eval_s(1))
         raise UsageError(

@@ -7,9 +7,15 @@ whole run. The kernel drops a ``flock`` when its process ends, however it ends (
 included), so a crashed run never leaves a stale lock: the next run takes the file over.
 
 The file holds the holder's pid and host, written before the file appears under its name
-(a temporary linked into place), so a refused run always reads whom it yields to. Within
-one process the lock is re-entrant (a resumed run in the same Python session, the tests):
-``release_all`` lets go of every lock this process holds.
+(a temporary linked into place); a run taking over a dead run's file writes its own once it
+holds the lock, and a run refused in between is told the folder is being taken over, not
+the dead pid. Between processes the kernel's ``flock`` decides, so two runs never both hold
+a folder, at any interleaving of their steps (tests/test_run_lock_race.py steps through
+each). Within one process, ``flock`` would let a second run through: the lock is
+re-entrant for the thread that holds it (its own run) and refused to any other thread (a
+second run started from a notebook or a thread while the first trains used to take the
+folder silently), and ``release_all`` lets go of the calling thread's locks only (it used to
+drop every run's lock in the process).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from pathlib import Path
 
 from superoffload.commands.train_args import UsageError
@@ -30,8 +37,10 @@ LOCK_NAME = ".superoffload-run.lock"
 """The lock file inside a run folder (a name starting with ``train_args.OWN_PREFIX``, which
 the emptiness check of ``--out`` ignores)."""
 
-_held: dict[str, int] = {}
-"""Real path of a locked folder -> the descriptor holding its lock (this process)."""
+_held: dict[str, tuple[int, int]] = {}
+"""Real path of a locked folder -> (the descriptor holding its lock, the thread whose run
+took it), in this process."""
+_held_guard = threading.Lock()  # a folder is looked up and taken in one step
 
 
 def _record() -> bytes:
@@ -39,13 +48,27 @@ def _record() -> bytes:
 
 
 def _holder(lock: Path) -> str:
-    """"pid 1234" (and the host when it is another one), read from the lock file."""
-    try:
-        pid, _, host = lock.read_text().strip().partition(" ")
+    """"pid 1234" (and the host when it is another one), read from the lock file; a pid of
+    this host that is gone is the previous run's, read before the new holder wrote its own."""
+    try:  # the first line: a takeover writes its record over the old one, then truncates
+        pid, _, host = lock.read_text().split("\n", 1)[0].strip().partition(" ")
     except OSError:
         return "pid unknown"
-    where = f" on host {host}" if host and host != socket.gethostname() else ""
-    return f"pid {pid or 'unknown'}{where}"
+    if host and host != socket.gethostname():
+        return f"pid {pid or 'unknown'} on host {host}"
+    if not pid.isdigit() or not _alive(int(pid)):
+        return "taking the folder over from an ended run now"
+    return f"pid {pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def lock_run_folder(folder: Path, what: str) -> None:
@@ -54,9 +77,19 @@ def lock_run_folder(folder: Path, what: str) -> None:
     if fcntl is None:
         return
     key = os.path.realpath(folder)
-    if key in _held:
-        return
-    lock = Path(key) / LOCK_NAME
+    with _held_guard:
+        held = _held.get(key)
+        if held is not None and held[1] != threading.get_ident():
+            raise UsageError(
+                f"{what}: another `superoffload train` run in this process (pid "
+                f"{os.getpid()}, another thread) is using the run folder {folder} now; wait "
+                "for it to end, or choose another --out")
+        if held is None:
+            _held[key] = (_take(Path(key) / LOCK_NAME, folder, what), threading.get_ident())
+
+
+def _take(lock: Path, folder: Path, what: str) -> int:
+    """The descriptor holding ``lock``'s ``flock``, or UsageError naming the holder."""
     fd = _create(lock)
     if fd is None:  # the file exists: its holder may be alive
         fd = os.open(lock, os.O_RDWR)
@@ -70,7 +103,7 @@ def lock_run_folder(folder: Path, what: str) -> None:
         record = _record()  # the previous holder ended: the file is ours now
         os.pwrite(fd, record, 0)
         os.ftruncate(fd, len(record))
-    _held[key] = fd
+    return fd
 
 
 def _create(lock: Path) -> int | None:
@@ -105,8 +138,11 @@ def _create_in_place(lock: Path) -> int | None:
 
 
 def release_all() -> None:
-    """Let go of every run-folder lock this process holds (the end of a run)."""
-    while _held:
-        _, fd = _held.popitem()
-        with contextlib.suppress(OSError):
-            os.close(fd)  # closing the descriptor drops its flock
+    """Let go of every run-folder lock the calling thread's run holds (the end of a run)."""
+    me = threading.get_ident()
+    with _held_guard:
+        mine = [key for key, (_, thread) in _held.items() if thread == me]
+        for key in mine:
+            fd, _ = _held.pop(key)
+            with contextlib.suppress(OSError):
+                os.close(fd)  # closing the descriptor drops its flock

@@ -27,11 +27,13 @@ from superoffload.commands.planner_args import (
     engine_variant,
     fail,
     load_profile,
+    machine_args,
     results_table,
     shape_args,
     shape_of,
     step_order_change,
     with_collective,
+    with_machine,
 )
 from superoffload.config import MiB, OffloadConfig, choices_of
 from superoffload.plan.cost import KERNELS
@@ -74,8 +76,14 @@ def add_capacity_parser(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("--profiles", help="comma-separated preset names (default: every preset)")
     cap.add_argument("--seq", type=int, default=1024)
     cap.add_argument("--micro-batch", type=int, default=1)
+    machine_args(cap)
     cap.add_argument("--json", action="store_true", help="machine-readable output")
     cap.set_defaults(func=_capacity)
+
+
+DEFAULT_TIER = "nvme-gen4x4"
+"""The storage tier ``capacity`` gives a profile that has none (``--storage`` overrides it
+for every profile): four PCIe Gen4 drives, FACTS.md's ZeRO-Infinity array."""
 
 
 _OFF = {True: False, "superchip": "host"}
@@ -92,7 +100,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.facts:
         return _facts(args)
     try:
-        prof, shape = with_collective(load_profile(args.profile), args), shape_of(args)
+        prof = with_machine(with_collective(load_profile(args.profile), args), args)
+        shape = shape_of(args)
         changes: dict[str, Any] = {}
         for name in ("ratio", "speculation", "grad_cast", "param_cast", "weights", "cpu_threads",
                      "optimizer_state_dtype"):
@@ -139,22 +148,30 @@ def _simulate(args: argparse.Namespace) -> int:
 def _capacity(args: argparse.Namespace) -> int:
     """The largest-model table (plan/largest.py), one row per profile."""
     from superoffload import plan
-    from superoffload.plan import largest
+    from superoffload.plan import largest, storage_presets
 
     try:
         names = args.profiles.split(",") if args.profiles else plan.profiles.names()
-        profiles = [load_profile(n.strip()) for n in names]
+        profiles = [with_machine(load_profile(n.strip()), args) for n in names]
+        given = [p.name for p in profiles if not p.has_storage]
+        profiles = [p if p.has_storage else storage_presets.with_tier(
+            p, storage_presets.by_name(DEFAULT_TIER)) for p in profiles]
         rows = largest.table(profiles, seq=args.seq, micro_batch=args.micro_batch)
     except ValueError as exc:
         return fail(str(exc), args.json)
+    tiers = {p.name: p.storage_name + (f" ({DEFAULT_TIER}: the profile has none)"
+                                       if p.name in given else "") for p in profiles}
     if args.json:
-        print(json.dumps({"seq": args.seq, "micro_batch": args.micro_batch, "rows": rows},
-                         indent=1))
+        print(json.dumps({"seq": args.seq, "micro_batch": args.micro_batch, "rows": rows,
+                          "storage": tiers}, indent=1))
         return 0
     print(f"Largest Llama-shaped model (billions of parameters), seq {args.seq} x micro-batch "
-          f"{args.micro_batch}, activation checkpointing on (plan/largest.py):")
+          f"{args.micro_batch}, activation checkpointing on, one GPU's share of its host "
+          "(plan/largest.py):")
     print()
     print(largest.markdown(rows))
+    print()
+    print("storage tiers: " + "; ".join(f"{k}: {v}" for k, v in tiers.items()))
     return 0
 
 

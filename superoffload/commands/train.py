@@ -24,7 +24,19 @@ from superoffload.commands import calibration, run_budget, run_lock, train_dist
 from superoffload.commands import checkpointing as ck
 from superoffload.commands.checkpointing import CheckpointFailed, prepare_run_folder
 from superoffload.commands.signals import StopSignals
-from superoffload.commands.train_args import PROG, RunSettings, UsageError, add_arguments, resolve
+from superoffload.commands.train_args import (
+    PROG,
+    RunSettings,
+    UsageError,
+    add_arguments,
+    resolve,
+)
+from superoffload.commands.train_build import (
+    build_model,
+    engine_config,
+    param_groups,
+    resolve_device,
+)
 from superoffload.commands.train_output import (
     one_line,
     print_summary,
@@ -34,8 +46,6 @@ from superoffload.commands.train_output import (
 )
 from superoffload.commands.train_preflight import check_resume_and_tools
 from superoffload.config import OffloadConfig
-
-MiB = 1 << 20
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,61 +59,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     add_parallel_args(p)  # --dp/--sp/--dist-backend/--dist-timeout-s (docs/distributed.md)
     p.set_defaults(func=_run)
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-    return device
-
-
-def _build_model(s: RunSettings) -> torch.nn.Module:
-    if s.hf:
-        from superoffload.models.hf import tiny_hf_causal_lm
-
-        return tiny_hf_causal_lm(block_size=s.seq, seed=s.seed)
-    from superoffload.models import GPT, PRESETS
-
-    torch.manual_seed(s.seed)
-    cfg = PRESETS[s.model](checkpointing=s.checkpointing)
-    if s.seq > cfg.block_size:  # said in the start line (_train); run_budget bounded it
-        cfg.block_size = s.seq
-    return GPT(cfg)
-
-
-def engine_config(s: RunSettings, device: torch.device) -> OffloadConfig:
-    """The preset for this device, with the options the user gave applied on top."""
-    from superoffload import presets
-
-    name = s.preset
-    if name == "auto":
-        name = "pcie_host" if device.type == "cuda" else "tiny_cpu"
-    changes: dict[str, Any] = {"device": str(device), "seed": s.seed,
-                               "max_grad_norm": s.max_grad_norm or None}
-    for key in ("ratio", "speculation", "weights"):
-        if getattr(s, key) is not None:
-            changes[key] = getattr(s, key)
-    if s.bucket_mb is not None:  # argtypes.bucket_mb checked it against MIN_BUCKET_BYTES
-        changes["bucket_bytes"] = int(s.bucket_mb * MiB)
-    if device.type == "cpu":
-        changes["pin_memory"] = False  # nothing to pin without a device link
-    try:
-        return presets.PRESETS[name]().replace(**changes)
-    except ValueError as exc:
-        raise UsageError(f"invalid engine option: {exc}") from None
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two groups (nanoGPT, GPT-3 §C): weight decay on matrices and embeddings, none on
-    biases and LayerNorm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
 
 
 def run_training(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,7 +109,7 @@ class _Job:
 def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> _Job:
     from superoffload.data import BatchSampler, load_tokens, split_train_val
 
-    device = torch.device(dp.device) if dp is not None else _resolve_device(args.device)
+    device = torch.device(dp.device) if dp is not None else resolve_device(args.device)
     s = resolve(args, device.type, dp=dp.dp if dp else 1, sp=dp.sp if dp else 1,
                 saved=resume.run if resume is not None else None)
     check_resume_and_tools(args, s, resume, dp)
@@ -174,7 +129,7 @@ def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> 
                 error = str(exc)
         out = train_dist.shared_out_dir(made, error)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
-    model = _build_model(s).to(device=device, dtype=dtype)
+    model = build_model(s).to(device=device, dtype=dtype)
     if s.sp > 1:
         train_dist.make_sequence_parallel(model, s.sp, s.seq)
     config = engine_config(s, device)
@@ -323,6 +278,7 @@ def _finish(job: _Job, args: argparse.Namespace, engine: Any, result: Any,
             saved: dict[str, Any]) -> dict[str, Any]:
     """Report, trace, sample, result.json (rank 0 writes; every rank joins the gathers)."""
     from superoffload.telemetry.metrics import to_records
+    from superoffload.telemetry.storage_io import storage_io
 
     stats = {k: getattr(engine.stats, k) for k in
              ("iterations", "skipped_steps", "clipped_steps", "rollbacks", "replays")}
@@ -354,6 +310,8 @@ def _finish(job: _Job, args: argparse.Namespace, engine: Any, result: Any,
         "start_step": result.start_step, "checkpoint_errors": saved["errors"],
         "final_checkpoint_error": saved.get("final_error"),
     }
+    if (tier_io := storage_io(result.spans)) is not None:  # docs/storage.md: rates, bytes
+        payload["storage"] = tier_io.as_dict()
     if job.dp is not None:  # every rank trains on its own tokens: the job's rate is their sum
         payload["tokens_per_s_per_rank"] = payload["tokens_per_s"]
         payload["tokens"] = payload["tokens"] * job.world

@@ -42,8 +42,14 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 COMMON_DEFAULTS: dict[str, Any] = {
     "steps": 300, "warmup": 20, "weight_decay": 0.1, "max_grad_norm": 1.0, "seed": 0,
     "hf": False, "preset": "auto", "ratio": None, "bucket_mb": None, "speculation": None,
-    "weights": None, "checkpointing": False, "eval_batches": 8,
+    "weights": None, "checkpointing": False, "eval_batches": 8, "storage_path": None,
+    "host_memory_budget": None, "storage_buffers": None,
 }
+
+
+STORAGE_FIELDS = {"storage_path": "storage_path", "host_memory_budget": "host_memory_budget_bytes",
+                  "storage_buffers": "storage_buffer_count"}
+"""The run's storage-tier settings and the OffloadConfig field each sets (docs/storage.md)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +78,12 @@ class RunSettings:
     weights: str | None
     checkpointing: bool
     eval_batches: int
+    storage_path: str | None = None
+    """The storage tier's folder (``OffloadConfig.storage_path``), or None."""
+    host_memory_budget: int | None = None
+    """Bytes (``OffloadConfig.host_memory_budget_bytes``), or None."""
+    storage_buffers: int | None = None
+    """``OffloadConfig.storage_buffer_count``, or None for the preset's."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -113,6 +125,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight policy (paper §4.5): keep the weights on the device, stream "
                         "the blocks from the host (flow), or let the cost model choose; "
                         "default: the preset's (works with --dp/--sp too)")
+    p.add_argument("--storage-path", type=t.folder_path, metavar="DIR",
+                   help="keep the optimizer state of offloaded buckets in files under DIR, "
+                        "streamed through pinned buffers (docs/storage.md)")
+    p.add_argument("--host-memory-budget", type=t.byte_size, metavar="SIZE",
+                   help="cap on the host memory the engine keeps, e.g. 8GiB or 500MB; with "
+                        "--storage-path what does not fit lives in files")
+    p.add_argument("--storage-buffers", type=t.positive_int, metavar="N",
+                   help="pinned buffers of the storage tier, one bucket each (default 4)")
     p.add_argument("--device", type=t.device_name, default="auto",
                    help='"auto", "cpu", "cuda" or "cuda:N"')
     p.add_argument("--dtype", choices=TRAIN_DTYPES,

@@ -12,6 +12,7 @@ import torch
 
 from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.metrics import Summary
+from superoffload.telemetry.storage_io import StorageIO
 
 SUMMARY_METRICS = ("iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "d2h_gbps_wall",
                    "h2d_gbps_wall", "cpu_step_hidden_pct", "device_idle_pct",
@@ -41,7 +42,7 @@ def one_line(exc: BaseException) -> str:
 def write_report(out: Path, spans: list[Any], recorder: Any, result: Any, info: dict[str, Any],
                  stats: dict[str, Any], label: str, device: torch.device) -> Path:
     """<out>/report.html: the run's settings, per-iteration medians, timeline and scalars."""
-    from superoffload.widgets.report import write_html_report
+    from superoffload.widgets.dashboard.report import write_html_report
 
     extra = {**info, "first_loss": result.first_loss, "final_loss": result.final_loss,
              "val_loss": result.val_loss, "tokens_per_s": round(result.tokens_per_s), **stats}
@@ -82,6 +83,8 @@ def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
         summary = Summary(**s)
         print(f"per iteration, {summary.window_label()} pooled: "
               + vocab.describe(vocab.summary_values(summary), SUMMARY_METRICS))
+    if r.get("storage"):  # the storage tier's rates, bytes and exposed time
+        print(StorageIO(**r["storage"]).line())
     st = r["engine_stats"]
     print(f"engine: {st['clipped_steps']} clipped steps, {st['rollbacks']} bucket rollbacks, "
           f"{st['replays']} replays, {st['skipped_steps']} skipped")

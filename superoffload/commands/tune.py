@@ -24,6 +24,7 @@ from superoffload.commands.planner_args import (
     shape_of,
     step_order_change,
     with_collective,
+    with_machine,
 )
 from superoffload.config import OffloadConfig
 
@@ -48,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="let the tuner propose optimizer_state_dtype='bf16' (Adam moments "
                            "in bf16 with stochastic rounding: changes the numerics; proposed "
                            "only when it pays, and said so in the explanation)")
+    tune.add_argument("--use-storage", action="store_true",
+                      help="keep what host memory cannot hold (optimizer state, weight-flow's "
+                           "weights) on the profile's storage tier (--storage names one); the "
+                           "config's storage_path is then a placeholder: name a folder")
     engine_args(tune)
     tune.set_defaults(func=_tune)
 
@@ -70,7 +75,8 @@ def _tune(args: argparse.Namespace) -> int:
     from superoffload import plan
 
     try:
-        prof, shape = with_collective(load_profile(args.profile), args), shape_of(args)
+        prof = with_machine(with_collective(load_profile(args.profile), args), args)
+        shape = shape_of(args)
         extra = {} if args.rollback_rate is None else {"rollback_rate": args.rollback_rate}
         fixed = {**_parse_fix(args.fix), **step_order_change(args)}
         ordered = OffloadConfig().replace(**{k: v for k, v in fixed.items() if k == "step_order"})
@@ -79,7 +85,7 @@ def _tune(args: argparse.Namespace) -> int:
             host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
             cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm, fixed=fixed,
             engine=engine_variant(args, ordered),
-            allow_bf16_moments=args.allow_bf16_moments, **extra)
+            allow_bf16_moments=args.allow_bf16_moments, storage=args.use_storage, **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         return fail(str(exc), args.json)
@@ -104,7 +110,8 @@ def _tune(args: argparse.Namespace) -> int:
     print()
     keys = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast", "weights",
             "cpu_cores_frac", "prefetch_depth", "optimizer_state_dtype", "step_order",
-            "grad_accum_on", "max_grad_norm")
+            "grad_accum_on", "max_grad_norm", "storage_path", "host_memory_budget_bytes",
+            "weight_homes")
     print("OffloadConfig(" + ", ".join(f"{k}={getattr(cfg, k)!r}" for k in keys) + ")")
     print()
     print(results_table([pred]))

@@ -107,12 +107,15 @@ def shard_host_bytes(shard_numel: int, *, grad_bytes: int, lp_bytes: int, snapsh
 
 def plan_host_bytes(buckets: Sequence[Sequence[int]], *, dtype: torch.dtype, snapshot: bool,
                     moments: torch.dtype, local_ranks: int, available: int | None = None,
-                    headroom: float | None = None) -> HostBudget:
+                    headroom: float | None = None, planned: int | None = None) -> HostBudget:
     """This rank's host budget: ``buckets`` lists the local element count of each parameter
-    of each offloaded bucket (this rank's shards); gradients land in fp32 host buffers."""
+    of each offloaded bucket (this rank's shards); gradients land in fp32 host buffers.
+    ``planned``: the host bytes plan/storage.py gives a rank with a storage tier or a budget
+    (the pool and the resident buckets: what it allocates, not the whole state)."""
     lp_bytes = 0 if dtype == torch.float32 else dtype.itemsize
-    rank_bytes = sum(shard_host_bytes(sum(b), grad_bytes=4, lp_bytes=lp_bytes, snapshot=snapshot,
-                                      moment_bytes=2 * moments.itemsize) for b in buckets)
+    rank_bytes = planned if planned is not None else sum(
+        shard_host_bytes(sum(b), grad_bytes=4, lp_bytes=lp_bytes, snapshot=snapshot,
+                         moment_bytes=2 * moments.itemsize) for b in buckets)
     return HostBudget(rank_bytes, local_ranks,
                       available_host_bytes() if available is None else available,
                       DEFAULT_HEADROOM if headroom is None else headroom)

@@ -11,7 +11,10 @@ calling thread; NCCL's watchdog tears the process down, TORCH_NCCL_ASYNC_ERROR_H
 default). A rank that *dies* is usually noticed sooner: gloo sees the closed TCP connection at
 the next collective, and torchrun's agent stops the remaining workers of a failed group.
 `collective_guard()` turns the dist backend's error into a `DistributedError` that names this rank,
-the collective and the timeout.
+the collective and the timeout, and the peer on this host that died: a rank killed with
+SIGKILL closes its connections before the kernel marks it as exited, so the survivor waits a
+moment for that (``PEER_EXIT_WAIT_S``; it used to say only "a peer rank died" in 2 of 3
+places a rank was killed).
 
     info = init_distributed(sp=2)            # under torchrun
     groups = get_groups()                     # .sp_group for Ulysses, .world_group for grads
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import math
 import os
+import select
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,6 +50,13 @@ MIN_TIMEOUT_S = 1.0
 """The shortest collective timeout accepted (``init_distributed`` and ``--dist-timeout-s``):
 below it the rendezvous of a healthy job can time out, and a value that rounds to 0 in a
 ``timedelta`` (1e-9) made torch fail with a raw C++ error."""
+
+
+PEER_EXIT_WAIT_S = 5.0
+"""How long a failed collective waits for a local peer's process to end before naming the
+cause (woken at once by the exit: ``exited_soon``). A killed torch process takes a moment to
+be torn down (its memory unmapped: over 2 s seen on 2 busy cores); only a failure with no
+local peer exiting (a remote one) waits it out, once, on its way to an error."""
 
 
 def timeout_ok(timeout_s: float) -> bool:
@@ -265,6 +276,26 @@ def exited_peers(ranks: list[int]) -> list[int]:
     return _local_peers(ranks, _process_gone)
 
 
+def exited_soon(ranks: list[int], timeout_s: float) -> list[int]:
+    """Ranks among `ranks` on this host whose process has exited, or exits within
+    `timeout_s` (a process descriptor per peer wakes the wait at its exit; without them,
+    only those gone already)."""
+    gone = exited_peers(ranks)
+    if gone or _STATE is None or not hasattr(os, "pidfd_open"):
+        return gone
+    fds: dict[int, int] = {}
+    try:
+        for r in _local_peers(ranks, lambda pid: True):
+            with contextlib.suppress(OSError):  # gone already, or not ours to watch
+                fds[os.pidfd_open(_STATE.processes[r].pid)] = r
+        if fds:
+            select.select(list(fds), [], [], timeout_s)  # readable once a process has ended
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return exited_peers(ranks)
+
+
 def stall_cause(ranks: list[int]) -> str:
     """Which of ``ranks`` on this host is stopped or gone, for a watchdog's message."""
     stopped, gone = stopped_peers(ranks), exited_peers(ranks)
@@ -310,7 +341,8 @@ def collective_guard(collective: str, group: dist.ProcessGroup | None = None) ->
         rank, world = dist.get_rank(), dist.get_world_size()
         peers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
         timeout = f"{_STATE.info.timeout_s:g} s" if _STATE is not None else "the group's timeout"
-        gone, stopped = exited_peers(peers), stopped_peers(peers)
+        stopped = stopped_peers(peers)  # a stall: nobody is about to exit
+        gone = exited_peers(peers) if stopped else exited_soon(peers, PEER_EXIT_WAIT_S)
         cause = (f"rank(s) {gone} on this host have exited" if gone else
                  f"rank(s) {stopped} on this host are stopped (SIGSTOP or a debugger) and did "
                  f"not join within {timeout}" if stopped else

@@ -37,10 +37,11 @@ accelerator takes over what the engine must own and leaves the script alone:
   scheduler set); accelerate saves the weights, scheduler, RNG and data positions as always.
 * Refused, naming the way: several processes (use torchrun with the engine's data-parallel
   path, docs/distributed.md), `mixed_precision="fp16"` (its GradScaler scales `p.grad`,
-  which the engine replaces: use "bf16", or fp16 weights and the engine's loss scale), an
-  accumulation that ends early (a data loader whose length is not a multiple of the
-  accumulation steps: accelerate steps on the partial sums, the engine after exactly
-  `gradient_accumulation_steps` backwards), clipping by value or over part of the model.
+  which the engine replaces: use "bf16", or fp16 weights and the engine's loss scale), a
+  step asked for before `gradient_accumulation_steps` backwards other than at the end of the
+  data loader (a loop without `accumulate()`), clipping by value or over part of the model.
+* A data loader whose length is not a multiple of the accumulation steps: accelerate ends the
+  last window early and steps on its partial sums, and so does the engine (accumulation.py).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from superoffload.config import ConfigError, OffloadConfig
+from superoffload.integrations.accumulation import complete_window
 from superoffload.integrations.bridge import EngineMetrics, adam_hyper, engine_config
 from superoffload.kernels.hyper import torch_flag_keys, torch_flags
 from superoffload.runtime.contract import owner
@@ -116,15 +118,7 @@ class OffloadAcceleratedOptimizer(torch.optim.Optimizer):
         if not self.accelerator.sync_gradients:
             return loss  # mid-accumulation: accelerate's optimizer does nothing either
         engine = self.bound()
-        gas = self.accelerator.gradient_accumulation_steps
-        if self._micro != gas:
-            raise ConfigError(
-                f"accelerate ended an accumulation after {self._micro} of {gas} backward "
-                "passes (at the end of the data loader, whose length is not a multiple of "
-                "gradient_accumulation_steps); the engine steps after exactly that many. Give "
-                "the loader a length that is a multiple of it (DataLoader(drop_last=True)), "
-                "or Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin("
-                "num_steps=..., sync_with_dataloader=False))")
+        self.close_window("optimizer.step()")
         self.sync_hyper()
         before = engine.stats.skipped_steps
         engine.step()
@@ -224,6 +218,11 @@ class OffloadAcceleratedOptimizer(torch.optim.Optimizer):
 
     def count_backward(self) -> None:
         self._micro += 1
+
+    def close_window(self, where: str) -> None:
+        """`where` reads the window's gradients: an early end completed or refused."""
+        complete_window(self.bound(), self._micro, self.accelerator, where)
+        self._micro = self.accelerator.gradient_accumulation_steps
 
 
 def engine_of(optimizer: Any) -> Any | None:
@@ -375,6 +374,8 @@ class SuperOffloadAccelerator(Accelerator):
                 f"accelerator.clip_grad_norm_ over {len(given & ours)} of the engine's "
                 f"{len(ours)} parameters: the engine clips by the global norm of all of them "
                 "(what its speculation validates); pass model.parameters()")
+        if self.sync_gradients:
+            opt.close_window("accelerator.clip_grad_norm_")
         return engine.clip_grad_norm_(float(max_norm), norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:

@@ -11,6 +11,11 @@
   again (DeepSpeed semantics; `Trainer` passes `scale_wrt_gas=False` to DeepSpeed for the same
   reason). Multiplying back by a power of two is exact; in general the gradient seed
   `fp32(1/k) * k` rounds to 1.0, so gradients equal a plain `loss.backward()`.
+* `gradients_in_grad`: while a framework hook that inspects gradients runs (Lightning's
+  `on_before_optimizer_step`, whose documented recipe is `grad_norm(self, norm_type=2)`), every
+  offloaded parameter's gradient is in `p.grad` as a plain loop holds it; afterwards `p.grad`
+  is None again. Otherwise such a helper would read the GPU tail's gradients only (the rest
+  left the device with their buckets) and log a fraction of the norm without a word.
 * `EngineMetrics`: the engine's telemetry since the previous call as a flat dict of floats,
   named, scaled and defined by `telemetry.vocabulary` (the names the dashboard, the CLI,
   TensorBoard and the trace use): `superoffload/tokens_per_s`, `iteration_ms`,
@@ -20,9 +25,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -88,6 +94,35 @@ def backward(engine: Any, loss: torch.Tensor) -> None:
     """`engine.backward` of a loss the framework already divided by the accumulation steps."""
     steps = engine.config.grad_accum_steps
     engine.backward(loss * steps if steps != 1 else loss)
+
+
+@contextlib.contextmanager
+def gradients_in_grad(engine: Any) -> Iterator[None]:
+    """Put each offloaded parameter's gradient (`engine.full_grad`: unscaled, summed over
+    the micro-steps, in the parameter's dtype and on its device) in `p.grad` for the duration,
+    then set `p.grad` back to None. It costs those gradients' bytes on the device while it
+    lasts. A gradient edited meanwhile (a manual clip) stays in `p.grad`, where `step()` finds
+    it and refuses the edit as for any gradient (docs/failure_semantics.md). Before the last
+    micro-step's backward there is nothing final to show: nothing is put."""
+    from superoffload.runtime.contract import ContractError
+
+    params = [p for p in engine.trainable_params() if p.grad is None]
+    shown: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    try:
+        for p in params:
+            g = engine.full_grad(p)
+            if g is not None:
+                g = g.to(p.device, p.dtype)
+                p.grad = g
+                shown.append((p, g, g._version))
+    except ContractError:  # not the last micro-step: the gradients are not final yet
+        pass
+    try:
+        yield
+    finally:
+        for p, g, version in shown:
+            if p.grad is g and g._version == version:
+                p.grad = None
 
 
 def adam_hyper(group: Mapping[str, Any], *, adamw: bool) -> dict[str, Any]:

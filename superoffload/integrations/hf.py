@@ -16,12 +16,13 @@ How it hooks in -- the places transformers' and accelerate's own DeepSpeed integ
   `accelerator.prepare` neither wraps it nor round-trips its state (a full copy).
 * `accelerator.backward` -> `engine.backward` (overlap, accumulation, fp16 loss scaling);
   `accelerator.clip_grad_norm_` -> no clipping: the engine clips with `max_grad_norm` inside
-  its step (paper §4.3), as accelerate routes both calls to DeepSpeed's engine. The logged
-  `grad_norm` is the engine's (pre-clip) norm of the previous step.
+  its step (paper §4.3), as accelerate routes both calls to DeepSpeed's engine; it returns
+  the engine's pre-clip norm of this step, so the logged `grad_norm` is the whole model's.
 * Checkpoints: `optimizer.pt` is `engine.state_dict()` (fp32 masters, moments, step counts,
   loss scaler, STV state); `save_model` synchronizes first; Trainer's own `scheduler.pt`,
   `rng_state.pth` and `trainer_state.json` do the rest, so `resume_from_checkpoint`
-  continues bit-identically.
+  continues bit-identically. Each checkpoint's note, `<checkpoint>/EXPORT.md`, says how to
+  export its fp32 masters as a Hugging Face folder (`superoffload.export_hf`, docs/export.md).
 * Precision: with `bf16=True` / `fp16=True` the model's weights are cast to that dtype and the
   engine keeps fp32 masters on the host (DeepSpeed's behaviour; the point of offloading);
   accelerate's autocast stays on (fp32 softmax / norms / loss, as in Trainer's AMP).
@@ -302,8 +303,15 @@ class SuperOffloadTrainer(Trainer):
                                "(call trainer.train())")
         backward(self.engine, loss)
 
-    def _engine_clips(self, parameters: Any, max_norm: float, norm_type: float = 2) -> None:
-        return None  # the engine clips with max_grad_norm inside its step
+    def _engine_clips(self, parameters: Any, max_norm: float, norm_type: float = 2
+                      ) -> torch.Tensor:
+        """Trainer's clip (and, with `max_norm=inf`, its norm for the log): the engine clips
+        with max_grad_norm inside its step; the value is this step's pre-clip norm over every
+        bucket, as `clip_grad_norm_` returns it (the offloaded gradients are not in p.grad)."""
+        if self.engine is None:
+            raise RuntimeError("SuperOffloadTrainer: clip_grad_norm_ before the engine was "
+                               "built (call trainer.train())")
+        return torch.tensor(self.engine.grad_norm(), dtype=torch.float32)
 
     # ------------------------------------------------------------------ Trainer hooks
     def training_step(self, model: Any, inputs: dict[str, Any],
@@ -334,12 +342,23 @@ class SuperOffloadTrainer(Trainer):
             return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Trainer's save, after the engine's in-flight weight updates have landed."""
+        """Trainer's save, after the engine's in-flight weight updates have landed (under
+        bf16/fp16, with a warning that fp32 masters exist and how to export them)."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         self.engine.synchronize()
         with self.engine.resident_weights():  # weight-flow: streamed blocks are fetched first
             super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.weights_dtype() != torch.float32:
+            from superoffload.export import notes
+            notes.warn_masters_exist(str(output_dir or self.args.output_dir), self.weights_dtype())
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Trainer's, then <checkpoint>/EXPORT.md: how to export the fp32 masters."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.engine is not None and self.args.should_save:
+            from superoffload.export import notes
+            notes.write_trainer_note(output_dir, self.weights_dtype())
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Trainer's train; afterwards the model holds the final weights."""

@@ -21,8 +21,11 @@ AdamW does, `AdamW(amsgrad=True)` is refused naming the way). What it takes over
   `gradient_clip_val` (norm) is the engine's `max_grad_norm`, `accumulate_grad_batches` its
   `grad_accum_steps`, and the precision plugin's `clip_grad_by_norm` (what the default
   `configure_gradient_clipping`, an override of it and `self.clip_gradients` call) is
-  `engine.clip_grad_norm_`. Editing `p.grad` in a hook (a manual `clip_grad_norm_`) raises:
-  the buckets have left; use `self.clip_gradients` or `configure_gradient_clipping`.
+  `engine.clip_grad_norm_`. In `on_before_optimizer_step` hooks `p.grad` holds every
+  gradient, as without the strategy (`bridge.gradients_in_grad`), so Lightning's recipe
+  `self.log_dict(grad_norm(self, norm_type=2))` logs the whole model's norms. Editing `p.grad`
+  in a hook (a manual `clip_grad_norm_`) raises: the buckets have left; use
+  `self.clip_gradients` or `configure_gradient_clipping`.
 * Precision: "32-true", "bf16-mixed" (autocast over fp32 weights), "bf16-true" and "16-true"
   (16-bit weights, fp32 masters in the engine; fp16 with the engine's dynamic loss scale).
   "16-mixed" is refused: its GradScaler scales `p.grad`, which the engine replaces.
@@ -39,6 +42,7 @@ AdamW does, `AdamW(amsgrad=True)` is refused naming the way). What it takes over
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -54,7 +58,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from superoffload.config import ConfigError, OffloadConfig
-from superoffload.integrations.bridge import EngineMetrics, adam_hyper, backward, engine_config
+from superoffload.integrations.bridge import (
+    EngineMetrics,
+    adam_hyper,
+    backward,
+    engine_config,
+    gradients_in_grad,
+)
 from superoffload.kernels.hyper import torch_flag_keys, torch_flags
 
 PRECISIONS = frozenset({"32-true", "32", "bf16-true", "16-true", "bf16-mixed"})
@@ -177,8 +187,13 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
         loss = closure()
         assert self.lightning_module is not None
         trainer = self.lightning_module.trainer
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        # a hook that reads gradients (Lightning's recipe: grad_norm(self, norm_type=2)) sees
+        # them all in p.grad, as without the strategy; only when one is overridden: showing
+        # them costs the offloaded gradients' bytes on the device while the hooks run
+        shown = gradients_in_grad(engine) if _reads_gradients(trainer) else nullcontext()
+        with shown:
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._sync_hyper()
         if self.lightning_module.automatic_optimization:  # Lightning's order: hooks, then clip
             call._call_lightning_module_hook(
@@ -257,6 +272,16 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             self.engine.close()
             self.engine = self.engine_metrics = None
         super().teardown()
+
+
+def _reads_gradients(trainer: Any) -> bool:
+    """Whether the module or a callback overrides `on_before_optimizer_step` (Lightning's
+    own implementations are empty: no built-in callback reads gradients there)."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    hook = "on_before_optimizer_step"
+    return is_overridden(hook, trainer.lightning_module, pl.LightningModule) or any(
+        is_overridden(hook, cb, pl.Callback) for cb in trainer.callbacks)
 
 
 def _tokens(batch: Any) -> int:

@@ -254,7 +254,18 @@ class AdamHyper:
 
 
 def hypers_of(groups: Sequence[Mapping[str, Any]]) -> list[AdamHyper]:
-    """One frozen AdamHyper per param group, read now (an LR scheduler's change
-    applies from the step that reads it)."""
-    return [AdamHyper.from_group(g, where=f"optimizer.param_groups[{k}]")
-            for k, g in enumerate(groups)]
+    """One frozen AdamHyper per param group of an offload engine, read now (an LR
+    scheduler's change applies from the step that reads it). The engine needs ``eps > 0``
+    where torch takes ``eps >= 0`` (runtime/skips.py says why; ``CPUAdam`` and the kernels
+    follow torch)."""
+    hypers = [AdamHyper.from_group(g, where=f"optimizer.param_groups[{k}]")
+              for k, g in enumerate(groups)]
+    for k, h in enumerate(hypers):
+        if h.eps <= 0.0:
+            raise ValueError(
+                f"optimizer.param_groups[{k}]['eps']={h.eps!r}: the engine needs eps > 0. "
+                "With eps=0 Adam divides 0 by 0 for every element whose gradient has been 0 "
+                "so far (torch writes NaN into those weights); the engine never writes a "
+                "non-finite state, so it would skip every such step. Use a small positive eps "
+                "(torch's default is 1e-8)")
+    return hypers

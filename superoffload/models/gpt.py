@@ -88,7 +88,14 @@ def gpt2_124m(**overrides: int | float | bool) -> GPTConfig:
     return _preset({"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}, overrides)
 
 
-PRESETS = {"tiny": gpt_tiny, "small": gpt_small, "medium": gpt_medium, "gpt2": gpt2_124m}
+def gpt_2b(**overrides: int | float | bool) -> GPTConfig:
+    """~2.2 B parameters (28 layers, width 2560, 256 positions): its fp32 optimizer state
+    (26 GB) exceeds a 24 GiB host, the storage tier's proving run (docs/storage.md)."""
+    return _preset({"n_layer": 28, "n_head": 20, "n_embd": 2560, "block_size": 256}, overrides)
+
+
+PRESETS = {"tiny": gpt_tiny, "small": gpt_small, "medium": gpt_medium, "gpt2": gpt2_124m,
+           "2b": gpt_2b}
 
 
 class CausalSelfAttention(nn.Module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Literal
 
 from superoffload.config import OffloadConfig, choices_of
-from superoffload.plan.feasible import search
+from superoffload.plan.feasible import Feasibility, search
 from superoffload.plan.grad_accum import resolve_decided
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import check_fits, memory
@@ -25,6 +25,7 @@ from superoffload.plan.parallel import rank_profile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
 from superoffload.plan.techniques import SYSTEMS, system_of
+from superoffload.plan.tier_budget import tier_config
 
 MAX_LAYERS = 1000
 
@@ -43,13 +44,24 @@ def fit_problems(shape: ModelShape, prof: HardwareProfile, system: str | None = 
                  config: OffloadConfig | None = None, *,
                  allow_bf16_moments: bool = False,
                  weights: Literal["stationary", "flow"] | None = None,
-                 schedule: str | None = None) -> list[str]:
+                 schedule: str | None = None, storage: bool = False) -> list[str]:
     """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
     config, every setting that saves memory is searched (plan/feasible.py: the ratio down from
     1 when the host binds, weight-flow when the device binds, bf16 moments only when
     `allow_bf16_moments`): the same search ``tune`` starts from; ``weights`` ("stationary" or
-    "flow") keeps the weight policy fixed in it. ``schedule=`` is the old name of ``system=``
-    (a DeprecationWarning)."""
+    "flow") keeps the weight policy fixed in it; ``storage``: what host memory cannot hold
+    may go to the profile's storage tier (plan/tier_budget.py). ``schedule=`` is the old name
+    of ``system=`` (a DeprecationWarning)."""
+    return list(feasibility(shape, prof, system, config, allow_bf16_moments=allow_bf16_moments,
+                            weights=weights, schedule=schedule, storage=storage).problems)
+
+
+def feasibility(shape: ModelShape, prof: HardwareProfile, system: str | None = None,
+                config: OffloadConfig | None = None, *, allow_bf16_moments: bool = False,
+                weights: Literal["stationary", "flow"] | None = None,
+                schedule: str | None = None, storage: bool = False) -> Feasibility:
+    """``fit_problems``' answer with the setting found (``Feasibility.config``; for a given
+    config or another system, the config itself when it fits)."""
     system = system_of(system, schedule, "fit_problems")
     if config is not None or system != "superoffload":
         prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
@@ -57,12 +69,18 @@ def fit_problems(shape: ModelShape, prof: HardwareProfile, system: str | None = 
         if config is not None and config.weights == "auto" and system == "superoffload":
             auto = choose_weights(shape, prof, config)  # as plan.simulate decides it
         plan = resolve_decided(shape, prof, system, config, None, auto=auto)
-        return check_fits(memory(shape, prof, plan), prof)
+        why = check_fits(memory(shape, prof, plan), prof)
+        return Feasibility(None if why else config, None, tuple(why))
     dtypes = choices_of("optimizer_state_dtype") if allow_bf16_moments else ("fp32",)
+    base = OffloadConfig()
+    if storage:
+        if not prof.has_storage:
+            return Feasibility(None, None, (f"profile {prof.name} has no storage tier",))
+        base = base.replace(**tier_config(shape, prof))
     if weights is not None:
-        return list(search(shape, prof, OffloadConfig(weights=weights), fixed={"weights"},
-                           dtypes=dtypes).problems)
-    return list(search(shape, prof, OffloadConfig(), dtypes=dtypes).problems)
+        return search(shape, prof, base.replace(weights=weights), fixed={"weights"},
+                      dtypes=dtypes)
+    return search(shape, prof, base, dtypes=dtypes)
 
 
 def max_model_size(prof: HardwareProfile, system: str | None = None, seq: int = 1024,

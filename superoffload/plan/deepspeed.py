@@ -26,13 +26,23 @@ Device memory: the flat bf16 parameters (2 B/param, every rank), the contiguous 
 buffer (``setup_buckets``: ``reduce_bucket_size`` elements of the model dtype, two with
 overlap_comm), ``temp_grad_buffer_for_gpu_offload`` (largest parameter), the per-parameter
 temporaries of the gradient processing (fp32 and fp64 copies, the autograd gradient), the
-activations. Host: fp32 master + fp32 gradient + m + v (16 B) and the pinned bf16 buffer
-(2 B) per partition parameter, ``temp_grad_buffer_for_cpu_offload`` (largest parameter).
-Learned from the code, nothing copied (DESIGN.md: the peer, modelled).
+activations.
+Host, as DeepSpeed allocates it with ``offload_optimizer.pin_memory`` (the paper's setting,
+FACTS.md): the fp32 master partition, its fp32 gradient (``initialize_optimizer_states``)
+and the bf16 partition buffer are each one pinned tensor, pinned through ``tensor.pin_memory()``
+(the accelerator's default, unless ``DS_PIN_MEMORY_BACKEND=native``), and PyTorch's pinned-host
+caching allocator rounds every allocation up to a power of two before asking the driver
+(``CachingHostAllocator``: ``PowerOf2Ceil(size)``); DeepSpeedCPUAdam's m and v are
+``zeros_like`` the partition at the first step: pageable, exact. So the host holds
+2 x pow2(4 n) + pow2(2 n) + 8 n (+ pow2 of ``temp_grad_buffer_for_cpu_offload``, the largest
+parameter in the model dtype) for a partition of n parameters: 18 B/param just below a power
+of two, up to 26 just above one. Learned from the code, nothing copied (DESIGN.md: the peer,
+modelled).
 """
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 
 import numpy as np
@@ -91,9 +101,18 @@ def zero2_memory(shape: ModelShape, plan: Resolved) -> Memory:
         "grad_temporaries": largest * (w + w + 4.0 + 8.0 + 4.0),
         "activations": shape.activation_bytes(),
     }
-    host = {"fp32_state": 16.0 * part, "weights_bf16_pinned": w * part,
-            "temp_grad_buffer": w * largest}
+    host = {"fp32_master_pinned": pinned_bytes(4.0 * part),
+            "fp32_grad_pinned": pinned_bytes(4.0 * part),
+            "bf16_buffer_pinned": pinned_bytes(w * part),
+            "adam_moments": 8.0 * part,
+            "temp_grad_buffer_pinned": pinned_bytes(w * largest)}
     return Memory(sum(dev.values()), sum(host.values()), dev, host)
+
+
+def pinned_bytes(nbytes: float) -> float:
+    """Bytes one pinned allocation of ``nbytes`` takes: PyTorch's pinned-host caching
+    allocator rounds it up to a power of two (module docstring)."""
+    return 0.0 if nbytes <= 0 else float(2 ** math.ceil(math.log2(nbytes)))
 
 
 def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int

@@ -24,6 +24,31 @@ ADAM_BYTES_PER_PARAM = 28
 
 DEVICE_TYPES = ("cpu", "cuda")
 
+PROVENANCES = ("spec", "measured", "derived", "fitted", "calibrated", "estimate")
+"""What a figure's source says it is (``HardwareProfile.provenance``): its first word."""
+OPTIONAL_FIGURES = frozenset({"device_op_s", "device_nongemm_gbps", "storage_read_gbps",
+                              "storage_write_gbps", "storage_bytes", "storage_queue_depth"})
+"""Figures whose 0 means "not modelled" (no dispatch cost, no element-wise term, no storage
+tier): not a figure then, so no provenance is asked of it."""
+DEFAULT_SOURCES = {
+    "cpu_adam_bw_efficiency": "estimate: 0.7 of the host bus with all cores (fused peers "
+                              "reach 0.8-0.9 of their floor on x86, FACTS.md)",
+    "cpu_adam_bf16_moments_relative": "estimate: ~1.3 vs ~3 G params/s per thread in cache, "
+                                      "measured on the 2-core Sapphire Rapids only "
+                                      "(docs/kernel.md)",
+    "deepspeed_adam_relative": "measured: FACTS.md (Grace, 1B params: DeepSpeed CPUAdam "
+                               "0.098 s vs GraceAdam 0.082 s)",
+    "torch_adam_relative": "measured: FACTS.md (Grace, 1B params: PyTorch CPU Adam 0.289 s "
+                           "vs GraceAdam 0.082 s)",
+    "link_latency_s": "estimate: the fixed cost of one transfer",
+    "collective_gbps": "estimate: a ring collective's bus bandwidth per rank",
+    "collective_latency_s": "estimate: ~10 us per ring step",
+    "device_launch_s": "estimate: ~10 us per kernel launch or event record",
+    "cpu_call_s": "estimate: per-bucket work of the CPU lane besides the kernel pass",
+    "gpus_per_host": "estimate: one GPU has the host to itself",
+}
+"""Sources of the figures a profile leaves at their defaults (``HardwareProfile.source``)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareProfile:
@@ -107,6 +132,25 @@ class HardwareProfile:
     """"cpu" when the device is the CPU itself (the engine's CPU backend: ``cpu-laptop`` and
     CPU-only ``measure_local`` profiles), else "cuda". The rule book (plan/schedule.py)
     takes it as ``ScheduleFacts.device_type``, as the engine passes its backend's."""
+    gpus_per_host: int = 1
+    """GPUs whose jobs share this host: its memory, cores, memory bus, host casts and storage
+    (8 on an HGX/DGX server). The planner gives one GPU 1/gpus_per_host of them
+    (``plan.parallel.rank_profile``, DESIGN.md §7: the host budget is per GPU) unless told
+    otherwise: ``replace(gpus_per_host=1)``, ``--gpus-per-host 1`` on the command line, for a
+    job that has the whole host. The host figures above are the whole host's; the link to the
+    device is per GPU and not shared."""
+    storage_read_gbps: float = 0.0
+    """The storage tier's sequential read rate, GB/s, at ``storage_queue_depth`` requests in
+    flight (docs/storage.md); 0: no storage tier on this machine."""
+    storage_write_gbps: float = 0.0
+    """The storage tier's sequential write rate, GB/s (reads and writes share the drives)."""
+    storage_bytes: float = 0.0
+    """Capacity of the storage tier: what the files of the optimizer state (and weights kept
+    there) may take."""
+    storage_queue_depth: int = 0
+    """Requests of ``OffloadConfig.storage_block_bytes`` in flight the rates above need."""
+    storage_name: str = ""
+    """What the storage tier is, e.g. "4 x PCIe Gen5 NVMe (Samsung PM1743)"."""
     host_write_allocate: bool = True
     """A store to a cache line not in cache first reads it (x86 write-allocate), so a
     write-only output (the kernel's bf16 weight copy, a cast's destination) costs its bytes
@@ -121,6 +165,43 @@ class HardwareProfile:
     """Free text: what the profile stands for, caveats."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Measurement details (e.g. raw timings of measure_local); never read by the model."""
+
+    def provenance(self, field_name: str) -> str | None:
+        """Where figure ``field_name`` comes from, one of ``PROVENANCES`` (the first word of
+        its source: "spec" a vendor's or an author's published figure, "measured" measured
+        on the machine (or published measurements), "derived" arithmetic on those, "fitted"
+        / "calibrated" fitted to a measured run, "estimate" ours); a field left at its
+        default takes ``DEFAULT_SOURCES``' word; None: uncited."""
+        source = self.source(field_name)
+        if source is None:
+            return None
+        words = source.replace(":", " ").replace(",", " ").split(maxsplit=1)
+        word = words[0].lower() if words else ""
+        return word if word in PROVENANCES else None  # an older file's free text: uncited
+
+    def source(self, field_name: str) -> str | None:
+        """The source of ``field_name``'s figure: the profile's own, else the default's when
+        the field holds its default (``DEFAULT_SOURCES``), else None."""
+        own = dict(self.sources).get(field_name)
+        if own is not None:
+            return own
+        f = next((f for f in dataclasses.fields(self) if f.name == field_name), None)
+        if f is not None and getattr(self, field_name) == f.default:
+            return DEFAULT_SOURCES.get(field_name)
+        return None
+
+    def figures(self) -> list[tuple[str, float, str | None]]:
+        """(field, value, provenance) of every figure the model reads: each numeric field,
+        except an optional one left at 0 (not modelled: ``OPTIONAL_FIGURES``)."""
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if f.name in OPTIONAL_FIGURES and value == 0:
+                continue
+            out.append((f.name, float(value), self.provenance(f.name)))
+        return out
 
     def validate(self) -> HardwareProfile:
         """Raise ValueError naming the field when a figure is missing, negative or inconsistent."""
@@ -157,6 +238,14 @@ class HardwareProfile:
                     )
         if not self.name:
             raise ValueError("HardwareProfile.name is empty: give the profile a key")
+        if not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 1:
+            raise ValueError(f"HardwareProfile({self.name}).gpus_per_host={self.gpus_per_host!r}: "
+                             "use a whole number >= 1 (1: one GPU has the host to itself)")
+        tier = (self.storage_read_gbps, self.storage_write_gbps, self.storage_bytes)
+        if any(tier) and not all(tier):
+            raise ValueError(f"HardwareProfile({self.name}): a storage tier needs "
+                             "storage_read_gbps, storage_write_gbps and storage_bytes all > 0 "
+                             f"(got {tier}); all 0 for no tier")
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(f"HardwareProfile({self.name}).device_type={self.device_type!r}: "
                              f"use one of {DEVICE_TYPES}")
@@ -187,5 +276,9 @@ class HardwareProfile:
 
     def is_estimate(self, field_name: str) -> bool:
         """True when the figure's source is marked as our estimate (or is not cited)."""
-        src = dict(self.sources).get(field_name)
-        return src is None or src.lower().startswith("estimate")
+        return self.provenance(field_name) in (None, "estimate")
+
+    @property
+    def has_storage(self) -> bool:
+        """Whether the machine has a storage tier (``storage_*`` figures)."""
+        return self.storage_read_gbps > 0

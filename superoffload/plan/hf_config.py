@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from superoffload.jsonfile import parse_object
+from superoffload.plan.config_numbers import ConfigReader, check_param_count
+from superoffload.plan.size_limit import check_counts
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "gpt_neox")
 DEFAULT_MAX_SEQ = 4096
@@ -103,47 +105,62 @@ def _parse(text: str, where: str) -> dict[str, Any]:
                         "such as {\"model_type\": \"llama\", ...}")
 
 
-def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = cfg.get(key, default)
-    if value is None:
-        value = default
-    if value is None:
-        raise ValueError(f"HF config ({cfg.get('model_type')}): missing {key!r}")
-    return value
-
-
 def describe(cfg: Mapping[str, Any]) -> HFArch:
     """Read one config's shape numbers with its family's defaults (as the transformers config
-    classes fill them in). Errors name the missing key or the unsupported model_type."""
-    family = str(cfg.get("model_type", ""))
+    classes fill them in), each checked as it is read (plan/config_numbers.py). Errors name
+    the key, the unsupported model_type, or the count the planner cannot simulate."""
+    return _describe(_reader(cfg))
+
+
+def _reader(cfg: Mapping[str, Any]) -> ConfigReader:
+    return ConfigReader(cfg, f"HF config ({cfg.get('model_type')})")
+
+
+def _describe(r: ConfigReader) -> HFArch:
+    family = str(r.raw("model_type", ""))
     if family not in FAMILIES:
         raise ValueError(
             f"HF config model_type={family!r} has no formula here (formulas: "
             f"{', '.join(FAMILIES)}); with transformers installed ModelShape.from_hf_config "
             "builds it on the meta device (plan/hf_meta.py)")
-    name = str(cfg.get("_name_or_path") or (cfg.get("architectures") or [family])[0])
+    named = r.raw("_name_or_path", "")
+    name = named if isinstance(named, str) and named else (
+        r.names("architectures", []) or [family])[0]
     if family == "gpt2":
-        h, heads = int(_get(cfg, "n_embd")), int(_get(cfg, "n_head"))
-        return HFArch(family, name, int(_get(cfg, "n_layer")), h, heads, heads, h // heads,
-                      int(_get(cfg, "n_inner", 4 * h)), int(_get(cfg, "vocab_size")),
-                      int(_get(cfg, "n_positions", 1024)), bool(_get(cfg, "tie_word_embeddings", True)),
+        layers_key = "n_layer"
+        h, heads = r.whole("n_embd"), r.whole("n_head")
+        arch = HFArch(family, name, r.whole(layers_key), h, heads, heads, h // heads,
+                      r.whole("n_inner", 4 * h), r.whole("vocab_size"),
+                      r.whole("n_positions", 1024), r.flag("tie_word_embeddings", True),
                       True, True, True)
-    h, heads = int(_get(cfg, "hidden_size")), int(_get(cfg, "num_attention_heads"))
-    layers, vocab = int(_get(cfg, "num_hidden_layers")), int(_get(cfg, "vocab_size"))
-    positions = int(_get(cfg, "max_position_embeddings", 2048))
-    tied = bool(_get(cfg, "tie_word_embeddings", False))
-    if family == "gpt_neox":
-        bias = bool(_get(cfg, "attention_bias", True))
-        return HFArch(family, name, layers, h, heads, heads, h // heads,
-                      int(_get(cfg, "intermediate_size", 4 * h)), vocab, positions, tied,
-                      bias, bias, True)
-    kv = int(_get(cfg, "num_key_value_heads", heads))
-    head_dim = int(_get(cfg, "head_dim", h // heads))
-    attn_bias = bool(_get(cfg, "attention_bias", False))
-    qkv_bias = True if family == "qwen2" else attn_bias
-    o_bias = False if family == "qwen2" else attn_bias
-    return HFArch(family, name, layers, h, heads, kv, head_dim, int(_get(cfg, "intermediate_size")),
-                  vocab, positions, tied, qkv_bias, o_bias, bool(_get(cfg, "mlp_bias", False)))
+    else:
+        layers_key = "num_hidden_layers"
+        h, heads = r.whole("hidden_size"), r.whole("num_attention_heads")
+        layers, vocab = r.whole(layers_key), r.whole("vocab_size")
+        positions = r.whole("max_position_embeddings", 2048)
+        tied = r.flag("tie_word_embeddings", False)
+        if family == "gpt_neox":
+            bias = r.flag("attention_bias", True)
+            arch = HFArch(family, name, layers, h, heads, heads, h // heads,
+                          r.whole("intermediate_size", 4 * h), vocab, positions, tied,
+                          bias, bias, True)
+        else:
+            kv = r.whole("num_key_value_heads", heads)
+            head_dim = r.whole("head_dim", max(1, h // heads))
+            attn_bias = r.flag("attention_bias", False)
+            arch = HFArch(family, name, layers, h, heads, kv, head_dim,
+                          r.whole("intermediate_size"), vocab, positions, tied,
+                          True if family == "qwen2" else attn_bias,
+                          False if family == "qwen2" else attn_bias,
+                          r.flag("mlp_bias", False))
+    # what the numbers add up to, before anything is listed per layer (a 1e9-layer config
+    # would build a billion-entry list): the simulation's size, then the parameters
+    per_block = len(_block(arch, "b"))
+    edge = len(parameter_shapes(dataclasses.replace(arch, layers=0)))
+    check_counts(arch.layers * per_block + edge, arch.layers,
+                 f"{r.where}: {layers_key}={arch.layers:,}")
+    check_param_count(parameter_count(arch), r.where)
+    return arch
 
 
 def _linear(prefix: str, out_f: int, in_f: int, bias: bool) -> list[tuple[str, Shape]]:
@@ -221,21 +238,10 @@ def parameter_count(arch: HFArch) -> int:
     return arch.layers * one + edge
 
 
-class _Reads(dict):  # type: ignore[type-arg]
-    """A config dict that remembers which keys were looked up (``config_keys``)."""
-
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        super().__init__(data)
-        self.looked_up: set[str] = set()
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        self.looked_up.add(key)
-        return super().get(key, default)
-
-
-def _dropout_on(cfg: Mapping[str, Any]) -> bool:
+def _dropout_on(r: ConfigReader) -> bool:
     """Whether the config trains with dropout (then its masks are kept for backward)."""
-    return float(cfg.get("resid_pdrop", cfg.get("attention_dropout", 0.0)) or 0) > 0
+    key = "resid_pdrop" if r.raw("resid_pdrop", None) is not None else "attention_dropout"
+    return r.fraction(key, 0.0) > 0
 
 
 def config_keys(config_or_path: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -247,8 +253,8 @@ def config_keys(config_or_path: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
         from superoffload.plan import hf_meta
 
         return hf_meta.config_keys(raw)
-    rec = _Reads(raw)
-    describe(rec)
+    rec = _reader(raw)
+    _describe(rec)
     _dropout_on(rec)
     keys = [k for k in raw if k != "model_type" and not k.startswith("_")]
     return (tuple(sorted(k for k in keys if k in rec.looked_up)),
@@ -267,7 +273,8 @@ def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: in
 
         return hf_meta.shape_fields(raw, seq=seq, micro_batch=micro_batch,
                                     max_seq=DEFAULT_MAX_SEQ, **kw)
-    arch = describe(raw)
+    reader = _reader(raw)
+    arch = _describe(reader)
     table = parameter_shapes(arch)
     block = sum(_numel(s) for layer, _, s in table if layer == 1)
     total = sum(_numel(s) for _, _, s in table)
@@ -279,7 +286,7 @@ def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: in
         other_params_override=total - arch.layers * block, kv_heads=arch.kv_heads,
         head_dim=arch.head_dim, gated_mlp=arch.family in ("llama", "mistral", "qwen2"),
         bias=arch.family in ("gpt2", "gpt_neox"),
-        dropout_masks=_dropout_on(raw))
+        dropout_masks=_dropout_on(reader))
     fields["param_table"] = tuple((layer, _numel(s)) for layer, _, s in table)
     fields.update(kw)
     return fields

@@ -26,6 +26,9 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
+from superoffload.plan.config_numbers import check_numbers
+from superoffload.plan.size_limit import check_counts
+
 LAYOUT_KEYS = {"moe_layer_freq": 1, "decoder_sparse_step": 1, "mlp_only_layers": [],
                "first_k_dense_replace": 0}
 """Keys that decide which blocks are MoE, with the value that makes every block alike. One
@@ -57,6 +60,13 @@ def build_meta(raw: Mapping[str, Any]) -> Any:
                          "type: the planner never runs code from a config; use a model type "
                          "transformers ships, or ModelShape.from_module on your model")
     read, _ = config_keys(raw)
+    where = f"HF config ({family})"
+    kinds = key_kinds(family)
+    check_numbers(raw, read, where, kinds)  # each number read, checked once
+    for key in layer_keys(family):  # before the config class builds per-layer lists
+        if isinstance(raw.get(key), (int, float)):
+            layers = int(raw[key])  # whole: checked above
+            check_counts(layers, layers, f"{where}: {key}={layers:,}")  # >= 1 tensor a block
     for key, neutral in LAYOUT_KEYS.items():
         if config_class(family) is not None and key in raw and key not in read \
                 and raw[key] not in (neutral, None):
@@ -66,9 +76,12 @@ def build_meta(raw: Mapping[str, Any]) -> Any:
                              "this model's; describe it with ModelShape.from_module instead")
     fields = {k: v for k, v in raw.items()
               if not k.startswith("_") and k not in ("model_type", "auto_map")}
+    for key, value in fields.items():  # 1e3 is a whole number in JSON, an int to the class
+        if kinds.get(key) == "whole" and isinstance(value, float):
+            fields[key] = int(value)  # check_numbers made sure it has no fraction
     try:
         config = transformers.AutoConfig.for_model(family, **fields)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"HF config model_type={family!r}: transformers "
                          f"{transformers.__version__} does not know it ({exc})") from None
     try:
@@ -85,6 +98,38 @@ def config_class(family: str) -> Any:
 
     # a lazy mapping: only [] loads a class (its dict.get would miss one not loaded yet)
     return CONFIG_MAPPING[family] if family in CONFIG_MAPPING else None  # noqa: SIM401
+
+
+def key_kinds(family: str) -> dict[str, str]:
+    """What the config class of ``family`` declares each parameter to be: "whole" (an int,
+    not a float), "flag" (a bool) or "number"; read from its ``__init__`` annotations, so the
+    checks follow the class (plan/config_numbers.check_numbers)."""
+    import inspect
+    import typing
+
+    cls = config_class(family)
+    if cls is None:
+        return {}
+    kinds: dict[str, str] = {}
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        hint = param.annotation
+        members = set(typing.get_args(hint)) if typing.get_args(hint) else {hint}
+        members.discard(type(None))
+        if members == {bool}:
+            kinds[name] = "flag"
+        elif int in members and float not in members:
+            kinds[name] = "whole"
+        elif members & {int, float}:
+            kinds[name] = "number"
+    return kinds
+
+
+def layer_keys(family: str) -> list[str]:
+    """The keys that give ``family``'s block count: ``num_hidden_layers`` and the names its
+    config class maps onto it (``attribute_map``, e.g. GPT-2's ``n_layer``)."""
+    cls = config_class(family)
+    aliases = dict(getattr(cls, "attribute_map", {}) or {}) if cls is not None else {}
+    return ["num_hidden_layers", *(k for k, v in aliases.items() if v == "num_hidden_layers")]
 
 
 def config_keys(raw: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -25,13 +25,19 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from superoffload.plan.capacity import MAX_LAYERS, fit_problems
+from superoffload.plan.capacity import MAX_LAYERS, feasibility, fit_problems
 from superoffload.plan.hardware import HardwareProfile
+from superoffload.plan.parallel import rank_profile
 from superoffload.plan.shapes import ModelShape
+from superoffload.plan.simulate import simulate
 
 DEEPSPEED_ESTIMATOR = {"gpu_bytes_per_param": 2.0, "cpu_bytes_per_param": 16.0,
                        "additional_buffer_factor": 1.5}
 """DeepSpeed's ``estimate_zero2_model_states_mem_needs(cpu_offload=True)`` for one GPU."""
+TIER = "SuperOffload + storage tier"
+"""The column that may keep state and weights on the profile's storage tier."""
+TIER_TIME = "its iteration s"
+"""The tier column's predicted iteration time (seconds) at its largest model."""
 PAPER_GH200 = {"plain GPU": 3.5e9, "ZeRO-Offload (ours)": 15e9, "SuperOffload stationary": 25e9}
 """The SuperOffload paper's largest models on one GH200 (§5, abstract: "up to 25B"), beside
 the columns they compare with."""
@@ -49,7 +55,9 @@ def llama_by_layers(layers: int, *, seq: int, micro_batch: int,
 
 
 def deepspeed_estimate_fits(shape: ModelShape, prof: HardwareProfile) -> bool:
-    """DeepSpeed's ZeRO-2 offload estimator (module docstring) against the whole memory."""
+    """DeepSpeed's ZeRO-2 offload estimator (module docstring) against the whole memory of
+    one GPU's share of the host (``parallel.rank_profile``)."""
+    prof = rank_profile(prof, shape.ranks_per_host)
     est = DEEPSPEED_ESTIMATOR
     n = float(shape.params)
     gpu = est["gpu_bytes_per_param"] * n
@@ -77,6 +85,7 @@ COLUMNS: tuple[Column, ...] = (
            lambda s, p: not fit_problems(s, p, "superoffload", weights="flow")),
     Column("SuperOffload, bf16 moments",
            lambda s, p: not fit_problems(s, p, "superoffload", allow_bf16_moments=True)),
+    Column(TIER, lambda s, p: not fit_problems(s, p, "superoffload", storage=True)),
 )
 
 
@@ -84,28 +93,54 @@ def largest(prof: HardwareProfile, column: Column, *, seq: int = 1024,
             micro_batch: int = 1) -> int:
     """Parameters of the largest Llama-shaped model ``column`` fits on ``prof`` (0: none);
     memory grows with depth (and width), so the layer count is bisected."""
-    best, lo, hi = 0, 1, MAX_LAYERS
+    return largest_layers(prof, column, seq=seq, micro_batch=micro_batch)[0]
+
+
+def largest_layers(prof: HardwareProfile, column: Column, *, seq: int = 1024,
+                   micro_batch: int = 1) -> tuple[int, int]:
+    """(parameters, layers) of the largest model ``column`` fits (0, 0: none)."""
+    best, layers, lo, hi = 0, 0, 1, MAX_LAYERS
     while lo <= hi:
         mid = (lo + hi) // 2
         shape = llama_by_layers(mid, seq=seq, micro_batch=micro_batch)
         if column.fits(shape, prof):
-            best, lo = shape.params, mid + 1
+            best, layers, lo = shape.params, mid, mid + 1
         else:
             hi = mid - 1
-    return best
+    return best, layers
+
+
+def tier_iteration_s(prof: HardwareProfile, layers: int, *, seq: int = 1024,
+                     micro_batch: int = 1) -> float:
+    """Predicted iteration seconds of the tier column's largest model at the setting the
+    memory search found for it (plan/feasible.py: the frugal one, not tuned)."""
+    shape = llama_by_layers(layers, seq=seq, micro_batch=micro_batch)
+    found = feasibility(shape, prof, "superoffload", storage=True)
+    assert found.config is not None, "the bisection found it fits"
+    return simulate(shape, prof, "superoffload", found.config).iteration_s
 
 
 def table(profiles: Sequence[HardwareProfile], *, seq: int = 1024,
           micro_batch: int = 1) -> list[dict[str, float]]:
-    """One row per profile: column label -> largest parameters."""
-    return [{"profile": p.name,  # type: ignore[dict-item]
-             **{c.label: float(largest(p, c, seq=seq, micro_batch=micro_batch))
-                for c in COLUMNS}} for p in profiles]
+    """One row per profile: column label -> largest parameters; ``TIER_TIME``: the tier
+    column's predicted iteration seconds (0 without a tier)."""
+    rows = []
+    for p in profiles:
+        row: dict[str, float] = {"profile": p.name}  # type: ignore[dict-item]
+        for c in COLUMNS:
+            params, layers = largest_layers(p, c, seq=seq, micro_batch=micro_batch)
+            row[c.label] = float(params)
+            if c.label == TIER:
+                row[TIER_TIME] = (tier_iteration_s(p, layers, seq=seq, micro_batch=micro_batch)
+                                  if layers else 0.0)
+        rows.append(row)
+    return rows
 
 
 def markdown(rows: list[dict[str, float]]) -> str:
-    """The table as docs/planner.md prints it: billions, the paper's GH200 figures beside."""
-    head = ["profile", *[c.label for c in COLUMNS]]
+    """The table as docs/planner.md prints it: billions, the paper's GH200 figures beside,
+    the tier column's predicted iteration time."""
+    head = ["profile", *[c.label for c in COLUMNS], TIER_TIME]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [str(row["profile"])]
@@ -114,5 +149,6 @@ def markdown(rows: list[dict[str, float]]) -> str:
             if row["profile"] == "gh200" and c.label in PAPER_GH200:
                 cell += f" (paper {PAPER_GH200[c.label] / 1e9:g})"
             cells.append(cell)
+        cells.append(f"{row[TIER_TIME]:.1f}" if row[TIER_TIME] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -83,10 +83,24 @@ def cached_profile(*, quick: bool = False, cache: str | os.PathLike[str] | None 
 
 
 def measure_local(*, quick: bool = False, force: bool = False, progress: bool = True,
-                  cache: str | os.PathLike[str] | None = None, use_cache: bool = True
-                  ) -> HardwareProfile:
+                  cache: str | os.PathLike[str] | None = None, use_cache: bool = True,
+                  storage: str | os.PathLike[str] | None = None) -> HardwareProfile:
     """Profile of this machine. `quick` uses small sizes (seconds; for tests), the default takes
-    well under a minute. Cached in `cache_dir()/profile-<host>[-quick].json`."""
+    well under a minute. Cached in `cache_dir()/profile-<host>[-quick].json`. ``storage``: a
+    folder on the storage tier, measured with the project's own I/O engine each call (not
+    cached: plan/measure_storage.py) and made the profile's tier."""
+    prof = _measure_local(quick=quick, force=force, progress=progress, cache=cache,
+                          use_cache=use_cache)
+    if storage is None:
+        return prof
+    from superoffload.plan.measure_storage import measure_storage_tier
+    from superoffload.plan.storage_presets import with_tier
+
+    return with_tier(prof, measure_storage_tier(storage, quick=quick))
+
+
+def _measure_local(*, quick: bool, force: bool, progress: bool,
+                   cache: str | os.PathLike[str] | None, use_cache: bool) -> HardwareProfile:
     import torch  # measuring needs tensors; the rest of plan/ stays torch-free
 
     path = _cache_path(cache, quick)
@@ -235,7 +249,10 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
                       for k in ("device_achieved_tflops", "device_mem_bw_gbps", "host_mem_bw_gbps",
                                 "device_op_s", "device_nongemm_gbps",
                                 "cpu_adam_params_per_s_per_core", "cpu_adam_table", "h2d_gbps",
-                                "d2h_gbps", "device_cast_gelems", "host_cast_gelems")),
+                                "d2h_gbps", "device_cast_gelems", "host_cast_gelems",
+                                "device_peak_tflops", "device_memory_bytes",
+                                "host_memory_bytes", "cpu_cores", "cpu_adam_bw_efficiency",
+                                "link_latency_s")),
         notes="Measured on this machine; device_peak_tflops is the measured matmul rate, not a "
               "vendor peak (calibrate.fit_compute fits the achieved rate to a measured plain "
               "iteration). CPU Adam: DRAM-resident, the engine's variant. Without CUDA the "

@@ -47,14 +47,13 @@ import numpy as np
 
 from superoffload.plan.device_grads import DeviceGrads, device_grads
 from superoffload.plan.hardware import HardwareProfile
+from superoffload.plan.memory_host import host_side
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 
 DEVICE_HEADROOM = 0.95
 HOST_HEADROOM = 0.90
-MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0}
-"""Bytes per parameter of one Adam moment on the host, by OffloadConfig.optimizer_state_dtype."""
 TRANSIENTS = ("loss_transient", "step_temporaries")
 """Device parts no tensor keeps (allocator transients): ``device`` counts them,
 ``device_kept`` does not."""
@@ -138,18 +137,10 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
                         else plan.bucket_plan.device_buckets)
         temporaries = 4.0 * max((b.numel for b in tail_buckets), default=0)
     parts, kept = _device_peak(shape, plan, resident, grads, w, temporaries)
-    host: dict[str, float] = {}
-    if off > 0:
-        moments = 2.0 * MOMENT_BYTES[plan.optimizer_state_dtype]  # m and v
-        if plan.optimizer_state_dtype == "fp32":
-            host["fp32_state"] = (8.0 + moments) * off  # master, gradient buffer, m, v
-        else:
-            host["fp32_state"] = 8.0 * off  # master and gradient buffer
-            host["bf16_moments"] = moments * off
-        host["weights_bf16_pinned"] = 2.0 * (off if plan.weights != "flow" else n)
-        if plan.speculate and plan.snapshot_rollback:
-            host["rollback_snapshot"] = (4.0 + moments) * off  # pre-step p, m, v
-    return Memory(sum(parts.values()), sum(host.values()), parts, host, device_kept=kept)
+    side = host_side(shape, plan)  # the engine's rule for what it keeps (plan/storage.py)
+    return Memory(sum(parts.values()), sum(side.host_parts.values()), parts, side.host_parts,
+                  device_kept=kept, storage=sum(side.storage_parts.values()),
+                  storage_parts=side.storage_parts, refusal=side.refusal)
 
 
 def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
@@ -199,11 +190,15 @@ def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
 
 def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
     """(device side fits, host side fits), the two predicates ``check_fits`` words. On one
-    pool (``shared_memory``) the pool is the host side and the device side always fits."""
+    pool (``shared_memory``) the pool is the host side and the device side always fits. The
+    host side includes the storage tier: its files fit the tier, and the engine would not
+    refuse the budget."""
     host_cap = prof.host_memory_bytes * HOST_HEADROOM
+    tier_ok = not mem.refusal and mem.storage <= prof.storage_bytes
     if prof.shared_memory:
-        return True, mem.device + mem.host <= host_cap
-    return (mem.device <= prof.device_memory_bytes * DEVICE_HEADROOM, mem.host <= host_cap)
+        return True, mem.device + mem.host <= host_cap and tier_ok
+    return (mem.device <= prof.device_memory_bytes * DEVICE_HEADROOM,
+            mem.host <= host_cap and tier_ok)
 
 
 def _gb(nbytes: float) -> str:
@@ -215,9 +210,16 @@ def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
     """Reasons the memory does not fit the profile (empty when it fits): ``fit_sides`` in
     words."""
     problems = []
-    device_fits, host_fits = fit_sides(mem, prof)
+    if mem.refusal:
+        problems.append(mem.refusal)
+    if mem.storage > prof.storage_bytes:
+        problems.append(f"needs {_gb(mem.storage)} GB on the storage tier, profile "
+                        f"{prof.name} has {_gb(prof.storage_bytes)}"
+                        + ("" if prof.has_storage else " (no storage tier: --storage names one)"))
+    device_fits, _ = fit_sides(mem, prof)
     dev_cap = prof.device_memory_bytes * DEVICE_HEADROOM
     host_cap = prof.host_memory_bytes * HOST_HEADROOM
+    host_fits = (mem.device + mem.host if prof.shared_memory else mem.host) <= host_cap
     if prof.shared_memory:
         total = mem.device + mem.host
         if not host_fits:

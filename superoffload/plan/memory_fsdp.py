@@ -40,11 +40,10 @@ import numpy as np
 
 from superoffload.plan.device_grads import device_grads
 from superoffload.plan.hardware import HardwareProfile
+from superoffload.plan.memory_host import host_side
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
-
-MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0}
 
 
 def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
@@ -162,18 +161,12 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
                  step_temporaries=float(m_temp[at]))
     kept = sum(resident.values()) + float(kept_all.max())
 
-    host: dict[str, float] = {}
-    if off > 0:
-        shard = off / n
-        mom = 2.0 * MOMENT_BYTES[plan.optimizer_state_dtype]  # m and v
-        if plan.optimizer_state_dtype == "fp32":
-            host["fp32_state"] = (8.0 + mom) * shard  # master, gradient buffer, m, v
-        else:
-            host["fp32_state"] = 8.0 * shard
-            host["bf16_moments"] = mom * shard
-        host["weights_bf16_pinned"] = 2.0 * shard  # the engine's low-precision copy
-        if plan.speculate and plan.snapshot_rollback:
-            host["rollback_snapshot"] = (4.0 + mom) * shard  # pre-step p, m, v
+    # the engine's buffers over this rank's shards, by its own rule (plan/memory_host.py)
+    side = host_side(shape, plan, n) if off > 0 else None
+    host = dict(side.host_parts) if side is not None else {}
     if u_host.any():
         host["weights_host_shards"] = w * float(u_numel[u_host].sum()) / n
-    return Memory(sum(parts.values()), sum(host.values()), parts, host, device_kept=kept)
+    storage = side.storage_parts if side is not None else {}
+    return Memory(sum(parts.values()), sum(host.values()), parts, host, device_kept=kept,
+                  storage=sum(storage.values()), storage_parts=storage,
+                  refusal=side.refusal if side is not None else "")

@@ -3,7 +3,7 @@ DeepSpeed's own buffers — a leaf module, so neither imports the other to share
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,5 +21,13 @@ class Memory:
     start of backward, the tail step's temporaries). What a meter of live tensors such as
     ``runtime.device_meter.DeviceMeter`` counts; None: not modelled (``device``)."""
 
+    storage: float = 0.0
+    """Bytes in the storage tier's files (0 without a tier): the optimizer state's two
+    versions and gradients (plan/storage.py) and weights kept there."""
+    storage_parts: dict[str, float] = field(default_factory=dict)
+    refusal: str = ""
+    """Why the engine would refuse the setting when it starts (a host memory budget that
+    cannot hold what must stay in memory); ``check_fits`` reports it."""
+
     def as_dict(self) -> dict[str, float]:
-        return {"device": self.device, "host": self.host}
+        return {"device": self.device, "host": self.host, "storage": self.storage}

@@ -14,9 +14,11 @@ Ring collective over N ranks (Patarasuk & Yuan 2009; NCCL's "bus bandwidth" conv
 `bytes` is the whole buffer, bw = HardwareProfile.collective_gbps; N = 1 costs 0.
 The backend follows the device (``collective_backend``): gloo on a CPU device, whose
 collectives run synchronously in the training thread; NCCL on a GPU, on its own streams.
-Ranks on one host (ModelShape.ranks_per_host = R) split its cores, memory, memory bandwidth and
-host cast rate evenly (the engine's thread rule, superoffload/threads.py: threads = cores *
-frac / R); the link to the device is per GPU and not split.
+Ranks on one host (ModelShape.ranks_per_host = R) split its cores, memory, memory bandwidth,
+host cast rate and storage tier evenly (the engine's thread rule, superoffload/threads.py:
+threads = cores * frac / R); so do the jobs of the GPUs that share a host
+(HardwareProfile.gpus_per_host: one GPU of an 8-GPU server trains on an eighth of it, DESIGN.md
+§7); the link to the device is per GPU and not split.
 """
 
 from __future__ import annotations
@@ -71,13 +73,22 @@ def collective_backend(prof: HardwareProfile) -> str:
     return BACKENDS[prof.device_type]
 
 
-def rank_profile(prof: HardwareProfile, ranks_per_host: int) -> HardwareProfile:
-    """What one of `ranks_per_host` ranks sharing a host sees: 1/R of the host's cores (at least
-    one), memory, memory bandwidth and host cast rate; measured CPU Adam rates are capped at 1/R
-    of the measured saturation. On a shared-memory machine the device pool is split too.
-    R = 1 returns `prof` itself (dp=1 predictions are unchanged)."""
+def host_share(prof: HardwareProfile, ranks_per_host: int = 1) -> int:
+    """How many ways the host is split for one rank: its ranks on the host, or the GPUs
+    whose jobs share the host (``HardwareProfile.gpus_per_host``), whichever is more -- one
+    GPU of an 8-GPU server gets an eighth of it even when it trains alone."""
     _check_ranks(ranks_per_host)
-    r = ranks_per_host
+    return max(ranks_per_host, prof.gpus_per_host)
+
+
+def rank_profile(prof: HardwareProfile, ranks_per_host: int) -> HardwareProfile:
+    """What one rank sees of its host, split ``host_share`` ways (S): 1/S of the host's cores
+    (at least one), memory, memory bandwidth, host cast rate and storage tier (rates,
+    capacity, queue depth); measured CPU Adam rates are capped at 1/S of the measured
+    saturation. On a shared-memory machine the device pool is split too. The result is
+    that share (``gpus_per_host`` 1), so splitting it again with one rank per host changes
+    nothing. S = 1 returns `prof` itself (dp=1 predictions on a host of its own unchanged)."""
+    r = host_share(prof, ranks_per_host)
     if r == 1:
         return prof
     changes: dict = {
@@ -86,6 +97,12 @@ def rank_profile(prof: HardwareProfile, ranks_per_host: int) -> HardwareProfile:
         "host_memory_bytes": prof.host_memory_bytes / r,
         "host_mem_bw_gbps": prof.host_mem_bw_gbps / r,
         "host_cast_gelems": prof.host_cast_gelems / r,
+        "storage_read_gbps": prof.storage_read_gbps / r,
+        "storage_write_gbps": prof.storage_write_gbps / r,
+        "storage_bytes": prof.storage_bytes / r,
+        "storage_queue_depth": max(1, prof.storage_queue_depth // r) if prof.has_storage
+        else 0,
+        "gpus_per_host": 1,
     }
     if prof.cpu_adam_table:
         cap = max(rate for _, rate in prof.cpu_adam_table) / r

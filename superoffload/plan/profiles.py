@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from superoffload.plan.hardware import GB, HardwareProfile
 from superoffload.plan.profiles_measured import h200_pcie_measured
+from superoffload.plan.storage_presets import nvme, with_tier
 
 __all__ = ["NAMES", "PROFILES", "get", "names"]
 
@@ -33,8 +34,8 @@ _GH200 = HardwareProfile(
     cpu_cores=72,
     cpu_adam_params_per_s_per_core=_GRACE_ADAM / 72,
     cpu_adam_bw_efficiency=0.7,
-    h2d_gbps=450.0,
-    d2h_gbps=450.0,
+    h2d_gbps=375.0,
+    d2h_gbps=297.0,
     link_latency_s=20e-6,
     collective_gbps=50.0,
     collective_latency_s=10e-6,
@@ -42,38 +43,43 @@ _GH200 = HardwareProfile(
     host_cast_gelems=500.0 * 0.6 / 6,
     host_write_allocate=False,
     sources=(
-        ("device_peak_tflops", "FACTS.md: Hopper dense bf16 ~989 TFLOP/s (NVIDIA)"),
+        ("device_peak_tflops", "spec: FACTS.md: Hopper dense bf16 ~989 TFLOP/s (NVIDIA)"),
         ("device_achieved_tflops", "estimate: 2/3 of peak; the paper reports up to ~600 TFLOPS fine-tuning on one GH200"),
-        ("device_memory_bytes", "FACTS.md: 96 GB HBM3 (a 144 GB HBM3e variant exists)"),
-        ("device_mem_bw_gbps", "FACTS.md: HBM3 ~4 TB/s"),
-        ("host_memory_bytes", "FACTS.md: up to 480 GB LPDDR5X"),
-        ("host_mem_bw_gbps", "FACTS.md: ~500 GB/s LPDDR5X"),
-        ("cpu_cores", "FACTS.md: 72 Neoverse V2 cores"),
-        ("cpu_adam_params_per_s_per_core", "FACTS.md: GraceAdam 1B params in 0.082 s on 72 cores, split evenly (estimate of per-core scaling)"),
+        ("device_memory_bytes", "spec: FACTS.md: 96 GB HBM3 (a 144 GB HBM3e variant exists)"),
+        ("device_mem_bw_gbps", "spec: FACTS.md: HBM3 ~4 TB/s"),
+        ("host_memory_bytes", "spec: FACTS.md: up to 480 GB LPDDR5X"),
+        ("host_mem_bw_gbps", "spec: FACTS.md: ~500 GB/s LPDDR5X"),
+        ("cpu_cores", "spec: FACTS.md: 72 Neoverse V2 cores"),
+        ("cpu_adam_params_per_s_per_core", "measured: FACTS.md: GraceAdam 1B params in 0.082 s on 72 cores (the paper's measurement), split evenly (per-core scaling estimated)"),
         ("cpu_adam_bw_efficiency", "estimate: 0.7 of STREAM (fused peers reach 0.8-0.9 of their floor on x86, FACTS.md)"),
-        ("h2d_gbps", "FACTS.md: NVLink-C2C 450 GB/s per direction"),
-        ("d2h_gbps", "FACTS.md: NVLink-C2C 450 GB/s per direction"),
-        ("link_latency_s", "estimate: 20 us, so a 64 MB transfer reaches ~87% of peak (FACTS.md: near saturation from ~64 MB)"),
+        ("h2d_gbps", "measured: FACTS.md: published measurements of the GH200's NVLink-C2C, ~375 GB/s host-to-device (the spec: 450 per direction)"),
+        ("d2h_gbps", "measured: FACTS.md: published measurements of the GH200's NVLink-C2C, ~297 GB/s device-to-host (the spec: 450 per direction)"),
+        ("link_latency_s", "estimate: 20 us, so a 64 MB transfer reaches ~90% of the measured rate (FACTS.md: near saturation from ~64 MB)"),
         ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
         ("host_cast_gelems", "estimate: 60% of LPDDR5X bandwidth at 6 B/element"),
         ("collective_gbps", "estimate: InfiniBand NDR 400 Gb/s = 50 GB/s per direction per GPU, one NIC per GH200 (multi-node clusters); inside a GH200 NVL32 NVLink domain use 450 (NVLink 4, 900 GB/s bidirectional per GPU, NVIDIA GH200 NVL32 material)"),
         ("collective_latency_s", "estimate: ~10 us per ring step (NCCL over InfiniBand, small messages)"),
         ("host_write_allocate", "estimate: Neoverse V2 detects streaming writes and skips the allocate read (Arm write streaming mode)"),
+        ("gpus_per_host", "spec: FACTS.md: one Hopper GPU per Grace CPU (a Superchip)"),
     ),
-    notes="One GH200 Superchip as in the SuperOffload paper's single-chip experiments.",
+    notes="One GH200 Superchip as in the SuperOffload paper's single-chip experiments; a "
+          "storage tier of 4 PCIe Gen5 NVMe drives assumed (the drives are the operator's "
+          "choice: --storage names another).",
 )
+_GH200 = with_tier(_GH200, nvme(4, "gen5", why="an assumption: no GH200 datasheet fixes the "
+                                               "drives; 4 is FACTS.md's ZeRO-Infinity array"))
 
 _GB200 = HardwareProfile(
     name="gb200",
     device_name="B200 186 GB HBM3e (one GPU of a GB200 Superchip)",
-    cpu_name="Grace, half of 72 cores (one Grace serves two B200)",
+    cpu_name="Grace, 72 cores, shared by the Superchip's two B200",
     device_peak_tflops=2500.0,
     device_achieved_tflops=1500.0,
     device_memory_bytes=186 * GB,
     device_mem_bw_gbps=8000.0,
-    host_memory_bytes=240 * GB,
-    host_mem_bw_gbps=250.0,
-    cpu_cores=36,
+    host_memory_bytes=480 * GB,
+    host_mem_bw_gbps=500.0,
+    cpu_cores=72,
     cpu_adam_params_per_s_per_core=_GRACE_ADAM / 72,
     h2d_gbps=225.0,
     d2h_gbps=225.0,
@@ -81,26 +87,30 @@ _GB200 = HardwareProfile(
     collective_gbps=900.0,
     collective_latency_s=5e-6,
     device_cast_gelems=8000.0 * 0.7 / 6,
-    host_cast_gelems=250.0 * 0.6 / 6,
+    host_cast_gelems=500.0 * 0.6 / 6,
     host_write_allocate=False,
+    gpus_per_host=2,
     sources=(
-        ("device_peak_tflops", "estimate from NVIDIA GB200 NVL72 datasheet (~5 PFLOPS dense bf16 per 2 GPUs); not in FACTS.md"),
+        ("device_peak_tflops", "spec: NVIDIA GB200 NVL72 datasheet (~5 PFLOPS dense bf16 per 2 GPUs); not in FACTS.md"),
         ("device_achieved_tflops", "estimate: 60% of peak"),
-        ("device_memory_bytes", "estimate from NVIDIA GB200 datasheet (186 GB HBM3e per GPU); not in FACTS.md"),
-        ("device_mem_bw_gbps", "estimate from NVIDIA GB200 datasheet (8 TB/s per GPU)"),
-        ("host_memory_bytes", "estimate: half of Grace's 480 GB (FACTS.md), shared by two GPUs"),
-        ("host_mem_bw_gbps", "estimate: half of Grace's ~500 GB/s (FACTS.md)"),
-        ("cpu_cores", "estimate: half of Grace's 72 cores (FACTS.md)"),
-        ("cpu_adam_params_per_s_per_core", "FACTS.md GraceAdam figure per core (estimate of scaling)"),
+        ("device_memory_bytes", "spec: NVIDIA GB200 datasheet (186 GB HBM3e per GPU); not in FACTS.md"),
+        ("device_mem_bw_gbps", "spec: NVIDIA GB200 datasheet (8 TB/s per GPU)"),
+        ("host_memory_bytes", "spec: FACTS.md: Grace's 480 GB LPDDR5X"),
+        ("host_mem_bw_gbps", "spec: FACTS.md: Grace's ~500 GB/s"),
+        ("cpu_cores", "spec: FACTS.md: Grace's 72 cores"),
+        ("gpus_per_host", "spec: NVIDIA GB200 datasheet: one Grace CPU and two B200 GPUs per Superchip"),
+        ("cpu_adam_params_per_s_per_core", "measured: FACTS.md GraceAdam figure per core (per-core scaling estimated)"),
         ("h2d_gbps", "estimate: half of NVLink-C2C's 450 GB/s per direction (FACTS.md), shared by two GPUs"),
+        ("link_latency_s", "estimate: 20 us, as GH200's C2C"),
         ("d2h_gbps", "estimate: half of NVLink-C2C's 450 GB/s per direction (FACTS.md)"),
         ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
         ("host_cast_gelems", "estimate: 60% of host bandwidth at 6 B/element"),
-        ("collective_gbps", "estimate from NVIDIA GB200 NVL72 datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU = 900 GB/s per direction; not in FACTS.md"),
+        ("collective_gbps", "estimate from NVIDIA GB200 NVL72 datasheet: NVLink 5, 1.8 TB/s bidirectional per GPU = 900 GB/s per direction (NCCL reaches less); not in FACTS.md"),
         ("collective_latency_s", "estimate: ~5 us per ring step inside an NVLink domain"),
         ("host_write_allocate", "estimate: Neoverse V2 detects streaming writes and skips the allocate read (Arm write streaming mode)"),
     ),
-    notes="Per-GPU view of a GB200 Superchip: the Grace CPU and C2C are shared by two B200s.",
+    notes="One B200 of a GB200 Superchip: the Grace CPU (memory, cores) is shared by two B200s "
+          "(gpus_per_host=2), the C2C split between them.",
 )
 
 _MI300A = HardwareProfile(
@@ -124,14 +134,14 @@ _MI300A = HardwareProfile(
     host_cast_gelems=400.0 * 0.6 / 6,
     shared_memory=True,
     sources=(
-        ("device_peak_tflops", "estimate from AMD MI300A datasheet (980.6 dense bf16); not in FACTS.md"),
+        ("device_peak_tflops", "spec: AMD MI300A datasheet (980.6 dense bf16); not in FACTS.md"),
         ("device_achieved_tflops", "estimate: ~50% of peak"),
-        ("device_memory_bytes", "estimate from AMD datasheet: 128 GB unified HBM3 (one pool with the host)"),
-        ("device_mem_bw_gbps", "estimate from AMD datasheet: 5.3 TB/s"),
-        ("host_memory_bytes", "same pool as device memory (shared_memory=True)"),
+        ("device_memory_bytes", "spec: AMD MI300A datasheet: 128 GB unified HBM3 (one pool with the host)"),
+        ("device_mem_bw_gbps", "spec: AMD MI300A datasheet: 5.3 TB/s"),
+        ("host_memory_bytes", "spec: AMD MI300A datasheet: the same 128 GB pool as device memory (shared_memory=True)"),
         ("host_mem_bw_gbps", "estimate: what 24 Zen 4 cores can draw from HBM"),
-        ("cpu_cores", "estimate from AMD datasheet: 24 Zen 4 cores"),
-        ("cpu_adam_params_per_s_per_core", "estimate: FACTS.md x86 single-thread ~0.8 G/s"),
+        ("cpu_cores", "spec: AMD MI300A datasheet: 24 Zen 4 cores"),
+        ("cpu_adam_params_per_s_per_core", "estimate: FACTS.md x86 single-thread ~0.8 G/s (measured on another x86)"),
         ("h2d_gbps", "estimate: an in-HBM copy (no physical link)"),
         ("d2h_gbps", "estimate: an in-HBM copy (no physical link)"),
         ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
@@ -174,10 +184,10 @@ def _pcie(name: str, device: str, peak: float, achieved: float, mem: float, bw: 
             ("host_memory_bytes", "estimate: a typical 512 GB single-socket host"),
             ("host_mem_bw_gbps", "estimate: 8 channels DDR5-4800 (307 GB/s theoretical) at ~80%"),
             ("cpu_cores", "estimate: a 32-core socket"),
-            ("cpu_adam_params_per_s_per_core", "FACTS.md: single-pass AVX-512 probe ~828 M params/s per thread"),
-            ("cpu_adam_bw_efficiency", "FACTS.md: Adam-shaped traffic reaches ~1.6x STREAM triad on x86; 0.8 is an estimate"),
-            ("h2d_gbps", "FACTS.md: PCIe Gen5 x16 ~64 GB/s theoretical; 55 is an estimate of pinned copies"),
-            ("d2h_gbps", "FACTS.md: PCIe Gen5 x16 ~64 GB/s theoretical; 55 is an estimate of pinned copies"),
+            ("cpu_adam_params_per_s_per_core", "estimate: FACTS.md's single-pass AVX-512 probe, ~828 M params/s per thread on a 2-core Sapphire Rapids (not this host)"),
+            ("cpu_adam_bw_efficiency", "estimate: 0.8 (FACTS.md: Adam-shaped traffic reaches ~1.6x STREAM triad on x86)"),
+            ("h2d_gbps", "estimate: 55 GB/s of pinned copies over PCIe Gen5 x16 (~64 GB/s theoretical, FACTS.md; 54.8 measured on FACTS.md's H200 host)"),
+            ("d2h_gbps", "estimate: 55 GB/s of pinned copies over PCIe Gen5 x16 (~64 GB/s theoretical, FACTS.md; 55.2 measured on FACTS.md's H200 host)"),
             ("device_cast_gelems", "estimate: 70% of HBM bandwidth at 6 B/element"),
             ("host_cast_gelems", "estimate: 60% of host bandwidth at 6 B/element"),
             ("collective_gbps", "estimate: GPU-to-GPU over PCIe Gen5 through the host (no NVLink), ~25 GB/s of the ~64 GB/s x16 theoretical (FACTS.md); set 50 for InfiniBand NDR 400 Gb/s across nodes"),
@@ -189,20 +199,31 @@ def _pcie(name: str, device: str, peak: float, achieved: float, mem: float, bw: 
 
 _H100_PCIE = _pcie(
     "h100-pcie", "H100 PCIe 80 GB", 756.0, 500.0, 80 * GB, 2000.0,
-    "estimate from NVIDIA H100 PCIe datasheet (756 dense bf16); not in FACTS.md",
-    "estimate from NVIDIA H100 PCIe datasheet (80 GB HBM2e, 2 TB/s)",
+    "spec: NVIDIA H100 PCIe datasheet (756 dense bf16); not in FACTS.md",
+    "spec: NVIDIA H100 PCIe datasheet (80 GB HBM2e, 2 TB/s)",
 )
 _H200_PCIE = _pcie(
     "h200-pcie", "H200 NVL 141 GB (PCIe)", 836.0, 560.0, 141 * GB, 4800.0,
-    "estimate from NVIDIA H200 NVL datasheet (836 dense bf16); FACTS.md: ~790 measured on H200 SXM",
-    "FACTS.md: H200 141 GB HBM3e, 4.8 TB/s",
+    "spec: NVIDIA H200 NVL datasheet (836 dense bf16); FACTS.md: ~790 measured on H200 SXM",
+    "spec: FACTS.md: H200 141 GB HBM3e, 4.8 TB/s",
 )
 
 def _sxm(name: str, device: str, peak: float, mem: float, bw: float, link: float,
          nvlink: float, host: str, host_gb: float, host_bw: float, cores: int, datasheet: str,
-         server: str) -> HardwareProfile:
-    """One SXM GPU of an 8-GPU HGX/DGX server with the server's host to itself (a single-GPU
-    run; eight ranks share it: ``--dp 8 --ranks-per-host 8``)."""
+         server: str, drives: int) -> HardwareProfile:
+    """One SXM GPU of an 8-GPU HGX/DGX server. The host figures are the server's; the eight
+    GPUs share them (``gpus_per_host=8``), so one GPU's job gets an eighth of the memory,
+    cores, memory bus and internal NVMe drives unless told it has the whole host
+    (``replace(gpus_per_host=1)``, ``--gpus-per-host 1``)."""
+    tier = nvme(drives, "gen4", why=f"{server}: {drives} x 3.84 TB NVMe U.2 internal storage; "
+                                    "the datasheet names no drive model")
+    return with_tier(_sxm_base(name, device, peak, mem, bw, link, nvlink, host, host_gb,
+                               host_bw, cores, datasheet, server), tier)
+
+
+def _sxm_base(name: str, device: str, peak: float, mem: float, bw: float, link: float,
+              nvlink: float, host: str, host_gb: float, host_bw: float, cores: int,
+              datasheet: str, server: str) -> HardwareProfile:
     x86_core = 0.8e9  # FACTS.md: single-pass AVX-512 probe, 828 M params/s on one thread
     return HardwareProfile(
         name=name,
@@ -224,15 +245,17 @@ def _sxm(name: str, device: str, peak: float, mem: float, bw: float, link: float
         collective_latency_s=5e-6,
         device_cast_gelems=bw * 0.7 / 6,
         host_cast_gelems=host_bw * 0.6 / 6,
+        gpus_per_host=8,
         sources=(
-            ("device_peak_tflops", f"{datasheet}: dense BF16 Tensor Core (half the sparsity figure)"),
+            ("device_peak_tflops", f"spec: {datasheet}: dense BF16 Tensor Core (half the sparsity figure)"),
             ("device_achieved_tflops", "estimate: 2/3 of peak (FACTS.md: H200 SXM reaches ~790 of 989 on an 8192^3 matmul; a training step less)"),
-            ("device_memory_bytes", f"{datasheet}: GPU memory"),
-            ("device_mem_bw_gbps", f"{datasheet}: GPU memory bandwidth"),
-            ("host_memory_bytes", f"{server}: system memory (a single-GPU run has all of it)"),
+            ("device_memory_bytes", f"spec: {datasheet}: GPU memory"),
+            ("device_mem_bw_gbps", f"spec: {datasheet}: GPU memory bandwidth"),
+            ("host_memory_bytes", f"spec: {server}: system memory, the whole server's (one GPU's share: 1/gpus_per_host)"),
             ("host_mem_bw_gbps", "estimate: two sockets' DDR channels (theoretical) at ~80%"),
-            ("cpu_cores", f"{server}: both sockets' cores"),
-            ("cpu_adam_params_per_s_per_core", "FACTS.md: single-pass AVX-512 probe ~828 M params/s per thread"),
+            ("cpu_cores", f"spec: {server}: both sockets' cores (one GPU's share: 1/gpus_per_host)"),
+            ("gpus_per_host", f"spec: {server}: 8 GPUs share the host"),
+            ("cpu_adam_params_per_s_per_core", "estimate: FACTS.md's single-pass AVX-512 probe, ~828 M params/s per thread on a 2-core Sapphire Rapids (not this host)"),
             ("cpu_adam_bw_efficiency", "estimate: as the PCIe hosts (Adam-shaped traffic ~1.6x STREAM triad on x86, FACTS.md)"),
             ("h2d_gbps", f"estimate: {datasheet} gives the PCIe link both ways together; ~85% of one direction for pinned copies"),
             ("d2h_gbps", f"estimate: {datasheet} gives the PCIe link both ways together; ~85% of one direction for pinned copies"),
@@ -241,7 +264,7 @@ def _sxm(name: str, device: str, peak: float, mem: float, bw: float, link: float
             ("collective_gbps", f"estimate from the {datasheet.split(' (')[0]}: NVLink between the server's GPUs is given both ways together; half of it per direction, the peak (NCCL reaches less)"),
             ("collective_latency_s", "estimate: ~5 us per ring step inside an NVLink domain"),
         ),
-        notes=f"One SXM GPU of {server.split(' datasheet')[0]}, the host to itself: PCIe to the host, NVLink between GPUs.",
+        notes=f"One SXM GPU of {server.split(' datasheet')[0]}: PCIe to the host, NVLink between GPUs; the host (memory, cores, drives) shared by 8 GPUs.",
     )
 
 
@@ -249,17 +272,17 @@ _A100_SXM = _sxm(
     "a100-sxm", "A100 SXM 80 GB", 312.0, 80 * GB, 2039.0, 27.0, 300.0,
     "2x AMD EPYC 7742 (Rome), 128 cores, DDR4-3200", 2048, 410.0 * 0.8, 128,
     "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM: BF16 312 TFLOPS dense / 624 sparse, 80 GB HBM2e, 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s)",
-    "DGX A100 datasheet (2x AMD EPYC 7742, 2 TB)")
+    "DGX A100 datasheet (2x AMD EPYC 7742, 2 TB)", 4)
 _H100_SXM = _sxm(
     "h100-sxm", "H100 SXM 80 GB", 989.0, 80 * GB, 3350.0, 55.0, 450.0,
     "2x Intel Xeon Platinum 8480C, 112 cores, DDR5-4800", 2048, 614.0 * 0.8, 112,
     "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: BF16 1,979 TFLOPS with sparsity, 80 GB HBM3, 3.35 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s)",
-    "DGX H100 datasheet (2x Intel Xeon Platinum 8480C, 2 TB)")
+    "DGX H100 datasheet (2x Intel Xeon Platinum 8480C, 2 TB)", 8)
 _H200_SXM = _sxm(
     "h200-sxm", "H200 SXM 141 GB", 989.0, 141 * GB, 4800.0, 55.0, 450.0,
     "2x Intel Xeon Platinum 8480C, 112 cores, DDR5-4800", 2048, 614.0 * 0.8, 112,
     "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM: BF16 1,979 TFLOPS with sparsity, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s)",
-    "DGX H200 datasheet (2x Intel Xeon Platinum 8480C, 2 TB)")
+    "DGX H200 datasheet (2x Intel Xeon Platinum 8480C, 2 TB)", 8)
 
 _LAPTOP = HardwareProfile(
     name="cpu-laptop",
@@ -287,14 +310,15 @@ _LAPTOP = HardwareProfile(
         ("device_achieved_tflops", "estimate: ~40% of peak in torch matmuls"),
         ("device_memory_bytes", "estimate: 32 GB laptop, one pool with the host"),
         ("device_mem_bw_gbps", "estimate: dual-channel DDR5"),
-        ("host_memory_bytes", "same pool (shared_memory=True)"),
+        ("host_memory_bytes", "estimate: the same 32 GB pool (shared_memory=True)"),
         ("host_mem_bw_gbps", "estimate: dual-channel DDR5"),
-        ("cpu_cores", "estimate"),
+        ("cpu_cores", "estimate: an 8-core laptop"),
         ("cpu_adam_params_per_s_per_core", "estimate, below FACTS.md's 828 M/s server-core figure"),
         ("h2d_gbps", "estimate: a memcpy on the CPU backend's transfer thread"),
+        ("link_latency_s", "estimate: ~5 us to hand a copy to the transfer thread"),
         ("d2h_gbps", "estimate: a memcpy on the CPU backend's transfer thread"),
-        ("device_cast_gelems", "estimate"),
-        ("host_cast_gelems", "estimate"),
+        ("device_cast_gelems", "estimate: 60% of the memory bandwidth at 6 B/element"),
+        ("host_cast_gelems", "estimate: 60% of the memory bandwidth at 6 B/element"),
         ("collective_gbps", "estimate: gloo over loopback between processes on one CPU"),
         ("collective_latency_s", "estimate: ~50 us per gloo ring step"),
     ),

@@ -73,33 +73,34 @@ def h200_pcie_measured() -> HardwareProfile:
                "params/s x 28 B = 235 GB/s, above the 106.5 GB/s bus); it bounds the kernel's "
                "compute only, the host-memory lane caps it (plan/cost.py)",),
         sources=(
-            ("device_peak_tflops", "estimate from NVIDIA H200 NVL datasheet (836 dense bf16); "
+            ("device_peak_tflops", "spec: NVIDIA H200 NVL datasheet (836 dense bf16); "
                                    f"{fm}: 708 TFLOP/s bf16 matmul probe"),
             ("device_achieved_tflops", "fitted to the plain row of FACTS.md's bench_engine table "
                                        "(132.6 ms); arithmetic in plan/profiles_measured.py"),
-            ("device_memory_bytes", "FACTS.md: one NVIDIA H200 (141 GB)"),
-            ("device_mem_bw_gbps", f"derived, {fm}: device cast 529 G elements/s x 6 B/element"),
-            ("host_memory_bytes", f"{fm}: 125 GiB RAM"),
-            ("host_mem_bw_gbps", f"derived, {fm}: 71 GB/s copy (measure_local, 2 B per byte) x 3/2 "
+            ("device_memory_bytes", "spec: FACTS.md: one NVIDIA H200 (141 GB)"),
+            ("device_mem_bw_gbps", f"derived: {fm}: device cast 529 G elements/s x 6 B/element"),
+            ("host_memory_bytes", f"measured: {fm}: 125 GiB RAM"),
+            ("host_mem_bw_gbps", f"derived: {fm}: 71 GB/s copy (measure_local, 2 B per byte) x 3/2 "
                                  "for the copy's write-allocate read (STREAM FAQ)"),
-            ("cpu_cores", f"{fm}: 16-core Xeon host"),
-            ("cpu_adam_params_per_s_per_core", f"{fm}: our CPU Adam, 1 thread, 0.61 G params/s (warm buffer)"),
-            ("cpu_adam_table", f"{fm}: 0.61 / 3.3 / 8.4 G params/s at 1 / 8 / 16 threads, one warm "
+            ("cpu_cores", f"measured: {fm}: 16-core Xeon host"),
+            ("cpu_adam_params_per_s_per_core", f"measured: {fm}: our CPU Adam, 1 thread, 0.61 G params/s (warm buffer)"),
+            ("cpu_adam_table", f"measured: {fm}: 0.61 / 3.3 / 8.4 G params/s at 1 / 8 / 16 threads, one warm "
                                "134 MB buffer (cache-resident: a compute bound only)"),
             ("cpu_adam_bw_efficiency", "derived: host_mem_bw_gbps is itself measured, so the cap is 1.0 of it"),
-            ("h2d_gbps", f"{fm}: pinned H2D 54.8 GB/s at 256 MiB"),
-            ("d2h_gbps", f"{fm}: pinned D2H 55.2 GB/s at 256 MiB"),
-            ("h2d_table", f"{fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 54.8 at 256 MiB"),
-            ("d2h_table", f"{fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 55.2 at 256 MiB"),
-            ("device_cast_gelems", f"{fm}: device cast 529 G elements/s"),
-            ("host_cast_gelems", f"{fm}: host bf16 cast 21 G elements/s"),
+            ("h2d_gbps", f"measured: {fm}: pinned H2D 54.8 GB/s at 256 MiB"),
+            ("d2h_gbps", f"measured: {fm}: pinned D2H 55.2 GB/s at 256 MiB"),
+            ("h2d_table", f"measured: {fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 54.8 at 256 MiB"),
+            ("d2h_table", f"measured: {fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 55.2 at 256 MiB"),
+            ("device_cast_gelems", f"measured: {fm}: device cast 529 G elements/s"),
+            ("host_cast_gelems", f"measured: {fm}: host bf16 cast 21 G elements/s"),
             ("collective_gbps", "estimate: one GPU, no peer (PCIe P2P through the host, ~25 GB/s)"),
             ("collective_latency_s", "estimate: ~10 us per ring step"),
             ("device_launch_s", "estimate: ~10 us per kernel launch or event record"),
             ("cpu_call_s", "estimate: per-bucket work of the CPU lane besides the kernel pass "
                            "(validation with a host float(), 5-6 ffi.new, a span, a future and "
                            "the queue hand-off)"),
-            ("host_write_allocate", "x86 stores allocate (write-allocate reads)"),
+            ("host_write_allocate", "spec: x86 stores allocate (write-allocate reads)"),
+            ("link_latency_s", "derived: 0, the measured tables carry the latency of each size"),
         ),
         notes="The H200 machine of FACTS.md: links, casts, host copy bandwidth and the warm "
               "Adam probe as measured; the host bus derived from the copy; compute fitted to "

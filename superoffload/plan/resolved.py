@@ -34,6 +34,10 @@ class Resolved:
     threads: int
     prefetch_depth: int
     snapshot_rollback: bool
+    pre_step_copies: bool = False
+    """Speculative steps keep pre-step copies of p, m, v of the buckets in host memory at
+    worst (plan.storage.keeps_copies: snapshot rollback, or "auto"'s rescue in the first
+    steps): the host figure and a budget hold them."""
     bucket_plan: BucketPlan
     """The engine's bucket table (plan.buckets.plan_buckets over whole parameters)."""
     engine: EngineVariant = ENGINE
@@ -53,6 +57,20 @@ class Resolved:
     grad_accum_on: str = "device"
     """Where offloaded gradients accumulate over micro-steps, decided ("device" or "host";
     the rule book resolves "auto" with plan.grad_accum.choose_grad_accum)."""
+    storage: bool = False
+    """``OffloadConfig.storage_path`` is set: offloaded buckets' state may live in files on the
+    storage tier (plan/storage.py decides which, plan/memory_host.py charges it)."""
+    host_budget_bytes: int | None = None
+    """``OffloadConfig.host_memory_budget_bytes``: the cap on what the engine keeps in host
+    memory, per rank."""
+    storage_buffer_count: int = 4
+    """``OffloadConfig.storage_buffer_count``: pool slots, one tier bucket's working set each."""
+    storage_queue_depth: int = 32
+    """``OffloadConfig.storage_queue_depth``: the tier's requests in flight (below what the
+    profile's drives need, the rates scale down: plan/sim_storage.py)."""
+    weight_homes: str = "auto"
+    """``OffloadConfig.weight_homes``: where weight-flow keeps the tier buckets' weights
+    ("host", "storage" or "auto"; plan/storage.py's rule decides "auto" from the budget)."""
     units: UnitPlan | None = None
     """Data parallel: the FSDP2 units and the buckets each holds (the rule book's
     ``Schedule.units``); None for one process and for the peers' schedules."""

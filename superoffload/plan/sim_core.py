@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
-from itertools import chain
+from dataclasses import replace
 
 import numpy as np
 
-from superoffload.plan import compute, cost, parallel, sim_fsdp
+from superoffload.plan import compute, cost, parallel, sim_fsdp, sim_storage
 from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, HardwareProfile
+from superoffload.plan.memory_host import file_home_numel, homes_of, host_side
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
+from superoffload.plan.sim_walk import Layout, TierReads, layer_walk, layout
 from superoffload.telemetry import events as ev
 
 D2H_STATS_LAUNCHES = 9
@@ -84,57 +85,6 @@ def deadline_order(ready: np.ndarray, dur: np.ndarray,
     return np.asarray(start), np.asarray(end)
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """Static arrays of one (shape, plan): layers and the engine's host buckets."""
-
-    p: np.ndarray
-    """Parameters per layer, forward order."""
-    off: float
-    """Parameters in host buckets."""
-    numel: np.ndarray
-    """Elements per host bucket (gradient-ready order)."""
-    b_hi: np.ndarray
-    """Position in the gradient stream where each host bucket is complete."""
-    pair_layer: np.ndarray
-    pair_bucket: np.ndarray
-    """(layer, host bucket) pairs: the layer's forward needs that bucket's weights."""
-    has_tail: np.ndarray
-    """Per layer: holds a parameter stepped on the device (waits for the tail step)."""
-    has_off: np.ndarray
-    n_tail_buckets: int
-
-
-def layout(shape: ModelShape, plan: Resolved) -> Layout:
-    """The engine's bucket table of `plan` mapped onto the layers of `shape`."""
-    layer, pn = shape.param_layout()
-    n_layers = shape.layers + 2
-    p = np.bincount(layer, weights=pn, minlength=n_layers).astype(float)
-    stream_end = float(p.sum()) - np.concatenate([[0], np.cumsum(pn)[:-1]]).astype(float)
-    p_hb = np.full(len(pn), -1, dtype=np.int64)
-    host = () if plan.system == "gpu" else plan.bucket_plan.host_buckets
-    if host:  # host bucket ids are 0..len(host)-1 (plan_buckets offloads a leading run)
-        sizes = [len(b.param_indices) for b in host]
-        members = np.fromiter(chain.from_iterable(b.param_indices for b in host),
-                              dtype=np.int64, count=sum(sizes))
-        p_hb[members] = np.repeat(np.arange(len(host), dtype=np.int64), sizes)
-    on_host = p_hb >= 0
-    if plan.whole_model_bucket and on_host.any():
-        p_hb[on_host] = 0  # the ablation without buckets: one transfer and one step
-    nb = int(p_hb.max()) + 1 if on_host.any() else 0
-    numel = np.bincount(p_hb[on_host], weights=pn[on_host], minlength=nb).astype(float)
-    b_hi = np.zeros(nb)
-    np.maximum.at(b_hi, p_hb[on_host], stream_end[on_host])
-    key = np.unique(layer[on_host] * max(nb, 1) + p_hb[on_host])
-    live = pn > 0
-    has_off = np.bincount(layer[on_host & live], minlength=n_layers) > 0
-    has_tail = np.bincount(layer[~on_host & live], minlength=n_layers) > 0
-    n_tail = len(plan.bucket_plan.device_buckets) if plan.system != "gpu" else len(
-        plan.bucket_plan.buckets)
-    return Layout(p, float(numel.sum()), numel, b_hi, key // max(nb, 1), key % max(nb, 1),
-                  has_tail, has_off, n_tail)
-
-
 def ddp_collectives(shape: ModelShape, prof: HardwareProfile, plan: Resolved, lay: Layout
                     ) -> tuple[float, float]:
     """(gradient all-reduce s, validation all-reduce s) of the "gpu" schedule with data
@@ -161,68 +111,13 @@ def in_arrival_order(order: Order, ready: np.ndarray, dur: np.ndarray,
     return start, end
 
 
-def layer_walk(lay: Layout, plan: Resolved, prof: HardwareProfile, fwd_t: list[float],
-               bwd_t: list[float], it: int, t: float, h2d_free: float, ready_next: np.ndarray,
-               tail_ready: float, fetched: np.ndarray, w_bytes: float
-               ) -> tuple[float, np.ndarray, float, list]:
-    """One process's forward and backward from ``t`` (module docstring): (backward end, the
-    time each host bucket's gradients are complete, the H2D lane's next free time, span
-    chunks). Weight-flow fetches share the H2D lane with the publishes."""
-    p, nb, n_layers = lay.p, len(lay.numel), len(lay.p)
-    need_off = np.zeros(n_layers)
-    if nb:
-        np.maximum.at(need_off, lay.pair_layer, ready_next[lay.pair_bucket])
-    need_tail = np.where(lay.has_tail, tail_ready, 0.0)
-    steps = [(i, True) for i in range(n_layers)] + [(i, False) for i in reversed(range(n_layers))]
-    c_start, c_end, waits_s, waits_e = [], [], [], []
-    f_start, f_end, f_bytes = [], [], []
-    fetch_compute_end: list[float] = []
-    for li, is_fwd in steps:
-        ready = max(need_off[li], need_tail[li]) if is_fwd else 0.0
-        if fetched[li]:
-            j = len(fetch_compute_end)
-            buf = fetch_compute_end[j - plan.prefetch_depth - 1] if j > plan.prefetch_depth else 0.0
-            fs = max(h2d_free, need_off[li] if is_fwd else 0.0, buf)
-            fe = fs + cost.link_time_s(w_bytes * p[li], prof, "h2d")
-            h2d_free = fe
-            f_start.append(fs)
-            f_end.append(fe)
-            f_bytes.append(int(w_bytes * p[li]))
-            ready = max(fe, need_tail[li] if is_fwd else 0.0)
-        s = max(t, ready)
-        if s > t:
-            waits_s.append(t)
-            waits_e.append(s)
-        t = s + (fwd_t[li] if is_fwd else bwd_t[li])
-        c_start.append(s)
-        c_end.append(t)
-        if fetched[li]:
-            fetch_compute_end.append(t)
-    chunks: list = [
-        (ev.LANE_COMPUTE, ev.KIND_FORWARD, c_start[:n_layers], c_end[:n_layers], it, None, 0),
-        (ev.LANE_COMPUTE, ev.KIND_BACKWARD, c_start[n_layers:], c_end[n_layers:], it, None, 0),
-        (ev.LANE_COMPUTE, ev.KIND_WAIT, waits_s, waits_e, it, None, 0)]
-    if f_start:
-        chunks.append((ev.LANE_H2D, ev.KIND_WEIGHT_FETCH, f_start, f_end, it, None, f_bytes))
-    grad_ready = np.zeros(nb)
-    if nb:  # gradient stream in backward order: the reversed layers, uniform within each
-        rp = p[::-1]
-        r_hi = np.cumsum(rp)
-        r_lo = r_hi - rp
-        k_of = np.minimum(np.searchsorted(r_hi, lay.b_hi - 1e-9, side="left"), n_layers - 1)
-        frac = np.clip((lay.b_hi - r_lo[k_of]) / np.maximum(rp[k_of], 1.0), 0.0, 1.0)
-        bs = np.asarray(c_start[n_layers:])  # reversed forward order == stream order
-        be = np.asarray(c_end[n_layers:])
-        grad_ready = bs[k_of] + frac * (be[k_of] - bs[k_of])
-    return t, grad_ready, h2d_free, chunks
-
-
 def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
         clipped_iter: int | None, lay: Layout | None = None) -> tuple[list[float], list]:
     """Simulate `n_iter` iterations; return the backward-end times and the span chunks.
     `lay`: ``layout(shape, plan)`` when the caller has it already. With data parallel the
     compute walk is FSDP2's (plan/sim_fsdp.py) and every bucket lane works on this rank's
-    shard of each bucket (numel / dp)."""
+    shard of each bucket (numel / dp). Buckets or weights on the storage tier add its lane
+    (plan/sim_storage.py)."""
     lay = lay if lay is not None else layout(shape, plan)
     p, off, numel, nb = lay.p, lay.off, lay.numel, len(lay.numel)
     fwd_t, bwd_t = compute.layer_times(shape, prof)
@@ -246,6 +141,11 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     if plan.engine.d2h_stats_first and nb:
         d2h_dur = d2h_dur + (D2H_STATS_LAUNCHES + 2) * prof.device_launch_s
     adam_dur = cost.host_step_s(shard, prof, plan.threads, plan.kernel, step)
+    jobs, tier_reads = _tier(shape, prof, plan, lay)
+    if jobs is not None and jobs.tier.any():  # the tier's DMA crosses the host bus too
+        for b in np.flatnonzero(jobs.tier):
+            io_step = replace(step, bus_bytes=step.bus_bytes + float(jobs.io_bus_bytes[b]))
+            adam_dur[b] = cost.host_step_s(shard[b], prof, plan.threads, plan.kernel, io_step)
     cpu_dur = prof.cpu_call_s + adam_dur
     dcast = prof.device_launch_s + shard / (prof.device_cast_gelems * 1e9)
     pre_d2h = dcast if plan.grad_cast == "device" and low else np.zeros(nb)
@@ -261,6 +161,9 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                                     buckets=lay.n_tail_buckets) + tail_ar
     validate = 2 * prof.device_launch_s + val_ar
     order: Order = deadline_order if plan.engine.step_order == "deadline" else fifo_order
+    lanes = sim_storage.LaneState() if jobs is not None else None
+    if lanes is not None and tier_reads is not None:
+        tier_reads = replace(tier_reads, lane=lanes.lane)  # one lane for reads and writes
 
     chunks: list = []
     bwd_ends: list[float] = []
@@ -269,10 +172,11 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     tail_ready = 0.0
     buckets = np.arange(nb)
     for it in range(n_iter):
+        start = compute_free
         if fl is None:
             bwd_end, grad_ready, h2d_free, walked = layer_walk(
                 lay, plan, prof, fwd_t, bwd_t, it, compute_free, h2d_free, ready_next,
-                tail_ready, fetched, w_bytes)
+                tail_ready, fetched, w_bytes, tier_reads)
         else:
             bwd_end, grad_ready, comm_free, walked = sim_fsdp.walk(
                 fl, fwd_t, bwd_t, it, compute_free, comm_free, ready_next, tail_ready)
@@ -283,26 +187,47 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
         compute_free = v_end
 
         if nb:
-            # the D2H lane copies buckets as their gradients complete
-            ds, de = in_arrival_order(fifo_order, grad_ready + pre_d2h, d2h_dur, d2h_free)
+            copy_end = None
+            if jobs is not None and lanes is not None:
+                ph = sim_storage.bucket_phase(
+                    jobs, lanes, grad_at=grad_ready + pre_d2h, d2h_dur=d2h_dur,
+                    cpu_dur=cpu_dur, h2d_dur=h2d_dur, deadline=order is deadline_order,
+                    gate=0.0 if plan.speculate else v_end, read_from=start, d2h_free=d2h_free,
+                    cpu_free=cpu_free)
+                ds, de, cs, ce, copy_end = ph.ds, ph.de, ph.cs, ph.ce, ph.copy_end
+                cpu_ready = cs.copy()
+                chunks.extend(sim_storage.chunks(ph, it))
+            else:
+                # the D2H lane copies buckets as their gradients complete
+                ds, de = in_arrival_order(fifo_order, grad_ready + pre_d2h, d2h_dur, d2h_free)
+                cpu_ready = de if plan.speculate else np.maximum(de, v_end)
+                cs, ce = in_arrival_order(order, cpu_ready, cpu_dur, cpu_free)
             d2h_free = float(de.max())
-            cpu_ready = de if plan.speculate else np.maximum(de, v_end)
-            cs, ce = in_arrival_order(order, cpu_ready, cpu_dur, cpu_free)
             h2d_ready = ce.copy()
             if clipped_iter == it and plan.speculate:
                 spec = cs < v_end  # buckets stepped speculatively before validation
                 if spec.any():
                     rb_s = max(float(ce[spec].max()), v_end)
+                    on_tier = jobs.tier if jobs is not None else np.zeros(nb, dtype=bool)
+                    # a tier bucket's rollback is the version switch not made: nothing undone
+                    undo = float(np.sum(adam_dur[spec & ~on_tier]))
                     redo = float(np.sum(adam_dur[spec]))
-                    chunks.append((ev.LANE_CPU, ev.KIND_ROLLBACK, [rb_s], [rb_s + redo], it, None, 0))
-                    chunks.append((ev.LANE_CPU, ev.KIND_REPLAY, [rb_s + redo],
-                                   [rb_s + 2 * redo], it, None, 0))
-                    h2d_ready[spec] = rb_s + 2 * redo
+                    done = rb_s + undo + redo
+                    if lanes is not None and jobs is not None and (spec & on_tier).any():
+                        # the replay reads the state in force and the gradient back
+                        _, read_e = lanes.lane.place(rb_s, float(np.sum(
+                            jobs.replay_read_s[spec & on_tier])))
+                        done = max(done, read_e)
+                        lanes.lane.place(done, float(np.sum(jobs.write_s[spec & on_tier])))
+                    chunks.append((ev.LANE_CPU, ev.KIND_ROLLBACK, [rb_s], [rb_s + undo], it,
+                                   None, 0))
+                    chunks.append((ev.LANE_CPU, ev.KIND_REPLAY, [done - redo], [done], it,
+                                   None, 0))
+                    h2d_ready[spec] = done
                     rest = ~spec
                     if rest.any():
                         cs[rest], ce[rest] = in_arrival_order(
-                            order, np.maximum(cpu_ready[rest], v_end), cpu_dur[rest],
-                            rb_s + 2 * redo)
+                            order, np.maximum(cpu_ready[rest], v_end), cpu_dur[rest], done)
                         h2d_ready[rest] = ce[rest]
             cpu_free = max(float(ce.max()), float(h2d_ready.max()))
             nbytes_cpu = (shard * ADAM_BYTES_PER_PARAM).astype(np.int64)  # as the engine records
@@ -310,7 +235,8 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                            (shard * g_bytes).astype(np.int64)))
             chunks.append((ev.LANE_CPU, ev.KIND_CPU_STEP, cs, ce, it, buckets, nbytes_cpu))
             if flow and fl is None:
-                ready_next = h2d_ready  # the CPU wrote the host copy the next fetch reads
+                # the CPU wrote the host copy the next fetch reads (to its home on the tier)
+                ready_next = h2d_ready if copy_end is None else np.maximum(h2d_ready, copy_end)
             else:
                 # H2D in the order the steps finish (FIFO: bucket order; EDF: need order)
                 sent = np.argsort(h2d_ready, kind="stable")
@@ -328,6 +254,25 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
             tail_ready = dopt_free
             compute_free = max(compute_free, dopt_free)  # the step runs on the device's SMs
     return bwd_ends, chunks
+
+
+def _tier(shape: ModelShape, prof: HardwareProfile, plan: Resolved, lay: Layout
+          ) -> tuple[sim_storage.TierJobs | None, TierReads | None]:
+    """The storage tier's jobs per host bucket and the reads of weight-flow's homes in its file
+    per layer (plan/sim_storage.py); (None, None) when nothing is on the tier."""
+    if not plan.storage or plan.system != "superoffload":
+        return None, None
+    dp = shape.dp if plan.units is not None else 1
+    side = host_side(shape, plan, dp)
+    jobs = sim_storage.tier_jobs(side, plan, prof, len(lay.numel))
+    homes = homes_of(plan)
+    if jobs is None:
+        return None, None
+    per_layer = file_home_numel(shape, plan, side.tier, dp)
+    reads = (TierReads(per_layer * homes.stream, sim_storage.StorageLane(),
+                       sim_storage.rates_bps(prof, plan)[0])
+             if homes is not None and per_layer.any() else None)
+    return jobs, reads
 
 
 def accumulation_micro_step_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved,

@@ -1,6 +1,7 @@
 """Discrete-event simulation of training iterations on the engine's lanes (DESIGN.md §3, §5).
 
-Lanes (telemetry.events.LANES): device_compute, d2h, cpu_optimizer, h2d, device_optimizer.
+Lanes (telemetry.events.LANES): device_compute, d2h, cpu_optimizer, h2d, device_optimizer,
+storage (the storage tier's reads and write-backs, plan/sim_storage.py).
 A piece of work starts when its lane is free and its inputs are ready, `end = max(lane_free,
 ready) + duration`. The schedule is the one the rule book resolves (plan.schedule via
 plan.techniques.resolve): the engine's bucket table of whole parameters, the effective ratio,
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from superoffload.config import OffloadConfig
-from superoffload.plan import cost, deepspeed, parallel, sim_core, sim_fsdp
+from superoffload.plan import cost, deepspeed, parallel, sim_core, sim_fsdp, sim_walk
 from superoffload.plan.grad_accum import resolve_decided
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import check_fits, memory, offloaded_params
@@ -190,7 +191,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, system: str | None = None
             techniques is None or techniques.adaptive_weights):
         auto = choose_weights(shape, prof, config)  # the engine's rule (plan/weights.py)
     plan = resolve_decided(shape, prof, system, config, techniques, auto=auto)
-    lay = None if plan.system == "zero-offload" else sim_core.layout(shape, plan)
+    lay = None if plan.system == "zero-offload" else sim_walk.layout(shape, plan)
     ends, chunks = _run(shape, prof, plan, N_ITER, None, lay)
     period = float(ends[-1] - ends[-2])
     penalty = 0.0
@@ -229,7 +230,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, system: str | None = None
 
 
 def _collective_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
-                  lay: sim_core.Layout | None) -> float:
+                  lay: sim_walk.Layout | None) -> float:
     """Per-rank collective seconds of one iteration: the busy time the lanes carry for them."""
     if shape.dp * shape.dp_replicate == 1:
         return 0.0
@@ -253,7 +254,7 @@ def _lane_stats(chunks: list, window: tuple[float, float]) -> dict[str, LaneStat
 
 
 def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
-         clipped_iter: int | None, lay: sim_core.Layout | None = None
+         clipped_iter: int | None, lay: sim_walk.Layout | None = None
          ) -> tuple[list[float], list]:
     """The iterations of `plan`'s schedule: DeepSpeed's for "zero-offload", ours otherwise."""
     if plan.system == "zero-offload":

@@ -10,9 +10,7 @@ parameter tensor its own bucket), with per-item costs measured on CPython 3.12 /
 
 from __future__ import annotations
 
-from typing import Any
-
-from superoffload.plan.shapes import ModelShape
+from typing import Any, Protocol
 
 MAX_SIMULATION_BYTES = 1 << 30
 """What one simulation may use (1 GiB; the project's machines are shared)."""
@@ -32,12 +30,34 @@ class SimulationTooLarge(ValueError):
     """The simulation of this shape would not fit in memory; the message names the sizes."""
 
 
-def estimate_bytes(shape: ModelShape) -> float:
+class Sized(Protocol):
+    """What the estimate reads of a ``plan.shapes.ModelShape`` (a protocol, so that the HF
+    config reader, which shapes.py imports, can check its counts here without a cycle)."""
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def hidden(self) -> int: ...
+
+    @property
+    def n_param_tensors(self) -> int: ...
+
+    @property
+    def params(self) -> int: ...
+
+
+def counts_bytes(n_param_tensors: int, layers: int) -> float:
+    """Upper bound of the memory one ``simulate`` of a model with these counts uses."""
+    return n_param_tensors * BYTES_PER_TENSOR + (layers + 2) * BYTES_PER_LAYER
+
+
+def estimate_bytes(shape: Sized) -> float:
     """Upper bound of the memory one ``simulate`` of `shape` uses (module docstring)."""
-    return shape.n_param_tensors * BYTES_PER_TENSOR + (shape.layers + 2) * BYTES_PER_LAYER
+    return counts_bytes(shape.n_param_tensors, shape.layers)
 
 
-def check_size(shape: ModelShape, config: Any = None,
+def check_size(shape: Sized, config: Any = None,
                limit_bytes: float = MAX_SIMULATION_BYTES) -> None:
     """Raise SimulationTooLarge when simulating `shape` would need more than `limit_bytes`."""
     need = estimate_bytes(shape)
@@ -48,3 +68,15 @@ def check_size(shape: ModelShape, config: Any = None,
             f"layers would need ~{need / 2**30:.1f} GiB (limit {limit_bytes / 2**30:.1f} GiB; "
             f"{shape.params:.3g} parameters). Use fewer layers: the planner simulates every "
             f"parameter tensor and layer, so its cost grows with those counts")
+
+
+def check_counts(n_param_tensors: int, layers: int, what: str,
+                 limit_bytes: float = MAX_SIMULATION_BYTES) -> None:
+    """``check_size`` from the counts alone, before a shape (or its per-layer parameter list)
+    exists: ``what`` names where the counts come from (a config's key)."""
+    need = counts_bytes(n_param_tensors, layers)
+    if need > limit_bytes:
+        raise SimulationTooLarge(
+            f"{what}: {n_param_tensors:,} parameter tensors and {layers + 2:,} layers would "
+            f"need ~{need / 2**30:.1f} GiB to simulate (limit {limit_bytes / 2**30:.1f} GiB). "
+            f"Use fewer layers: the planner simulates every parameter tensor and layer")

@@ -45,6 +45,7 @@ from superoffload.plan.schedule import (
     resolve_schedule,
 )
 from superoffload.plan.shapes import ModelShape
+from superoffload.plan.storage import keeps_copies
 
 System = Literal["superoffload", "zero-offload", "gpu"]
 """What a simulation models: SuperOffload (the engine), DeepSpeed ZeRO-2 with offload_optimizer
@@ -209,6 +210,7 @@ def resolve(shape: ModelShape, prof: HardwareProfile, system: str,
         threads=rules.threads,
         prefetch_depth=cfg.prefetch_depth,
         snapshot_rollback=cfg.rollback == "snapshot",
+        pre_step_copies=keeps_copies(cfg.rollback, cfg.speculation) and bool(speculate),
         optimizer_state_dtype="fp32" if system == "gpu" else cfg.optimizer_state_dtype,
         bucket_plan=rules.bucket_plan,
         engine=rules.engine,
@@ -220,4 +222,9 @@ def resolve(shape: ModelShape, prof: HardwareProfile, system: str,
         grad_accum_on=rules.grad_accum_on,
         units=rules.units,
         reasons=tuple(reasons),
+        storage=system == "superoffload" and cfg.storage_path is not None,
+        host_budget_bytes=cfg.host_memory_budget_bytes,
+        storage_buffer_count=cfg.storage_buffer_count,
+        storage_queue_depth=cfg.storage_queue_depth,
+        weight_homes=cfg.weight_homes,
     )

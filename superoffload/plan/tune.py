@@ -1,4 +1,5 @@
 """Auto-tuner: search OffloadConfig settings with the simulator and explain the choice.
+Past 400 lines: the search, its explanation and the numerics decision read one another.
 
 Coordinate descent over the knobs the paper tunes by hand (§4.2 bucket size and ratio, §4.3 STV
 mode, §4.4 casting side, §4.5 weight policy, the CPU core split): start from the paper's
@@ -6,11 +7,11 @@ defaults, improve one knob at a time by simulated expected iteration time among 
 that fit memory, until nothing changes. Every candidate is a `simulate()` call (milliseconds).
 
 bf16 Adam moments (``optimizer_state_dtype="bf16"``, stochastic rounding; docs/kernel.md)
-change the maths, so they are not a knob like the others: only with
-``Constraints(allow_bf16_moments=True)`` does the tuner run the whole search a second time
-with them, and it proposes them only when that search's best is ``BF16_MIN_GAIN`` faster
-than the best with fp32 moments (or only they fit), saying so in the explanation. Without
-the flag the explanation mentions them when they would pay at the chosen setting.
+change the maths, so they are not a knob: only with ``Constraints(allow_bf16_moments=True)``
+does the tuner search again with them, proposing them only when that search's best is
+``BF16_MIN_GAIN`` faster than with fp32 moments (or only they fit), saying so; without the
+flag the explanation mentions them when they would pay. ``Constraints(storage=True)``: the
+storage tier holds what host memory cannot (plan/tier_budget.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from superoffload.plan.schedule import EngineVariant
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import SimResult, simulate
 from superoffload.plan.techniques import PAPER_CLIP_RATE, Techniques
+from superoffload.plan.tier_budget import tier_config
 
 BUCKET_CHOICES = tuple(m * MiB for m in (8, 16, 32, 64, 128, 256, 512))
 TIE = 0.002
@@ -48,8 +50,9 @@ class Constraints:
 
     device_memory_bytes: float | None = None
     host_memory_bytes: float | None = None
+    """Host memory the job's GPU may use (a cap on its share of the host)."""
     cpu_cores: int | None = None
-    """Cores the training job may use on the host (default: all of the profile's)."""
+    """Cores the job may use (default: its GPU's share of the profile's)."""
     rollback_rate: float = PAPER_CLIP_RATE
     """Expected share of iterations that clip or overflow (paper: 93 of ~79,000 for BLOOM)."""
     max_grad_norm: float | None = None
@@ -60,6 +63,8 @@ class Constraints:
     engine: EngineVariant | None = None
     """The engine variant to tune for; None: the one the engine runs for each candidate
     config (``plan.schedule.engine_for``; fix ``step_order`` to tune for FIFO stepping)."""
+    storage: bool = False
+    """Keep what host memory cannot hold on the profile's storage tier (plan/tier_budget.py)."""
     allow_bf16_moments: bool = False
     """Let the tuner propose ``optimizer_state_dtype="bf16"`` (bf16 Adam moments with
     stochastic rounding: 20 instead of 28 B/param through the CPU step, 4 B/param less host
@@ -67,15 +72,17 @@ class Constraints:
     maths; ``fixed={"optimizer_state_dtype": ...}`` overrides it either way."""
 
     def apply(self, prof: HardwareProfile) -> HardwareProfile:
-        changes: dict[str, Any] = {}
+        """``prof`` within the caps; host caps are on one GPU's share (1/gpus_per_host)."""
+        share, changes = prof.gpus_per_host, {}
         if self.device_memory_bytes is not None:
             changes["device_memory_bytes"] = min(prof.device_memory_bytes, self.device_memory_bytes)
         if self.host_memory_bytes is not None:
-            changes["host_memory_bytes"] = min(prof.host_memory_bytes, self.host_memory_bytes)
+            changes["host_memory_bytes"] = min(prof.host_memory_bytes,
+                                               self.host_memory_bytes * share)
         if self.cpu_cores is not None:
             if self.cpu_cores < 1:
                 raise ValueError(f"Constraints.cpu_cores={self.cpu_cores}: use a whole number >= 1")
-            changes["cpu_cores"] = min(prof.cpu_cores, self.cpu_cores)
+            changes["cpu_cores"] = min(prof.cpu_cores, self.cpu_cores * share)
         return prof.replace(**changes) if changes else prof
 
 
@@ -98,6 +105,11 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
     eff = cons.apply(prof)
     tech = Techniques(rollback_rate=cons.rollback_rate, engine=cons.engine)
     base = OffloadConfig(max_grad_norm=cons.max_grad_norm).replace(**cons.fixed)
+    if cons.storage:  # what host memory cannot hold goes to the tier
+        if not eff.has_storage:
+            raise InfeasibleError(f"profile {eff.name} has no storage tier (--storage)")
+        base = base.replace(**{k: v for k, v in tier_config(shape, eff).items()
+                               if k not in cons.fixed})
     cache: dict[tuple, SimResult] = {}
 
     def run(cfg: OffloadConfig) -> SimResult:
@@ -138,8 +150,7 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
             run: Callable[[OffloadConfig], SimResult]
             ) -> tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]]]:
     """The coordinate descent from `base` (module docstring): (config, its prediction, what
-    each knob's alternatives gave). Raises InfeasibleError when even the frugal setting does
-    not fit."""
+    each knob's alternatives gave). InfeasibleError when even the frugal setting does not."""
     def score(r: SimResult) -> float:
         return r.iteration_s if r.fits else math.inf
 
@@ -167,6 +178,21 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     cfg = base.replace(**{k: v for k, v in start.items() if k not in cons.fixed})
     if not run(cfg).fits:
         cfg = feas.config
+    found = _descend(cfg, knobs, run, score)
+    # a second start where the least is offloaded that fits (the window's low end, frugal
+    # casts): one knob at a time cannot reach it from a start that fits with another casting
+    low = feas.config.replace(ratio=feas.ratio_window[0]) if feas.ratio_window else None
+    if low is not None and "ratio" not in cons.fixed and low != cfg and run(low).fits:
+        other = _descend(low, knobs, run, score)
+        if score(other[1]) < score(found[1]) * (1 - TIE):
+            found = other
+    return found
+
+
+def _descend(cfg: OffloadConfig, knobs: dict[str, list[Any]],
+             run: Callable[[OffloadConfig], SimResult], score: Callable[[SimResult], float]
+             ) -> tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]]]:
+    """Coordinate descent from ``cfg`` over ``knobs`` (module docstring)."""
     best = run(cfg)
     tried: dict[str, list[tuple[Any, SimResult]]] = {}
     for _round in range(4):
@@ -193,8 +219,7 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
 
 def feasible(shape: ModelShape, eff: HardwareProfile, base: OffloadConfig,
              cons: Constraints, dtype: str | None = None) -> Feasibility:
-    """The memory search (plan/feasible.py) over what `cons` leaves open, with `base`'s
-    moments (or `dtype`'s)."""
+    """The memory search (plan/feasible.py) over what `cons` leaves open (moments: `dtype`)."""
     fixed = set(cons.fixed) | {"optimizer_state_dtype"}
     base = base if dtype is None else base.replace(optimizer_state_dtype=dtype)
     return search(shape, eff, base, fixed=fixed, bucket_bytes=min(cons.bucket_choices),

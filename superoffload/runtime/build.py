@@ -16,10 +16,13 @@ import torch
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.plan.schedule import Schedule, ScheduleFacts, resolve_schedule
+from superoffload.plan.storage import keeps_copies
 from superoffload.runtime.casting import CastPolicy, cast_policy
 from superoffload.runtime.contract import Contract
 from superoffload.runtime.devices import DeviceOps
-from superoffload.runtime.state import EngineState, ParamState
+from superoffload.runtime.host_memory import return_freed_memory
+from superoffload.runtime.state import EngineState, InitialStates, ParamState
+from superoffload.runtime.tier_open import Storage
 from superoffload.runtime.transport import Transport
 from superoffload.runtime.weights import WeightPolicyController
 from superoffload.telemetry.recorder import Recorder
@@ -65,6 +68,13 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Trans
     place, why = config.grad_accum_on, ""
     if config.grad_accum_steps == 1:
         return "device", ""
+    if config.storage_path is not None:  # the tier exists to keep host sums out of memory
+        if place == "host":
+            raise ConfigError(
+                "OffloadConfig.grad_accum_on='host' keeps every offloaded bucket's fp32 "
+                "gradient sum in host memory, which storage_path exists to avoid; use "
+                "grad_accum_on='device' (or 'auto')")
+        return "device", "the storage tier keeps no gradient sums in host memory"
     if place == "auto":
         place, why = "device", "the device is the CPU: one memory, nothing to save"
         if device_type == "cuda":
@@ -99,12 +109,16 @@ def build(engine: Builder, states: Mapping[int, ParamState], facts: ScheduleFact
                                      accum_on_host=engine.accum_on_host)
     st.schedule = schedule
     st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
+    budgeted = cfg.storage_path is not None or cfg.host_memory_budget_bytes is not None
+    if cfg.host_memory_budget_bytes is not None:
+        return_freed_memory()  # what the engine frees leaves the process (host_memory.py)
     st.buffers = engine.transport.build(
         schedule.bucket_plan, states, cast, flow=schedule.weights == "flow",
-        snapshot=cfg.rollback == "snapshot",
-        moments=torch.bfloat16 if cfg.optimizer_state_dtype == "bf16" else torch.float32)
-    for i in st.trainable:
-        st.steps[i] = states[i].step
+        snapshot=keeps_copies(cfg.rollback, cfg.speculation),  # what a budget must hold
+        moments=torch.bfloat16 if cfg.optimizer_state_dtype == "bf16" else torch.float32,
+        storage=Storage.of(cfg) if budgeted else None)
+    for i in st.trainable:  # fresh states are made when read: no need to make them here
+        st.steps[i] = 0 if isinstance(states, InitialStates) else states[i].step
     engine.contract.rebase(st.trainable)  # storages may have moved (a weight policy switch)
     engine.forget_iteration()
     for note in schedule.notes:

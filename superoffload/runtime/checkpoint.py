@@ -20,13 +20,11 @@ size, or not a regular file (a link to ``/dev/zero``), is refused without readin
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import os
 import random
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,22 +33,30 @@ from superoffload.config import NUMERICS_FIELDS, OffloadConfig
 from superoffload.runtime.ckpt_files import (
     CheckpointCorrupt,
     FileDigest,
-    file_sha256,
     folder_lock,
+    how_to_export,
     load_payload,
     read_regular,
     regular_size,
     write_atomic,
     write_text_atomic,
 )
+from superoffload.runtime.ckpt_folder import checkpoint_folder
+from superoffload.runtime.ckpt_manifest import (
+    FILENAME,
+    FORMAT,
+    META,
+    read_checked,
+    read_manifest,
+)
 from superoffload.runtime.iteration import EngineStats
 from superoffload.runtime.loss_scaler import LossScaler
 from superoffload.runtime.state import EngineState, ParamState
 from superoffload.runtime.stv import AdaptiveSTV
+from superoffload.runtime.tier import StateTier
+from superoffload.runtime.tier_checkpoint import load_tier, prune, save_tier
 
-FORMAT = "superoffload-engine/1"
-FILENAME = "engine.pt"
-META = "meta.json"
+log = logging.getLogger("superoffload.checkpoint")
 
 
 class CheckpointMismatch(ValueError):
@@ -75,7 +81,10 @@ class Checkpointable(Protocol):
 
     def synchronize(self) -> None: ...
 
-    def export_states(self) -> dict[int, ParamState]: ...
+    def export_states(self, *, tier: bool = True) -> dict[int, ParamState]: ...
+
+    @property
+    def tier(self) -> StateTier | None: ...
 
     def resident_weights(self) -> Any: ...
 
@@ -105,9 +114,11 @@ def common_payload(engine: Checkpointable) -> dict[str, Any]:
     }
 
 
-def engine_state_dict(engine: Checkpointable) -> dict[str, Any]:
+def engine_state_dict(engine: Checkpointable, *, tier: bool = True) -> dict[str, Any]:
+    """Everything a resume needs, in memory; ``tier=False``: without the storage tier's
+    states (``save`` streams them to a file of their own, runtime/tier_checkpoint.py)."""
     engine.synchronize()
-    states = engine.export_states()
+    states = engine.export_states(tier=tier)
     names = engine.state.names
     return {
         "format": FORMAT,
@@ -123,7 +134,14 @@ def engine_state_dict(engine: Checkpointable) -> dict[str, Any]:
 
 def _model_state(engine: Checkpointable) -> dict[str, torch.Tensor]:
     with engine.resident_weights():  # weight-flow: streamed blocks are fetched first
-        return {k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()}
+        state = engine.model.state_dict(keep_vars=True)
+        # a tied weight (a head sharing its embedding) stays one tensor, saved once: an export
+        # then writes it once, from its fp32 master (docs/export.md, "Tied weights")
+        copies: dict[int, torch.Tensor] = {}
+        for v in state.values():
+            if id(v) not in copies:
+                copies[id(v)] = v.detach().cpu().clone()
+        return {k: copies[id(v)] for k, v in state.items()}
 
 
 def plain(value: Any) -> Any:
@@ -182,7 +200,9 @@ def restore_common(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
     engine.iteration = int(sd["iteration"])
 
 
-def load_engine_state_dict(engine: Checkpointable, sd: dict[str, Any]) -> None:
+def load_engine_state_dict(engine: Checkpointable, sd: dict[str, Any],
+                           folder: str | None = None) -> None:
+    """``folder``: where the checkpoint lies (its storage-tier states are a file there)."""
     if sd.get("format") != FORMAT:
         raise CheckpointMismatch(f"checkpoint format {sd.get('format')!r}, expected {FORMAT!r}")
     check_compatible(engine, sd)
@@ -191,7 +211,15 @@ def load_engine_state_dict(engine: Checkpointable, sd: dict[str, Any]) -> None:
         engine.model.load_state_dict(sd["model"])
         names = engine.state.names
         states = {}
+        if sd.get("tier") is not None:
+            if folder is None:
+                raise CheckpointMismatch(
+                    "this state dict's storage-tier states live in a file beside the "
+                    "checkpoint's engine.pt: load it with engine.load_checkpoint(folder)")
+            states.update(load_tier(folder, sd["tier"], {n: i for i, n in enumerate(names)}))
         for i in engine.state.trainable:
+            if i in states:
+                continue
             s = sd["state"][names[i]]
             states[i] = ParamState(s["master"].float(), s["exp_avg"].float(),
                                    s["exp_avg_sq"].float(), int(s["step"]))
@@ -237,26 +265,52 @@ def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: 
     ``path/meta.json`` (the file's SHA-256 and size, and those of the file it replaces);
     returns the file path. Nothing is created when the engine has failed (the state is
     gathered first)."""
-    payload = engine_state_dict(engine)
+    tier = engine.tier
+    payload = engine_state_dict(engine, tier=tier is None)
     payload["rng"] = rng_state()
     payload["extra"] = extra
     payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
-    os.makedirs(path, exist_ok=True)
     final = os.path.join(path, FILENAME)
-    with folder_lock(path):  # two threads saving here: both files come from one save
-        installed = _read_manifest(path)
+    # two threads saving here: both files come from one save; a failed first save leaves none
+    with folder_lock(path), checkpoint_folder(path):
+        installed = read_manifest(path)
+        if tier is not None:  # a copy of the tier's states, streamed: engine.pt names it
+            payload["tier"] = save_tier(tier, path, engine.iteration, engine.state.names,
+                                        engine.state.steps)
 
         def publish(digest: FileDigest) -> None:  # the new file is complete, not yet renamed
             meta: dict[str, Any] = {
                 "format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
                 "parameters": len(payload["signature"]),
-                "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}}}
+                "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}},
+                "export": how_to_export()}
+            if tier is not None:
+                meta["files"][payload["tier"]["file"]] = {
+                    "sha256": payload["tier"]["sha256"], "bytes": payload["tier"]["bytes"]}
             if installed is not None and os.path.exists(final):
                 meta["replaces"] = installed.this.to_dict()
             write_text_atomic(os.path.join(path, META), json.dumps(meta, indent=2))
 
-        write_atomic(payload, final, before_replace=publish)
+        try:
+            write_atomic(payload, final, before_replace=publish)
+        except BaseException:
+            if tier is not None:  # engine.pt in place still names its own tier file
+                prune(path, keep=_tier_files_named(final))
+            raise
+        if tier is not None:
+            prune(path, keep=[payload["tier"]["file"]])
+    log.info("checkpoint saved: %s; export it with %s", final, how_to_export(path))
     return final
+
+
+def _tier_files_named(final: str) -> list[str]:
+    """The storage-tier file the ``engine.pt`` at ``final`` names (none if unreadable)."""
+    try:
+        payload = load_payload(read_regular(final, regular_size(final)), final)
+    except (OSError, CheckpointCorrupt):
+        return []
+    entry = payload.get("tier")
+    return [] if entry is None else [str(entry["file"])]
 
 
 def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
@@ -271,121 +325,11 @@ def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
                 "(any world size; so.initialize under torchrun builds one), or read its full fp32 "
                 "weights with superoffload.distributed.fsdp.consolidate(path).state_dict()")
         raise FileNotFoundError(f"no checkpoint at {file}")
-    payload = _read_checked(path)
-    load_engine_state_dict(engine, payload)
+    payload = read_checked(path)
+    load_engine_state_dict(engine, payload, folder=path)
     set_rng_state(payload["rng"])
     if lr_scheduler is not None:
         if payload.get("lr_scheduler") is None:
             raise CheckpointMismatch("lr_scheduler given but the checkpoint holds none")
         lr_scheduler.load_state_dict(payload["lr_scheduler"])
     return payload.get("extra")
-
-
-def damaged(path: str) -> str | None:
-    """Why the checkpoint at ``path`` is not whole, in a few words; None when its file is the
-    one ``meta.json`` describes (or the one that save replaces: a save stopped before its
-    rename), or when no manifest was written (nothing to check without loading it)."""
-    file = os.path.join(path, FILENAME)
-    try:
-        size = regular_size(file)
-    except FileNotFoundError:
-        return f"{FILENAME} is missing"
-    except CheckpointCorrupt:
-        return f"{FILENAME} is not a regular file"
-    manifest = _read_manifest(path)
-    if manifest is None:
-        return None
-    if not manifest.by_size(size):
-        return f"{FILENAME} has {size:,} bytes, {META} records {manifest.sizes()}"
-    try:
-        sha = file_sha256(file)
-    except OSError as exc:
-        return f"{FILENAME} cannot be read ({exc.strerror or exc})"
-    if manifest.by_sha(sha) is None:
-        return f"{FILENAME} does not match the SHA-256 its {META} records"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class Recorded:
-    """One save's file as ``meta.json`` records it."""
-
-    digest: FileDigest
-    iteration: int | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"sha256": self.digest.sha256, "bytes": self.digest.nbytes,
-                "iteration": self.iteration}
-
-    def describe(self) -> str:
-        it = "?" if self.iteration is None else self.iteration
-        return f"iteration {it}, {self.digest.nbytes:,} bytes, SHA-256 {self.digest.sha256[:12]}"
-
-
-@dataclass(frozen=True, slots=True)
-class Manifest:
-    """``meta.json``: the save it describes (``this``) and the file that save replaces."""
-
-    this: Recorded
-    replaces: Recorded | None
-
-    def records(self) -> list[Recorded]:
-        return [r for r in (self.this, self.replaces) if r is not None]
-
-    def by_size(self, size: int) -> list[Recorded]:
-        return [r for r in self.records() if r.digest.nbytes in (size, -1)]
-
-    def by_sha(self, sha: str) -> Recorded | None:
-        return next((r for r in self.records() if r.digest.sha256 == sha), None)
-
-    def sizes(self) -> str:
-        return " or ".join(f"{r.digest.nbytes:,} bytes" for r in self.records())
-
-
-def _read_manifest(path: str) -> Manifest | None:
-    """``meta.json``'s records, or None (no meta.json, or one written before checksums)."""
-    try:
-        with open(os.path.join(path, META)) as f:
-            meta = json.load(f)
-        entry = meta["files"][FILENAME]
-        this = Recorded(FileDigest(str(entry["sha256"]), int(entry.get("bytes", -1))),
-                        meta.get("iteration"))
-        old = meta.get("replaces")
-        replaces = None if old is None else Recorded(
-            FileDigest(str(old["sha256"]), int(old["bytes"])), old.get("iteration"))
-    except (OSError, KeyError, ValueError, TypeError):
-        return None
-    return Manifest(this, replaces)
-
-
-def _read_checked(path: str) -> dict[str, Any]:
-    """``engine.pt``'s payload, refused unless it is a regular file that ``meta.json``
-    describes (module docstring); without a manifest its sealed checksum alone decides."""
-    file, meta = os.path.join(path, FILENAME), os.path.join(path, META)
-    size = regular_size(file)
-    manifest = _read_manifest(path)
-    if manifest is None:
-        return load_payload(read_regular(file, size), file)
-    if not manifest.by_size(size):
-        raise CheckpointCorrupt(
-            f"{file} is not the file {meta} describes ({manifest.this.describe()}): it has "
-            f"{size:,} bytes, so it was copied in from another save or is truncated; it was "
-            f"not read. Copy that save's {META} along with it, or load an older checkpoint")
-    data = read_regular(file, size)
-    sha = hashlib.sha256(data).hexdigest()
-    found = manifest.by_sha(sha)
-    if found is manifest.this:
-        return load_payload(data, file)
-    if found is not None:  # the save meta.json describes stopped before its rename
-        warnings.warn(
-            f"{meta} describes a save that did not finish ({manifest.this.describe()}): it "
-            f"stopped before replacing {file}, which still holds the save before it "
-            f"({found.describe()}); loading that one", RuntimeWarning, stacklevel=3)
-        return load_payload(data, file)
-    payload = load_payload(data, file)  # a flipped byte fails its sealed checksum here
-    theirs = Recorded(FileDigest(sha, size), payload.get("iteration"))
-    raise CheckpointCorrupt(
-        f"{file} is not the file {meta} describes: {META} records {manifest.this.describe()}, "
-        f"{FILENAME} holds {theirs.describe()} (its own sealed checksum is intact), a file "
-        f"copied in from another save; it was not loaded. Copy that save's {META} along with "
-        f"it, or remove {meta} to load {FILENAME} on its sealed checksum alone")

@@ -20,24 +20,22 @@ Every checkpoint file (``engine.pt``; ZeRO's ``rankNNNNN-of-NNNNN.pt``) is
   a killed write leaves the previous file. The next save removes temporaries that no live
   process on this host is writing (a save killed with SIGKILL leaves one behind).
 
-A full disk: torch.save reports a failed write of a file object as ``[enforce fail at
-inline_container.cc] unexpected pos``, losing the OS error. The writer keeps that error, and
-a save that runs out of space raises ``OSError(ENOSPC)`` saying "no space left on device" with
-the bytes the file needs and those free; a save that clearly cannot fit is refused before
-anything is written.
+A full disk, a file-size limit, Ctrl-C: torch.save reports any exception raised by a write
+of a file object as ``[enforce fail at inline_container.cc] unexpected pos``, losing it. The
+writer keeps it and the save raises it: ``KeyboardInterrupt`` as itself, an OS error named
+(ckpt_size.py: "no space left on device", "file size limit exceeded", with the bytes the file
+needs); a save that cannot fit is refused before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import io
 import itertools
 import os
 import pickle
 import re
-import shutil
 import stat
 import threading
 import weakref
@@ -47,10 +45,9 @@ from typing import Any
 
 import torch
 
+from superoffload.runtime.ckpt_size import FileSize, check_room, write_error
+
 SEAL_KEY = "integrity"
-PICKLE_OVERHEAD_BYTES = 64 << 10
-"""Added to the tensors' bytes when estimating a file's size: the pickled metadata, the zip
-directory and alignment padding of torch.save (a few kB for an engine checkpoint)."""
 
 _serial = itertools.count()  # next() on a count is atomic under the GIL
 _writing: set[str] = set()
@@ -72,12 +69,12 @@ class FileDigest:
 
 
 class _HashingWriter(io.RawIOBase):
-    """A write-only file that hashes what passes through it and keeps the OS error of a
+    """A write-only file that hashes what passes through it and keeps the exception of a
     failed write (torch.save replaces it with "unexpected pos")."""
 
     def __init__(self, f: Any) -> None:
         self.f, self.h, self.n = f, hashlib.sha256(), 0
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def writable(self) -> bool:
         return True
@@ -86,7 +83,7 @@ class _HashingWriter(io.RawIOBase):
         view = memoryview(b).cast("B")
         try:
             self.f.write(view)
-        except OSError as exc:
+        except BaseException as exc:  # Ctrl-C lands here too: the signal runs at a write
             self.error = self.error or exc
             raise
         self.h.update(view)
@@ -131,40 +128,6 @@ def check_seal(payload: Mapping[str, Any], file: str) -> None:
             f"checkpoint file {file} is corrupt: its contents do not match the checksum sealed "
             "in it (a flipped byte on disk or in transit). Load an older checkpoint, or copy "
             "the file again from where it was written")
-
-
-def payload_nbytes(value: Any) -> int:
-    """Bytes ``torch.save`` writes for ``value``, about: each tensor storage once (views
-    share one; torch.save writes whole storages) plus ``PICKLE_OVERHEAD_BYTES``."""
-    storages: dict[tuple[str, int], int] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            st = v.untyped_storage()
-            storages[(str(v.device), st.data_ptr())] = st.nbytes()
-        elif isinstance(v, Mapping):
-            for item in v.values():
-                walk(item)
-        elif isinstance(v, (list, tuple)):
-            for item in v:
-                walk(item)
-
-    walk(value)
-    return sum(storages.values()) + PICKLE_OVERHEAD_BYTES
-
-
-def no_space(final: str, needed: int, cause: BaseException | None = None) -> OSError:
-    """The error of a save that does not fit: "no space left on device", the bytes the file
-    needs and the bytes free where it goes."""
-    folder = os.path.dirname(final) or "."
-    try:
-        free = f"{shutil.disk_usage(folder).free:,} bytes free there"
-    except OSError:
-        free = "free space unknown"
-    how = f" ({cause.strerror or cause})" if isinstance(cause, OSError) else ""
-    return OSError(errno.ENOSPC, f"no space left on device{how}: writing {final} needs about "
-                   f"{needed:,} bytes ({needed / 1e6:.1f} MB), {free}; free some space or save "
-                   "the checkpoint elsewhere", final)
 
 
 def temp_path(final: str) -> str:
@@ -217,29 +180,26 @@ def write_atomic(payload: dict[str, Any], final: str, *,
     """Seal ``payload``, ``torch.save`` it to a temporary name, fsync, rename over ``final``.
     ``before_replace(digest)`` runs once the temporary is complete, before the rename (the
     engine writes its manifest there, so the manifest always names the file in place or the
-    one about to replace it). A disk too full for it raises ``no_space`` (before writing,
-    when the free space reported is already too small)."""
+    one about to replace it). A disk too full for it, or a file-size limit, raises a named
+    ``OSError`` (ckpt_size.py; before writing when it cannot fit)."""
     clean_orphans(final)
-    needed = payload_nbytes(payload)
-    try:
-        free: int | None = shutil.disk_usage(os.path.dirname(final) or ".").free
-    except OSError:  # no statvfs there: find out by writing
-        free = None
-    if free is not None and free < needed:
-        raise no_space(final, needed)
+    sealed = seal(payload)
+    size = FileSize.of(sealed)
+    check_room(final, size)
     with writing(temp_path(final)) as tmp:
         writer: _HashingWriter | None = None
         try:
             with open(tmp, "wb") as f:
                 writer = _HashingWriter(f)
-                torch.save(seal(payload), writer)  # type: ignore[arg-type]  # a write()-only file
+                torch.save(sealed, writer)  # type: ignore[arg-type]  # a write()-only file
                 f.flush()
                 os.fsync(f.fileno())
-        except Exception as exc:
+        except BaseException as exc:
             cause = writer.error if writer is not None and writer.error is not None else exc
-            if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise no_space(final, needed, cause) from exc
-            if cause is not exc:  # the OS error torch.save turned into "unexpected pos"
+            named = write_error(cause, final, size)
+            if named is not None:
+                raise named from exc
+            if cause is not exc:  # what torch.save turned into "unexpected pos"
                 raise cause from exc
             raise
         digest = FileDigest(writer.h.hexdigest(), writer.n)
@@ -389,3 +349,14 @@ def clean_orphans(final: str) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+EXPORT_COMMAND = "python -m superoffload export"
+"""The command that turns a checkpoint into a Hugging Face folder (docs/export.md)."""
+
+
+def how_to_export(path: str = "<this folder>") -> str:
+    """What a checkpoint says of itself (``meta.json``, ``manifest.json``, the save's log
+    line): how to get its fp32 masters as a Hugging Face folder."""
+    return (f"{EXPORT_COMMAND} {path} <out_dir> [--dtype bf16]: a Hugging Face folder "
+            "(safetensors, config.json) of the fp32 master weights (docs/export.md)")

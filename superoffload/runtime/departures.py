@@ -18,7 +18,10 @@ Gradient accumulation (``grad_accum_steps`` > 1) has two places to sum:
   bucket's fp32 host buffer (ZeRO-Offload's CPU-side accumulation): one D2H per micro-step,
   the device bound above holds throughout. The first micro-step that gives a parameter a
   gradient starts its sum (a copy), later ones add; the last one's statistics are read from
-  the summed host buffer (``D2HTask.stats_host``).
+  the summed host buffer (``D2HTask.stats_host``). A bucket whose gradients are kept
+  (``keep_device_grads``) sums in ``.grad`` as under "device" (autograd and FSDP2 add into a
+  kept gradient, so each micro-step's ``.grad`` already holds the earlier ones: adding it on
+  the host would count them again) and leaves once, at the last micro-step.
 
 ``Departures`` decides this when a bucket launches; the transport moves the data.
 """
@@ -66,6 +69,12 @@ class Departures:
         return not frozen.config.keep_device_grads or any(
             i in frozen.streamed for i in self._members(b))
 
+    def sums_on_host(self, b: int, frozen: FrozenIteration) -> bool:
+        """Whether bucket ``b``'s micro-steps are summed on the host: host accumulation of
+        an offloaded bucket whose device gradients are freed as they leave (a kept one sums
+        in ``.grad``, the module docstring)."""
+        return frozen.accum_on_host and self.frees(b, frozen)
+
     def summed(self, b: int) -> frozenset[int]:
         """Parameters of ``b`` with a host partial sum (host accumulation)."""
         return frozenset(self.sums.get(b, ()))
@@ -90,7 +99,7 @@ class Departures:
         free = self.frees(b, frozen) and bool(moving)
         if free:
             self._make_room(frozen)
-        if frozen.accum_on_host and not self.state.buffers[b].on_device:
+        if self.sums_on_host(b, frozen):
             summed = self.summed(b)
             fut = self.transport.launch(b, moving, frozen, accumulated=summed, final=final)
             if final:

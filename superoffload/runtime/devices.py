@@ -83,6 +83,11 @@ class DeviceOps(Protocol):
         """Order the next device work after an H2D (its returned token)."""
         ...
 
+    def host_wait(self, token: Any) -> None:
+        """Block the calling thread until the H2D whose token this is has read its host
+        source (before the source is reused: a storage-tier slot, runtime/tier.py)."""
+        ...
+
     def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats: ...
 
     def synchronize(self) -> None: ...
@@ -153,6 +158,9 @@ class CpuDeviceOps:
 
     def wait(self, token: Any) -> None:
         return None
+
+    def host_wait(self, token: Any) -> None:
+        return None  # the copy ran in the lane's thread
 
     def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats:
         return host_stats(grads)
@@ -256,6 +264,10 @@ class CudaDeviceOps:
     def wait(self, token: Any) -> None:
         if token is not None:
             torch.cuda.current_stream(self.device).wait_event(token)
+
+    def host_wait(self, token: Any) -> None:
+        if token is not None:
+            token.synchronize()  # the H2D stream's copy has read the pinned source
 
     def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats:
         stats = stats_tensor(grads, self.device).cpu()

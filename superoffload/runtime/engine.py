@@ -69,8 +69,9 @@ from superoffload.runtime.optim_view import (
 )
 from superoffload.runtime.publishes import Publishes, forward_hooks
 from superoffload.runtime.reconfigure import Reconfigurer
-from superoffload.runtime.state import EngineState, ParamState, initial_state
+from superoffload.runtime.state import EngineState, InitialStates, ParamState, initial_state
 from superoffload.runtime.stv import AdaptiveSTV
+from superoffload.runtime.tier import StateTier
 from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import Transport, TransportContext
 from superoffload.runtime.weight_writes import WeightWrites
@@ -168,7 +169,7 @@ class OffloadEngine:
             state=self.state, contract=self.contract, launcher=self.launcher,
             transport=self.transport, recorder=self.telemetry, weights=self.weights,
             synchronize=self.synchronize)
-        self._build({i: initial_state(self.state.params[i]) for i in self.state.trainable})
+        self._build(InitialStates(self.state.params, self.state.trainable))
         self._core_hooks = grad_hooks(self.launcher) + forward_hooks(
             model, self.publishes, self.launcher, self.weights, self.raise_if_failed)
         self.hooks: list[Any] = list(self._core_hooks)
@@ -506,9 +507,15 @@ class OffloadEngine:
         if self.launcher.current.micro_step >= self.config.grad_accum_steps:
             raise self.contract.refuse_mid_iteration(what)
 
-    def export_states(self) -> dict[int, ParamState]:
-        """Placement-free copies of every trainable parameter's state (call synchronized)."""
-        return self.transport.export_states()
+    def export_states(self, *, tier: bool = True) -> dict[int, ParamState]:
+        """Placement-free copies of every trainable parameter's state (call synchronized);
+        ``tier=False``: without the storage tier's (a checkpoint streams those itself)."""
+        return self.transport.export_states(tier=tier)
+
+    @property
+    def tier(self) -> StateTier | None:
+        """The storage tier holding some offloaded buckets' state (docs/storage.md), or None."""
+        return self.transport.tier
 
     def master_weights(self) -> dict[str, torch.Tensor]:
         """fp32 master weight of every trainable parameter (CPU copies), after synchronizing."""

@@ -2,8 +2,11 @@
 
 ``find_blocks``/``block_params`` pick the streamed parameters; ``FetchTask`` is the frozen
 task the ``fetch`` lane runs (runtime/lanes.py): wait for the CPU step that last wrote the
-block's host copies, then one H2D copy of the block, recorded as a ``weight_fetch`` span on
-the h2d lane. The schedule that submits them is runtime/weightflow.py.
+block's host copies, then one H2D copy of the block from the homes in host memory and, for
+homes in the storage tier's file, a read of the version in force into pinned staging buffers
+and a copy from there (runtime/home_reads.py), recorded as a ``weight_fetch`` span on the h2d
+lane (the reads also as ``tier_read`` spans on the storage lane). The schedule that submits
+them is runtime/weightflow.py.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 import torch
 
 from superoffload.runtime.devices import DeviceOps
+from superoffload.runtime.home_reads import HomeSpan, copy_spans
+from superoffload.runtime.tier import StateTier
 from superoffload.runtime.transfers import tensors_nbytes, wait_for
 from superoffload.telemetry.events import KIND_WEIGHT_FETCH, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
@@ -63,7 +68,9 @@ def block_params(model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
 
 @dataclass(frozen=True, slots=True)
 class FetchTask:
-    """Copy one block's home copies into its fresh device buffer (one H2D per block)."""
+    """Copy one block's home copies into its fresh device buffer: one H2D from the homes in
+    host memory, then the spans of the homes in the file (``stored``) through the tier's
+    staging buffers."""
 
     block: int
     iteration: int
@@ -76,6 +83,15 @@ class FetchTask:
     device_ops: DeviceOps
     recorder: Recorder
     watchdog_s: float
+    stored: tuple[HomeSpan, ...] = ()
+    """The parts of the block whose homes are in the storage tier's file (``tier``'s)."""
+    tier: StateTier | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The block's bytes (from memory and from the file)."""
+        return tensors_nbytes(self.dst_device) + sum(
+            v.numel() * v.element_size() for s in self.stored for _, v in s.parts)
 
     def run(self) -> Any:
         for fut in self.after:
@@ -83,9 +99,14 @@ class FetchTask:
         with self.recorder.device_span(LANE_H2D, KIND_WEIGHT_FETCH,
                                        stream=self.device_ops.stream("h2d"),
                                        iteration=self.iteration,
-                                       nbytes=tensors_nbytes(self.src_host)):
+                                       nbytes=self.nbytes):
             stream = getattr(self.device_ops, "h2d_stream", None)
             if stream is not None and self.ready is not None:
                 # the buffer may reuse memory the compute stream still reads: order after it
                 stream.wait_event(self.ready)
-            return self.device_ops.h2d(self.src_host, self.dst_device)
+            token = self.device_ops.h2d(self.src_host, self.dst_device)
+            if self.stored:  # the same H2D stream: the last copy's token covers the first
+                assert self.tier is not None
+                token = copy_spans(self.tier, self.stored, self.device_ops, self.recorder,
+                                   iteration=self.iteration)
+            return token

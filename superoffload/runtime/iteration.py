@@ -16,6 +16,7 @@ from superoffload.runtime.contract import Contract
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import Lane
 from superoffload.runtime.publishes import Publishes
+from superoffload.runtime.skips import Cause
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, priority
 from superoffload.runtime.transfers import InFlight
@@ -45,6 +46,9 @@ class EngineStats:
     the inverse's error bound did not hold for them (runtime/auto_rollback.py)."""
     speculation_enabled: bool = True
     reconfigurations: int = 0
+    skip_streak: int = 0
+    """Steps skipped in a row for a reason fp16's loss scale does not explain (0 after a step
+    that ran; runtime/skips.py says so when it reaches ``SKIP_STREAK``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
@@ -122,6 +126,8 @@ class Iteration:
     """``engine.clip_grad_norm_(max_norm)`` of this iteration (the smaller threshold wins)."""
     validated: GlobalStats | None = None
     """The global statistics, when ``clip_grad_norm_`` validated before ``step()``."""
+    skip_causes: list[Cause] = field(default_factory=list)
+    """The buckets that made this rank's validation non-finite, and why (runtime/skips.py)."""
 
 
 @dataclass(frozen=True, slots=True)

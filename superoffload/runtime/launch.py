@@ -26,6 +26,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from superoffload.config import OffloadConfig
 from superoffload.kernels.hyper import AdamHyper
+from superoffload.runtime import tier_steps
 from superoffload.runtime.auto_rollback import may_speculate
 from superoffload.runtime.contract import ContractError
 from superoffload.runtime.departures import Departures
@@ -66,9 +68,13 @@ class Launcher:
 
     # ------------------------------------------------------------------ the iteration
     def begin(self, frozen: FrozenIteration) -> None:
-        """The first micro-step of an iteration: ``frozen`` is what it reads."""
+        """The first micro-step of an iteration: ``frozen`` is what it reads. The storage
+        tier starts reading ahead the state backward will need (runtime/tier.py)."""
         self.current.frozen = frozen
         self.parts.stats.speculation_enabled = frozen.speculate
+        tier = self.parts.transport.tier
+        if tier is not None:
+            tier.begin(frozen.number)
 
     def micro_step(self, hypers: Sequence[AdamHyper] | None) -> Iteration:
         """One more backward pass; ``hypers`` (per param group) at the last micro-step."""
@@ -136,9 +142,9 @@ class Launcher:
     def _accumulate(self, b: int) -> None:
         """Host accumulation, an earlier micro-step: bucket ``b``'s gradients of this
         micro-step leave to join the host sums (runtime/departures.py)."""
-        moving = self.departures.moving(b)
-        if moving and not self.parts.state.buffers[b].on_device:
-            fut = self.departures.depart(b, moving, self.current.frozen, final=False)
+        moving, frozen = self.departures.moving(b), self.current.frozen
+        if moving and self.departures.sums_on_host(b, frozen):  # kept: they sum in .grad
+            fut = self.departures.depart(b, moving, frozen, final=False)
             if fut is not None:
                 self.parts.in_flight.add(fut)
 
@@ -179,31 +185,49 @@ class Launcher:
             self.transform(moving)
         # an edit from now on would reach only some buckets
         parts.contract.took(moving, freeing=dep.frees(b, frozen))
+        tier = transport.tier
+        # a storage-tier bucket takes a pool slot first: its gradients land there, its read
+        # ahead (or a read now) fills it with its state (runtime/tier.py)
+        loaded = tier.bind(b) if tier is not None and tier.holds(b) and present else None
         stats = dep.depart(b, moving, frozen, final=True)
         calls = make_calls(buf, present, st.group_of, st.steps, frozen.hypers)
         fl = Flight(b, buf.on_device, present, calls, stats)
         it.flights[b] = fl
+        published = self._speculate(fl, loaded)
+        if loaded is not None:
+            assert tier is not None
+            tier_steps.after_launch(tier, fl, published)
+
+    def _speculate(self, fl: Flight, loaded: Future[Any] | None) -> Future[Any] | None:
+        """Queue bucket ``fl``'s speculative step and its publish when the iteration
+        speculates and the bucket may (paper §4.3); returns the publish's device copy.
+        ``loaded``: a storage-tier bucket's read into its slot (undone by its versions)."""
+        it, parts = self.current, self.parts
+        frozen, st, transport, b = it.frozen, parts.state, parts.transport, fl.bucket
+        buf = st.buffers[b]
         # a collective transport publishes every host bucket on every rank (all-gathers
         # match by order), even when this rank's shard has nothing to step
-        if buf.on_device or not frozen.speculate or not (present or transport.ordered_launch):
-            return
+        if buf.on_device or not frozen.speculate or not (fl.present or transport.ordered_launch):
+            return None
         cfg = frozen.config
         groups = {st.group_of[i] for i in parts.bucket_params(b)}  # the same on every rank
         moments = buf.exp_avg[0].dtype if buf.exp_avg else torch.float32
-        if not may_speculate([frozen.hypers[g] for g in sorted(groups)], moments, cfg.rollback,
-                          cfg.max_grad_norm):
-            return  # stepped once, after the verdict (runtime/stv.py)
-        if cfg.rollback == "snapshot":
+        if loaded is None and not may_speculate([frozen.hypers[g] for g in sorted(groups)],
+                                                moments, cfg.rollback, cfg.max_grad_norm):
+            return None  # stepped once, after the verdict (runtime/stv.py)
+        if cfg.rollback == "snapshot" and loaded is None:
             buf.ensure_snapshot(self.device_ops.alloc_host)
         fl.spec_scale = 1.0 / (frozen.loss_scale * transport.grad_divisor)
-        # queued once its gradients landed, then earliest deadline first (lanes.py)
-        fl.spec = parts.submit(step_task(b, buf, calls, frozen, parts.recorder,
-                                         scale=fl.spec_scale, after=stats, speculative=True,
-                                         replay=False),
-                               b, frozen, after=() if stats is None else (stats,))
+        # queued once its gradients landed (and its state, on the tier), then earliest
+        # deadline first (lanes.py)
+        after = tuple(f for f in (fl.stats, loaded) if f is not None)
+        fl.spec = parts.submit(step_task(b, buf, fl.calls, frozen, parts.recorder,
+                                         scale=fl.spec_scale, after=fl.stats, speculative=True,
+                                         replay=False, versioned=loaded is not None),
+                               b, frozen, after=after)
         fl.spec.add_done_callback(parts.stats.counter("speculated_buckets"))
         fl.spec.add_done_callback(parts.stats.count_rescue)
-        parts.publishes.publish(b, calls, fl.spec, frozen)
+        return parts.publishes.publish(b, fl.calls, fl.spec, frozen).device
 
     def register_transform(self, fn: Any) -> RemovableHandle:
         """``engine.register_grad_transform``: ``fn`` joins the transforms (handle: ``.remove()``)."""

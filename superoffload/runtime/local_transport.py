@@ -18,17 +18,14 @@ from typing import Any
 import torch
 
 from superoffload.plan.buckets import BucketPlan
+from superoffload.runtime.bucket_store import BucketStore
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.devices import GradStats
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import Lane, Priority, make_lane
-from superoffload.runtime.state import (
-    BucketBuffers,
-    ParamState,
-    adopt_value,
-    build_buffers,
-    export_state,
-)
+from superoffload.runtime.state import BucketBuffers, ParamState
+from superoffload.runtime.tier import StateTier
+from superoffload.runtime.tier_open import Storage
 from superoffload.runtime.transfers import D2HTask, H2DTask, transfer_hint
 from superoffload.runtime.transport import (
     NO_CHECKS,
@@ -53,8 +50,17 @@ class LocalTransport:
     def __init__(self) -> None:
         self._ctx: TransportContext | None = None
         self._lanes: tuple[Lane, ...] = ()
-        self.buffers: list[BucketBuffers] = []
-        self._pos: dict[int, int] = {}
+        self.store = BucketStore()
+        """The buckets' buffers, host memory or storage tier (runtime/bucket_store.py)."""
+
+    @property
+    def buffers(self) -> list[BucketBuffers]:
+        return self.store.buffers
+
+    @property
+    def tier(self) -> StateTier | None:
+        """The storage tier of the host buckets placed there (runtime/tier.py), or None."""
+        return self.store.tier
 
     @property
     def ctx(self) -> TransportContext:
@@ -64,7 +70,7 @@ class LocalTransport:
 
     @property
     def lanes(self) -> tuple[Lane, ...]:
-        return self._lanes
+        return self._lanes + self.store.lanes
 
     def start(self, ctx: TransportContext) -> None:
         self._ctx = ctx
@@ -72,19 +78,15 @@ class LocalTransport:
                             for n in ("d2h", "h2d"))
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
-              flow: bool, snapshot: bool,
-              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
-        st, be = self.ctx.state, self.ctx.device_ops
-        self.buffers, self._pos = [], {}
-        for bucket in plan.buckets:
-            params = [st.params[i] for i in bucket.param_indices]
-            self.buffers.append(build_buffers(
-                bucket, params, [states[i] for i in bucket.param_indices],
-                alloc_host=be.alloc_host, alloc_device=be.alloc_device,
-                grad_host_dtype=cast.grad_host_dtype,
-                lp_host=cast.low_precision and cast.param_on_host, moment_dtype=moments))
-            self._pos.update((i, pos) for pos, i in enumerate(bucket.param_indices))
-        return self.buffers
+              flow: bool, snapshot: bool, moments: torch.dtype = torch.float32,
+              storage: Storage | None = None) -> list[BucketBuffers]:
+        st = self.ctx.state
+        tier_plan = self.store.place(plan, {b.id: b.numel for b in plan.host_buckets}, cast,
+                                     flow, snapshot, moments, storage)
+        return self.store.build(
+            self.ctx, plan, lambda b: [st.params[i] for i in b.param_indices],
+            lambda b: [states[i] for i in b.param_indices], cast, flow=flow, moments=moments,
+            tier_plan=tier_plan, storage=storage, rank=self.rank)
 
     def launch(self, b: int, present: tuple[int, ...], frozen: FrozenIteration, *,
                accumulated: frozenset[int] | None = None,
@@ -94,7 +96,7 @@ class LocalTransport:
             return None
         ctx = self.ctx
         grads = tuple(self.device_grad(i) for i in present)
-        views = tuple(buf.grad_host[self._pos[i]] for i in present)
+        views = tuple(buf.grad_host[self.store.pos[i]] for i in present)
         if accumulated is None:  # one D2H per optimizer step: the final gradients
             task = D2HTask(bucket=b, iteration=frozen.number, grads=grads,  # type: ignore[arg-type]
                            grad_host=views, ready=ctx.device_ops.ready_token(),
@@ -105,7 +107,7 @@ class LocalTransport:
                 bucket=b, iteration=frozen.number, grads=grads,  # type: ignore[arg-type]
                 grad_host=views, ready=ctx.device_ops.ready_token(), device_ops=ctx.device_ops,
                 recorder=ctx.recorder, add=tuple(i in accumulated for i in present),
-                stats_host=tuple(buf.grad_host[self._pos[i]] for i in summed),
+                stats_host=tuple(buf.grad_host[self.store.pos[i]] for i in summed),
                 want_stats=final)
         return self._lanes[0].submit(task)
 
@@ -115,13 +117,14 @@ class LocalTransport:
 
     def full_grad(self, index: int) -> torch.Tensor | None:
         """The gradient of parameter ``index`` as the optimizer will read it (loss-scaled,
-        summed over micro-steps): its host buffer for a host bucket (once its D2H landed),
-        the device ``.grad`` for a tail bucket. None when it got no gradient."""
+        summed over micro-steps): its host buffer for a host bucket (once its D2H landed; read
+        back from the file for a storage-tier bucket), the device ``.grad`` for a tail bucket.
+        None when it got no gradient."""
         buf, k = self._where(index)
         if buf.on_device:
             g = buf.params[k].grad
             return None if g is None else g.detach()
-        return buf.grad_host[k]
+        return self.store.host_grad(buf, k)
 
     def tail_stats(self, buckets: Sequence[int]) -> GradStats:
         grads = [p.grad for b in buckets for p in self.buffers[b].params if p.grad is not None]
@@ -144,27 +147,23 @@ class LocalTransport:
         return None  # one process: nothing to compare
 
     def _where(self, index: int) -> tuple[BucketBuffers, int]:
-        return self.buffers[self.ctx.state.bucket_of[index]], self._pos[index]
+        return self.buffers[self.ctx.state.bucket_of[index]], self.store.pos[index]
 
     def adopt(self, indices: Sequence[int]) -> None:
-        params = self.ctx.state.params
-        for i in indices:
-            buf, k = self._where(i)
-            if buf.master[k].data_ptr() != params[i].data_ptr():  # fp32 tail: p is the master
-                adopt_value(buf.master[k], params[i], None if buf.lp_host is None else buf.lp_host[k])
+        self.store.adopt(self._by_bucket(indices))
 
     def restore(self, indices: Sequence[int]) -> list[int]:
-        params, lost = self.ctx.state.params, []
-        with torch.no_grad():
-            for i in indices:
-                buf, k = self._where(i)
-                src = buf.lp_host if buf.lp_host is not None else buf.master
-                if src[k].data_ptr() != params[i].data_ptr():
-                    params[i].data.copy_(src[k])
-                else:
-                    lost.append(i)  # an fp32 tail parameter is its own master
+        lost = self.store.restore(self._by_bucket(indices))
         self.ctx.device_ops.synchronize()
-        return lost
+        return [self.buffers[b].bucket.param_indices[k] for b, k in lost]
+
+    def _by_bucket(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        """Positions of ``indices`` in their buckets, per bucket."""
+        out: dict[int, list[int]] = {}
+        bucket_of = self.ctx.state.bucket_of
+        for i in indices:
+            out.setdefault(bucket_of[i], []).append(self.store.pos[i])
+        return out
 
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
                 frozen: FrozenIteration, priority: Priority) -> Published:
@@ -181,26 +180,24 @@ class LocalTransport:
             dst_device=tuple(buf.params[k].data for k in keep), after=after,
             device_ops=ctx.device_ops, recorder=ctx.recorder, watchdog_s=frozen.config.watchdog_s),
             after=(after,), priority=priority)  # issued as soon as its step ends, by deadline
-        return Published(fut, after)
+        # a home to wait for only under weight-flow: a step's result (a rollback="auto"
+        # Rescue: exact copies of guarded elements) must not outlive its iteration otherwise
+        return Published(fut, after if frozen.streamed else None)
 
     def home(self, index: int) -> torch.Tensor:
-        st = self.ctx.state
-        buf = self.buffers[st.bucket_of[index]]
-        pos = self._pos[index]
-        return buf.lp_host[pos] if buf.lp_host is not None else buf.master[pos]
+        buf, k = self._where(index)
+        return self.store.home(buf, k)
 
     def stall_hint(self) -> str:
         return transfer_hint(self._lanes)  # blames the device only when a copy is running
 
-    def export_states(self) -> dict[int, ParamState]:
-        steps = self.ctx.state.steps
+    def export_states(self, *, tier: bool = True) -> dict[int, ParamState]:
         out: dict[int, ParamState] = {}
-        for buf in self.buffers:
-            idx = buf.bucket.param_indices
-            out.update(zip(idx, export_state(buf, [steps[i] for i in idx])))
+        for b, states in self.store.export(self.ctx.state.steps, tier=tier).items():
+            out.update(zip(self.buffers[b].bucket.param_indices, states))
         return out
 
     def close(self) -> None:
+        self.store.close()
         for lane in self._lanes:
             lane.close()
-        self.buffers = []

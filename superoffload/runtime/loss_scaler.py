@@ -52,10 +52,13 @@ class LossScaler:
     def loss_scale(self) -> float:
         return self.cur_scale
 
-    def update(self, overflow: bool) -> None:
-        """Call once per iteration with that iteration's overflow verdict."""
+    def update(self, overflow: bool) -> bool:
+        """Call once per iteration with that iteration's overflow verdict. Returns whether the
+        scale accounts for the skip: an overflow while a dynamic scale can still come down
+        (runtime/skips.py counts the skips it does not account for)."""
+        explained = overflow and self.dynamic and self.cur_scale > self.min_scale
         if not self.dynamic:
-            return
+            return explained
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
                 self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
@@ -66,6 +69,7 @@ class LossScaler:
             self.cur_hysteresis = self.delayed_shift
             self.cur_scale *= self.scale_factor
         self.cur_iter += 1
+        return explained
 
     def state_dict(self) -> dict[str, Any]:
         return {

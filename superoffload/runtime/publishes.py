@@ -32,7 +32,7 @@ from superoffload.runtime.hook_base import PicklableHook, eager
 from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, members_of, priority
 from superoffload.runtime.transfers import InFlight
-from superoffload.runtime.transport import Transport
+from superoffload.runtime.transport import Published, Transport
 from superoffload.telemetry.events import KIND_FORWARD, KIND_WAIT, LANE_COMPUTE
 from superoffload.telemetry.recorder import Recorder
 
@@ -53,9 +53,9 @@ class Publishes:
         streamed parameters, as that iteration's work was submitted under them."""
 
     def publish(self, b: int, calls: tuple[KernelCall, ...], after: Future[Any],
-                frozen: FrozenIteration) -> None:
+                frozen: FrozenIteration) -> Published:
         """Bring bucket ``b``'s weights back after ``after`` (a step or a rollback), in the
-        worker's deadline order (``steps.priority``)."""
+        worker's deadline order (``steps.priority``); returns what it started."""
         pub = self.transport.publish(b, tuple(members_of(calls)), after, frozen,
                                      priority(b, frozen))
         self.frozen = frozen
@@ -64,6 +64,7 @@ class Publishes:
             self.in_flight.add(pub.device)
         if pub.home is not None:
             self.home_ready[b] = pub.home
+        return pub
 
     def wait_for_weights(self, indices: Iterable[int], iteration: int) -> None:
         """Forward pre-hook of a module: its own buckets' last publish, nothing else (§4.2).

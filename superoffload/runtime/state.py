@@ -17,7 +17,7 @@ engine and its transport write the bucket table).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,11 +72,13 @@ class BucketBuffers:
             numel = self.bucket.numel
             flat = alloc_host(3 * numel, torch.float32)
             self.flat.append(flat)
-            self.snapshot = _views(flat, [p.shape for p in self.params] * 3)
+            # the masters' shapes: a weight-flow parameter between uses holds no elements
+            self.snapshot = split_views(flat, [m.shape for m in self.master] * 3)
         return self.snapshot
 
 
-def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+def split_views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of ``flat`` shaped as ``shapes`` (a bucket's per-parameter views)."""
     out, offset = [], 0
     for shape in shapes:
         n = 1
@@ -87,10 +89,40 @@ def _views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tenso
     return out
 
 
+def unallocated_buffers(bucket: Bucket, params: Sequence[torch.nn.Parameter], *,
+                        lp_host: bool) -> BucketBuffers:
+    """A storage-tier bucket's buffers: no memory of their own; runtime/tier.py points them
+    into a pool slot while the bucket is worked on (empty lists otherwise, so a stray use
+    fails loudly instead of reading another bucket's numbers)."""
+    return BucketBuffers(bucket, list(params), [], [], [], grad_host=[],
+                         lp_host=[] if lp_host else None)
+
+
 def initial_state(param: torch.nn.Parameter) -> ParamState:
     """Fresh state: master = the parameter in fp32 (on the CPU), zero moments."""
     master = param.detach().to("cpu", torch.float32).clone()
     return ParamState(master, torch.zeros_like(master), torch.zeros_like(master), 0)
+
+
+class InitialStates(Mapping[int, ParamState]):
+    """``initial_state`` of parameters ``indices``, made when read: a build takes them bucket
+    by bucket, so a model whose state exceeds host memory (the storage tier) never holds
+    them all at once."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], indices: Sequence[int]) -> None:
+        self.params, self.indices = params, list(indices)
+        self._known = frozenset(self.indices)
+
+    def __getitem__(self, index: int) -> ParamState:
+        if index not in self._known:
+            raise KeyError(index)
+        return initial_state(self.params[index])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
 def build_buffers(
@@ -105,7 +137,8 @@ def build_buffers(
     moment_dtype: torch.dtype = torch.float32,
 ) -> BucketBuffers:
     """Allocate a bucket's buffers and fill them from ``states`` (placement-free)."""
-    shapes = [p.shape for p in params]
+    # the states' shapes: a weight-flow parameter between uses holds no elements (a re-plan)
+    shapes = [st.master.shape for st in states]
     numel = bucket.numel
     model_fp32 = all(p.dtype == torch.float32 for p in params)
     alloc = alloc_device if bucket.on_device else alloc_host
@@ -115,13 +148,13 @@ def build_buffers(
     else:
         flat_master = alloc(numel, torch.float32)
         flats.append(flat_master)
-        master = _views(flat_master, shapes)
+        master = split_views(flat_master, shapes)
     # host buckets may keep bf16 moments (OffloadConfig.optimizer_state_dtype); tail buckets
     # are stepped on the device by torch's fused Adam, with fp32 moments
     mdt = torch.float32 if bucket.on_device else moment_dtype
     flat_m, flat_v = alloc(numel, mdt), alloc(numel, mdt)
     flats += [flat_m, flat_v]
-    exp_avg, exp_avg_sq = _views(flat_m, shapes), _views(flat_v, shapes)
+    exp_avg, exp_avg_sq = split_views(flat_m, shapes), split_views(flat_v, shapes)
     with torch.no_grad():
         for i, st in enumerate(states):
             if master[i].data_ptr() != params[i].data_ptr():
@@ -133,14 +166,16 @@ def build_buffers(
         flat_g = alloc_host(numel, grad_host_dtype)
         flat_g.zero_()
         flats.append(flat_g)
-        buffers.grad_host = _views(flat_g, shapes)
+        buffers.grad_host = split_views(flat_g, shapes)
         if lp_host:
             flat_lp = alloc_host(numel, params[0].dtype)
             flats.append(flat_lp)
-            buffers.lp_host = _views(flat_lp, shapes)
+            buffers.lp_host = split_views(flat_lp, shapes)
             with torch.no_grad():
-                for view, p in zip(buffers.lp_host, params):
-                    view.copy_(p.data)
+                for view, p, st in zip(buffers.lp_host, params, states):
+                    # a released weight-flow parameter: its weights are the master's
+                    # rounding (the kernel's copy rounds to nearest even, as copy_ does)
+                    view.copy_(p.data if p.numel() == view.numel() else st.master)
     return buffers
 
 

@@ -256,18 +256,21 @@ class RollbackTask:
 def step_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...],
               frozen: FrozenIteration, recorder: Recorder, *, scale: float,
               after: Future[Any] | None, speculative: bool, replay: bool,
-              undone: Future[Any] | None = None) -> StepTask:
+              undone: Future[Any] | None = None, versioned: bool = False) -> StepTask:
     """The task stepping ``calls`` of bucket ``bucket`` with the iteration's settings: a
     speculative step (after its gradients' move ``after``; kept by "snapshot", checked by
-    "auto"), a replay after the rollback ``undone``, or a bucket's only step."""
+    "auto"), a replay after the rollback ``undone``, or a bucket's only step. ``versioned``:
+    a storage-tier bucket, undone by its versions (runtime/tier_steps.py), so neither
+    "snapshot" nor "auto" keeps anything."""
     cfg = frozen.config
+    guard = speculative and not versioned
     return StepTask(
         bucket=bucket, iteration=frozen.number, buffers=buffers, calls=calls, grad_scale=scale,
         threads=frozen.threads, after=after, skip_nonfinite=speculative,
-        snapshot=speculative and cfg.rollback == "snapshot", replay=replay, recorder=recorder,
+        snapshot=guard and cfg.rollback == "snapshot", replay=replay, recorder=recorder,
         watchdog_s=cfg.watchdog_s, seed=cfg.seed,
         auto_rollback=AutoRollback(cfg.max_grad_norm, frozen.threads)
-        if speculative and cfg.rollback == "auto" else None,
+        if guard and cfg.rollback == "auto" else None,
         undone=undone)
 
 

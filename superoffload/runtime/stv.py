@@ -17,7 +17,9 @@ are known (runtime/launch.py). ``OffloadEngine.step`` then runs, in this order:
    averages a gradient unused on one rank. The GPU tail buckets step on the device with the
    verdict's factor; every parameter with a gradient somewhere takes one step (the others are
    untouched, as ``torch.optim`` skips ``grad is None``);
-4. ``close_iteration``: step counts, the loss scaler, adaptive STV, counters and telemetry.
+4. ``close_iteration``: step counts, the loss scaler, adaptive STV, counters and telemetry;
+   steps skipped in a row for another reason than fp16's loss scale are said out loud, with
+   the buckets that stopped them (runtime/skips.py).
 
 ``abort`` undoes an iteration that will not finish; ``validate_early`` serves
 ``clip_grad_norm_``/``grad_norm``/``full_grad`` between the last backward and ``step()``;
@@ -33,6 +35,7 @@ the two decisions it rests on (the pure verdict, adaptive STV).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -43,6 +46,7 @@ from typing import Any
 
 import torch
 
+from superoffload.runtime import skips, tier_access, tier_steps
 from superoffload.runtime.contract import RanksDisagree, hyper_hash, hyper_tuple
 from superoffload.runtime.devices import GradStats
 from superoffload.runtime.frozen import FrozenIteration
@@ -113,6 +117,7 @@ def validate(it: Iteration, parts: Parts) -> GlobalStats:
                                      frozen.config.watchdog_s).resolve()
         if stats.nonfinite:
             parts.stats.nonfinite_buckets += 1
+            it.skip_causes.append(cause(parts, skips.GRADIENT, fl.bucket))
         else:  # a step that would write a non-finite state is a non-finite step too
             nonfinite += host_overflow(it, parts, fl, stats.sum_sq, clip)
         sum_sq += stats.sum_sq
@@ -120,6 +125,9 @@ def validate(it: Iteration, parts: Parts) -> GlobalStats:
     if not local.nonfinite:
         nonfinite += tail_overflow(it, parts, [fl for fl in flights if fl.on_device],
                                    local.sum_sq, clip)
+    else:  # which tail buckets (one reduction each, only on a non-finite step)
+        it.skip_causes += [cause(parts, skips.GRADIENT, fl.bucket) for fl in flights
+                           if fl.on_device and transport.tail_stats([fl.bucket]).nonfinite]
     present = frozenset().union(*(fl.present for fl in flights))
     glob = transport.reduce_stats(GradStats(sum_sq, nonfinite), present, checks(it, parts))
     rec.add(LANE_COMPUTE, KIND_VALIDATE, t0, rec.now(), iteration=frozen.number)
@@ -169,9 +177,15 @@ def host_overflow(it: Iteration, parts: Parts, fl: Flight, sum_sq: float,
                                            frozen.config.watchdog_s)
         bad = result.elements if isinstance(result, StateOverflow) else 0
     else:
-        buf, seed = parts.state.buffers[fl.bucket], frozen.config.seed
-        bad = trial(buf, fl.calls, buf.grad_host, grad_scale=scale, threads=frozen.threads,
-                    seeds=[sr_seed(seed, buf.bucket.id, c.step, k) for k, c in enumerate(fl.calls)])
+        tier, seed = parts.transport.tier, frozen.config.seed
+        with contextlib.ExitStack() as held:
+            buf = parts.state.buffers[fl.bucket]
+            if tier is not None and tier.holds(fl.bucket):  # read back for the trial
+                buf = held.enter_context(tier_access.loaded(tier, fl.bucket, write=False,
+                                                                 grad=True))
+            bad = trial(buf, fl.calls, buf.grad_host, grad_scale=scale, threads=frozen.threads,
+                        seeds=[sr_seed(seed, buf.bucket.id, c.step, k)
+                               for k, c in enumerate(fl.calls)])
     return _report(it, parts, fl.bucket, bad) if bad else 0
 
 
@@ -195,8 +209,14 @@ def tail_overflow(it: Iteration, parts: Parts, flights: Sequence[Flight], sum_sq
     return total
 
 
+def cause(parts: Parts, kind: str, bucket: int) -> skips.Cause:
+    """Bucket ``bucket`` stopped the step for ``kind`` (``skips.GRADIENT`` or ``STATE``)."""
+    return skips.Cause(kind, bucket, parts.state.names[parts.bucket_params(bucket)[0]])
+
+
 def _report(it: Iteration, parts: Parts, bucket: int, bad: int) -> int:
     parts.stats.nonfinite_buckets += 1
+    it.skip_causes.append(cause(parts, skips.STATE, bucket))
     parts.recorder.note(it.frozen.number, (
         f"bucket {bucket}: the step would make {bad} element(s) of the optimizer state "
         "non-finite (exp_avg_sq = (1-b2) g^2 overflows fp32): counted as a non-finite step, "
@@ -219,22 +239,25 @@ def validate_early(it: Iteration, parts: Parts, max_norm: float | None) -> tuple
     return math.sqrt(glob.sum_sq / n**2) / it.frozen.loss_scale, 0
 
 
-def check_clip_args(max_norm: Any, norm_type: Any) -> float:
-    """``clip_grad_norm_``'s arguments: the global 2-norm, a positive finite threshold."""
+def check_clip_args(max_norm: Any, norm_type: Any) -> float | None:
+    """``clip_grad_norm_``'s arguments: the global 2-norm, a positive threshold; None for
+    ``inf``, which reads the norm and clips nothing, as in torch (Trainer logs its norm so)."""
     if float(norm_type) != 2.0:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): the engine clips by the "
                          "global 2-norm (the one its speculation validates); use norm_type=2")
     if not (isinstance(max_norm, int | float) and not isinstance(max_norm, bool)
-            and math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): use a positive finite "
-                         "number (OffloadConfig.max_grad_norm=None disables clipping)")
-    return float(max_norm)
+            and max_norm > 0):  # nan > 0 is False: refused too
+        raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): use a positive number "
+                         "(inf reads the norm without clipping; OffloadConfig.max_grad_norm=None "
+                         "disables clipping)")
+    return None if math.isinf(max_norm) else float(max_norm)
 
 
-def clip_grad_norm(it: Iteration, parts: Parts, max_norm: float,
+def clip_grad_norm(it: Iteration, parts: Parts, max_norm: float | None,
                    error_if_nonfinite: bool) -> torch.Tensor:
     """``engine.clip_grad_norm_`` once the gradients are final: torch's total norm (a
-    tensor), the iteration's threshold lowered to ``max_norm``; torch's error when asked."""
+    tensor), the iteration's threshold lowered to ``max_norm`` (None: unchanged); torch's
+    error when asked."""
     norm, nonfinite = validate_early(it, parts, max_norm)
     if error_if_nonfinite and nonfinite:
         raise RuntimeError(
@@ -279,7 +302,7 @@ def settle(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts) -> None:
     """Act on the verdict per bucket (the module docstring, item 3)."""
     st, frozen, transport = parts.state, it.frozen, parts.transport
     scale = v.grad_scale / transport.grad_divisor
-    collective = transport.ordered_launch
+    collective, tier = transport.ordered_launch, transport.tier
     # forward-need order: the highest bucket ids (first layers) first, tail steps included
     for fl in sorted(flights_of(it), key=lambda f: -f.bucket):
         buf = st.buffers[fl.bucket]
@@ -289,6 +312,11 @@ def settle(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts) -> None:
                 calls = make_calls(buf, union, st.group_of, st.steps, frozen.hypers)
                 device_step(buf, calls, transport.tail_grads(fl.bucket), grad_scale=scale,
                             threads=None, recorder=parts.recorder, iteration=frozen.number)
+            continue
+        if tier is not None and tier.holds(fl.bucket):  # undone by versions, not inverses
+            tier_steps.settle(tier, fl, commit=v.action is Action.COMMIT and union == fl.present,
+                              skip=v.action is Action.SKIP, union=union, glob=glob,
+                              frozen=frozen, parts=parts, scale=scale, collective=collective)
             continue
         mismatch = union != fl.present
         undone = None
@@ -330,9 +358,15 @@ def abort(flights: Sequence[Flight], frozen: FrozenIteration, parts: Parts) -> N
     ``step()``): every speculative step that ran is rolled back and its restored weights
     published; nothing else of the iteration was applied (the tail steps, the step counts
     and the loss scale change only in ``step()``). Drain the lanes afterwards."""
+    tier = parts.transport.tier
     for fl in flights:
-        if fl.spec is not None:
-            parts.publishes.publish(fl.bucket, fl.calls, rollback(fl, frozen, parts), frozen)
+        if fl.spec is None:
+            continue
+        if tier is not None and tier.holds(fl.bucket):  # its version in force stays
+            tier.discard(fl.bucket)
+            tier_steps.republish(tier, fl, frozen, parts)
+            continue
+        parts.publishes.publish(fl.bucket, fl.calls, rollback(fl, frozen, parts), frozen)
     parts.transport.discard([fl.bucket for fl in flights if fl.on_device])
 
 
@@ -348,7 +382,7 @@ def close_iteration(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts, 
         steps = parts.state.steps
         for i in sorted(glob.present):
             steps[i] += 1
-    scaler.update(skipped)
+    explained = scaler.update(skipped)  # fp16's dynamic scale finding its level
     if skipped:
         stats.skipped_steps += 1
         divisor = parts.transport.grad_divisor
@@ -358,6 +392,10 @@ def close_iteration(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts, 
                     f"{scaler.loss_scale:g}")
     if v.action is Action.CLIP:
         stats.clipped_steps += 1
+    # skips in a row the loss scale does not explain: said once, at SKIP_STREAK (skips.py)
+    stats.skip_streak = stats.skip_streak + (not explained) if skipped else 0
+    if stats.skip_streak == skips.SKIP_STREAK:
+        skips.say(stats.skip_streak, n, it.skip_causes, rec)
     note = adaptive.observe(v.action is Action.CLIP)
     if note:
         rec.note(n, note)
@@ -371,6 +409,7 @@ def close_iteration(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts, 
     rec.scalar("ratio", n, schedule.ratio if schedule is not None else 0.0)  # effective ratio
     rec.scalar("speculating", n, 1.0 if frozen.speculate else 0.0)
     rec.scalar("skipped", n, 1.0 if skipped else 0.0)  # the dashboard marks skipped steps
+    rec.scalar("skip_streak", n, float(stats.skip_streak))
 
 
 # ---------------------------------------------------------------------------- adaptive STV

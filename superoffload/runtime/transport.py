@@ -30,6 +30,8 @@ from superoffload.runtime.devices import DeviceOps, GradStats
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import ErrorSink, Lane, Priority
 from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
+from superoffload.runtime.tier import StateTier
+from superoffload.runtime.tier_open import Storage
 from superoffload.runtime.transfers import InFlight
 from superoffload.telemetry.recorder import Recorder
 
@@ -137,6 +139,11 @@ class Transport(Protocol):
     """``launch`` honours ``accumulated=`` and ``final=`` (``OffloadConfig.grad_accum_on=
     "host"``: every micro-step's gradients are summed into the host buffers)."""
 
+    @property
+    def tier(self) -> StateTier | None:
+        """The storage tier holding some host buckets' state (runtime/tier.py), or None."""
+        ...
+
     def start(self, ctx: TransportContext) -> None:
         """Once, before the first build: lanes, groups, collective set-up."""
         ...
@@ -146,11 +153,12 @@ class Transport(Protocol):
         ...
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
-              flow: bool, snapshot: bool,
-              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
+              flow: bool, snapshot: bool, moments: torch.dtype = torch.float32,
+              storage: Storage | None = None) -> list[BucketBuffers]:
         """Allocate every bucket of ``plan`` from full per-parameter ``states`` (each rank
         keeping its part); returns, per bucket id, the buffers the optimizer steps.
-        ``moments``: the host buckets' moment dtype (``optimizer_state_dtype``)."""
+        ``moments``: the host buckets' moment dtype (``optimizer_state_dtype``); ``storage``:
+        the storage tier and the host memory budget (runtime/tier_open.py), or None."""
         ...
 
     def launch(self, b: int, present: tuple[int, ...], frozen: FrozenIteration, *,
@@ -222,8 +230,9 @@ class Transport(Protocol):
         """What a lane that does not finish may be waiting for (watchdog messages)."""
         ...
 
-    def export_states(self) -> dict[int, ParamState]:
-        """Placement-free copies of every trainable parameter's state (collective for ZeRO)."""
+    def export_states(self, *, tier: bool = True) -> dict[int, ParamState]:
+        """Placement-free copies of every trainable parameter's state (collective for ZeRO);
+        ``tier=False``: without the storage tier's."""
         ...
 
     def close(self) -> None:

@@ -27,11 +27,15 @@ whatever buffer is current):
 
 A fetch is a frozen task on its own lane (the ``fetch`` thread, driving the device ops' H2D
 stream on CUDA) and waits for the CPU step (or rollback/replay) that last wrote the block's
-home buckets; it records a ``weight_fetch`` span on the h2d lane.
+home buckets; it records a ``weight_fetch`` span on the h2d lane. A home may also live in the
+storage tier's file (``OffloadConfig.weight_homes``): the fetch then reads the version in force
+through the tier's staging buffers (runtime/home_reads.py), so neither the device nor host
+memory holds the streamed weights beyond the blocks in flight (docs/storage.md).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -42,6 +46,7 @@ import torch
 
 from superoffload.runtime.fetch import FetchTask, block_params, find_blocks
 from superoffload.runtime.flow_hooks import grad_hook, post_hook, pre_hook, wrap_output
+from superoffload.runtime.home_reads import HomeSpan, copy_spans, spans
 from superoffload.runtime.hook_base import in_backward
 from superoffload.telemetry.events import KIND_WAIT, LANE_COMPUTE
 
@@ -153,14 +158,30 @@ class WeightFlow:
     def restore_in_place(self) -> None:
         """Every streamed parameter holds its latest weights again (from its home), copied
         synchronously without the lanes — for an engine that failed or is shutting down —
-        and the hooks are removed."""
+        and the hooks are removed. A block whose home in the file cannot be read is left
+        released (0 elements, so a use fails loudly), saying why."""
         for h in self.handles:
             h.remove()
         self.handles = []
         with torch.no_grad():
             for k, ps in enumerate(self.params):
-                for p, i, shape in zip(ps, self.indices[k], self.shapes[k]):
-                    p.data = self.home(i).to(self.device, self.dtype, copy=True).view(shape)
+                fresh = [torch.empty(shape, dtype=self.dtype, device=self.device)
+                         for shape in self.shapes[k]]
+                src, dst, stored = self._sources(k, fresh)
+                try:
+                    if stored:
+                        copy_spans(self._tier(), stored, self.device_ops, self.parts.recorder,
+                                   iteration=self.launcher.iteration)
+                        self.device_ops.synchronize()
+                except Exception as exc:  # the engine is going: say it, keep closing
+                    warnings.warn(f"weight-flow: block {k}'s weights could not be read back "
+                                  f"from the storage tier ({exc}); its parameters stay "
+                                  "released (0 elements)", RuntimeWarning, stacklevel=2)
+                    continue
+                for home, d in zip(src, dst):
+                    d.copy_(home)
+                for p, t in zip(ps, fresh):
+                    p.data = t
         self.resident.clear()
         self._pool.clear()
         self.resident_bytes = 0
@@ -194,11 +215,12 @@ class WeightFlow:
                                   for b in self._home_buckets(k)) if f is not None)
         be = self.device_ops
         ready = be.ready_token() if be.device.type == "cuda" else None
+        src, dst, stored = self._sources(k, views)
         task = FetchTask(
-            block=k, iteration=launcher.iteration,
-            src_host=tuple(self.home(i) for i in self.indices[k]), dst_device=tuple(views),
+            block=k, iteration=launcher.iteration, src_host=src, dst_device=dst,
             after=after, ready=ready, device_ops=be, recorder=parts.recorder,
-            watchdog_s=launcher.current.frozen.config.watchdog_s,
+            watchdog_s=launcher.current.frozen.config.watchdog_s, stored=stored,
+            tier=self._tier() if stored else None,
         )
         with torch.no_grad():
             for p, v in zip(self.params[k], views):
@@ -216,6 +238,24 @@ class WeightFlow:
         st.peak_resident_bytes = max(st.peak_resident_bytes, self.resident_bytes)
         st.peak_held_bytes = max(st.peak_held_bytes, self.held_bytes)
         self.iteration_peak_bytes = max(self.iteration_peak_bytes, self.held_bytes)
+
+    def _tier(self) -> Any:
+        return self.parts.transport.tier
+
+    def _sources(self, k: int, views: list[torch.Tensor]) -> tuple[
+            tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[HomeSpan, ...]]:
+        """Where block ``k``'s weights come from, for its device ``views``: (homes in host
+        memory, their views, the spans of the homes in the storage tier's file)."""
+        st, tier = self.parts.state, self._tier()
+        src, dst, wanted = [], [], []
+        for i, view in zip(self.indices[k], views):
+            b = st.bucket_of[i]
+            if tier is not None and tier.home_in_file(b):
+                wanted.append((b, st.buffers[b].bucket.param_indices.index(i), view))
+            else:
+                src.append(self.home(i))
+                dst.append(view)
+        return tuple(src), tuple(dst), spans(tier, wanted) if wanted else ()
 
     @property
     def held_bytes(self) -> int:

@@ -25,10 +25,11 @@ from typing import Any, Protocol
 
 import torch
 
-from superoffload.config import OffloadConfig
+from superoffload.config import ConfigError, OffloadConfig
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.simulate import choose_weights
+from superoffload.plan.storage import TierError, check_homes
 from superoffload.plan.weights import WeightChoice
 from superoffload.runtime.devices import DeviceOps
 from superoffload.runtime.hook_base import in_backward
@@ -105,6 +106,10 @@ class WeightPolicyController:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise ValueError(f"initialize({name}={value!r}): use a whole number >= 1 or None")
+        try:  # whatever the policy: weight-flow may be switched on later
+            check_homes(engine.config.weight_homes, storage=engine.config.storage_path is not None)
+        except TierError as exc:
+            raise ConfigError(str(exc)) from None
         self.engine = engine
         self.requested = engine.config.weights
         self.depth = engine.config.prefetch_depth

@@ -7,6 +7,7 @@ Times are seconds relative to the recorder's (or simulation's) origin.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Lanes, in display order (paper Fig. 5 style): device compute, the two link directions,
@@ -16,7 +17,20 @@ LANE_D2H = "d2h"
 LANE_H2D = "h2d"
 LANE_CPU = "cpu_optimizer"
 LANE_DEVICE_OPT = "device_optimizer"
-LANES: tuple[str, ...] = (LANE_COMPUTE, LANE_D2H, LANE_CPU, LANE_H2D, LANE_DEVICE_OPT)
+# The storage tier (docs/storage.md): reads and write-backs of optimizer state and weights kept
+# in files, a lane of its own because the disk is a resource the step can wait on.
+LANE_STORAGE = "storage"
+LANES: tuple[str, ...] = (LANE_COMPUTE, LANE_D2H, LANE_CPU, LANE_H2D, LANE_DEVICE_OPT,
+                          LANE_STORAGE)
+LANE_LABELS: dict[str, str] = {
+    LANE_COMPUTE: "device compute",
+    LANE_D2H: "D2H (grads out)",
+    LANE_CPU: "CPU optimizer",
+    LANE_H2D: "H2D (weights in)",
+    LANE_DEVICE_OPT: "device optimizer",
+    LANE_STORAGE: "storage I/O",
+}
+"""Display names of the lanes (the timeline's rows, the trace's tracks, the report)."""
 
 # Kinds of span. A kind belongs to one lane, except "wait" (a lane blocked on another).
 KIND_FORWARD = "forward"
@@ -30,6 +44,8 @@ KIND_ROLLBACK = "rollback"
 KIND_REPLAY = "replay"
 KIND_WAIT = "wait"
 KIND_WEIGHT_FETCH = "weight_fetch"
+KIND_TIER_READ = "tier_read"
+KIND_TIER_WRITE = "tier_write"
 KINDS: tuple[str, ...] = (
     KIND_FORWARD,
     KIND_BACKWARD,
@@ -42,7 +58,16 @@ KINDS: tuple[str, ...] = (
     KIND_REPLAY,
     KIND_WAIT,
     KIND_WEIGHT_FETCH,
+    KIND_TIER_READ,
+    KIND_TIER_WRITE,
 )
+
+
+def lanes_in(spans: Iterable[Span]) -> tuple[str, ...]:
+    """The lanes that hold at least one of `spans`, in `LANES` order: what a view draws
+    (a run without storage spans gets no storage row; docs/jupyter.md, "The timeline")."""
+    present = {s.lane for s in spans}
+    return tuple(lane for lane in LANES if lane in present)
 
 
 @dataclass(frozen=True, slots=True)

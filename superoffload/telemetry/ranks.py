@@ -62,16 +62,17 @@ def lane_label(lane: str, rank: int, multi_rank: bool) -> str:
     return f"r{rank} {lane}" if multi_rank else lane
 
 
-def lane_rows(ranks: Sequence[int]) -> list[tuple[int, str]]:
-    """(rank, lane) of every timeline row, top to bottom: each rank's lanes in LANES order."""
-    return [(r, lane) for r in (ranks or [0]) for lane in LANES]
+def lane_rows(ranks: Sequence[int], lanes: Sequence[str] = LANES) -> list[tuple[int, str]]:
+    """(rank, lane) of every timeline row, top to bottom: each rank's `lanes` (those a view
+    draws, `events.lanes_in` of its spans) in LANES order."""
+    return [(r, lane) for r in (ranks or [0]) for lane in lanes]
 
 
-def row_index(span: Span, ranks: Sequence[int]) -> int:
-    """Timeline row of `span` in `lane_rows(ranks)` (rank-major, so a rank's lanes stay
-    together); with one rank it is `LANES.index(span.lane)`, as before."""
+def row_index(span: Span, ranks: Sequence[int], lanes: Sequence[str] = LANES) -> int:
+    """Timeline row of `span` in `lane_rows(ranks, lanes)` (rank-major, so a rank's lanes
+    stay together); with one rank it is `lanes.index(span.lane)`."""
     k = ranks.index(span.rank) if len(ranks) > 1 else 0
-    return k * len(LANES) + LANES.index(span.lane)
+    return k * len(lanes) + list(lanes).index(span.lane)
 
 
 def span_from_dict(data: Mapping[str, Any]) -> Span:

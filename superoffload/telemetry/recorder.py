@@ -1,8 +1,16 @@
 """Thread-safe, bounded recorder of timeline spans, per-iteration scalars and notes.
 
 Cheap when nobody reads it: recording is an append to a bounded deque under a lock.
-Readers take snapshots (`spans()`, `spans_since(seq)`), never live views, so the engine's
-threads never wait on a widget.
+Readers take snapshots (`spans()`, `spans_since(seq)`, `scalars_since(seq)`,
+`notes_since(count)`), never live views, so the engine's threads never wait on a widget; a
+reader that keeps up reads only what is new (a live dashboard's refresh costs what arrived
+since the last one, not the run's length).
+
+The buffer is bounded (`max_events` spans and scalars), but the run's start is not lost: an
+iteration whose spans have all left the buffer is binned into `archive`
+(telemetry/archive.py), and so are the scalars that left theirs. The binning runs in a
+reader's thread when there is a reader (the dashboard's refresher), else in the recording
+thread once `ARCHIVE_BATCH` spans have waited (a few ms every few hundred iterations).
 
 Device-side work (forward, backward, transfers, the device optimizer step) is timed on the
 device's clock: `mark(stream)` asks the recorder's `clock` for a point on the device
@@ -25,7 +33,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from superoffload.telemetry.archive import IterationArchive
 from superoffload.telemetry.events import LANES, Span
+
+ARCHIVE_BATCH = 4096
+"""Spans that left the buffer and wait to be binned; past this the recording thread bins them
+(no reader did)."""
+LATE_ITERATIONS = 2
+"""An iteration's last spans (its CPU tail, H2D) may be recorded this many iterations later:
+an iteration is archived once the buffer's oldest span is this much newer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +100,19 @@ class Recorder:
         self._t0 = time.perf_counter()
         self._lock = threading.Lock()
         self._spans: deque[tuple[int, Span]] = deque(maxlen=max_events)
-        self._scalars: deque[Scalar] = deque(maxlen=max_events)
+        self._scalars: deque[tuple[int, Scalar]] = deque(maxlen=max_events)
+        self._latest: dict[str, Scalar] = {}
         self._notes: deque[Note] = deque(maxlen=10_000)
+        self._notes_total = 0
         self._seq = itertools.count()
+        self._scalar_seq = itertools.count()
         self._last_seq = -1
+        self._last_scalar_seq = -1
+        self.archive = IterationArchive()
+        """The run's iterations whose spans left the buffer, binned (module docstring)."""
+        self._evicted: list[Span] = []
+        self._context: list[Span] = []
+        self._archiving = threading.Lock()
         self.clock: DeviceClock = HostClock(self.now)
         self._pending: list[tuple[str, str, Any, Any, int, int, int]] = []
 
@@ -110,7 +135,12 @@ class Recorder:
         with self._lock:
             seq = next(self._seq)
             self._last_seq = seq
+            if len(self._spans) == self.max_events:
+                self._evicted.append(self._spans[0][1])  # the append below drops it
             self._spans.append((seq, span))
+            waiting = len(self._evicted)
+        if waiting >= ARCHIVE_BATCH:
+            self._archive()
 
     def add(
         self,
@@ -190,21 +220,57 @@ class Recorder:
                 self._pending[:0] = keep
 
     def scalar(self, name: str, iteration: int, value: float) -> None:
-        if self.enabled:
-            with self._lock:
-                self._scalars.append(Scalar(name, iteration, float(value), self.now()))
+        if not self.enabled:
+            return
+        sc = Scalar(name, iteration, float(value), self.now())
+        with self._lock:
+            if len(self._scalars) == self.max_events:
+                old = self._scalars[0][1]  # leaves the buffer: binned, not lost
+                self.archive.add_scalars([(old.name, old.iteration, old.value)])
+            seq = next(self._scalar_seq)
+            self._last_scalar_seq = seq
+            self._scalars.append((seq, sc))
+            self._latest[name] = sc
 
     def note(self, iteration: int, text: str) -> None:
         """Plain-language events are kept even when spans are disabled: they are rare."""
         with self._lock:
             self._notes.append(Note(iteration, text, self.now()))
+            self._notes_total += 1
 
     def clear(self) -> None:
         with self._lock:
             self._pending.clear()
             self._spans.clear()
             self._scalars.clear()
+            self._latest.clear()
             self._notes.clear()
+            self._evicted, self._context = [], []
+            self.archive = IterationArchive()
+
+    def _archive(self) -> None:
+        """Bin the iterations whose spans have all left the buffer (module docstring), in
+        whichever thread calls it, off the recorder's lock; skipped while another thread is
+        at it."""
+        if self._archiving.acquire(blocking=False):
+            try:
+                self._archive_step()
+            finally:
+                self._archiving.release()
+
+    def _archive_step(self) -> None:
+        with self._lock:
+            if not self._evicted or not self._spans:
+                return
+            through = self._spans[0][1].iteration - LATE_ITERATIONS - 1
+            done = [s for s in self._evicted if s.iteration <= through + 1]
+            self._evicted = [s for s in self._evicted if s.iteration > through]
+        if not done:
+            return
+        # the previous batch's last iterations: their late CPU spans fall in these windows
+        spans = [*self._context, *done]
+        self.archive.add_spans(spans, after=self.archive.last_iteration, through=through)
+        self._context = [s for s in spans if through - LATE_ITERATIONS < s.iteration <= through]
 
     # ----------------------------------------------------------------- reading
     @property
@@ -213,7 +279,9 @@ class Recorder:
         return self._last_seq
 
     def spans(self) -> list[Span]:
+        """The spans the buffer holds, oldest first (the run's older iterations: `archive`)."""
         self.flush()
+        self._archive()
         with self._lock:
             return [s for _, s in self._spans]
 
@@ -223,6 +291,7 @@ class Recorder:
         the new spans are its tail (a live dashboard asks twice a second of a buffer of
         ~10^5 spans)."""
         self.flush()
+        self._archive()
         with self._lock:
             if not self._spans:
                 return [], self._last_seq
@@ -232,12 +301,72 @@ class Recorder:
             return out, self._last_seq
 
     def scalars(self, name: str | None = None) -> list[Scalar]:
+        """The scalars the buffer holds (all, or one name's), oldest first: a full pass; a
+        reader that keeps up uses `scalars_since`."""
         with self._lock:
-            return [s for s in self._scalars if name is None or s.name == name]
+            return [s for _, s in self._scalars if name is None or s.name == name]
+
+    def scalars_since(self, seq: int) -> tuple[list[Scalar], int]:
+        """Scalars recorded after sequence number `seq`, and the newest sequence number (the
+        tail of the buffer, as `spans_since`)."""
+        with self._lock:
+            if not self._scalars:
+                return [], self._last_scalar_seq
+            new = len(self._scalars) - max(0, seq - self._scalars[0][0] + 1)
+            out = [s for _, s in itertools.islice(reversed(self._scalars), max(new, 0))]
+            out.reverse()
+            return out, self._last_scalar_seq
+
+    def latest_scalar(self, name: str) -> Scalar | None:
+        """The newest scalar of `name` (None before the first): one lookup, no pass."""
+        with self._lock:
+            return self._latest.get(name)
 
     def notes(self) -> list[Note]:
         with self._lock:
             return list(self._notes)
+
+    def notes_since(self, count: int) -> tuple[list[Note], int]:
+        """The notes after the first `count` ever recorded, and how many were recorded (the
+        buffer keeps the newest 10,000)."""
+        with self._lock:
+            held = len(self._notes)
+            new = min(held, max(0, self._notes_total - count))
+            return list(itertools.islice(self._notes, held - new, held)), self._notes_total
+
+    def spans_from_iteration(self, first: int) -> list[Span]:
+        """The spans of iterations >= `first` the buffer holds, oldest first: read from the
+        newest backwards, stopping where the buffer is older than `first` (a few iterations of
+        late spans allowed), so the cost is what is returned, not the buffer's size."""
+        self.flush()
+        out: list[Span] = []
+        with self._lock:
+            for _, s in reversed(self._spans):
+                if s.iteration < first - LATE_ITERATIONS:
+                    break
+                if s.iteration >= first:
+                    out.append(s)
+        out.reverse()
+        return out
+
+    def whole_run(self) -> tuple[IterationArchive, list[Span]]:
+        """The whole run: a snapshot of `archive` and every span not in it (those still
+        waiting to be binned, then the buffer's), oldest first. What a static figure, a CSV
+        or a report of the run reads."""
+        archive, spans, _seq = self.whole_run_seq()
+        return archive, spans
+
+    def whole_run_seq(self) -> tuple[IterationArchive, list[Span], int]:
+        """`whole_run()` and the sequence number of its newest span, read at once: a reader
+        continues with `spans_since(seq)`, nothing missed or read twice."""
+        self.flush()
+        with self._archiving:  # no batch half-way between the archive and the rest
+            self._archive_step()
+            with self._lock:
+                archive = self.archive.snapshot()
+                done = archive.last_iteration
+                waiting = [s for s in self._evicted if s.iteration > done]
+                return archive, waiting + [s for _, s in self._spans], self._last_seq
 
     def iterations(self) -> list[int]:
         """Iterations with at least one span, ascending."""

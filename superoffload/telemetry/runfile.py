@@ -12,7 +12,7 @@ A saved run is a folder: `spans.jsonl` (one `Span.to_dict()` per line, `ranks.sa
 per iteration: the command keeps the first and final loss only).
 
 A `SavedRun` holds per-iteration metrics (of the lowest rank), the scalars and the notes:
-what the dashboard overlays (`widgets/compare.py`). `segment()` cuts a run at a change of
+what the dashboard overlays (`widgets/dashboard/compare.py`). `segment()` cuts a run at a change of
 settings, so the iterations before and after an Apply compare as two runs.
 """
 

@@ -10,7 +10,9 @@ the Trace Event Format's JSON object form, the one PyTorch's profiler (kineto) w
 
     {"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}
 
-  tracks     one process per rank ("superoffload rank r"), one thread per lane in LANES order
+  tracks     one process per rank ("superoffload rank r"), one thread per lane the spans use
+             (`events.lanes_in`: a storage lane only for a run that read or wrote storage), in
+             LANES order
              (metadata events, ph "M": process_name, thread_name, thread_sort_index); a lane
              whose spans partially overlap (they cannot nest) spills onto "lane (2)", ...
   spans      complete events (ph "X"), `ts` and `dur` in microseconds since the recorder's
@@ -52,8 +54,10 @@ from superoffload.telemetry.events import (
     KIND_H2D,
     KIND_REPLAY,
     KIND_ROLLBACK,
+    LANE_LABELS,
     LANES,
     Span,
+    lanes_in,
 )
 from superoffload.telemetry.recorder import Note, Recorder, Scalar
 
@@ -63,10 +67,6 @@ FLOW_CAT = "bucket"
 """Category of the bucket flows (flow ids are unique within a category)."""
 ITERATION_TID = 0
 _FLOW_KINDS = (KIND_D2H, KIND_CPU_STEP, KIND_ROLLBACK, KIND_REPLAY, KIND_H2D)
-_LANE_NAMES = {
-    "device_compute": "device compute", "d2h": "D2H (grads out)", "cpu_optimizer": "CPU optimizer",
-    "h2d": "H2D (weights in)", "device_optimizer": "device optimizer",
-}
 _MIN_DUR_US = 0.001  # a zero-length span still needs a body for a flow to bind to
 
 
@@ -175,11 +175,11 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
         # one pass of the metrics per rank: the iteration slices and the counters share it
         per_iter = [(m, vocab.iteration_values(m)) for m in metrics.iteration_metrics(mine)]
         events.extend(_iteration_slices(rank, per_iter))
-        for lane_pos, lane in enumerate(LANES):
+        for lane in lanes_in(mine):
             tracks = assign_tracks([s for s in mine if s.lane == lane])
             for depth, track in enumerate(tracks):
-                tid = 1 + lane_pos + 100 * depth
-                name = _LANE_NAMES[lane] + (f" ({depth + 1})" if depth else "")
+                tid = 1 + LANES.index(lane) + 100 * depth  # a lane keeps its place in any run
+                name = LANE_LABELS[lane] + (f" ({depth + 1})" if depth else "")
                 events.append(_meta(rank, tid, "thread_name", {"name": name}))
                 events.append(_meta(rank, tid, "thread_sort_index", {"sort_index": tid}))
                 for s in track:
@@ -201,7 +201,7 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"producer": "superoffload", "clock": "seconds since the recorder's origin",
-                      "lanes": list(LANES)},
+                      "lanes": list(lanes_in(spans))},
     }
 
 

@@ -19,7 +19,7 @@ iterations, how much was hidden", and a rate "how many bytes per second of movin
     window_of(done, tokens=4096)                     # with the window's first/last iteration
 
 `WEIGHTS` gives each per-iteration metric its denominator: a weighted mean of per-iteration
-values with these weights is the pooled value (what `widgets/history.Binned` keeps per bin).
+values with these weights is the pooled value (what `telemetry/binned.Binned` keeps per bin).
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ writes the new one after every rank's files are in place (the digests' all-gathe
 barrier), so a manifest means a complete checkpoint, and a flipped byte or a file from
 another save is refused naming it. Any world size and mesh loads it (DCP reshards); RNG states
 come back on the same world size. A former ZeRO checkpoint (legacy.py) is converted on load.
+
+Buffers (BatchNorm's running statistics) and frozen parameters that are not sharded live on
+every rank, and FSDP2 does not keep them equal: each rank's differ. DCP writes one copy of
+such a tensor, from whichever rank its planner picks (a resumed rank 0 got rank 1's running
+variance). Each rank's own copy goes into its rank file, and comes back to it on the same
+world size; DCP's copy is rank 0's (the copy DDP broadcasts), which a load on another world
+size and ``consolidate`` give.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from superoffload.runtime.ckpt_files import (
     CheckpointCorrupt,
     check_digests,
     file_sha256,
+    how_to_export,
     read_verified,
     write_atomic,
     write_text_atomic,
@@ -73,6 +81,11 @@ def _model_rest(engine: FsdpCheckpointable) -> dict[str, torch.Tensor]:
             if id(v) not in trained}
 
 
+def _own_rest(engine: FsdpCheckpointable) -> dict[str, torch.Tensor]:
+    """This rank's copy of each unsharded buffer and frozen parameter (module docstring)."""
+    return {k: v.clone() for k, v in _model_rest(engine).items() if not is_dtensor(v)}
+
+
 def _dcp_state(engine: FsdpCheckpointable, states: dict[int, ParamState],
                rest: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What DCP saves or fills: "state/<name>/<kind>" and "model/<key>"."""
@@ -102,10 +115,11 @@ def save(engine: FsdpCheckpointable, path: str, *, extra: Any = None,
     error: Exception | None = None
     digests: dict[str, str] = {}
     try:
-        with collective_guard("DCP save"):
-            dcp.save(tensors, checkpoint_id=path)
+        with collective_guard("DCP save"):  # one copy of a replicated tensor: rank 0's
+            dcp.save(tensors, checkpoint_id=path,
+                     planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
         payload: dict[str, Any] = {"format": FORMAT, "rank": rank, "world_size": world,
-                                   "rng": single.rng_state()}
+                                   "rng": single.rng_state(), "buffers": _own_rest(engine)}
         if rank == 0:
             payload["extra"] = extra
             payload["lr_scheduler"] = None if lr_scheduler is None else lr_scheduler.state_dict()
@@ -127,8 +141,10 @@ def save(engine: FsdpCheckpointable, path: str, *, extra: Any = None,
         files[".metadata"] = file_sha256(os.path.join(path, ".metadata"))
         manifest = {"format": FORMAT, "world_size": world, "files": sorted(files),
                     "sha256": files, **single.common_payload(engine),
-                    "steps": {st.names[i]: st.steps[i] for i in st.trainable}}
+                    "steps": {st.names[i]: st.steps[i] for i in st.trainable},
+                    "export": how_to_export()}
         write_text_atomic(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1))
+        single.log.info("checkpoint saved: %s; export it with %s", path, how_to_export(path))
     _gather(True, "checkpoint manifest written")
     return path
 
@@ -181,14 +197,16 @@ def load(engine: FsdpCheckpointable, path: str, *, lr_scheduler: Any = None) -> 
         dcp.load(targets, checkpoint_id=path)
     engine.restore({i: _state(targets, st.names[i], int(manifest["steps"][st.names[i]]))
                     for i in current})
-    _copy_model_rest(engine, {k: targets[f"model/{k}"] for k in rest})
-    single.restore_common(engine, manifest)
     n = manifest["world_size"]
     first = read_verified(os.path.join(path, rank_file(0, n)))
-    if n == engine.world_size:  # same layout: each rank resumes its RNG
+    mine = None
+    if n == engine.world_size:  # same layout: each rank resumes its RNG and its buffers
         mine = first if engine.rank == 0 else read_verified(
             os.path.join(path, rank_file(engine.rank, n)))
         single.set_rng_state(mine["rng"])
+    own = mine.get("buffers", {}) if mine is not None else {}  # none: saved before they were
+    _copy_model_rest(engine, {k: own.get(k, targets[f"model/{k}"]) for k in rest})
+    single.restore_common(engine, manifest)
     _load_scheduler(lr_scheduler, first.get("lr_scheduler"))
     _gather(True, "checkpoint loaded")
     return first.get("extra")

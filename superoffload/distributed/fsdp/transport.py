@@ -39,7 +39,8 @@ from superoffload.runtime.devices import GradStats
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import Priority, describe
 from superoffload.runtime.local_transport import LocalTransport
-from superoffload.runtime.state import BucketBuffers, ParamState, adopt_value, build_buffers
+from superoffload.runtime.state import BucketBuffers, ParamState
+from superoffload.runtime.tier_open import Storage
 from superoffload.runtime.transport import (
     NO_CHECKS,
     Checks,
@@ -117,39 +118,41 @@ class FsdpTransport(LocalTransport):
         super().start(ctx)  # the d2h and h2d lanes
 
     def build(self, plan: BucketPlan, states: Mapping[int, ParamState], cast: CastPolicy,
-              flow: bool, snapshot: bool,
-              moments: torch.dtype = torch.float32) -> list[BucketBuffers]:
+              flow: bool, snapshot: bool, moments: torch.dtype = torch.float32,
+              storage: Storage | None = None) -> list[BucketBuffers]:
         """Each rank allocates its local shard of every bucket from ``states`` (full tensors,
         or DTensors of the parameters' layout) and writes the masters into the shards (a
         load, a resharded resume)."""
         st, be = self.ctx.state, self.ctx.device_ops
         if flow and be.device.type != "cpu":
             check_flow_units(self.units, st.model)
-        numels = [[local_shard(st.params[i]).numel() for i in b.param_indices]
-                  for b in plan.buckets if not b.on_device]
+        local = {b.id: [typed(torch.nn.Parameter, local_shard(st.params[i]))
+                        for i in b.param_indices] for b in plan.buckets}
+        tier_plan = self.store.place(
+            plan, {b.id: sum(p.numel() for p in local[b.id]) for b in plan.host_buckets}, cast,
+            flow, snapshot, moments, storage)
+        numels = [[p.numel() for p in local[b.id]] for b in plan.buckets if not b.on_device]
         available, headroom = self._budget_args  # every rank agrees before allocating
-        self.host_budget = plan_host_bytes(numels, dtype=st.model_dtype, snapshot=snapshot,
-                                           moments=moments, local_ranks=self.local_ranks,
-                                           available=available, headroom=headroom)
+        self.host_budget = plan_host_bytes(
+            numels, dtype=st.model_dtype, snapshot=snapshot, moments=moments,
+            local_ranks=self.local_ranks, available=available, headroom=headroom,
+            planned=None if tier_plan is None else tier_plan.host_bytes)
         agree_host_budget(self.host_budget, self.group, self.rank)
-        self.buffers, self._pos = [], {}
-        for bucket in plan.buckets:
-            params = [st.params[i] for i in bucket.param_indices]
-            local = [typed(torch.nn.Parameter, local_shard(p)) for p in params]
-            local_states = [_local_state(states[i], p)
-                            for i, p in zip(bucket.param_indices, params)]
-            with torch.no_grad():  # the shards take the masters' values
-                for shard, state in zip(local, local_states):
+
+        def states_of(bucket: Bucket) -> list[ParamState]:
+            """This rank's shards of the bucket's states; the shards take the masters'
+            values (a load, a resharded resume)."""
+            states_here = [_local_state(states[i], st.params[i]) for i in bucket.param_indices]
+            with torch.no_grad():
+                for shard, state in zip(local[bucket.id], states_here):
                     shard.copy_(state.master)
-            shard_bucket = Bucket(bucket.id, bucket.param_indices,
-                                  sum(t.numel() for t in local), on_device=bucket.on_device)
-            self.buffers.append(build_buffers(
-                shard_bucket, local, local_states, alloc_host=be.alloc_host,
-                alloc_device=be.alloc_device, grad_host_dtype=cast.grad_host_dtype,
-                lp_host=cast.low_precision and cast.param_on_host, moment_dtype=moments))
-            self._pos.update((i, k) for k, i in enumerate(bucket.param_indices))
+            return states_here
+
+        buffers = self.store.build(self.ctx, plan, lambda b: local[b.id], states_of, cast,
+                                   flow=flow, moments=moments, tier_plan=tier_plan,
+                                   storage=storage, rank=self.rank)
         self._install_hooks()
-        return self.buffers
+        return buffers
 
     def _install_hooks(self) -> None:
         self._remove_hooks()
@@ -210,7 +213,8 @@ class FsdpTransport(LocalTransport):
         if buf.on_device:
             g = p.grad
             return None if g is None else g.detach()
-        return DTensor.from_local(buf.grad_host[k].to(p.device), p.device_mesh,  # type: ignore[attr-defined]
+        host = self.store.host_grad(buf, k)
+        return DTensor.from_local(host.to(p.device), p.device_mesh,  # type: ignore[attr-defined]
                                   p.placements, run_check=False, shape=p.shape,  # type: ignore[attr-defined]
                                   stride=p.stride())
 
@@ -241,28 +245,6 @@ class FsdpTransport(LocalTransport):
         """Every rank built the same model, configuration and param groups (or all raise)."""
         agree_fingerprint(fingerprint, self.group, self.ranks)
 
-    def adopt(self, indices: Sequence[int]) -> None:
-        """Parameters written outside the engine: their local shards become the masters."""
-        for i in indices:
-            buf, k = self._where(i)
-            if buf.master[k].data_ptr() != buf.params[k].data_ptr():  # fp32 tail: p is it
-                adopt_value(buf.master[k], buf.params[k],
-                            None if buf.lp_host is None else buf.lp_host[k])
-
-    def restore(self, indices: Sequence[int]) -> list[int]:
-        """Write the engine's weights back over the local shards ``indices``."""
-        lost = []
-        with torch.no_grad():
-            for i in indices:
-                buf, k = self._where(i)
-                src = buf.lp_host if buf.lp_host is not None else buf.master
-                if src[k].data_ptr() != buf.params[k].data_ptr():
-                    buf.params[k].copy_(src[k])
-                else:
-                    lost.append(i)  # an fp32 tail shard is its own master
-        self.ctx.device_ops.synchronize()
-        return lost
-
     def publish(self, b: int, positions: tuple[int, ...], after: Future[Any],
                 frozen: FrozenIteration, priority: Priority) -> Published:
         # FSDP2's shards are the weights' only home: always written (weight-flow included:
@@ -286,24 +268,23 @@ class FsdpTransport(LocalTransport):
         return (f"transfer lanes: {lanes}; FSDP2's collectives run in backward and in its "
                 f"forward pre-hooks, over ranks {self.ranks}: {stall_cause(self.ranks)}")
 
-    def export_states(self) -> dict[int, ParamState]:
+    def export_states(self, *, tier: bool = True) -> dict[int, ParamState]:
         """Every trainable parameter's state as DTensors of its layout (CPU local shards):
         no communication; ``build`` takes them back (a re-plan), DCP saves them."""
         from torch.distributed.tensor import DTensor
 
         st = self.ctx.state
         out: dict[int, ParamState] = {}
-        for buf in self.buffers:
-            for k, i in enumerate(buf.bucket.param_indices):
+        for b, states in self.store.export(st.steps, tier=tier).items():
+            for i, state in zip(self.buffers[b].bucket.param_indices, states):
                 p = st.params[i]
 
                 def dt(t: torch.Tensor, p: Any = p) -> torch.Tensor:
-                    return DTensor.from_local(
-                        t.detach().to("cpu", torch.float32, copy=True), p.device_mesh,
-                        p.placements, run_check=False, shape=p.shape, stride=p.stride())
+                    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                              shape=p.shape, stride=p.stride())
 
-                out[i] = ParamState(dt(buf.master[k]), dt(buf.exp_avg[k]),
-                                    dt(buf.exp_avg_sq[k]), st.steps[i])
+                out[i] = ParamState(dt(state.master), dt(state.exp_avg),
+                                    dt(state.exp_avg_sq), state.step)
         return out
 
     def close(self) -> None:

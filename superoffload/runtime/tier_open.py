@@ -1,0 +1,184 @@
+"""Opening the storage tier when the engine builds its buckets: the placement rule, the file
+(allocated in full, so a full disk fails here and never mid-run), the pinned pool, and the
+initial state written through it (docs/storage.md, "Files").
+
+The file of one engine (rank) is ``superoffload-state-<pid>-<random>-rank<r>.bin`` in
+``OffloadConfig.storage_path``; the engine holds an exclusive ``flock`` on it while it runs.
+A file of that name nobody holds is left over from a run that died (``kill -9``, a crash):
+it is scratch (the state a run resumes from is its checkpoint, docs/storage.md,
+"Durability") and is deleted here, saying so; a file a live run holds is left alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from superoffload.config import ConfigError, OffloadConfig
+from superoffload.plan.buckets import Bucket, BucketPlan
+from superoffload.plan.storage import (
+    ALIGN,
+    ElementBytes,
+    Homes,
+    Place,
+    TierError,
+    TierPlan,
+    plan_tier,
+)
+from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.lanes import Lane
+from superoffload.runtime.state import BucketBuffers, ParamState
+from superoffload.runtime.tier import StateTier
+from superoffload.runtime.tier_access import fill
+from superoffload.telemetry.recorder import Recorder
+
+PREFIX = "superoffload-state-"
+
+
+class StorageNotice(UserWarning):
+    """What the storage tier did on its own (stale files removed, buffered I/O)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """What building reads of the configuration for the tier (``OffloadConfig.storage_*``)."""
+
+    path: str | None
+    budget_bytes: int | None
+    buffer_count: int
+    block_bytes: int
+    queue_depth: int
+    threads: int
+    direct: str
+    watchdog_s: float
+    weight_homes: Place = "host"
+    prefetch_depth: int = 1
+
+    @classmethod
+    def of(cls, config: OffloadConfig) -> Storage:
+        return cls(config.storage_path, config.host_memory_budget_bytes,
+                   config.storage_buffer_count, config.storage_block_bytes,
+                   config.storage_queue_depth, config.storage_threads, config.storage_direct,
+                   config.watchdog_s, config.weight_homes, config.prefetch_depth)
+
+
+def element_bytes(cast: CastPolicy, moments: torch.dtype, *, snapshot: bool,
+                  flow: bool) -> ElementBytes:
+    """Bytes per element of an offloaded bucket as the buffers are allocated (state.py)."""
+    lp = cast.model_dtype.itemsize if cast.low_precision and cast.param_on_host else 0
+    return ElementBytes(moment=moments.itemsize, grad=cast.grad_host_dtype.itemsize, lp=lp,
+                        snapshot=snapshot, home=lp if flow else 0)
+
+
+def homes_of(storage: Storage, cast: CastPolicy, flow: bool) -> Homes | None:
+    """Weight-flow's homes for the rule (``OffloadConfig.weight_homes``): a fetch copies the
+    model dtype (the host copy, or an fp32 model's master) through ``prefetch_depth + 1``
+    staging buffers; None without weight-flow."""
+    if not flow:
+        return None
+    return Homes(storage.weight_homes, cast.model_dtype.itemsize, storage.prefetch_depth + 1)
+
+
+def place(plan: BucketPlan, numel: Mapping[int, int], storage: Storage,
+          element: ElementBytes, homes: Homes | None = None) -> TierPlan:
+    """Which offloaded buckets live in the file (plan/storage.py's rule), with this rank's
+    elements per bucket (``numel``: FSDP2 ranks hold shards), and where weight-flow's homes
+    live (``homes``); the rule's errors as the configuration's."""
+    local = [Bucket(b.id, b.param_indices, numel[b.id], False) for b in plan.host_buckets]
+    try:
+        return plan_tier(local, element, storage=storage.path is not None,
+                         budget_bytes=storage.budget_bytes, buffer_count=storage.buffer_count,
+                         homes=homes)
+    except TierError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def open_tier(tier: TierPlan, buffers: Sequence[BucketBuffers],
+              states_of: Callable[[int], list[ParamState]], *, storage: Storage,
+              cast: CastPolicy,
+              moments: torch.dtype, flow: bool, alloc_host: object, lanes: tuple[Lane, Lane],
+              landed: object, recorder: Recorder, rank: int,
+              track: object, raise_failed: object) -> StateTier:
+    """The file allocated in full, the pool, the states written (bucket by bucket: memory
+    bounded by the pool). ``buffers``: every bucket's, the tier ones unallocated;
+    ``states_of(b)``: bucket ``b``'s placement-free states, in its order."""
+    from superoffload.storage.aio import AioEngine
+
+    assert storage.path is not None
+    folder = Path(storage.path).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"OffloadConfig.storage_path={storage.path!r}: cannot create the "
+                          f"folder ({exc.strerror}); name a writable folder on a local "
+                          "disk") from None
+    remove_stale(folder)
+    path = folder / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-rank{rank}.bin"
+    io = AioEngine(queue_depth=storage.queue_depth, block_bytes=storage.block_bytes,
+                   thread_count=storage.threads, direct=storage.direct)
+    try:
+        file = io.open(str(path), tier.file_bytes, create=True)
+    except BaseException:
+        io.close()
+        raise
+    lock = os.open(path, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours: remove_stale leaves it alone
+    pool = aligned_pool(tier.slots, tier.slot.nbytes,
+                        lambda n: alloc_host(n, torch.uint8))  # type: ignore[operator]
+    stage = aligned_pool(tier.stage[0], tier.stage[1],  # weight-flow's reads of homes
+                         lambda n: alloc_host(n, torch.uint8))  # type: ignore[operator]
+    lp_dtype = cast.model_dtype if cast.low_precision and cast.param_on_host else None
+    store = StateTier(tier, buffers, io=io, file=file, slots=pool, read_lane=lanes[0],
+                      write_lane=lanes[1], recorder=recorder, landed=landed,  # type: ignore[arg-type]
+                      watchdog_s=storage.watchdog_s, track=track,  # type: ignore[arg-type]
+                      raise_failed=raise_failed,  # type: ignore[arg-type]
+                      moment_dtype=moments,
+                      grad_dtype=cast.grad_host_dtype, lp_dtype=lp_dtype, flow=flow,
+                      stage=stage, alloc_host=alloc_host)  # type: ignore[arg-type]
+    store.path, store.lock_fd = str(path), lock  # close() deletes the file, drops the lock
+    for b in tier.tier:
+        fill(store, b, states_of(b))
+    store.wait_idle()
+    return store
+
+
+def remove_stale(folder: Path) -> list[str]:
+    """Delete the tier files in ``folder`` that no live engine holds (module docstring)."""
+    removed = []
+    for path in sorted(folder.glob(f"{PREFIX}*.bin")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live run holds it
+        finally:
+            os.close(fd)
+        size = path.stat().st_size
+        path.unlink(missing_ok=True)
+        removed.append(f"{path.name} ({size:,} bytes)")
+    if removed:
+        warnings.warn(f"storage tier: removed {len(removed)} file(s) in {folder} left by runs "
+                      f"that ended without closing their engine: {', '.join(removed)}",
+                      StorageNotice, stacklevel=3)
+    return removed
+
+
+def aligned_pool(count: int, nbytes: int, alloc: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    """``count`` buffers of ``nbytes``, each starting on an ``ALIGN`` boundary (``alloc``
+    gives uint8 tensors; the engine's pins them on CUDA)."""
+    out = []
+    for _ in range(count):
+        raw = alloc(nbytes + ALIGN)
+        skip = (-raw.data_ptr()) % ALIGN
+        out.append(raw[skip:skip + nbytes])
+    return out
