@@ -5,7 +5,7 @@ in one run.
     .venv/bin/python benchmarks/bench_cpu_adam.py                  # 2^26 params, 2 threads
     .venv/bin/python benchmarks/bench_cpu_adam.py --numel 4194304 --repeats 5   # quick
 
-Same as `python -m superoffload bench adam`; the code lives in superoffload.kernels.bench.
+Same as `python -m superoffload bench adam`; the code lives in superoffload.kernels.adam_bench.
 """
 
 from __future__ import annotations

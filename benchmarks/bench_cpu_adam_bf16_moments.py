@@ -10,7 +10,8 @@ masters inside CPUAdam). Prints the training loss (mean of each window of steps)
 validation loss at the end, as a markdown table; the two runs step in lockstep in one
 process, so the machine's load does not matter (the numbers are deterministic).
 
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_cpu_adam_bf16_moments.py  # small, 400 steps
+    # small, 400 steps
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_cpu_adam_bf16_moments.py
     .venv/bin/python benchmarks/bench_cpu_adam_bf16_moments.py --preset tiny --steps 100
 """
 

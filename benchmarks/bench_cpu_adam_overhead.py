@@ -7,7 +7,7 @@ torch optimizer and CPUAdam get their state pre-filled with the shared moments),
 placement is identical, and they run interleaved round by round in one process (the
 machine is shared: separate runs differ by +-10%, FACTS.md); medians are reported.
 
-    .venv/bin/python benchmarks/bench_cpu_adam_overhead.py                 # 26 M params, 184 tensors
+    .venv/bin/python benchmarks/bench_cpu_adam_overhead.py   # 26 M params, 184 tensors
     .venv/bin/python benchmarks/bench_cpu_adam_overhead.py --numel 4000000 --repeats 9
 """
 
@@ -22,7 +22,7 @@ import torch
 
 import superoffload as so
 import superoffload.kernels as K
-from superoffload.kernels.bench import transformer_sizes
+from superoffload.kernels.adam_bench import transformer_sizes
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 

@@ -206,9 +206,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds (interleaved unless --sequential)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds (interleaved unless --sequential)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant")
-    ap.add_argument("--preset", choices=tuple(presets.PRESETS), default=None,
+    ap.add_argument("--preset", choices=tuple(presets.CONFIG_PRESETS), default=None,
                     help="settings of the super rows (default: tiny_cpu on CPU, pcie_host on CUDA)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="bucket size of zero and super")
     ap.add_argument("--ratio", type=float, default=None, help="ratio of the super row")
@@ -223,7 +224,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick-profile", action="store_true",
                     help="with --profile local: the quick measurement (default on a CPU host)")
     ap.add_argument("--max-grad-norm", type=float, default=0.0,
-                    help="clipping for zero and super; 0 (default) disables it, so plain is comparable")
+                    help="clipping for zero and super; 0 (default) disables it, "
+                         "so plain is comparable")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return ap.parse_args(argv)
 
@@ -244,14 +246,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if cuda else "fp32")]
+    dtype_name = args.dtype or ("bf16" if cuda else "fp32")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     batch, seq = args.batch or (16 if cuda else 8), args.seq or (256 if cuda else 128)
     torch.manual_seed(0)
     gpt, model_name = _model(args, cuda, seq)
     base = gpt.to(device=device, dtype=dtype)
     sampler = BatchSampler(load_tokens(), batch_size=batch, seq_len=seq, seed=0, device=device)
     batches = [sampler.next_batch() for _ in range(8)]
-    super_cfg = presets.PRESETS[args.preset or ("pcie_host" if cuda else "tiny_cpu")]()
+    super_cfg = presets.CONFIG_PRESETS[args.preset or ("pcie_host" if cuda else "tiny_cpu")]()
     changes: dict[str, Any] = {"device": str(device), "max_grad_norm": args.max_grad_norm or None}
     if not cuda:
         changes["pin_memory"] = False
@@ -266,7 +269,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     variants += [(f"super {r:g}", super_cfg.replace(ratio=r)) for r in ratios]
     shape = plan.ModelShape.from_module(base, seq=seq, micro_batch=batch,
                                         activation_checkpointing=base.config.checkpointing)
-    prof = None if args.profile == "none" else _profile(args.profile, args.quick_profile or not cuda)
+    prof = None
+    if args.profile != "none":
+        prof = _profile(args.profile, args.quick_profile or not cuda)
     tech = plan.Techniques(rollback_rate=PAPER_CLIP_RATE if args.max_grad_norm else 0.0)
     lr = 1e-4
 
@@ -291,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.tuned and fitted is not None:
             tuned, _, _ = plan.tune(shape, fitted, plan.Constraints(
                 rollback_rate=tech.rollback_rate,
-                fixed={k: getattr(super_cfg, k) for k in ("device", "pin_memory", "max_grad_norm")}))
+                fixed={k: getattr(super_cfg, k)
+                       for k in ("device", "pin_memory", "max_grad_norm")}))
             variants.append(("tuned", tuned.replace(extra={})))
         if args.sequential:
             for _ in range(args.rounds - 1):

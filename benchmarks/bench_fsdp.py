@@ -113,7 +113,7 @@ def iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from superoffload.kernels.bench import rotated
+    from superoffload.kernels.adam_bench import rotated
     from superoffload.models.gpt import PRESETS
 
     torch.set_num_threads(args.threads)
@@ -154,10 +154,11 @@ def table(res: dict[str, Any]) -> str:
         m = res["median_s"][name]
         rows.append(f"| {name} | {m['step'] * 1e3:.1f} | {base['step'] / m['step']:.2f}x | "
                     f"{m['iter'] * 1e3:.1f} | {base['iter'] / m['iter']:.2f}x |")
-    head = (f"{res['preset']}: {res['params'] / 1e6:.1f} M parameters ({res['local_params_rank0'] / 1e6:.2f} M "
-            f"on rank 0), {res['world']} ranks, batch {res['batch']} x {res['seq']} tokens per "
-            f"rank, {res['rounds']} rounds, {res['threads']} thread(s) per rank, torch "
-            f"{res['torch']}; max |weight diff| vs fused after the run: "
+    head = (f"{res['preset']}: {res['params'] / 1e6:.1f} M parameters "
+            f"({res['local_params_rank0'] / 1e6:.2f} M on rank 0), {res['world']} ranks, "
+            f"batch {res['batch']} x {res['seq']} tokens per rank, {res['rounds']} rounds, "
+            f"{res['threads']} thread(s) per rank, torch {res['torch']}; "
+            "max |weight diff| vs fused after the run: "
             f"{res['max_weight_diff_vs_fused']:.1e}")
     return head + "\n\n" + "\n".join(rows)
 

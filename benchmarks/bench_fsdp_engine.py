@@ -25,8 +25,9 @@ barrier; medians over the rounds after ``--warmup``.
 
 Beside each engine row the planner's prediction (``plan.simulate`` of this model at
 ``dp`` = the ranks, all on this host, with the arm's config, engine variant and the clipping
-rate the run measured): the profile is ``--profile`` ("local": ``plan.measure_local(quick=True)``, cached,
-then ``plan.probe.probe_model`` for this model's matmuls and passes; "none" skips it),
+rate the run measured): the profile is ``--profile`` ("local":
+``plan.measure_local(quick=True)``, cached, then ``plan.probe.probe_model`` for this model's
+matmuls and passes; "none" skips it),
 measured on rank 0 before the arms are built, with its collective figures fitted to this job's
 own all-gathers and reduce-scatters (``collective_fit``: every rank times them together,
 4 KB up to the model's fp32 bytes; the ring model's latency and bandwidth by least squares). On a
@@ -174,11 +175,11 @@ def _per_unit_engine() -> type:
     from superoffload.distributed.fsdp import FsdpOffloadEngine
 
     class PerUnit(FsdpOffloadEngine):
-        def _facts(self) -> Any:
-            facts = super()._facts()
+        def facts(self) -> Any:
+            facts = super().facts()
             index = {id(p): i for i, p in enumerate(self.state.params)}
             units = tuple(tuple(sorted(index[id(p)] for p in u.params if id(p) in index))
-                          for u in self.fsdp.units)
+                          for u in self.units)
             return dataclasses.replace(facts, units=units, engine=dataclasses.replace(
                 facts.engine, buckets_per_unit=True))
 
@@ -207,7 +208,7 @@ def build_arms(preset: str, threads: int, bucket_bytes: int | None = None
 def run_engines(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from superoffload.kernels.bench import rotated
+    from superoffload.kernels.adam_bench import rotated
     from superoffload.models.gpt import PRESETS
 
     cfg = PRESETS[args.preset]()
@@ -253,7 +254,7 @@ def run_engines(args: argparse.Namespace, rank: int, world: int) -> dict[str, An
             "seq": args.seq, "batch": args.batch, "rounds": args.rounds, "block": args.block,
             "threads": args.threads, "torch": torch.__version__,
             "bucket_bytes": arms["fsdp_engine"][1].config.bucket_bytes,
-            "units": len(arms["fsdp_engine"][1].fsdp.units),
+            "units": len(arms["fsdp_engine"][1].units),
             "median_s": {n: statistics.median(t) for n, t in times.items()},
             "all_s": times, "predicted": predicted}
 

@@ -43,7 +43,7 @@ def make_sets(variant: str, set_numel: int, sets: int) -> list[K.PreparedAdam]:
 
 def make_gpt(numel: int, layers: int) -> list[K.PreparedAdam]:
     """One fp32 call over GPT-like tensors (the CPUAdam benchmark's layout)."""
-    from superoffload.kernels.bench import transformer_sizes
+    from superoffload.kernels.adam_bench import transformer_sizes
 
     sizes = transformer_sizes(numel, layers=layers)
     ps = [torch.randn(n) * 0.02 for n in sizes]
@@ -98,8 +98,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {numel / med / 1e6:,.0f} | {numel * BYTES[args.variant] / med / 1e9:.1f} "
-              f"| {base / med:.3f}x |")
+        gbps = numel * BYTES[args.variant] / med / 1e9
+        print(f"| {name} | {numel / med / 1e6:,.0f} | {gbps:.1f} | {base / med:.3f}x |")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def measure(schedule: str) -> list[float]:
     import torch
 
     import superoffload.kernels as K
-    from superoffload.kernels.bench import transformer_sizes
+    from superoffload.kernels.adam_bench import transformer_sizes
     from superoffload.models import GPT, gpt_tiny
 
     torch.set_num_threads(2)

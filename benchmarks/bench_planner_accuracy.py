@@ -4,7 +4,7 @@ For each model (default: the CPU demo's ``small`` and ``medium``, batch 16 x 128
 tiny_cpu preset the CLI uses on a CPU) one engine trains while the ratio rotates through
 --ratios in blocks of --block iterations (interleaved, so every ratio sees the same load),
 after --calibrate iterations at the first ratio that the auto-calibration fits on, as
-``superoffload train`` does (runtime/autocal.py). Printed per ratio: the measured median
+``superoffload train`` does (runtime/calibrator.py). Printed per ratio: the measured median
 iteration time over the interleaved rounds only (first iteration after each switch dropped;
 the calibration window is not a measurement), the prediction before
 calibration (``measure_local(quick=True)`` + ``probe_model`` for the model: its GEMMs,
@@ -86,7 +86,8 @@ def run_model(name: str, ratios: list[float], args: argparse.Namespace,
             after = plan.simulate(shape, cal_profile, config=cfg, techniques=tech).iteration_s
             rows.append({"ratio": r, "measured_ms": measured * 1e3, "n": len(times[r]),
                          "before_ms": before * 1e3, "after_ms": after * 1e3,
-                         "before_error": before / measured - 1, "after_error": after / measured - 1})
+                         "before_error": before / measured - 1,
+                         "after_error": after / measured - 1})
     return {"model": name, "params": shape.params, "rows": rows, "calibration": report.line(),
             "probe": probed.extra.get("probe", {}), "flags": list(probed.flags)}
 
@@ -139,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'ratio':>5} {'measured ms':>11} {'n':>3} {'before ms':>10} {'error':>7} "
               f"{'after ms':>9} {'error':>7}")
         for r in m["rows"]:
-            print(f"  {r['ratio']:5.2f} {r['measured_ms']:11.1f} {r['n']:3d} {r['before_ms']:10.1f} "
-                  f"{r['before_error']:+7.0%} {r['after_ms']:9.1f} {r['after_error']:+7.0%}")
+            print(f"  {r['ratio']:5.2f} {r['measured_ms']:11.1f} {r['n']:3d} "
+                  f"{r['before_ms']:10.1f} {r['before_error']:+7.0%} "
+                  f"{r['after_ms']:9.1f} {r['after_error']:+7.0%}")
     rep = out["repeatability"]
     if rep:
         print(f"\nrepeatability: {len(rep['predicted_ms'])} back-to-back quick profiles predict "

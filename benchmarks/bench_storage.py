@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from superoffload.storage import AioEngine, aligned_empty
-from superoffload.storage.measure import timed_pass
+from superoffload.storage.folder_speed import timed_pass
 
 
 @dataclass(frozen=True)

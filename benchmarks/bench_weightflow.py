@@ -1,6 +1,7 @@
 """Weight-stationary vs weight-flow: iteration time against sequence length (paper §4.5).
 
-    .venv/bin/python benchmarks/bench_weightflow.py --seqs 1 4 16 64 128 256 512 1024 --iters 7   # docs
+    # the run in the docs
+    .venv/bin/python benchmarks/bench_weightflow.py --seqs 1 4 16 64 128 256 512 1024 --iters 7
     .venv/bin/python benchmarks/bench_weightflow.py --seqs 32 128 --iters 3   # quick look
 
 One GPT (``superoffload.models.gpt``) is trained under each policy at each sequence length,
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     serial = _crossover(seqs, [t["predicted_serial_efficiency"] for t in table])
     if args.json:
         print(json.dumps({"rows": table, "measured_crossover_seq": measured,
-                          "predicted_crossover_seq": predicted, "serial_crossover_seq": serial, "compute_tflops": flops_s / 1e12,
+                          "predicted_crossover_seq": predicted, "serial_crossover_seq": serial,
+                          "compute_tflops": flops_s / 1e12,
                           "fetch_gbps": link_gbps}, indent=2))
         return 0
     n_params = rows[0]["stationary"]["shape"].params

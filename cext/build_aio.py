@@ -88,7 +88,8 @@ def _relative(path: Path) -> str:
     # setuptools wants source paths relative to the project root when building in place
     try:
         return os.path.relpath(path)
-    except ValueError:  # different drive (Windows)
+    except ValueError:
+        # different drive (Windows)
         return str(path)
 
 

@@ -26,7 +26,8 @@ def dirty_reasons(nb: dict) -> list[str]:
         source = "".join(cell.get("source", []))
         for name in DESIGN_NOTES:
             if name in source:
-                reasons.append(f"cell {i} cites {name}, a design note: cite the docs/ page of its topic")
+                reasons.append(f"cell {i} cites {name}, a design note: "
+                               "cite the docs/ page of its topic")
         if cell.get("cell_type") != "code":
             continue
         if cell.get("outputs"):
@@ -63,8 +64,9 @@ def main(argv: list[str]) -> int:
                 bad += 1
                 print(f"{path.relative_to(repo)}: {'; '.join(reasons)}")
     if bad:
-        print(f"{bad} notebook(s) to fix: `python scripts/check_notebooks.py --strip` removes outputs "
-              "and widget state; a citation of a file outside the repository is fixed by hand")
+        print(f"{bad} notebook(s) to fix: `python scripts/check_notebooks.py --strip` "
+              "removes outputs and widget state; a citation of a file outside the repository "
+              "is fixed by hand")
         return 1
     return 0
 

@@ -73,8 +73,8 @@ def build(max_bytes: int) -> bytes:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-bytes", type=int, default=1_500_000)
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "superoffload/data/corpus.txt.gz")
+    repo = Path(__file__).resolve().parents[1]
+    parser.add_argument("--out", type=Path, default=repo / "superoffload/data/corpus.txt.gz")
     args = parser.parse_args()
     text = build(args.max_bytes)
     args.out.parent.mkdir(parents=True, exist_ok=True)

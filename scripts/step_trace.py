@@ -19,14 +19,21 @@ What it cannot see: calls entered through ``contextlib.contextmanager`` (``recor
 have contextlib as their caller, dataclass ``__init__``s run in ``<string>``, and callbacks
 run by ``concurrent.futures`` or autograd have no caller of ours; their files still count.
 
+With ``--fsdp`` the same iteration runs under the data-parallel engine
+(``superoffload.distributed.fsdp.FsdpOffloadEngine``) on a gloo group of ``--ranks`` processes
+(1: in this process; more: one process each, their traces merged): the step may then also run
+in ``distributed/``, FSDP2's edge, counted apart.
+
     python scripts/step_trace.py            # the default engine: ratio 0.5, clipping on
     python scripts/step_trace.py --calls    # list every cross-file call too
-    python scripts/step_trace.py --check    # exit 1 past the budgets below (tests/test_architecture.py)
+    python scripts/step_trace.py --check    # exit 1 past the budgets (tests/test_architecture.py)
+    python scripts/step_trace.py --fsdp --ranks 2   # the FSDP2 engine's step, 2 gloo ranks
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -46,8 +53,14 @@ LIBRARIES = ("kernels/", "telemetry/recorder.py", "threads.py")
 one thread rule their ``threads=None`` default resolves) and the telemetry recorder."""
 
 
-def trace() -> tuple[list[str], list[tuple[str, str]]]:
-    """(files in first-seen order, distinct cross-file calls "file:function") of one step."""
+EDGE = ("distributed/",)
+"""Where the FSDP2 engine's step may run besides ``runtime/`` and its libraries: FSDP2's edge
+(the transport's strategy, its hooks, the validation all-reduce, the collective guard)."""
+
+
+def trace(fsdp: bool = False) -> tuple[list[str], list[tuple[str, str]]]:
+    """(files in first-seen order, distinct cross-file calls "file:function") of one step;
+    ``fsdp``: under the FSDP2 engine (torch.distributed must be initialised)."""
     import superoffload as so
     from superoffload.models.gpt import GPT, PRESETS
 
@@ -76,7 +89,7 @@ def trace() -> tuple[list[str], list[tuple[str, str]]]:
 
     threading.setprofile(profile)  # before the lanes start: their threads are traced too
     try:
-        with so.initialize(model, {"lr": 1e-3}, cfg) as engine:
+        with _engine(model, cfg, fsdp) as engine:
             for _ in range(3):  # warm-up: buckets built, kernels prepared, lanes started
                 engine.backward(model(x, x))
                 engine.step()
@@ -99,6 +112,61 @@ def trace() -> tuple[list[str], list[tuple[str, str]]]:
     edges = [(a, b) for a, b in calls
              if not a.startswith(USER) and not b.startswith(USER)]
     return keep, edges
+
+
+def _engine(model: torch.nn.Module, cfg: Any, fsdp: bool) -> Any:
+    import superoffload as so
+
+    if not fsdp:
+        return so.initialize(model, {"lr": 1e-3}, cfg)
+    from superoffload.distributed.fsdp import FsdpOffloadEngine
+
+    return FsdpOffloadEngine(model, {"lr": 1e-3}, cfg)  # shards the model: the edge
+
+
+def _rank_main(rank: int, world_size: int, port: int, outs: list[str]) -> None:
+    """One rank of ``--ranks N``: trace the FSDP2 step, write (files, calls) to its JSON."""
+    from superoffload.distributed import init_distributed, shutdown
+
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    os.environ.update(env)  # the thread rule reads LOCAL_WORLD_SIZE from the environment
+    init_distributed(backend="gloo", env=env, timeout_s=60)
+    try:
+        files, calls = trace(fsdp=True)
+    finally:
+        shutdown()
+    Path(outs[rank]).write_text(json.dumps({"files": files, "calls": calls}))
+
+
+def trace_fsdp(ranks: int) -> tuple[list[str], list[tuple[str, str]]]:
+    """The FSDP2 step on ``ranks`` gloo ranks: in this process for 1, else one process each;
+    the union of the ranks' files (first-seen order, rank 0 first) and calls."""
+    if ranks == 1:
+        from superoffload.distributed import init_distributed, shutdown
+
+        init_distributed(backend="gloo", env={}, timeout_s=60)
+        try:
+            return trace(fsdp=True)
+        finally:
+            shutdown()
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(ranks)]
+        mp.start_processes(_rank_main, args=(ranks, port, outs), nprocs=ranks, join=True,
+                           start_method="spawn")
+        traces = [json.loads(Path(o).read_text()) for o in outs]
+    files = dict.fromkeys(f for t in traces for f in t["files"])
+    calls = dict.fromkeys((a, b) for t in traces for a, b in t["calls"])
+    return list(files), list(calls)
 
 
 def file_of(call: str) -> str:
@@ -156,18 +224,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-cycle-files", type=int, default=0, help="files in call cycles")
     ap.add_argument("--allow", action="append", default=[],
                     help="another file outside runtime/ the step may run in")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="trace the FSDP2 engine's step (gloo); distributed/ is its edge")
+    ap.add_argument("--ranks", type=int, default=1, help="--fsdp: gloo ranks (processes)")
+    ap.add_argument("--max-edge-files", type=int, default=None,
+                    help="--fsdp: files of distributed/ on the step")
     args = ap.parse_args(argv)
-    files, calls = trace()
+    files, calls = trace_fsdp(args.ranks) if args.fsdp else trace()
     pairs: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
     for a, b in calls:
         pairs[(file_of(a), file_of(b))].append((a, b))
     two_way = sorted((a, b) for a, b in pairs if a < b and (b, a) in pairs)
     loops = cycles(pairs)
     runtime = [f for f in files if f.startswith("runtime/")]
+    edge = [f for f in files if f.startswith(EDGE)]
     other = [f for f in files if not f.startswith("runtime/")]
-    print(f"one step: {len(files)} files ({len(runtime)} in runtime/), {len(calls)} distinct "
-          f"cross-file calls, {len(pairs)} file pairs, {len(two_way)} two-way, "
-          f"{sum(map(len, loops))} files in call cycles")
+    step = f"{'FSDP2 ' if args.fsdp else ''}step"
+    print(f"one {step}: {len(files)} files ({len(runtime)} in runtime/, {len(edge)} in "
+          f"distributed/), {len(calls)} distinct cross-file calls, {len(pairs)} file pairs, "
+          f"{len(two_way)} two-way, {sum(map(len, loops))} files in call cycles")
     for f in files:
         print(f"  {f}")
     for a, b in two_way:
@@ -184,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = []
     if len(runtime) > args.max_runtime_files:
         bad.append(f"{len(runtime)} runtime/ files > {args.max_runtime_files}")
-    stray = [f for f in other if not f.startswith((*LIBRARIES, *args.allow))]
+    allowed = (*LIBRARIES, *(EDGE if args.fsdp else ()), *args.allow)
+    stray = [f for f in other if not f.startswith(allowed)]
+    if args.max_edge_files is not None and len(edge) > args.max_edge_files:
+        bad.append(f"{len(edge)} distributed/ files > {args.max_edge_files}")
     if stray:
         bad.append(f"outside runtime/ and its libraries {LIBRARIES}: {stray}")
     if len(calls) > args.max_calls:

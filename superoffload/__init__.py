@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 # Names resolved on first use, so that `import superoffload` stays light (no torch, no
 # plotly, no threads) and each part can be imported without the others.
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "CPUAdam": ("superoffload.kernels.optimizer", "CPUAdam"),
+    "CPUAdam": ("superoffload.kernels.cpu_adam_optimizer", "CPUAdam"),
     "kernels": ("superoffload.kernels", None),
     "initialize": ("superoffload.runtime.initialize", "initialize"),
     "OffloadEngine": ("superoffload.runtime.engine", "OffloadEngine"),
@@ -37,7 +37,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "models": ("superoffload.models", None),
     "data": ("superoffload.data", None),
     "distributed": ("superoffload.distributed", None),
-    "export_hf": ("superoffload.export", "export_hf"),  # a run as a Hugging Face folder
+    # a run as a Hugging Face folder
+    "export_hf": ("superoffload.export", "export_hf"),
     # the engine's contract errors (runtime/contract.py), caught as so.ContractError & co
     **{name: ("superoffload.runtime.contract", name) for name in (
         "ContractError", "GradientEdited", "WeightsWrittenInFlight", "MidIterationState",

@@ -2,8 +2,8 @@
 Face config), export (a checkpoint as a Hugging Face folder).
 
 Each command lives in a module under `superoffload.commands` named after it, which exposes
-`add_parser(subparsers)` (which sets `func` on its parser) so this file stays a dispatcher;
-`capacity` shares `commands/simulate.py` (`add_capacity_parser`).
+`add_<command>_parser(subparsers)` (which sets `func` on its parser) so this file stays a
+dispatcher; `capacity` shares `commands/simulate.py` (`add_capacity_parser`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import sys
 from superoffload.process_env import claim_wait_policy
 
 # (command module, its parser function), in the order `--help` lists the commands
-COMMANDS = (("train", "add_parser"), ("bench", "add_parser"), ("simulate", "add_parser"),
-            ("tune", "add_parser"), ("simulate", "add_capacity_parser"), ("plan", "add_parser"),
-            ("export", "add_parser"))
+COMMANDS = (("train", "add_train_parser"), ("bench", "add_bench_parser"),
+            ("simulate", "add_simulate_parser"), ("tune", "add_tune_parser"),
+            ("simulate", "add_capacity_parser"), ("plan", "add_plan_parser"),
+            ("export", "add_export_parser"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,9 +51,9 @@ Kind = Literal["int", "real", "bool", "str", "dict", "choice"]
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    """What values a field takes, declared once on the field: ``OffloadConfig.validate``, the
-    command line (``commands/argtypes.for_field``) and the surface test read it. A "choice"
-    field's members are its ``Literal`` (``choices_of``); the others' kind and range are here."""
+    """What values a field takes, declared once on the field: ``OffloadConfig.validate`` and
+    the surface test (tests/test_surface.py) read it. A "choice" field's members are its
+    ``Literal`` (``choices_of``); the others' kind and range are here."""
 
     kind: Kind
     lo: float | None = None
@@ -78,9 +78,8 @@ class Bound:
             return False
         if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
             return False
-        if self.hi is not None and value > self.hi:
-            return False
-        return self.test is None or bool(self.test(value))
+        return ((self.hi is None or value <= self.hi)
+                and (self.test is None or bool(self.test(value))))
 
 
 CHOICE = Bound("choice")
@@ -115,17 +114,26 @@ class OffloadConfig:
     """Every setting of the offload engine. Construct, then call `validate()` (done by
     `superoffload.initialize`); `replace(**changes)` returns a validated copy."""
 
-    device: str = _field("auto", bound=Bound("str", test=lambda v: v in ("auto", "cpu", "cuda") or v.startswith("cuda:"), fix='use "auto", "cpu", "cuda" or "cuda:N"'))
-    """Where forward/backward run: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:N"."""
+    device: str = _field("auto", bound=Bound(
+        "str", test=lambda v: v in ("auto", "cpu", "cuda") or v.startswith("cuda:"),
+        fix='use "auto", "cpu", "cuda" or "cuda:N"'))
+    """Where forward/backward run: "auto" (CUDA when available, else CPU), "cpu", "cuda",
+    "cuda:N"."""
 
-    bucket_bytes: int = _field(64 * MiB, live="replan", tuned=True, bound=Bound("int", lo=MIN_BUCKET_BYTES, fix=f"use a whole number of bytes >= {MIN_BUCKET_BYTES} (the paper uses 64 MiB)"))
-    """Gradient bucket size in bytes of fp32 gradient (4 B/param). Paper §4.2: ~64 MB saturates C2C."""
+    bucket_bytes: int = _field(64 * MiB, live="replan", tuned=True, bound=Bound(
+        "int", lo=MIN_BUCKET_BYTES,
+        fix=f"use a whole number of bytes >= {MIN_BUCKET_BYTES} (the paper uses 64 MiB)"))
+    """Gradient bucket size in bytes of fp32 gradient (4 B/param). Paper §4.2: ~64 MB
+    saturates C2C."""
 
-    ratio: float = _field(0.9, live="replan", tuned=True, bound=Bound("real", lo=0.0, hi=1.0, fix="use a fraction in [0, 1]: 1 offloads every bucket, 0 keeps all on the device"))
+    ratio: float = _field(0.9, live="replan", tuned=True, bound=Bound(
+        "real", lo=0.0, hi=1.0,
+        fix="use a fraction in [0, 1]: 1 offloads every bucket, 0 keeps all on the device"))
     """Fraction of the gradient work (by bytes) offloaded to the CPU. The remaining 1-ratio are the
     buckets produced last in backward (first layers), stepped on the device (paper §4.2)."""
 
-    max_grad_norm: float | None = _field(None, numerics=True, live="live", bound=Bound("real", lo=0.0, none_ok=True, fix="use a positive number, or None/0 to disable clipping"))
+    max_grad_norm: float | None = _field(None, numerics=True, live="live", bound=Bound(
+        "real", lo=0.0, none_ok=True, fix="use a positive number, or None/0 to disable clipping"))
     """Global gradient-norm clipping threshold; None or 0 disables clipping."""
 
     speculation: Speculation = _field("on", live="live", tuned=True, bound=CHOICE)
@@ -140,10 +148,12 @@ class OffloadConfig:
     "inverse" (unguarded: a few ulps only while the rejected gradient does not dwarf the moments'
     history, docs/engine.md) or "snapshot" (bit-exact, keeps pre-step p, m, v: 12 B/param)."""
 
-    adaptive_window: int = _field(20, live="live", bound=Bound("int", lo=1, fix="use a whole number of iterations >= 1"))
+    adaptive_window: int = _field(20, live="live", bound=Bound(
+        "int", lo=1, fix="use a whole number of iterations >= 1"))
     """Adaptive STV: number of recent iterations over which the clipping rate is measured."""
 
-    adaptive_threshold: float = _field(0.25, live="live", bound=Bound("real", lo=0.0, lo_open=True, hi=1.0, fix="use a fraction in (0, 1]"))
+    adaptive_threshold: float = _field(0.25, live="live", bound=Bound(
+        "real", lo=0.0, lo_open=True, hi=1.0, fix="use a fraction in (0, 1]"))
     """Adaptive STV: stop speculating when more than this fraction of the window clipped."""
 
     grad_cast: CastSide = _field("auto", live="replan", tuned=True, bound=CHOICE)
@@ -157,7 +167,8 @@ class OffloadConfig:
     loss_scale: LossScale = _field("dynamic", numerics=True, bound=CHOICE)
     """fp16 only: "dynamic" loss scaling (DeepSpeed semantics) or "none". Ignored for bf16/fp32."""
 
-    initial_scale_power: int = _field(16, numerics=True, bound=Bound("int", lo=0, hi=64, fix="use a whole number in [0, 64] (DeepSpeed's default is 16)"))
+    initial_scale_power: int = _field(16, numerics=True, bound=Bound(
+        "int", lo=0, hi=64, fix="use a whole number in [0, 64] (DeepSpeed's default is 16)"))
     """fp16 dynamic loss scaling: the first scale is 2**initial_scale_power."""
 
     loss_scale_window: int = _field(1000, numerics=True, bound=WHOLE_GE_1)
@@ -166,10 +177,12 @@ class OffloadConfig:
     hysteresis: int = _field(2, numerics=True, bound=WHOLE_GE_1)
     """fp16: overflows tolerated before the scale is shrunk."""
 
-    min_loss_scale: float = _field(1.0, numerics=True, bound=Bound("real", lo=0.0, lo_open=True, fix="use a positive number"))
+    min_loss_scale: float = _field(1.0, numerics=True, bound=Bound(
+        "real", lo=0.0, lo_open=True, fix="use a positive number"))
     """fp16: the scale never drops below this."""
 
-    static_loss_scale: float = _field(1.0, numerics=True, bound=Bound("real", lo=0.0, lo_open=True, fix="use a positive number (1.0 means no scaling)"))
+    static_loss_scale: float = _field(1.0, numerics=True, bound=Bound(
+        "real", lo=0.0, lo_open=True, fix="use a positive number (1.0 means no scaling)"))
     """fp16 with loss_scale="none": the fixed loss scale (DeepSpeed `fp16.loss_scale` > 0)."""
 
     grad_accum_steps: int = _field(1, numerics=True, bound=WHOLE_GE_1)
@@ -183,7 +196,9 @@ class OffloadConfig:
     ZeRO-Offload does: one D2H per micro-step, only ``grad_buckets_in_flight`` buckets
     resident) or "auto" (the cost model picks: ``plan.grad_accum.choose_grad_accum``)."""
 
-    grad_buckets_in_flight: int = _field(2, live="live", bound=Bound("int", lo=1, fix="use a whole number of buckets >= 1 (2 overlaps one copy with the next bucket)"))
+    grad_buckets_in_flight: int = _field(2, live="live", bound=Bound(
+        "int", lo=1,
+        fix="use a whole number of buckets >= 1 (2 overlaps one copy with the next bucket)"))
     """Offloaded buckets whose gradients may be on the device at once after their last
     gradient is final and before their D2H copy has landed (backward waits for the oldest
     copy beyond it). With the bucket backward is filling, the device holds at most
@@ -195,38 +210,54 @@ class OffloadConfig:
     freed once their D2H copy has landed, so ``p.grad`` is None after ``backward()`` (as under
     DeepSpeed ZeRO-2); read them with ``engine.grad_norm()`` and ``engine.full_grad(p)``."""
 
-    cpu_threads: int | None = _field(None, live="live", tuned=True, bound=Bound("int", lo=1, none_ok=True, fix="use a whole number >= 1, or None to derive it from cpu_cores_frac"))
+    cpu_threads: int | None = _field(None, live="live", tuned=True, bound=Bound(
+        "int", lo=1, none_ok=True,
+        fix="use a whole number >= 1, or None to derive it from cpu_cores_frac"))
     """Threads of the CPU optimizer; None derives them from `cpu_cores_frac`."""
 
-    cpu_cores_frac: float = _field(0.9, live="live", bound=Bound("real", lo=0.0, lo_open=True, hi=1.0, fix="use a fraction in (0, 1] (DeepSpeed's cpuadam_cores_perc)"))
+    cpu_cores_frac: float = _field(0.9, live="live", bound=Bound(
+        "real", lo=0.0, lo_open=True, hi=1.0,
+        fix="use a fraction in (0, 1] (DeepSpeed's cpuadam_cores_perc)"))
     """Share of the host's cores given to the CPU optimizer (DeepSpeed `cpuadam_cores_perc`)."""
 
     pin_memory: bool = _field(True, bound=BOOL)
     """Use pinned (page-locked) host buffers for transfers (CUDA only; ignored on the CPU)."""
 
-    storage_path: str | None = _field(None, bound=Bound("str", none_ok=True, test=lambda v: v.strip() != "", fix="use the path of a folder on a local disk (NVMe), or None to keep the optimizer state in host memory"))
+    storage_path: str | None = _field(None, bound=Bound(
+        "str", none_ok=True, test=lambda v: v.strip() != "",
+        fix="use the path of a folder on a local disk (NVMe), or None to keep the optimizer "
+            "state in host memory"))
     """The storage tier (docs/storage.md; DeepSpeed's ``offload_optimizer.nvme_path``): a folder
     where the fp32 master and Adam moments of offloaded buckets live in files, streamed through
     ``storage_buffer_count`` pinned host buffers (read ahead in the order backward finishes
     buckets, stepped, written back). None keeps all optimizer state in host memory."""
 
-    host_memory_budget_bytes: int | None = _field(None, bound=Bound("int", lo=1, none_ok=True, fix="use a whole number of bytes, or None for no cap"))
+    host_memory_budget_bytes: int | None = _field(None, bound=Bound(
+        "int", lo=1, none_ok=True, fix="use a whole number of bytes, or None for no cap"))
     """A cap on the host memory the engine keeps (pinned buffer pool, gradient buffers in
     flight, resident optimizer state; plan/storage.py). With ``storage_path`` the buckets that
     fit stay resident (those backward finishes last) and the rest live in files; without it, a
     model whose state exceeds the budget is refused at ``initialize`` naming what it needs."""
 
-    storage_buffer_count: int = _field(4, bound=Bound("int", lo=1, hi=4096, fix="use a whole number of buckets in [1, 4096] (each buffer holds one bucket's master, moments and gradient)"))
+    storage_buffer_count: int = _field(4, bound=Bound(
+        "int", lo=1, hi=4096,
+        fix="use a whole number of buckets in [1, 4096] (each buffer holds one bucket's master, "
+            "moments and gradient)"))
     """Pinned host buffers of the storage tier, one bucket's working set each (DeepSpeed's
     ``buffer_count`` counts one state tensor per buffer: its value / 4 for Adam)."""
 
-    storage_block_bytes: int = _field(1 * MiB, bound=Bound("int", lo=4096, hi=1 << 30, test=lambda v: v % 4096 == 0, fix="use a multiple of 4096 bytes in [4096, 1 GiB] (DeepSpeed's aio.block_size; 1 MiB by default)"))
+    storage_block_bytes: int = _field(1 * MiB, bound=Bound(
+        "int", lo=4096, hi=1 << 30, test=lambda v: v % 4096 == 0,
+        fix="use a multiple of 4096 bytes in [4096, 1 GiB] (DeepSpeed's aio.block_size; 1 MiB "
+            "by default)"))
     """Size of one I/O request of the storage tier (DeepSpeed's ``aio.block_size``)."""
 
-    storage_queue_depth: int = _field(32, bound=Bound("int", lo=1, hi=4096, fix="use a whole number in [1, 4096] (DeepSpeed's aio.queue_depth)"))
+    storage_queue_depth: int = _field(32, bound=Bound(
+        "int", lo=1, hi=4096, fix="use a whole number in [1, 4096] (DeepSpeed's aio.queue_depth)"))
     """I/O requests of the storage tier in flight at once (DeepSpeed's ``aio.queue_depth``)."""
 
-    storage_threads: int = _field(1, bound=Bound("int", lo=1, hi=64, fix="use a whole number in [1, 64] (DeepSpeed's aio.thread_count)"))
+    storage_threads: int = _field(1, bound=Bound(
+        "int", lo=1, hi=64, fix="use a whole number in [1, 64] (DeepSpeed's aio.thread_count)"))
     """Threads submitting the storage tier's I/O in parallel (DeepSpeed's ``aio.thread_count``)."""
 
     storage_direct: Direct = _field("auto", bound=CHOICE)
@@ -249,7 +280,8 @@ class OffloadConfig:
     """Weight policy (paper §4.5): bf16 weights stay on the device ("stationary"), stream in per
     block from the host ("flow"), or the cost model chooses ("auto")."""
 
-    prefetch_depth: int = _field(2, live="forward", bound=Bound("int", lo=1, fix="use a whole number of blocks >= 1"))
+    prefetch_depth: int = _field(2, live="forward", bound=Bound(
+        "int", lo=1, fix="use a whole number of blocks >= 1"))
     """Weight-flow: blocks fetched ahead of the one running."""
 
     weight_homes: WeightHomes = _field("auto", bound=CHOICE)
@@ -261,7 +293,10 @@ class OffloadConfig:
     hold them). An fp32 model's home is its master, in the files. "storage" needs
     ``storage_path``."""
 
-    watchdog_s: float = _field(300.0, live="live", bound=Bound("real", lo=MIN_WATCHDOG_S, fix=f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take longer than that; the default is 300)"))
+    watchdog_s: float = _field(300.0, live="live", bound=Bound(
+        "real", lo=MIN_WATCHDOG_S,
+        fix=f"use a number of seconds >= {MIN_WATCHDOG_S} (a bucket's transfer and step take "
+            "longer than that; the default is 300)"))
     """A bucket stuck in flight longer than this raises an error naming it instead of hanging."""
 
     telemetry: bool = _field(True, bound=BOOL)
@@ -288,8 +323,10 @@ class OffloadConfig:
             value, bound = getattr(self, f.name), f.metadata["bound"]
             choices = CHOICES.get(f.name, ())
             if not bound.admits(value, choices):
-                fix = ("use one of " + ", ".join(repr(c) for c in choices) if bound.kind ==
-                       "choice" else bound.fix)
+                fix = bound.fix
+                # a choice's members live in its Literal (CHOICES), not in a hand-written fix
+                if bound.kind == "choice":
+                    fix = "use one of " + ", ".join(repr(c) for c in choices)
                 raise ConfigError(f"OffloadConfig.{f.name}={value!r} is invalid: {fix}")
         return self
 
@@ -298,9 +335,8 @@ class OffloadConfig:
         names = {f.name for f in dataclasses.fields(self)}
         for key in changes:
             if key not in names:
-                raise ConfigError(
-                    f"OffloadConfig has no field {key!r}; known fields: {', '.join(sorted(names))}"
-                )
+                raise ConfigError(f"OffloadConfig has no field {key!r}; known fields: "
+                                  f"{', '.join(sorted(names))}")
         return dataclasses.replace(self, **changes).validate()
 
     def to_dict(self) -> dict[str, Any]:
@@ -313,9 +349,8 @@ class OffloadConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError(
-                f"unknown OffloadConfig key(s) {unknown}; known fields: {', '.join(sorted(names))}"
-            )
+            raise ConfigError(f"unknown OffloadConfig key(s) {unknown}; known fields: "
+                              f"{', '.join(sorted(names))}")
         return cls(**data).validate()
 
     @property
@@ -325,15 +360,14 @@ class OffloadConfig:
 
 
 def _is_int(value: Any) -> bool:
+    # bool is an int subclass: True is not a count of anything
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value: Any) -> bool:
-    return (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
+    # bool is an int subclass: True would pass as 1.0; NaN and inf pass every range test
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(float(value)))
 
 
 def _with(predicate: Any) -> frozenset[str]:
@@ -342,8 +376,6 @@ def _with(predicate: Any) -> frozenset[str]:
 
 NUMERICS_FIELDS: frozenset[str] = _with(lambda m: m.get("numerics", False))
 """Fields a checkpoint must agree on (derived from the field declarations)."""
-PLACEMENT_FIELDS: frozenset[str] = _with(lambda m: not m.get("numerics", False))
-"""Fields that only place or schedule work: a checkpoint may be loaded under other values."""
 RECONFIGURABLE: frozenset[str] = _with(lambda m: m.get("live") is not None)
 """Fields ``engine.reconfigure`` accepts while training."""
 REPLAN_FIELDS: frozenset[str] = _with(lambda m: m.get("live") == "replan")
@@ -366,8 +398,3 @@ def choices_of(name: str, *, decided: bool = False) -> tuple[Any, ...]:
     read them here instead of typing them again."""
     members = CHOICES[name]
     return tuple(m for m in members if m != "auto") if decided else members
-
-
-def bound_of(name: str) -> Bound:
-    """Field ``name``'s declared ``Bound`` (``commands/argtypes.for_field`` builds from it)."""
-    return next(f.metadata["bound"] for f in dataclasses.fields(OffloadConfig) if f.name == name)

@@ -14,10 +14,6 @@ with ``device``, ``pin_memory``, ``ratio``, ``super_offload``, ``cpuadam_cores_p
 logging keys that do not affect training, and a ``superoffload`` section holding any
 OffloadConfig field. Anything else, or a contradiction, is a ``ConfigError`` naming the key.
 
-Types are strict, as JSON gives them: booleans must be ``true``/``false`` (the string
-``"false"`` is truthy in Python and would silently keep speculation on), counts whole
-numbers, rates finite numbers.
-
 ``zero_optimization.stage`` takes DeepSpeed's values 0-3 and means, for this engine:
 
 - 0: no ZeRO partitioning; only valid without optimizer offload (``offload_optimizer``
@@ -54,11 +50,9 @@ from typing import Any
 from superoffload import ds_keys
 from superoffload.config import ConfigError, OffloadConfig
 
-_TOP = {
-    "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-    "gradient_clipping", "bf16", "fp16", "optimizer", "zero_optimization", "superoffload",
-    "aio",
-}
+_TOP = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+        "gradient_clipping", "bf16", "fp16", "optimizer", "zero_optimization", "superoffload",
+        "aio"}
 _ZERO = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size"}
 _PARAM = {"device", "nvme_path", "buffer_count", "pin_memory"}
 _OFFLOAD = {"device", "pin_memory", "ratio", "super_offload", "cpuadam_cores_perc", "nvme_path",
@@ -96,8 +90,7 @@ DIFFERENCES = {
         "false to match)",
     "zero_optimization.reduce_bucket_size":
         "absent: DeepSpeed's reduce buckets hold 5e8 elements; here buckets are 64 MiB of fp32 "
-        "gradient (set reduce_bucket_size to match)",
-}
+        "gradient (set reduce_bucket_size to match)"}
 """Keys whose absence this engine reads differently from DeepSpeed: one line each."""
 STAGES = (0, 1, 2, 3)
 """``zero_optimization.stage`` values accepted (their meaning: the module docstring)."""
@@ -113,6 +106,7 @@ def _section(d: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:
 def _bool(d: Mapping[str, Any], key: str, path: str, default: bool = False) -> bool:
     """A JSON boolean; a string such as "false" (truthy in Python) is refused."""
     value = d.get(key, default)
+    # types are strict, as JSON gives them: "false" would silently keep speculation on
     if not isinstance(value, bool):
         raise ConfigError(f"{path}{key}={value!r} is a {type(value).__name__}: use true or "
                           "false (a JSON boolean, not a string or a number)")
@@ -156,9 +150,8 @@ def _unknown(d: Mapping[str, Any], known: set[str], path: str) -> None:
     known = known | ds_keys.harmless_under(path)
     for key in d:
         if key not in known:
-            raise ConfigError(
-                f"unknown DeepSpeed key {path}{key!r}; supported here: {', '.join(sorted(known))}"
-            )
+            raise ConfigError(f"unknown DeepSpeed key {path}{key!r}; supported here: "
+                              f"{', '.join(sorted(known))}")
 
 
 def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str], *,
@@ -171,7 +164,7 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str], *,
     scheduler are said once, as a ``DeepSpeedNotice`` warning, and kept in
     ``config.extra["deepspeed"]`` (superoffload/ds_keys.py)."""
     raw, where = ds_keys.read(source)
-    ds, notes = ds_keys.prepare(raw, auto)
+    ds, notes = ds_keys.resolve_ds_keys(raw, auto)
     config, opt, differences = _convert(ds)
     notes["defaults"] = differences
     text = ds_keys.notice(notes, where)
@@ -183,7 +176,7 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike[str], *,
 
 
 def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list[str]]:
-    """The conversion proper, on a dict ``ds_keys.prepare`` has cleaned: (config, optimizer
+    """The conversion proper, on a dict ``ds_keys.resolve_ds_keys`` has cleaned: (config, optimizer
     kwargs, the defaults that differ from DeepSpeed's, one line each)."""
     _unknown(ds, _TOP, "")
     fields: dict[str, Any] = {}
@@ -200,10 +193,10 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
     if micro is not None and total is not None and total != micro * gas:
         raise ConfigError(
             f"train_batch_size={total} contradicts train_micro_batch_size_per_gpu={micro} x "
-            f"gradient_accumulation_steps={gas} (one process); drop one of them"
-        )
+            f"gradient_accumulation_steps={gas} (one process); drop one of them")
     clip = _real(ds, "gradient_clipping", "")
-    fields["max_grad_norm"] = clip if clip else None
+    # DeepSpeed's gradient_clipping 0.0 (its default) means no clipping, as None does here
+    fields["max_grad_norm"] = clip or None
 
     fp16, bf16 = _section(ds, "fp16", ""), _section(ds, "bf16", "")
     _unknown(fp16, _FP16, "fp16.")
@@ -213,9 +206,10 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
         _bool(fp16, "auto_cast", "fp16.")
     if fp16_on and bf16_on:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable one precision")
-    precision = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
-    fields["precision"] = precision
+    # at most one is on (refused above): fp16 overrides this below
+    fields["precision"] = "bf16" if bf16_on else "fp32"
     if fp16_on:
+        fields["precision"] = "fp16"
         scale = _real(fp16, "loss_scale", "fp16.")
         if scale:
             fields.update(loss_scale="none", static_loss_scale=float(scale))
@@ -232,25 +226,27 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
     for key in ("overlap_comm", "contiguous_gradients"):
         if key in zero:
             _bool(zero, key, "zero_optimization.")
-    if "reduce_bucket_size" in zero:  # elements -> bytes of fp32 gradient
+    # elements -> bytes of fp32 gradient
+    if "reduce_bucket_size" in zero:
         fields["bucket_bytes"] = _int(zero, "reduce_bucket_size", "zero_optimization.", low=1) * 4
     off = _section(zero, "offload_optimizer", "zero_optimization.")
     _unknown(off, _OFFLOAD, "zero_optimization.offload_optimizer.")
+    # an offload_optimizer section without a device offloads to the CPU (DeepSpeed's default);
+    # no section at all offloads nothing
     device = off.get("device", "cpu" if off else "none")
     _stage(zero, offloads=device in ("cpu", "nvme"))
     if device not in ("cpu", "nvme", "none"):
         raise ConfigError(
             f"zero_optimization.offload_optimizer.device={device!r}: use 'cpu', 'nvme' (the "
-            "storage tier, docs/storage.md) or 'none'"
-        )
+            "storage tier, docs/storage.md) or 'none'")
     fields.update(_storage(off, device, _section(ds, "aio", "")))
     if device == "nvme":
-        device = "cpu"  # the offload schedule; the tier holds the state (docs/storage.md)
+        # the offload schedule; the tier holds the state (docs/storage.md)
+        device = "cpu"
     if device == "none":
         if off.get("ratio", 0.0):
             raise ConfigError(
-                "zero_optimization.offload_optimizer.ratio > 0 contradicts device='none'"
-            )
+                "zero_optimization.offload_optimizer.ratio > 0 contradicts device='none'")
         fields["ratio"] = 0.0
     elif "ratio" in off:
         fields["ratio"] = off["ratio"]
@@ -260,7 +256,8 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
     if "cpuadam_cores_perc" in off:
         fields["cpu_cores_frac"] = off["cpuadam_cores_perc"]
     if not _bool(off, "super_offload", path, default=True):
-        fields["speculation"] = "off"  # ZeRO-Offload schedule: step after validation
+        # ZeRO-Offload schedule: step after validation
+        fields["speculation"] = "off"
     for key, value in _offload_param(zero, fields.get("storage_path")).items():
         if key in fields and fields[key] != value:
             raise ConfigError(f"zero_optimization.offload_param gives {key}={value!r} and "
@@ -273,12 +270,12 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
     _unknown(overrides, names, "superoffload.")
     for key, value in overrides.items():
         if key in fields and fields[key] != value:
-            raise ConfigError(
-                f"superoffload.{key}={value!r} contradicts the DeepSpeed setting that gives {fields[key]!r}"
-            )
+            raise ConfigError(f"superoffload.{key}={value!r} contradicts the DeepSpeed setting "
+                              f"that gives {fields[key]!r}")
     fields.update(overrides)
     differences: list[str] = []
-    if device == "cpu":  # DeepSpeed's defaults for what the dict leaves out (module docstring)
+    # DeepSpeed's defaults for what the dict leaves out (module docstring)
+    if device == "cpu":
         given = {"ratio": "ratio" in off, "cpu_cores_frac": "cpuadam_cores_perc" in off}
         for name, value in DEEPSPEED_DEFAULTS.items():
             if not given[name]:
@@ -294,7 +291,8 @@ def _convert(ds: Mapping[str, Any]) -> tuple[OffloadConfig, dict[str, Any], list
         fields["extra"] = {**fields.get("extra", {}), "train_micro_batch_size_per_gpu": micro}
     try:
         config = OffloadConfig(**fields).validate()
-    except TypeError as exc:  # a wrong type that the dataclass constructor rejects
+    except TypeError as exc:
+        # a wrong type that the dataclass constructor rejects
         raise ConfigError(f"DeepSpeed config: {exc}") from exc
     return config, _optimizer(ds), differences
 
@@ -370,6 +368,7 @@ def _offload_param(zero: Mapping[str, Any], state_path: str | None) -> dict[str,
     if "pin_memory" in par:
         out["pin_memory"] = _bool(par, "pin_memory", path)
     if "buffer_count" in par:
+        # one of DeepSpeed's buffers holds the block running; the rest are fetched ahead
         out["prefetch_depth"] = _int(par, "buffer_count", path, low=2) - 1
     return out
 
@@ -392,7 +391,7 @@ def _optimizer(ds: Mapping[str, Any]) -> dict[str, Any]:
     if "betas" in params:
         out["betas"] = tuple(params["betas"])
     # DeepSpeed: "AdamW" is decoupled decay; "Adam" follows adam_w_mode, default True.
-    adamw = True if kind.lower() == "adamw" else params.get("adam_w_mode", True)
+    adamw = kind.lower() == "adamw" or params.get("adam_w_mode", True)
     if kind.lower() == "adamw" and params.get("adam_w_mode") is False:
         raise ConfigError("optimizer.params.adam_w_mode=false contradicts optimizer.type='AdamW'")
     out["adamw_mode"] = adamw

@@ -77,8 +77,6 @@ REFUSED = {
 }
 """Dotted key -> why it is refused and what to use instead."""
 
-NOTICE_PREFIX = "DeepSpeed config"
-
 
 class DeepSpeedNotice(UserWarning):
     """What of a DeepSpeed config the engine accepts without using (one per conversion)."""
@@ -114,8 +112,8 @@ def auto_values(args: Any) -> dict[str, Any]:
             "bf16.enabled": bool(args.bf16), "fp16.enabled": bool(args.fp16)}
 
 
-def prepare(ds: Mapping[str, Any], auto: Mapping[str, Any] | None = None
-            ) -> tuple[dict[str, Any], dict[str, list[str]]]:
+def resolve_ds_keys(ds: Mapping[str, Any], auto: Mapping[str, Any] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, list[str]]]:
     """(the dict with "auto" resolved and the scheduler removed; notes):
     notes["auto"], notes["ignored"], notes["scheduler"] list what the notice says. Refused
     keys raise ConfigError naming them."""
@@ -129,10 +127,12 @@ def prepare(ds: Mapping[str, Any], auto: Mapping[str, Any] | None = None
             if dotted in REFUSED and _active(value):
                 raise ConfigError(f"DeepSpeed key {dotted} would change results or memory: "
                                   f"{REFUSED[dotted]}")
-            if dotted in REFUSED:  # present but switched off
+            # present but switched off
+            if dotted in REFUSED:
                 notes["ignored"].append(dotted)
                 continue
-            if dotted in HARMLESS:  # kept for from_deepspeed's type checks, then unused
+            # kept for from_deepspeed's type checks, then unused
+            if dotted in HARMLESS:
                 notes["ignored"].append(dotted)
             if value == "auto":
                 if dotted in auto:
@@ -163,8 +163,10 @@ def _active(value: Any) -> bool:
 def _scheduler_note(sched: Any, cleaned: Mapping[str, Any]) -> str:
     """Which learning-rate schedule runs instead of DeepSpeed's scheduler section."""
     kind = sched.get("type", "?") if isinstance(sched, Mapping) else "?"
-    lr = cleaned.get("optimizer", {}).get("params", {}).get("lr") if isinstance(
-        cleaned.get("optimizer"), Mapping) else None
+    lr = None
+    # the note must not fail on an optimizer section that is absent or not a mapping
+    if isinstance(cleaned.get("optimizer"), Mapping):
+        lr = cleaned["optimizer"].get("params", {}).get("lr")
     hold = f"optimizer.params.lr = {lr}" if lr is not None else "the optimizer's lr"
     return (f"scheduler {kind!r} is not run by the engine: the learning rate follows the torch "
             f"LR scheduler your loop steps on engine.optimizer (Trainer: its lr_scheduler_type "

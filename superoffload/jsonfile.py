@@ -2,7 +2,7 @@
 or a JSON list used to give a bare decoder message or a raw traceback).
 
 The one reader of the configs people hand us as JSON: a DeepSpeed config (ds_keys.read), a
-Hugging Face config.json (plan/hf_config.load) and a profile (``plan --profile``). A leaf
+Hugging Face config.json (plan/hf_config.load_config) and a profile (``plan --profile``). A leaf
 module: it imports nothing of ours, so the planner may use it.
 """
 

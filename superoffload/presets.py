@@ -38,4 +38,4 @@ def pcie_host() -> OffloadConfig:
     ).validate()
 
 
-PRESETS = {"tiny_cpu": tiny_cpu, "gh200": gh200, "pcie_host": pcie_host}
+CONFIG_PRESETS = {"tiny_cpu": tiny_cpu, "gh200": gh200, "pcie_host": pcie_host}

@@ -17,7 +17,8 @@ def usable_cores() -> int:
     larger host)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # macOS has no sched_getaffinity
+    except (AttributeError, OSError):
+        # macOS has no sched_getaffinity
         return os.cpu_count() or 1
 
 

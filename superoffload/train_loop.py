@@ -69,13 +69,16 @@ class TrainSettings:
         for name in ("steps", "metrics_every", "final_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainSettings.{name}={value!r} is invalid: use a whole number >= 1")
+                raise ValueError(
+                    f"TrainSettings.{name}={value!r} is invalid: use a whole number >= 1")
         for name in ("warmup_steps", "eval_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise ValueError(f"TrainSettings.{name}={value!r} is invalid: use a whole number >= 0")
+                raise ValueError(
+                    f"TrainSettings.{name}={value!r} is invalid: use a whole number >= 0")
         if not 0.0 <= self.min_lr_frac <= 1.0:
-            raise ValueError(f"TrainSettings.min_lr_frac={self.min_lr_frac!r} is invalid: use [0, 1]")
+            raise ValueError(
+                f"TrainSettings.min_lr_frac={self.min_lr_frac!r} is invalid: use [0, 1]")
         return self
 
 
@@ -135,7 +138,7 @@ class Progress:
 
 
 @dataclass
-class TrainResult:
+class TrainLoopResult:
     """What a run did. `to_dict()` is the JSON the CLI prints."""
 
     steps: int
@@ -201,6 +204,13 @@ def _recorder_of(engine: EngineLike) -> Recorder | None:
     return rec if isinstance(rec, Recorder) else None
 
 
+def _logged(loss: torch.Tensor, loss_reduce: LossReduce | None) -> float:
+    # under data parallel every rank logs the whole batch's loss (a collective: all call it)
+    if loss_reduce is not None:
+        loss = loss_reduce(loss)
+    return float(loss)
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Batches, n_batches: int,
              device: torch.device, loss_reduce: LossReduce | None = None,
@@ -214,7 +224,7 @@ def evaluate(model: torch.nn.Module, batches: Batches, n_batches: int,
         for k in range(n_batches):
             x, y = batches.next_batch()
             loss = model(x.to(device), y.to(device))
-            losses.append(float(loss_reduce(loss) if loss_reduce is not None else loss))
+            losses.append(_logged(loss, loss_reduce))
             if on_batch is not None:
                 on_batch(k + 1, n_batches)
         return statistics.fmean(losses)
@@ -256,7 +266,7 @@ def train(
     calibrator: Any = None,
     steps_scope: contextlib.AbstractContextManager[Any] | None = None,
     on_eval_batch: Callable[[int, int], None] | None = None,
-) -> TrainResult:
+) -> TrainLoopResult:
     """Train until `settings.steps` optimizer steps are done; return losses, throughput and a
     telemetry summary. The learning rate follows `lr_factor` via `make_scheduler` on
     `engine.optimizer` (the engine keeps torch's optimizer contract) unless `scheduler` is
@@ -270,7 +280,7 @@ def train(
     with `stopped=True` and no evaluation. Under data parallel every rank calls both at the
     same steps (they may be collectives).
 
-    `calibrator`: a `runtime.autocal.AutoCalibrator` on `engine`; started here, it fits the
+    `calibrator`: a `runtime.calibrator.AutoCalibrator` on `engine`; started here, it fits the
     planner to the first iterations by itself and its report is the result's
     `calibration`.
 
@@ -292,7 +302,8 @@ def train(
     if calibrator is not None:
         calibrator.start()
     live = _LiveMetrics(recorder, keep_iterations=RECENT_ITERATIONS + 1)
-    first_seq = recorder.last_seq if recorder is not None else -1
+    # the run's spans are those after the live view's start
+    first_seq = live.seq
     model.train()
     losses: list[float] = list(done.losses)
     lrs: list[float] = list(done.lrs)
@@ -302,12 +313,14 @@ def train(
     start = time.perf_counter()
     warm_start, warm_tokens = start, tokens
     stopped = False
-    with contextlib.ExitStack() as scope:  # left before the last step, or on an error
+    # left before the last step, or on an error
+    with contextlib.ExitStack() as scope:
         if steps_scope is not None:
             scope.enter_context(steps_scope)
         for step in range(done.step, settings.steps):
             if step + 1 == settings.steps:
-                scope.close()  # the last step: should_stop is not asked after it
+                # the last step: should_stop is not asked after it
+                scope.close()
             x, y = batches.next_batch()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = model(x, y)
@@ -316,25 +329,31 @@ def train(
             engine.step()
             engine.zero_grad()
             scheduler.step()
-            losses.append(float(loss_reduce(loss.detach()) if loss_reduce is not None
-                                else loss.detach()))
+            losses.append(_logged(loss.detach(), loss_reduce))
             tokens += x.numel()
+            # the clock starts after this process's first step (fresh or resumed): that step
+            # pays for allocation and warm-up, which a steady-state rate must not include
             if step == done.step:
                 warm_start, warm_tokens = time.perf_counter(), tokens
             if (step + 1) % settings.metrics_every == 0 or step + 1 == settings.steps:
                 recent = live.refresh()
-                if recent:  # pooled as every view pools (telemetry.window)
+                # pooled as every view pools (telemetry.window)
+                if recent:
                     pooled = window_of(recent[-RECENT_ITERATIONS:])
                     both = pooled.values["d2h_gbps_wall"] + pooled.values["h2d_gbps_wall"]
                     link_gbps = both if math.isfinite(both) else 0.0
                     overlap = pooled.values["cpu_step_hidden_pct"] / 100.0
             if on_step is not None:
                 now = time.perf_counter()
-                rate = (tokens - warm_tokens) / (now - warm_start) if step > done.step else 0.0
-                on_step(StepInfo(step=step + 1, loss=losses[-1], lr=float(scheduler.get_last_lr()[0]),
-                                 tokens_per_s=rate, link_gbps=link_gbps, overlap=overlap,
-                                 window=pooled))
-            if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+                # no rate for the warm-up step itself (the clock started after it)
+                rate = 0.0
+                if step > done.step:
+                    rate = (tokens - warm_tokens) / (now - warm_start)
+                lr = float(scheduler.get_last_lr()[0])
+                on_step(StepInfo(step=step + 1, loss=losses[-1], lr=lr, tokens_per_s=rate,
+                                 link_gbps=link_gbps, overlap=overlap, window=pooled))
+            if on_checkpoint is not None and checkpoint_every \
+                    and (step + 1) % checkpoint_every == 0:
                 on_checkpoint(Progress(step=step + 1, losses=list(losses), lrs=list(lrs),
                                        tokens=tokens))
             if should_stop is not None and step + 1 < settings.steps and should_stop():
@@ -346,11 +365,14 @@ def train(
         calibrator.stop()
     timed_tokens = tokens - warm_tokens
     run_tokens = tokens - done.tokens
-    tokens_per_s = (timed_tokens / (end - warm_start) if timed_tokens
-                    else run_tokens / max(end - start, 1e-9))
+    # a run of its warm-up step alone has no timed tokens: then its whole time counts
+    tokens_per_s = run_tokens / max(end - start, 1e-9)
+    if timed_tokens:
+        tokens_per_s = timed_tokens / (end - warm_start)
     summary: Summary | None = None
     spans: list[Span] = []
-    if recorder is not None:  # before evaluation, whose forwards the engine also records
+    # before evaluation, whose forwards the engine also records
+    if recorder is not None:
         spans, _ = recorder.spans_since(first_seq)
         if spans and iteration_metrics(spans):
             summary = summarize(spans, skip=1)
@@ -359,7 +381,7 @@ def train(
         val_loss = evaluate(model, val_batches, settings.eval_batches, device, loss_reduce,
                             on_eval_batch)
     window = losses[-settings.final_window:]
-    return TrainResult(
+    return TrainLoopResult(
         steps=len(losses),
         first_loss=losses[0] if losses else math.nan,
         final_loss=statistics.fmean(window) if window else math.nan,

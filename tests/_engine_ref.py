@@ -23,7 +23,8 @@ def cpu_config(**overrides: Any) -> so.OffloadConfig:
                                **overrides})
 
 
-def groups_for(model: torch.nn.Module, two_groups: bool, hyper: dict[str, Any]) -> list[dict[str, Any]]:
+def groups_for(model: torch.nn.Module, two_groups: bool,
+               hyper: dict[str, Any]) -> list[dict[str, Any]]:
     """Two groups split like GPT recipes: no weight decay for 1-D params, other LR too."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not two_groups:

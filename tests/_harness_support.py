@@ -162,7 +162,8 @@ def mutate_sve_tail(src_cext: Path, dst: Path) -> Path:
     assert text.count(sve) == 1, "so_simd.c changed: update the mutation"
     text = text.replace('#include "so_internal.h"\n',
                         '#include "so_internal.h"\n#define SO_MUTANT_HI(lo, hi) (hi)\n')
-    text = text.replace(sve, "#include <arm_sve.h>\n#undef SO_MUTANT_HI\n#define SO_MUTANT_HI(lo, hi)"
+    text = text.replace(sve, "#include <arm_sve.h>\n#undef SO_MUTANT_HI\n"
+                             "#define SO_MUTANT_HI(lo, hi)"
                              " ((hi) - ((hi) - (lo)) % (int64_t)svcntw())\n" + sve)
     simd.write_text(text)
     return dst

@@ -55,7 +55,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_same_bits(a: State, b: State) -> None:
     for name, x, y in zip(["p", "g", "m", "v", "lp"], a.tensors(), b.tensors()):
-        assert torch.equal(bits(x), bits(y)), f"{name} differs in {int((bits(x) != bits(y)).sum())} elements"
+        assert torch.equal(bits(x), bits(y)), (
+            f"{name} differs in {int((bits(x) != bits(y)).sum())} elements")
 
 
 def step_kwargs(**over) -> dict:

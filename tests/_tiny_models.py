@@ -46,7 +46,8 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x)).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        flat = logits.view(-1, logits.shape[-1])
+        return torch.nn.functional.cross_entropy(flat, targets.view(-1))
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **kw: object) -> TinyGPT:

@@ -96,7 +96,8 @@ def jupyter_lab(root: Path, *, start_timeout_s: float = 90.0,
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"jupyter lab did not answer within {start_timeout_s} s: see {log.name}")
+                raise TimeoutError(f"jupyter lab did not answer within {start_timeout_s} s: "
+                                   f"see {log.name}")
             time.sleep(0.25)  # waiting on another process's socket: nothing to block on
         yield url
     finally:
@@ -171,7 +172,8 @@ JS_EXECUTE = """async (code) => {
   let out = '';
   future.onIOPub = (msg) => {
     if (msg.header.msg_type === 'stream') out += msg.content.text;
-    if (msg.header.msg_type === 'error') out += 'ERROR ' + msg.content.ename + ': ' + msg.content.evalue;
+    const c = msg.content;
+    if (msg.header.msg_type === 'error') out += 'ERROR ' + c.ename + ': ' + c.evalue;
   };
   await future.done;
   return out;
@@ -221,7 +223,8 @@ JS_PLOTS = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map
 }))"""
 
 JS_CELL_ERRORS = """() => Array.from(document.querySelectorAll(
-  '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]'
+  '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"], '
+  + '.jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]'
 )).map(e => e.innerText.slice(0, 2000))"""
 
 JS_DASHBOARD = r"""() => {
@@ -235,7 +238,9 @@ JS_DASHBOARD = r"""() => {
   const trace = (name) => {  // _fullData: the arrays as drawn (data may hold base64 specs)
     if (!gd || !gd._fullData) return null;
     const t = gd._fullData.find(d => d.name === name);
-    return t ? {n: t.x ? t.x.length : 0, lastX: t.x && t.x.length ? Number(t.x[t.x.length - 1]) : null} : null;
+    if (!t) return null;
+    return {n: t.x ? t.x.length : 0,
+            lastX: t.x && t.x.length ? Number(t.x[t.x.length - 1]) : null};
   };
   const text = (e) => e ? e.textContent.replace(/\s+/g, ' ').trim() : '';
   return {
@@ -250,6 +255,8 @@ JS_DASHBOARD = r"""() => {
     firstDataMs: plot ? Number(plot.dataset.firstDataMs || 0) : 0,
     renderedMs: plot ? Number(plot.dataset.renderedMs || 0) : 0,
     dataToDrawMs: plot && plot.dataset.dataToDrawMs ? Number(plot.dataset.dataToDrawMs) : null,
+    // the steps to that first draw (ms since the epoch; liveplot.js's `reached`)
+    timeline: plot && plot.dataset.timeline ? JSON.parse(plot.dataset.timeline) : null,
     // plotly.js evaluated once per page: when it started and was ready (ms since the epoch)
     plotlyMs: plot && plot.dataset.plotlyReadyMs
       ? [Number(plot.dataset.plotlyStartedMs), Number(plot.dataset.plotlyReadyMs)] : null,
@@ -263,13 +270,16 @@ JS_DASHBOARD = r"""() => {
               shown: f.getBoundingClientRect().height > 0}; })() : null,
     status: text(status),
     trainer: trainer ? trainer.textContent : '',
-    runs: gd && gd._fullData ? gd._fullData.filter(d => /^run\d/.test(d.legendgroup || '') && d.x && d.x.length)
+    runs: gd && gd._fullData ? gd._fullData
+      .filter(d => /^run\d/.test(d.legendgroup || '') && d.x && d.x.length)
       .map(d => ({name: d.name, axis: d.xaxis, n: d.x.length, x0: Number(d.x[0])})) : [],
     title: gd && gd.layout && gd.layout.title ? (gd.layout.title.text || '') : '',
     measured: trace('iteration time'),
     compute: trace('device compute'),
-    shapes: gd && gd.layout && gd.layout.shapes ? gd.layout.shapes.map(s => ({xref: s.xref, x0: s.x0})) : [],
-    annotations: gd && gd.layout && gd.layout.annotations ? gd.layout.annotations.map(a => a.text || '') : [],
+    shapes: gd && gd.layout && gd.layout.shapes
+      ? gd.layout.shapes.map(s => ({xref: s.xref, x0: s.x0})) : [],
+    annotations: gd && gd.layout && gd.layout.annotations
+      ? gd.layout.annotations.map(a => a.text || '') : [],
   };
 }"""
 
@@ -287,7 +297,8 @@ JS_HISTORY = """(live) => {
   if (!plots.length) return null;
   const gd = plots[plots.length - 1];
   const pick = (name, band) => {
-    const t = gd._fullData.find(d => d.name === name && (band ? d.fill === 'toself' : d.fill !== 'toself'));
+    const t = gd._fullData.find(d => d.name === name
+                                     && (band ? d.fill === 'toself' : d.fill !== 'toself'));
     return t ? {x: Array.from(t.x || [], Number), y: Array.from(t.y || [], Number)} : null;
   };
   // the newest iteration on the same figure's timeline (its spans' hover text: "... · it N · ...")
@@ -309,28 +320,35 @@ JS_LAYOUT_PROBLEMS = """() => {
   const out = [];
   const inside = (r, b, what) => {
     if (r.width === 0 && r.height === 0) return;
-    if (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1 || r.bottom > b.bottom + 1)
-      out.push(`${what} [${Math.round(r.left)},${Math.round(r.top)},${Math.round(r.right)},${Math.round(r.bottom)}]`
-               + ` outside [${Math.round(b.left)},${Math.round(b.top)},${Math.round(b.right)},${Math.round(b.bottom)}]`);
+    const box = (q) => [q.left, q.top, q.right, q.bottom].map(Math.round).join(',');
+    if (r.left < b.left - 1 || r.right > b.right + 1 || r.top < b.top - 1
+        || r.bottom > b.bottom + 1)
+      out.push(`${what} [${box(r)}] outside [${box(b)}]`);
   };
   for (const gd of document.querySelectorAll('.js-plotly-plot')) {
     const area = gd.closest('.jp-OutputArea-output') || gd.parentElement;
     const svg = gd.querySelector('svg.main-svg');
     if (!svg) continue;
     const a = area.getBoundingClientRect(), f = svg.getBoundingClientRect();
-    if (f.width > a.width + 1) out.push(`figure ${Math.round(f.width)} px wider than its output area ${Math.round(a.width)} px`);
+    if (f.width > a.width + 1)
+      out.push(`figure ${Math.round(f.width)} px wider than its output area `
+               + `${Math.round(a.width)} px`);
     const legends = Array.from(gd.querySelectorAll('g.legend')).map(l => l.getBoundingClientRect());
     legends.forEach((r, i) => inside(r, f, `legend ${i}`));
     for (let i = 0; i < legends.length; i++) for (let j = i + 1; j < legends.length; j++) {
       const p = legends[i], q = legends[j];
-      if (p.width && q.width && p.left < q.right - 1 && q.left < p.right - 1 && p.top < q.bottom - 1 && q.top < p.bottom - 1)
+      if (p.width && q.width && p.left < q.right - 1 && q.left < p.right - 1
+          && p.top < q.bottom - 1 && q.top < p.bottom - 1)
         out.push(`legends ${i} and ${j} overlap`);
     }
-    gd.querySelectorAll('.g-xtitle, .g-ytitle, .annotation, .gtitle, .xtick, .ytick').forEach((e, i) =>
-      inside(e.getBoundingClientRect(), f, `${e.getAttribute('class')} ${i} '${e.textContent.slice(0, 40)}'`));
+    gd.querySelectorAll('.g-xtitle, .g-ytitle, .annotation, .gtitle, .xtick, .ytick')
+      .forEach((e, i) => inside(e.getBoundingClientRect(), f,
+                                `${e.getAttribute('class')} ${i} '${e.textContent.slice(0, 40)}'`));
   }
-  for (const e of document.querySelectorAll('.so-tuner .widget-html-content, .so-tuner .widget-label'))
-    if (e.scrollWidth > e.clientWidth + 1) out.push(`tuner text clipped: '${e.textContent.slice(0, 60)}'`);
+  const texts = '.so-tuner .widget-html-content, .so-tuner .widget-label';
+  for (const e of document.querySelectorAll(texts))
+    if (e.scrollWidth > e.clientWidth + 1)
+      out.push(`tuner text clipped: '${e.textContent.slice(0, 60)}'`);
   // every view fits its output area: no container wider than it, no horizontal scrollbar
   for (const c of document.querySelectorAll('.so-dashboard, .so-tuner, .so-trainer')) {
     const area = c.closest('.jp-OutputArea-output');
@@ -338,20 +356,25 @@ JS_LAYOUT_PROBLEMS = """() => {
     const a = area.getBoundingClientRect(), r = c.getBoundingClientRect();
     const cls = c.className.split(' ').find(k => k.startsWith('so-'));
     if (r.right > a.right + 1 || r.width > a.width + 1)
-      out.push(`${cls} is ${Math.round(r.width)} px wide, ${Math.round(r.right - a.right)} px past its output area (${Math.round(a.width)} px)`);
+      out.push(`${cls} is ${Math.round(r.width)} px wide, ${Math.round(r.right - a.right)} px `
+               + `past its output area (${Math.round(a.width)} px)`);
     for (const [what, e] of [['output area', area], ['box', c]])
       if (e.scrollWidth > e.clientWidth + 1)
-        out.push(`${cls}'s ${what} scrolls sideways: ${e.scrollWidth} px of content in ${e.clientWidth} px`);
+        out.push(`${cls}'s ${what} scrolls sideways: ${e.scrollWidth} px of content `
+                 + `in ${e.clientWidth} px`);
     let right = 0;  // a child wider than the box (a 100 % widget plus its margins) overflows it
-    for (const e of c.querySelectorAll('.jupyter-widgets')) right = Math.max(right, e.getBoundingClientRect().right);
-    if (right > a.right + 1) out.push(`${cls} holds a widget ${Math.round(right - a.right)} px past its output area`);
+    for (const e of c.querySelectorAll('.jupyter-widgets'))
+      right = Math.max(right, e.getBoundingClientRect().right);
+    if (right > a.right + 1)
+      out.push(`${cls} holds a widget ${Math.round(right - a.right)} px past its output area`);
   }
   return out;
 }"""
 
 JS_WIDGET_ERRORS = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
   .map(e => e.textContent || '')
-  .filter(t => t.includes('Error displaying widget') || t.includes('model not found') || t.includes('Traceback'))
+  .filter(t => t.includes('Error displaying widget') || t.includes('model not found')
+               || t.includes('Traceback'))
   .map(t => t.slice(0, 500))"""
 
 JS_OUTPUT_TEXT = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output'))
@@ -377,4 +400,30 @@ JS_SCROLL_TO_TOP = """() => {
   const sc = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer');
   sc.scrollTop = 0;
   return sc.scrollTop;
+}"""
+
+JS_WATCH_DASHBOARD = """() => {
+  // a person watching the dashboard until its first figure with data is drawn: whenever the
+  // live figure is out of sight (Run All scrolls on to later cells, cells above render and
+  // push it down), it is scrolled back at once, from the page itself: a check from the test
+  // takes a round trip and a throttled page's layout to settle, seconds on a loaded machine
+  if (window.__soWatching) return false;
+  window.__soWatching = true;
+  const until = Date.now() + 600000;
+  const look = () => {
+    const box = document.querySelector('.so-dashboard');
+    const plot = box && box.querySelector('.so-liveplot');
+    if ((plot && plot.dataset.dataToDrawMs) || Date.now() > until) {
+      window.__soWatching = false;
+      return;
+    }
+    const e = plot || box;
+    if (e) {
+      const r = e.getBoundingClientRect();
+      if (r.bottom <= 0 || r.top >= window.innerHeight) e.scrollIntoView({block: 'nearest'});
+    }
+    setTimeout(look, 50);
+  };
+  look();
+  return true;
 }"""

@@ -6,6 +6,8 @@ ignore):
   cannot open them;
 * paths written in prose (comments and docstrings, Markdown outside code fences, C comments,
   notebook Markdown and code comments), and whether each names a file or folder that exists;
+* pointers to a name in a Python file (``runtime/launch.py:Launcher.begin``,
+  ``plan/buckets.plan_buckets``), and whether the file defines that name;
 * citations of another project's files (``owner/project:path``, links into a code host);
 * ``from superoffload.X import N`` that imports N through a module that does not define it
   (a package that lists N in ``__all__`` may offer it).
@@ -150,7 +152,8 @@ def prose(path: str, text: str) -> Iterator[tuple[str, str]]:
     elif path.endswith(".ipynb"):
         for c, cell in enumerate(json.loads(text).get("cells", []), 1):
             source = cell.get("source", [])
-            lines = "".join(source).splitlines() if isinstance(source, list) else source.splitlines()
+            text = "".join(source) if isinstance(source, list) else source
+            lines = text.splitlines()
             if cell.get("cell_type") == "markdown":
                 found = _markdown_prose(lines)
             elif cell.get("cell_type") == "code":  # magics and shell lines are not Python
@@ -230,7 +233,8 @@ def unresolved_paths() -> list[str]:
 # ------------------------------------------------------------------ citations
 # Another project's file cited as owner/project:path, or a link into a code host: a reader of
 # this repository cannot follow it and it goes stale when the other project moves.
-CITATION = re.compile(r"(?<![\w./-])(?:[\w.-]+/[\w.-]+:(?:[\w.-]+/)+[\w.-]+\.(?:py|pyi|c|h|cpp|cu|md)\b"
+CITATION = re.compile(r"(?<![\w./-])(?:[\w.-]+/[\w.-]+:(?:[\w.-]+/)+[\w.-]+"
+                      r"\.(?:py|pyi|c|h|cpp|cu|md)\b"
                       r"|(?:https?://)?(?:www\.)?github\.com/\S+)")
 
 
@@ -283,7 +287,8 @@ def _absolute(module: str, node: ast.ImportFrom) -> str:
 
 
 @cache
-def bindings(module: str) -> tuple[frozenset[str], dict[str, tuple[str, str | None]], frozenset[str]]:
+def bindings(
+        module: str) -> tuple[frozenset[str], dict[str, tuple[str, str | None]], frozenset[str]]:
     """(names the module defines, names it imports -> (module, name), its ``__all__``)."""
     tree = ast.parse((ROOT / package_modules()[module]).read_text(encoding="utf-8"))
     defined: set[str] = set()
@@ -361,6 +366,103 @@ def indirect_imports() -> list[str]:
                 home = origin(source, name)
                 if home is not None and home != source:
                     bad.append(f"{path}:{node.lineno}: {name} via {source}; defined in {home}")
+    return bad
+
+
+# ------------------------------------------------------------------ names in pointers
+# A pointer to a name in a Python file: `runtime/launch.py:Launcher.begin` (the file, a colon,
+# the name) or `plan/buckets.plan_buckets` (the module's path, a dot, the name). The name is
+# a top-level name of the file (a def, a class, an assignment), or a class's member after a
+# dot (a method, a class attribute or field, an attribute its methods set on self).
+NAMED = re.compile(r"(?<![\w./:<>-])((?:[\w.-]+/)*[\w-]+\.py):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+
+
+def _member_names(cls: ast.ClassDef) -> set[str]:
+    """A class's methods, class attributes and fields, and what its methods set on self."""
+    out: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id == "self":
+            out.add(node.attr)
+    return out
+
+
+@cache
+def names_in(path: str) -> dict[str, frozenset[str]]:
+    """A Python file's top-level names -> the member names of each (empty but for classes)."""
+    tree = _parsed(text_of(path) or "")
+    out: dict[str, frozenset[str]] = {}
+    for node in _top_level(tree.body if tree is not None else []):
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = frozenset(_member_names(node))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            out[node.name] = frozenset()
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out.update({x.id: frozenset() for t in targets for x in ast.walk(t)
+                        if isinstance(x, ast.Name)})
+    return out
+
+
+def has_name(path: str, name: str) -> bool:
+    """Whether ``name`` (``f`` or ``Class.member``) is defined in the Python file ``path``."""
+    head, _, member = name.partition(".")
+    found = names_in(path)
+    if head not in found:
+        return False
+    return not member or member.partition(".")[0] in found[head]
+
+
+def _python_file(ref: str, src: str) -> str | None:
+    """The tree's Python file a pointer's path names, as `resolves` finds it (None: none)."""
+    here = str(Path(src).parent)
+    for base in ("", f"{PACKAGE}/", f"{here}/"):
+        norm = os.path.normpath(base + ref)
+        if not norm.startswith("..") and (ROOT / norm).is_file():
+            return norm
+    named = _basenames().get(Path(ref).name, [])
+    return named[0] if "/" not in ref and len(named) == 1 else None
+
+
+def named_pointers(path: str, line: str) -> Iterator[tuple[str, str, str]]:
+    """(what was written, the Python file, the name) for each pointer to a name in ``line``."""
+    for m in NAMED.finditer(line):
+        file = _python_file(m.group(1), path)
+        if file is not None:
+            yield m.group(0), file, m.group(2).rstrip(".")
+    for m in PATH.finditer(line):
+        ref = m.group(1).rstrip(".")
+        if "/" not in ref or _python_file(ref, path) is not None:
+            continue
+        head, name = ref, ""  # module/path.name: the longest prefix that is a module
+        while "." in head.rsplit("/", 1)[-1]:
+            head, _, last = head.rpartition(".")
+            name = f"{last}.{name}" if name else last
+            file = _python_file(head + ".py", path)
+            if file is not None:
+                yield ref, file, name
+                break
+
+
+def unresolved_names() -> list[str]:
+    bad = []
+    for path in tree_files():
+        if not path.endswith((".py", ".md", ".c", ".h", ".ipynb")):
+            continue
+        text = text_of(path)
+        if text is None:
+            continue
+        for where, line in prose(path, text):
+            bad += [f"{path}:{where}: {written} ({file} has no {name!r})"
+                    for written, file, name in named_pointers(path, line)
+                    if not has_name(file, name)]
     return bad
 
 

@@ -13,7 +13,8 @@
   ``STEP_RUNTIME_FILES`` files of ``runtime/`` (plus the kernel's layers and the telemetry
   recorder), no call that returns into the file it came from, no call cycle between files,
   at most ``STEP_CALLS`` distinct cross-file calls. Derived from the order of the calls one
-  traced iteration makes, not from their timing;
+  traced iteration makes, not from their timing. The FSDP2 engine's step likewise
+  (``--fsdp``), with ``distributed/`` as its edge and budgets of its own (``FSDP_STEP_*``);
 * lower layers never import upper ones (``LAYERS``);
 * every pointer resolves (tests/pointer_rules.py finds them): no tracker numbers, every path
   in prose names something in the tree, nothing cited from another project, every name
@@ -28,16 +29,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from name_rules import names_with_two_meanings, package_sources, repeated_module_names
 from pointer_rules import (
     CITATION,
     PATH,
     TRACKER,
     TRACKER_WORD,
+    has_name,
     indirect_imports,
+    named_pointers,
     origin,
     outside_citations,
     resolves,
     tracker_numbers,
+    unresolved_names,
     unresolved_paths,
 )
 
@@ -49,10 +54,20 @@ LONG_REASON = "Past 400 lines:"
 not by the line count)."""
 
 # one step (scripts/step_trace.py; docs/engine.md, "Reading one step")
-STEP_RUNTIME_FILES = 15
-STEP_CALLS = 110
+# 18 files, 122 calls: the optimizer (runtime/optimizer.py), the boundary (runtime/boundary.py)
+# and the copy lanes both transports hold (runtime/copy_lanes.py: one file, 5 delegations)
+STEP_RUNTIME_FILES = 18
+STEP_CALLS = 122
 STEP_TWO_WAY = 0
 STEP_CYCLE_FILES = 0
+# the FSDP2 engine's step (--fsdp, one gloo rank in process): the single-process step's
+# runtime/ files plus runtime/hook_base.py (the unit hooks) and runtime/transport.py (the
+# validation vector), less runtime/local_transport.py; in distributed/: the unit hooks, the
+# transport, the engine (the gradient-sync rule), the validation all-reduce, the guarded
+# collectives and their guard
+FSDP_STEP_RUNTIME_FILES = 19
+FSDP_STEP_EDGE_FILES = 6
+FSDP_STEP_CALLS = 132
 
 # torch-owned private names we must call (each has one wrapper; see the comment at its use)
 TORCH_PRIVATE = {
@@ -62,7 +77,8 @@ TORCH_PRIVATE = {
     "_fused_adamw_", "_fused_adam_", "_base", "_get_default_group", "_dynamo",
     "_foreach_add", "_foreach_sub", "_foreach_div", "_foreach_zero_",
 }
-PRIVATE_MODULES = {"_cpu_adam_cffi"}  # kernels/cpu_adam.py's compiled module (docs/conventions.md, "Kernel bindings in three layers")
+# kernels/cpu_adam.py's compiled module (docs/conventions.md, "Kernel bindings in three layers")
+PRIVATE_MODULES = {"_cpu_adam_cffi"}
 STDLIB_PRIVATE = {"_SubParsersAction"}  # argparse's subparsers type (no public name)
 
 
@@ -203,15 +219,30 @@ def test_no_file_is_over_400_lines() -> None:
         f"sentence starting {LONG_REASON!r}")
 
 
-def test_one_step_reads_one_way() -> None:
+def _step_trace(*args: str) -> subprocess.CompletedProcess[str]:
     script = PACKAGE.parent / "scripts" / "step_trace.py"
-    argv = [sys.executable, str(script), "--check",
-            f"--max-runtime-files={STEP_RUNTIME_FILES}", f"--max-calls={STEP_CALLS}",
-            f"--max-two-way={STEP_TWO_WAY}", f"--max-cycle-files={STEP_CYCLE_FILES}"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                          cwd=PACKAGE.parent)
+    return subprocess.run([sys.executable, str(script), "--check", *args], capture_output=True,
+                          text=True, timeout=600, cwd=PACKAGE.parent)
+
+
+def test_one_step_reads_one_way() -> None:
+    done = _step_trace(f"--max-runtime-files={STEP_RUNTIME_FILES}", f"--max-calls={STEP_CALLS}",
+                       f"--max-two-way={STEP_TWO_WAY}", f"--max-cycle-files={STEP_CYCLE_FILES}")
     assert done.returncode == 0, (
         "one training step no longer reads one way (scripts/step_trace.py --check):\n"
+        + done.stdout[-4000:] + done.stderr[-2000:])
+
+
+def test_the_fsdp2_step_reads_one_way() -> None:
+    """The FSDP2 engine's step: FSDP2 at the edge (distributed/), the transports sharing their
+    parts by composition, the unit hooks calling the transport one way (docs/distributed.md,
+    "One iteration")."""
+    done = _step_trace("--fsdp", f"--max-runtime-files={FSDP_STEP_RUNTIME_FILES}",
+                       f"--max-edge-files={FSDP_STEP_EDGE_FILES}",
+                       f"--max-calls={FSDP_STEP_CALLS}", f"--max-two-way={STEP_TWO_WAY}",
+                       f"--max-cycle-files={STEP_CYCLE_FILES}")
+    assert done.returncode == 0, (
+        "the FSDP2 step no longer reads one way (scripts/step_trace.py --fsdp --check):\n"
         + done.stdout[-4000:] + done.stderr[-2000:])
 
 
@@ -264,7 +295,8 @@ def test_names_are_imported_from_where_they_are_defined() -> None:
 @pytest.mark.parametrize("line, found", [
     (f"(see {TRACKER_WORD} 11, item 3)", True), (f"{TRACKER_WORD.title()} #7: a hang", True),
     (f"{TRACKER_WORD}s 2 and 11", True), (f"docs/img/{TRACKER_WORD}19/a.png", True),
-    (f"two {TRACKER_WORD}s 2x faster", False), (f"t{TRACKER_WORD} 3", False), (f"the {TRACKER_WORD} at hand", False),
+    (f"two {TRACKER_WORD}s 2x faster", False), (f"t{TRACKER_WORD} 3", False),
+    (f"the {TRACKER_WORD} at hand", False),
 ])
 def test_tracker_numbers_are_recognised(line: str, found: bool) -> None:
     assert bool(TRACKER.search(line)) is found
@@ -314,3 +346,103 @@ def test_a_name_is_traced_to_the_module_that_defines_it() -> None:
     assert origin("superoffload.telemetry.metrics", "IterationMetrics") == \
         "superoffload.telemetry.metrics"
     assert origin("superoffload.telemetry.metrics", "no_such_name") is None
+
+
+def test_every_named_pointer_resolves() -> None:
+    bad = unresolved_names()
+    assert not bad, ("point at a name the file defines: `file.py:name`, `file.py:Class.method`, "
+                     "`module/path.name` (docs/testing.md, \"Pointers that resolve\"); "
+                     f"{len(bad)} found:\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("line, src, ok", [
+    ("runtime/launch.py:Launcher.begin", "docs/engine.md", True),          # a method
+    ("superoffload/config.py:OffloadConfig.step_order", "README.md", True),  # a field
+    ("launch.py:Launcher.iteration", "superoffload/runtime/engine.py", True),  # set on self
+    ("plan/buckets.plan_buckets", "docs/planner.md", True),                # module.name
+    ("commands/argtypes.for_field", "superoffload/config.py", False),      # no such function
+    ("runtime/launch.py:Launcher.no_such", "docs/engine.md", False),       # no such member
+    ("runtime/launch.py:no_such", "docs/engine.md", False),
+])
+def test_the_name_rule(line: str, src: str, ok: bool) -> None:
+    found = list(named_pointers(src, line))
+    assert found and all(has_name(file, name) for _, file, name in found) is ok
+
+
+# ------------------------------------------------------------------ one name, one meaning
+def test_one_name_means_one_thing() -> None:
+    bad = names_with_two_meanings(package_sources())
+    assert not bad, ("give each meaning a name of its own, or an underscore when no other module "
+                     "uses it (docs/testing.md, \"One name, one meaning\"); name: the modules "
+                     f"of each meaning, {len(bad)} found:\n" + "\n".join(bad))
+
+
+_PROTOCOL = ('from typing import Protocol\nclass Backend(Protocol):\n'
+             '    """What a.py and b.py provide."""\n    def run(self) -> int: ...\n')
+
+
+@pytest.mark.parametrize("sources, flagged", [
+    ({"superoffload.a": "X = 1\n", "superoffload.b": "X = 2\n"}, ["X"]),
+    ({"superoffload.a": "X = 1\n", "superoffload.b": "X = 1\n"}, []),   # one definition
+    ({"superoffload.a": "_X = 1\n", "superoffload.b": "_X = 2\n"}, []),  # private
+    ({"superoffload.a": "X = 1\n",                                     # a re-export
+      "superoffload.b": "from superoffload import a\nX = a.X\n"}, []),
+    ({"superoffload.a": "def f(raw):\n    return raw\n",                 # a wrapper
+      "superoffload.b": "from superoffload import a\ndef f(path):\n    return a.f(path)\n"}, []),
+    ({"superoffload.p": _PROTOCOL, "superoffload.a": "def run():\n    return 1\n",
+      "superoffload.b": "def run():\n    return 2\n"}, []),                # one protocol
+    ({"superoffload.p": _PROTOCOL, "superoffload.a": "def run():\n    return 1\n",
+      "superoffload.c": "def run():\n    return 2\n"}, ["run"]),           # c: not named
+])
+def test_the_name_rule_reads_meanings_from_the_code(sources: dict[str, str],
+                                                     flagged: list[str]) -> None:
+    assert [line.split(":")[0] for line in names_with_two_meanings(sources)] == flagged
+
+
+def test_one_module_name_names_one_file() -> None:
+    bad = repeated_module_names([str(p.relative_to(PACKAGE.parent)) for p in MODULES.values()])
+    assert not bad, ("name each module after what it holds (docs/testing.md, \"One name, one "
+                     f"meaning\"); {len(bad)} names in several folders:\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("files, flagged", [
+    (["superoffload/runtime/weights.py", "superoffload/plan/weights.py"], ["weights.py"]),
+    (["superoffload/runtime/__init__.py", "superoffload/plan/__init__.py"], []),
+    (["superoffload/runtime/weight_policy.py", "superoffload/plan/weights.py"], []),
+])
+def test_the_module_name_rule(files: list[str], flagged: list[str]) -> None:
+    assert [line.split(":")[0] for line in repeated_module_names(files)] == flagged
+
+
+# ------------------------------------------------------------------ private writes
+THIRD_PARTY_PRIVATE_WRITES = {"_timeout"}
+"""Another library's private attributes we must set (each has one use; see the comment
+there): ``_timeout`` on torch's gloo process-group options, which have no public one
+(distributed/mesh.py)."""
+
+
+def _private_writes(path: Path) -> list[str]:
+    """``obj._name = ...`` (or ``setattr(obj, "_name", ...)``, ``del obj._name``) where
+    ``_name`` is not one of ours: another library's private state (torch's ``_opt_called``
+    was written so, to keep an LR scheduler from warning)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = None
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del) \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            name = node.attr
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("setattr", "delattr") and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            name = node.args[1].value
+        if name and name.startswith("_") and not name.startswith("__") \
+                and name not in OURS | THIRD_PARTY_PRIVATE_WRITES:
+            bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {name}")
+    return bad
+
+
+def test_no_module_writes_another_librarys_private_attributes() -> None:
+    bad = [b for path in MODULES.values() for b in _private_writes(path)]
+    assert not bad, ("use the library's public API (integrations/offloaded_optimizer.py "
+                     "step_without_gradients tells an LR scheduler of a step the engine took):\n"
+                     + "\n".join(bad))

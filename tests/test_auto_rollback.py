@@ -60,8 +60,10 @@ def test_kernel_inverse_stays_within_the_bound(log_rho):
     gen = torch.Generator().manual_seed(log_rho + 10)
     v = torch.rand(n, generator=gen, dtype=torch.float64).add_(0.5) * 1e-6
     m = (torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1) * v.sqrt()
-    rho = 10.0**log_rho * torch.exp(torch.empty(n, dtype=torch.float64).uniform_(-1.1, 1.1, generator=gen))
-    g = torch.sqrt(rho * b2 * v / (1 - b2)) * torch.sign(torch.randn(n, generator=gen, dtype=torch.float64))
+    spread = torch.empty(n, dtype=torch.float64).uniform_(-1.1, 1.1, generator=gen)
+    rho = 10.0**log_rho * torch.exp(spread)
+    sign = torch.sign(torch.randn(n, generator=gen, dtype=torch.float64))
+    g = torch.sqrt(rho * b2 * v / (1 - b2)) * sign
     p = torch.randn(n, generator=gen, dtype=torch.float64)
     p32, m32, v32, g32 = (x.float() for x in (p, m, v, g))
     m0, v0 = m32.double(), v32.double()
@@ -90,7 +92,8 @@ def test_risky_finds_exactly_the_elements_beyond_the_limit():
     p = torch.zeros(1000)
     idx = risky(g, p, m, v, hyper=hyper, grad_scale=1.0, limit=limit)
     assert idx is not None and sorted(idx.tolist()) == [3, 11, 500, 999]
-    assert risky(g * 1e-6, p, m, v.clamp_min(1e-6), hyper=hyper, grad_scale=1.0, limit=limit) is None
+    assert risky(g * 1e-6, p, m, v.clamp_min(1e-6), hyper=hyper, grad_scale=1.0,
+                 limit=limit) is None
 
 
 # ---------------------------------------------------------------------------- training
@@ -162,9 +165,10 @@ def test_deepspeed_dict_default_matches_under_heavy_clipping():
     ref = train_reference(Scaled(make_model(), 1e3), data, steps=STEPS, max_norm=1.0)
     model = Scaled(make_model(), 1e3)
     ds = {"gradient_clipping": 1.0, "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
-          "optimizer": {"type": "AdamW", "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
-                                                     "weight_decay": HYPER["weight_decay"],
-                                                     "eps": HYPER["eps"]}}}
+          "optimizer": {"type": "AdamW",
+                        "params": {"lr": HYPER["lr"], "betas": list(HYPER["betas"]),
+                                   "weight_decay": HYPER["weight_decay"],
+                                   "eps": HYPER["eps"]}}}
     with so.initialize(model, None, ds) as engine:
         assert engine.config.rollback == "auto"
         for x, y in data:

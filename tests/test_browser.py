@@ -121,7 +121,8 @@ def _quick_start(s: Session) -> None:
             f"{where['viewHeight']:.0f} px, all of it in view")
     order = page.evaluate("""() => {
       const t = document.querySelector('.so-tuner'), d = document.querySelector('.so-dashboard');
-      return t.compareDocumentPosition(d) & Node.DOCUMENT_POSITION_FOLLOWING ? 'tuner first' : 'dashboard first';
+      const after = t.compareDocumentPosition(d) & Node.DOCUMENT_POSITION_FOLLOWING;
+      return after ? 'tuner first' : 'dashboard first';
     }""")
     assert order == "tuner first", "the tuner is shown before training starts"
     assert page.locator(".so-tuner-ratio .widget-readout").text_content().strip() == "0.50", \
@@ -137,7 +138,8 @@ def _quick_start(s: Session) -> None:
         page.set_viewport_size({"width": width, "height": height})
         page.locator(".so-dashboard").scroll_into_view_if_needed()
         problems = _settled_layout(page)
-        assert problems == [], f"clipped or overflowing at {width}x{height}:\n" + "\n".join(problems)
+        assert problems == [], (f"clipped or overflowing at {width}x{height}:\n"
+                                + "\n".join(problems))
     page.set_viewport_size({"width": SCREEN[0], "height": SCREEN[1]})
     assert page.evaluate(bs.JS_WIDGET_ERRORS) == []
     s.phase(f"layout clean at {', '.join(f'{w}x{h}' for w, h in SIZES)}")
@@ -152,7 +154,8 @@ def _live_updates(s: Session) -> None:
     deadline = time.monotonic() + 150
     while len(states) < MIN_UPDATES:
         d = s.dashboard()
-        assert "running" in d["trainer"], f"training must still run while we watch: {d['trainer']!r}"
+        assert "running" in d["trainer"], \
+            f"training must still run while we watch: {d['trainer']!r}"
         if d["measured"] and d["measured"]["n"]:
             states.add((iteration(d["status"]), d["measured"]["n"]))
         assert time.monotonic() < deadline, f"only {len(states)} dashboard updates seen: {d}"
@@ -174,8 +177,8 @@ def _apply(s: Session) -> None:
     handle.focus()
     for _ in range(6):  # step 0.05: 0.50 -> 0.80
         handle.press("ArrowRight")
-    page.wait_for_function(
-        "() => document.querySelector('.so-tuner-ratio .widget-readout').textContent.trim() === '0.80'")
+    page.wait_for_function("() => document.querySelector('.so-tuner-ratio .widget-readout')"
+                           ".textContent.trim() === '0.80'")
     # the kernel got the last value and re-ran the planner (debounced, off the UI thread)
     page.wait_for_function(
         "() => document.querySelector('.so-tuner-prediction').textContent.includes('ratio 0.80,')")
@@ -183,8 +186,8 @@ def _apply(s: Session) -> None:
     s.phase("slider at 0.80 in the kernel, Apply enabled")
     before = iteration(s.dashboard()["status"])
     page.click(".so-tuner-apply")
-    page.wait_for_function(
-        "() => document.querySelector('.so-tuner-status').textContent.includes('applied ratio=0.8')")
+    page.wait_for_function("() => document.querySelector('.so-tuner-status')"
+                           ".textContent.includes('applied ratio=0.8')")
     # the tuner measures the change as an interleaved A/B; the dashboard shows its result line
     # as the engine wrote it, and the ratio in force at the end is the new one
     page.locator(".so-dashboard").scroll_into_view_if_needed()
@@ -193,7 +196,8 @@ def _apply(s: Session) -> None:
                    and any("A/B ratio 0.5→0.8" in a for a in d["annotations"]), timeout_s=200)
     since = int(re.search(r"ratio 0\.80 \(since it\. (\d+)\)", after["status"]).group(1))  # type: ignore[union-attr]
     assert since > before, f"the new ratio holds from iteration {since}, after {before}"
-    assert any(sh["xref"] == "x2" and int(sh["x0"]) >= before - 1 for sh in after["shapes"]), after["shapes"]
+    assert any(sh["xref"] == "x2" and int(sh["x0"]) >= before - 1
+               for sh in after["shapes"]), after["shapes"]
     s.phase("applied and measured; the A/B band and its label are on the charts")
     s.screenshot(".so-tuner", IMAGES / "quick_start_tuner.png")
 
@@ -255,7 +259,8 @@ def _long_run(s: Session) -> int:
 
 
 def _check_history(h: dict | None, spike_at: int, newest: int, which: str) -> None:
-    assert h is not None and h["line"] and h["band"] and h["lossBand"], f"{which}: no history drawn: {h}"
+    assert h is not None and h["line"] and h["band"] and h["lossBand"], \
+        f"{which}: no history drawn: {h}"
     xs = h["line"]["x"]
     step = xs[1] - xs[0]
     assert xs[0] <= step, f"{which}: the history starts at iteration 0 (first bin at {xs[0]})"
@@ -264,8 +269,10 @@ def _check_history(h: dict | None, spike_at: int, newest: int, which: str) -> No
     newest = max(newest, h["timelineNewest"]) if which == "static" else h["timelineNewest"]
     assert newest > 0, f"{which}: no timeline drawn"
     # complete iterations only: the newest one and the one before it may still get spans
-    assert xs[-1] >= newest - 2 - 2 * step, f"{which}: it ends at the newest iteration ({xs[-1]} vs {newest})"
-    assert len(xs) <= 1000 and step >= 2, f"{which}: binned past the bound ({len(xs)} bins of {step})"
+    assert xs[-1] >= newest - 2 - 2 * step, \
+        f"{which}: it ends at the newest iteration ({xs[-1]} vs {newest})"
+    assert len(xs) <= 1000 and step >= 2, \
+        f"{which}: binned past the bound ({len(xs)} bins of {step})"
 
     def band_max(band: dict, lo: float, hi: float) -> float:
         half = len(band["x"]) // 2  # the polygon: maxima forward, minima back
@@ -276,10 +283,12 @@ def _check_history(h: dict | None, spike_at: int, newest: int, which: str) -> No
     typical = sorted(h["line"]["y"])[len(xs) // 2]
     stall = band_max(h["band"], *near)
     assert stall >= 0.8 * STALL_S * 1e3 and stall > 3 * typical, \
-        f"{which}: the one-iteration stall stays visible ({stall:.0f} ms vs {typical:.0f} ms typical)"
+        (f"{which}: the one-iteration stall stays visible ({stall:.0f} ms vs {typical:.0f} ms "
+         "typical)")
     spike = band_max(h["lossBand"], *near)
     before = band_max(h["lossBand"], spike_at - 300, spike_at - 50)
-    assert spike > before + 1.0, f"{which}: the loss spike stays visible ({spike:.2f} vs {before:.2f} before)"
+    assert spike > before + 1.0, \
+        f"{which}: the loss spike stays visible ({spike:.2f} vs {before:.2f} before)"
 
 
 def _stop(s: Session, spike_at: int) -> None:
@@ -293,8 +302,9 @@ def _stop(s: Session, spike_at: int) -> None:
     page.wait_for_function("() => !document.querySelector('.so-dashboard')", timeout=120_000)
     static = _wait_static(page, lambda p: "stopped" in p["title"], timeout_s=120)
     assert static["traces"] > 0
-    page.wait_for_function("() => !document.querySelector('.so-trainer, .so-tuner, .so-trainer-live')",
-                           timeout=120_000)
+    page.wait_for_function(
+        "() => !document.querySelector('.so-trainer, .so-tuner, .so-trainer-live')",
+        timeout=120_000)
     one_tuner(s, frozen=True)
     _check_history(page.evaluate(bs.JS_HISTORY, False), spike_at, newest, "static")
     s.phase("stopped; static snapshots replaced every live widget")
@@ -315,13 +325,16 @@ def _reopen(s: Session, spike_at: int) -> None:
     figure.scroll_into_view_if_needed()
     # JupyterLab's plotly renderer saves a PNG of each figure it drew into the notebook and
     # shows that PNG when the notebook is reopened (its renderModel), or draws the figure
-    page.wait_for_selector(".jp-RenderedPlotly img, .jp-RenderedPlotly .js-plotly-plot", timeout=60_000)
+    drawn_or_png = ".jp-RenderedPlotly img, .jp-RenderedPlotly .js-plotly-plot"
+    page.wait_for_selector(drawn_or_png, timeout=60_000)
     page.wait_for_timeout(1500)
     assert page.evaluate(bs.JS_WIDGET_ERRORS) == [], "a reopened notebook shows no widget error"
     text = page.evaluate(bs.JS_OUTPUT_TEXT)
-    assert f"superoffload-train: stopped, step {final.group(1)}" in text, "the run's final state survives"
-    box = page.locator(".jp-RenderedPlotly img, .jp-RenderedPlotly .js-plotly-plot").first.bounding_box()
-    assert box and box["width"] > 600 and box["height"] > 400, ("the figure of the whole run survives", box)
+    assert f"superoffload-train: stopped, step {final.group(1)}" in text, \
+        "the run's final state survives"
+    box = page.locator(drawn_or_png).first.bounding_box()
+    assert box and box["width"] > 600 and box["height"] > 400, \
+        ("the figure of the whole run survives", box)
     s.phase("reopened: the figure and the final state, no widget error")
 
 
@@ -331,8 +344,10 @@ def test_the_report_opens_alone_with_every_chart_drawn(tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "superoffload", "train", "--steps", "12", "--out", str(run)],
-                   check=True, timeout=240, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run([sys.executable, "-m", "superoffload", "train", "--steps", "12",
+                    "--out", str(run)],
+                   check=True, timeout=240, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     alone = tmp_path / "copied"
     alone.mkdir()
     shutil.copy(run / "report.html", alone / "report.html")  # nothing else: no plotly.min.js
@@ -342,16 +357,22 @@ def test_the_report_opens_alone_with_every_chart_drawn(tmp_path: Path) -> None:
             for width in (1366, 1920):
                 page = browser.new_page(viewport={"width": width, "height": 900})
                 errors: list[str] = []
-                page.on("console", lambda m, errors=errors: errors.append(m.text) if m.type == "error" else None)
+                page.on("console", lambda m, errors=errors:
+                        errors.append(m.text) if m.type == "error" else None)
                 page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
                 page.goto((alone / "report.html").as_uri())
-                page.wait_for_function("() => document.querySelectorAll('.so-report-chart').length > 0")
+                page.wait_for_function(
+                    "() => document.querySelectorAll('.so-report-chart').length > 0")
                 page.wait_for_timeout(1500)
-                charts = page.evaluate("""() => Array.from(document.querySelectorAll('.so-report-chart')).map(c => {
+                charts = page.evaluate("""() => Array.from(
+                    document.querySelectorAll('.so-report-chart')).map(c => {
                   const gd = c.querySelector('.js-plotly-plot');
                   const svg = gd && gd.querySelector('svg.main-svg');
-                  return {drawn: !!(gd && gd._fullLayout && svg), width: svg ? svg.getBoundingClientRect().width : 0,
-                          traces: gd ? gd.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length : 0};
+                  const traces = gd ? gd.querySelectorAll('.scatterlayer .trace, .barlayer .trace')
+                                  : [];
+                  return {drawn: !!(gd && gd._fullLayout && svg),
+                          width: svg ? svg.getBoundingClientRect().width : 0,
+                          traces: traces.length};
                 })""")
                 assert errors == [], f"console errors at {width} px: {errors}"
                 assert charts and all(c["drawn"] and c["traces"] > 0 for c in charts), charts
@@ -382,7 +403,8 @@ def _wait_static(page: Any, ok: Callable[[dict], bool], timeout_s: float = 60.0)
         if plots:
             return plots[0]
         if time.monotonic() > deadline:
-            raise AssertionError(f"no static figure of the stopped run: {page.evaluate(bs.JS_STATIC_PLOTS)}")
+            raise AssertionError("no static figure of the stopped run: "
+                                 f"{page.evaluate(bs.JS_STATIC_PLOTS)}")
         page.wait_for_timeout(250)
 
 
@@ -390,7 +412,8 @@ def _one_cell_notebook(path: Path, cell: str) -> Path:
     """Write a notebook of one code cell (`cell`, a python3 kernel) to `path`."""
     nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
                      "outputs": [], "source": cell}],
-          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                      "language": "python"}},
           "nbformat": 4, "nbformat_minor": 5}
     path.write_text(json.dumps(nb))
     return path
@@ -412,7 +435,8 @@ def test_the_layout_check_catches_a_view_wider_than_its_output_area(tmp_path: Pa
             "display(wide, fits)\n"
             "from superoffload import plan\n"
             "from superoffload.widgets import OffloadTuner\n"
-            "OffloadTuner(plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32), 'gh200')")
+            "OffloadTuner(plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32),\n"
+            "             'gh200')")
     source = _one_cell_notebook(tmp_path / "layout_check.ipynb", cell)
 
     def check(s: Session) -> None:
@@ -452,10 +476,13 @@ def test_live_views_become_snapshots_when_the_kernel_shuts_down_mid_run(tmp_path
         page.evaluate(bs.JS_RUN_ALL)
         s.first_draw(limit_s=None)  # one cell shows the dashboard and starts the run
         page.wait_for_function(f"() => /iteration [1-9]/.test(({bs.JS_OUTPUT_TEXT})())")
-        page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); }")
-        page.wait_for_function("() => !document.querySelector('.so-dashboard, .so-trainer')", timeout=30_000)
+        page.evaluate("async () => { "
+                      "await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); }")
+        page.wait_for_function("() => !document.querySelector('.so-dashboard, .so-trainer')",
+                               timeout=30_000)
         s.phase("kernel shut down mid-run: every live view frozen")
-        page.evaluate("async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
+        page.evaluate(
+            "async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
         s.reload()
         page.wait_for_selector(".jp-RenderedPlotly", state="attached", timeout=60_000)
         page.wait_for_timeout(1500)

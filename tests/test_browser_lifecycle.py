@@ -117,7 +117,8 @@ def test_a_rerun_cell_takes_the_run_over_and_a_restart_leaves_static_outputs(tmp
         assert "frozen here when the kernel restarted" in text, text[-600:]
         assert page.locator(".jp-RenderedPlotly").count() >= 1, "the figure, frozen by the page"
         s.phase("kernel restarted: the page froze every live view")
-        page.evaluate("async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
+        page.evaluate(
+            "async () => { await window.jupyterapp.commands.execute('docmanager:save'); }")
         s.reload()
         page.wait_for_selector(".jp-RenderedPlotly", state="attached", timeout=60_000)
         assert page.evaluate(bs.JS_WIDGET_ERRORS) == [], "the saved notebook reopens cleanly"

@@ -23,19 +23,25 @@ from tests import browser_support as bs
 pytestmark = pytest.mark.browser
 
 PAGE = """<!doctype html><html><head><meta charset='utf-8'></head>
-<body style='margin:0'><div id='spacer' style='height:3000px'>spacer</div><div id='view' style='width:800px'></div>
+<body style='margin:0'><div id='spacer' style='height:3000px'>spacer</div>
+<div id='view' style='width:800px'></div>
 <script>
 window.figureOf = (n) => {{  // packed as the kernel packs it (plotjson.pack): JSON bytes, no arrays
-  const fig = {{data: [{{x: Array.from({{length: n}}, (_, i) => i), y: Array.from({{length: n}}, (_, i) => i * i),
-                type: 'scatter', mode: 'lines', name: 'n' + n}}], layout: {{height: 300, title: {{text: 'figure ' + n}}}}}};
+  const x = Array.from({{length: n}}, (_, i) => i), y = x.map((i) => i * i);
+  const fig = {{data: [{{x, y, type: 'scatter', mode: 'lines', name: 'n' + n}}],
+               layout: {{height: 300, title: {{text: 'figure ' + n}}}}}};
   return {{json: new DataView(new TextEncoder().encode(JSON.stringify(fig)).buffer), arrays: []}};
 }};
 window.makeModel = (library) => {{
   const state = {{figure: {{}}, config: {{}}, library: 'lib', token: 'view-1'}}, listeners = {{}};
   const manager = {{get_model: async (id) => library}};  // the PlotlyLibrary model
-  return {{state, get: (k) => state[k], on: (ev, cb) => (listeners[ev] = listeners[ev] || []).push(cb),
+  return {{state, get: (k) => state[k],
+          on: (ev, cb) => (listeners[ev] = listeners[ev] || []).push(cb),
           send: (msg) => (window.sent = window.sent || []).push(msg), widget_manager: manager,
-          set: (k, v) => {{ state[k] = v; (listeners['change:' + k] || []).forEach(cb => cb()); }}}};
+          set: (k, v) => {{
+            state[k] = v;
+            (listeners['change:' + k] || []).forEach(cb => cb());
+          }}}};
 }};
 window.start = async (js, plotly) => {{
   const bytes = new TextEncoder().encode(plotly);
@@ -89,7 +95,8 @@ def _wait_drawn(page: Any, title: str, timeout_ms: int) -> dict[str, Any]:
     return page.evaluate("() => window.drawn()")
 
 
-def test_an_off_screen_view_draws_the_newest_figure_when_it_is_scrolled_into_view(page: Any) -> None:
+def test_an_off_screen_view_draws_the_newest_figure_when_it_is_scrolled_into_view(
+        page: Any) -> None:
     for n in range(1, 6):  # the view is below a 3000 px spacer: off screen
         _send(page, n)
         page.wait_for_timeout(100)
@@ -143,6 +150,8 @@ def test_the_module_is_small_says_it_started_and_loads_plotly_once_per_page(page
 
 def test_a_burst_of_figures_is_folded_into_few_draws_ending_on_the_newest(page: Any) -> None:
     page.evaluate("() => window.view.scrollIntoView()")
-    page.evaluate("() => { for (let n = 1; n <= 60; n++) window.model.set('figure', window.figureOf(n * 100)); }")
+    page.evaluate("""() => {
+      for (let n = 1; n <= 60; n++) window.model.set('figure', window.figureOf(n * 100));
+    }""")
     got = _wait_drawn(page, "figure 6000", 10_000)
     assert got["points"] == 6000 and got["draws"] < 10, json.dumps(got)

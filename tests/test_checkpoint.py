@@ -10,8 +10,8 @@ import torch
 from _tiny_models import make_model
 
 import superoffload as so
-from superoffload.runtime.checkpoint import CheckpointMismatch
 from superoffload.runtime.ckpt_files import CheckpointCorrupt
+from superoffload.runtime.engine_checkpoint import CheckpointMismatch
 
 STEPS, STOP = 10, 4
 

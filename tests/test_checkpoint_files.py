@@ -1,5 +1,5 @@
 """Checkpoint files that are not what they claim: refused, naming what is wrong, and never
-read without bound (runtime/checkpoint.py, runtime/ckpt_files.py).
+read without bound (runtime/engine_checkpoint.py, runtime/ckpt_files.py).
 
 * ``engine.pt`` a link to ``/dev/zero`` (or a FIFO): it used to be read without limit (the
   out-of-memory killer ended the process at 20.9 GB; a FIFO blocked for ever). Now refused
@@ -32,7 +32,7 @@ import torch
 from _tiny_models import make_model
 
 import superoffload as so
-from superoffload.runtime import checkpoint, ckpt_manifest
+from superoffload.runtime import ckpt_manifest, engine_checkpoint
 from superoffload.runtime.ckpt_files import CheckpointCorrupt
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -68,7 +68,7 @@ import torch
 torch.set_num_threads(1)
 from _tiny_models import make_model
 import superoffload as so
-from superoffload.runtime import checkpoint, ckpt_manifest
+from superoffload.runtime import ckpt_manifest, engine_checkpoint
 folder, kind = sys.argv[1], sys.argv[3]
 model = make_model(seed=0)
 engine = so.initialize(model, {"lr": 3e-3}, so.OffloadConfig(device="cpu", bucket_bytes=4096,
@@ -123,8 +123,8 @@ def test_a_file_of_another_size_is_refused_without_reading_it(tmp_path: Path,
     with open(file, "ab") as f:
         f.write(b"\0" * 100)  # the zip still loads with bytes after its end
     reads: list[str] = []
-    real_read = checkpoint.read_regular
-    monkeypatch.setattr(checkpoint, "read_regular", lambda *a: (reads.append(a[0]),
+    real_read = engine_checkpoint.read_regular
+    monkeypatch.setattr(engine_checkpoint, "read_regular", lambda *a: (reads.append(a[0]),
                                                                 real_read(*a))[1])
     model, engine = _engine()
     with engine, pytest.raises(CheckpointCorrupt) as info:  # type: ignore[attr-defined]
@@ -209,7 +209,7 @@ class Payload:
 def test_a_pickle_payload_is_not_a_checkpoint(tmp_path: Path, meta: str) -> None:
     _saved(tmp_path, 1)
     file = tmp_path / "engine.pt"
-    torch.save({"format": checkpoint.FORMAT, "extra": Payload()}, file)
+    torch.save({"format": engine_checkpoint.ENGINE_FORMAT, "extra": Payload()}, file)
     if meta == "matching":  # a tampered folder: meta.json rewritten to match the file
         record = json.loads((tmp_path / "meta.json").read_text())
         data = file.read_bytes()

@@ -29,7 +29,7 @@ import torch
 
 from superoffload.cli import build_parser, main
 from superoffload.commands import run_budget
-from superoffload.commands.train_args import RunSettings, resolve
+from superoffload.commands.train_args import RunSettings, resolve_settings
 
 TIMEOUT_S = 180
 TRAIN = "python -m superoffload train: error: "
@@ -82,7 +82,7 @@ def test_eval_batches_100000_is_refused_with_the_estimate(tmp_path: Path) -> Non
 
 
 def _settings(*argv: str) -> RunSettings:
-    return resolve(build_parser().parse_args(["train", *argv]), "cpu")
+    return resolve_settings(build_parser().parse_args(["train", *argv]), "cpu")
 
 
 def test_the_estimate_uses_the_measured_rates(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,18 +102,18 @@ def test_the_estimate_uses_the_measured_rates(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(run_budget.UsageError, match=f"about {run_budget.duration(want)} per "
                        r"step at the rates this machine reached for the model's matrix "
                        r"products \(20\.0 GFLOP/s\) and attention \(5\.0 GFLOP/s\)"):
-        run_budget.check(s, cpu)
+        run_budget.check_budget(s, cpu)
     s = _settings("--model", "tiny", "--steps", "2", "--eval-batches", "100000")
     est = run_budget.measured(s, cpu)
     assert est.eval_s(100000) == pytest.approx(100000 * est.step_s / 3, rel=1e-12)
     fits = int(run_budget.MAX_EVAL_S / est.eval_s(1))
     with pytest.raises(run_budget.UsageError, match=f"use --eval-batches {fits} or fewer"):
-        run_budget.check(s, cpu)
+        run_budget.check_budget(s, cpu)
     s = _settings("--model", "tiny", "--steps", "2", "--eval-batches", str(fits))
-    run_budget.check(s, cpu)  # at the limit: passes
+    run_budget.check_budget(s, cpu)  # at the limit: passes
     calls.clear()
     for argv in ([], ["--model", "gpt2", "--seq", "256"], ["--seq", "4096", "--batch", "4"]):
-        run_budget.check(_settings(*argv), cpu)  # the defaults and the like: nothing measured
+        run_budget.check_budget(_settings(*argv), cpu)  # the defaults and the like: unmeasured
     assert calls == []
 
 
@@ -129,7 +129,7 @@ def test_eval_batches_100000_with_batch_2_is_refused(monkeypatch: pytest.MonkeyP
     with pytest.raises(run_budget.UsageError, match=r"^--eval-batches 100000: the final "
                        r"evaluation would take about .* \(100000 forwards of 2 x 128 tokens at "
                        r"the rates this machine reached .*; use --eval-batches \d+ or fewer"):
-        run_budget.check(s, torch.device("cpu"))
+        run_budget.check_budget(s, torch.device("cpu"))
 
 
 def test_an_evaluation_is_measured_exactly_when_it_outweighs_the_training(
@@ -157,12 +157,12 @@ def test_an_evaluation_is_measured_exactly_when_it_outweighs_the_training(
     assert est.train_s(7) == pytest.approx(7 * (compute + 6e-3), rel=1e-12)
     fits = int(run_budget.MAX_EVAL_S / est.eval_s(1))  # about 120 s of 2 ms forwards
     with pytest.raises(run_budget.UsageError, match=f"use --eval-batches {fits} or fewer"):
-        run_budget.check(s, cpu)
+        run_budget.check_budget(s, cpu)
     for batches, refused in ((fits, False), (fits + 1, True)):
         s = _settings("--model", "tiny", "--batch", "1", "--seq", "8", "--steps", "300",
                       "--eval-batches", str(batches))
         with (pytest.raises(run_budget.UsageError) if refused else contextlib.nullcontext()):
-            run_budget.check(s, cpu)
+            run_budget.check_budget(s, cpu)
 
 
 def test_the_fixed_cost_of_a_forward_is_measured_without_touching_the_runs_rng() -> None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from superoffload import cli, plan
-from superoffload.commands.calibration import CALIBRATED_PROFILE
+from superoffload.commands.train_calibration import CALIBRATED_PROFILE
 
 
 def test_train_calibrates_and_plan_reads_the_profile(tmp_path: Path, capsys) -> None:

@@ -151,24 +151,25 @@ def _args(*argv: str) -> Any:
 
 
 def test_resume_settings_come_from_the_checkpoint_and_numerics_cannot_change() -> None:
-    from superoffload.commands.train_args import resolve
+    from superoffload.commands.train_args import resolve_settings
 
-    saved = resolve(_args("--model", "tiny", "--lr", "0.01", "--steps", "50", "--batch", "4",
-                          "--ratio", "0.25"), "cpu").to_dict()
-    again = resolve(_args(), "cpu", saved=saved)  # nothing given: the checkpoint's run
+    given = _args("--model", "tiny", "--lr", "0.01", "--steps", "50", "--batch", "4",
+                  "--ratio", "0.25")
+    saved = resolve_settings(given, "cpu").to_dict()
+    again = resolve_settings(_args(), "cpu", saved=saved)  # nothing given: the checkpoint's run
     assert again.to_dict() == saved
-    moved = resolve(_args("--ratio", "1.0", "--eval-batches", "0"), "cpu", saved=saved)
+    moved = resolve_settings(_args("--ratio", "1.0", "--eval-batches", "0"), "cpu", saved=saved)
     assert (moved.ratio, moved.eval_batches, moved.lr) == (1.0, 0, 0.01)  # placement may change
     with pytest.raises(UsageError, match=r"--lr 0\.02 differs from the checkpoint's run \(0\.01\)"):
-        resolve(_args("--lr", "0.02"), "cpu", saved=saved)
+        resolve_settings(_args("--lr", "0.02"), "cpu", saved=saved)
     with pytest.raises(UsageError, match="--steps 60 differs"):
-        resolve(_args("--steps", "60"), "cpu", saved=saved)
+        resolve_settings(_args("--steps", "60"), "cpu", saved=saved)
     with pytest.raises(UsageError, match="this launch has dp=2"):
-        resolve(_args(), "cpu", dp=2, saved=saved)
+        resolve_settings(_args(), "cpu", dp=2, saved=saved)
 
 
-def test_a_finished_run_is_not_resumed_into_its_own_folder(tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_finished_run_is_not_resumed_into_its_own_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from superoffload.cli import main
 
     runs = ck.RunCheckpoints(tmp_path / "run")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from superoffload.cli import build_parser, main
-from superoffload.commands.train_args import resolve
-from superoffload.commands.train_build import engine_config
+from superoffload.commands.train_args import resolve_settings
+from superoffload.commands.train_build import run_config
 from superoffload.config import MIN_BUCKET_BYTES
 
 TRAIN = "python -m superoffload train: error: "
@@ -87,21 +87,23 @@ def _parse(*argv: str) -> object:
 
 def test_zero_is_kept_not_replaced_by_the_default() -> None:
     """`--lr 0` used to become 2e-3 (`args.lr or default`); now a given value is the value."""
-    s = resolve(_parse("--lr", "0", "--max-grad-norm", "0", "--warmup", "0",
-                       "--eval-batches", "0", "--weight-decay", "0"), "cpu")  # type: ignore[arg-type]
-    assert (s.lr, s.max_grad_norm, s.warmup, s.eval_batches, s.weight_decay) == (0.0, 0.0, 0, 0, 0.0)
-    assert engine_config(s, torch.device("cpu")).max_grad_norm is None  # 0 disables clipping
-    d = resolve(_parse(), "cpu")  # type: ignore[arg-type]
+    given = _parse("--lr", "0", "--max-grad-norm", "0", "--warmup", "0", "--eval-batches", "0",
+                   "--weight-decay", "0")
+    s = resolve_settings(given, "cpu")  # type: ignore[arg-type]
+    got = (s.lr, s.max_grad_norm, s.warmup, s.eval_batches, s.weight_decay)
+    assert got == (0.0, 0.0, 0, 0, 0.0)
+    assert run_config(s, torch.device("cpu")).max_grad_norm is None  # 0 disables clipping
+    d = resolve_settings(_parse(), "cpu")  # type: ignore[arg-type]
     assert (d.lr, d.batch, d.seq, d.steps, d.max_grad_norm) == (2e-3, 16, 128, 300, 1.0)
 
 
 def test_bucket_mb_is_not_clamped() -> None:
     """The smallest accepted value is exactly MIN_BUCKET_BYTES, and it is used as given."""
     smallest = MIN_BUCKET_BYTES / (1 << 20)
-    s = resolve(_parse("--bucket-mb", repr(smallest)), "cpu")  # type: ignore[arg-type]
-    assert engine_config(s, torch.device("cpu")).bucket_bytes == MIN_BUCKET_BYTES
-    s = resolve(_parse("--bucket-mb", "1.5"), "cpu")  # type: ignore[arg-type]
-    assert engine_config(s, torch.device("cpu")).bucket_bytes == int(1.5 * (1 << 20))
+    s = resolve_settings(_parse("--bucket-mb", repr(smallest)), "cpu")  # type: ignore[arg-type]
+    assert run_config(s, torch.device("cpu")).bucket_bytes == MIN_BUCKET_BYTES
+    s = resolve_settings(_parse("--bucket-mb", "1.5"), "cpu")  # type: ignore[arg-type]
+    assert run_config(s, torch.device("cpu")).bucket_bytes == int(1.5 * (1 << 20))
 
 
 def test_lr_times_weight_decay_must_stay_below_one(capsys: pytest.CaptureFixture[str],
@@ -148,15 +150,15 @@ def test_an_absurd_shape_is_refused_with_the_estimate(capsys: pytest.CaptureFixt
 
     from superoffload.cli import build_parser
     from superoffload.commands import run_budget
-    from superoffload.commands.train_args import resolve
+    from superoffload.commands.train_args import resolve_settings
 
     monkeypatch.setattr(run_budget, "usable_cores", lambda: 2)  # this project's CI machine
     monkeypatch.setattr(run_budget, "host_memory_bytes", lambda: 24e9)
     # this machine's rates for GPT-2's kernels, as measured on 2 cores (one step ~4 min)
     monkeypatch.setattr(run_budget, "probe", lambda s: run_budget.Rates(4.0e10, 1.0e10))
     code, lines = _cli(capsys, "train", "--seq", "100000", "--device", "cpu")
-    est = run_budget.estimate(resolve(build_parser().parse_args(["train", "--seq", "100000"]),
-                                      "cpu"), torch.device("cpu"))
+    args = build_parser().parse_args(["train", "--seq", "100000"])
+    est = run_budget.estimate(resolve_settings(args, "cpu"), torch.device("cpu"))
     _assert_one_error(code, lines, TRAIN, "--seq 100000 x --batch 16 is too large for this "
                       "machine", f"needs at least {est.memory_bytes / 1e9:.1f} GB of host "
                       "memory", "24.0 GB per rank", "6.2e+14 FLOPs, over 21 min per step even "
@@ -177,7 +179,8 @@ def test_resume_errors_name_the_folder(capsys: pytest.CaptureFixture[str], tmp_p
     empty = tmp_path / "empty"
     empty.mkdir()
     code, lines = _cli(capsys, "train", "--resume", str(empty))
-    _assert_one_error(code, lines, TRAIN, "--resume", "no complete checkpoint", "--checkpoint-every")
+    _assert_one_error(code, lines, TRAIN, "--resume", "no complete checkpoint",
+                      "--checkpoint-every")
 
 
 def test_resume_of_a_python_api_checkpoint_is_explained(capsys: pytest.CaptureFixture[str],

@@ -42,12 +42,13 @@ def test_llama_13b_on_h200_pcie_needs_offloading(capsys):
 def test_table_from_a_config_json_path(tmp_path, capsys):
     from superoffload.plan import hf_config
 
-    (tmp_path / "config.json").write_text(json.dumps(hf_config.load("gpt2")))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config.load_config("gpt2")))
     assert cli.main(["plan", "--hf-config", str(tmp_path / "config.json"), "--profile", "gh200",
                      "--seq", "1024"]) == 0
     text = capsys.readouterr().out
     assert "openai-community/gpt2 (gpt2): 0.12B parameters (124,439,808)" in text
-    for label in ("plain (GPU only)", "ZeRO-Offload", "superoffload stationary", "superoffload flow"):
+    for label in ("plain (GPU only)", "ZeRO-Offload", "superoffload stationary",
+                  "superoffload flow"):
         assert label in text
     assert "Best: " in text  # a 124M model fits everywhere
 

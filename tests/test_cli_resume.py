@@ -246,7 +246,8 @@ def test_data_parallel_sigterm_and_resume_is_bit_identical(tmp_path: Path) -> No
                            torchrun=True)
     assert stopped.returncode != 0
     line = [x for x in stopped.stderr.splitlines() if x.startswith("train: stopped by SIGTERM")]
-    assert len(line) == 1 and "torchrun --nproc-per-node 2 -m superoffload train --resume" in line[0]
+    resume_hint = "torchrun --nproc-per-node 2 -m superoffload train --resume"
+    assert len(line) == 1 and resume_hint in line[0]
     resumed = _run(tmp_path, "--resume", str(out), "--quiet", "--json", "--save-checkpoint",
                    "--no-report", torchrun=True)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]

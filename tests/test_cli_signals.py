@@ -130,3 +130,19 @@ def test_a_signal_when_no_step_runs_stops_at_once() -> None:
             assert proc.stdout is not None and proc.stdout.read().decode() == ""
         finally:
             _stop(proc)
+
+
+def test_the_stop_line_names_a_local_rank_that_has_exited(monkeypatch) -> None:
+    # torchrun SIGTERMs the survivors once one rank dies, often before their collective fails:
+    # the stop line is then the only place the dead rank can be named
+    from types import SimpleNamespace
+
+    from superoffload.commands import signals
+
+    assert signals.gone_peers_note() == ""  # a single process: no peers
+    asked: list[list[int]] = []
+    monkeypatch.setattr(signals, "dist_info", lambda: SimpleNamespace(world_size=3))
+    monkeypatch.setattr(signals, "exited_peers", lambda ranks: asked.append(ranks) or [])
+    assert signals.gone_peers_note() == "" and asked == [[0, 1, 2]]  # every rank asked about
+    monkeypatch.setattr(signals, "exited_peers", lambda ranks: [2])
+    assert signals.gone_peers_note() == " (rank(s) [2] on this host have exited)"

@@ -26,31 +26,25 @@ def test_simulate_json(capsys) -> None:
                  "--disable", "stv", "--bucket-mb", "32", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     (res,) = data["results"]
-    assert res["schedule"] == "superoffload" and res["plan"]["ratio"] == 0.8
+    assert res["system"] == "superoffload" and res["plan"]["ratio"] == 0.8
     assert res["plan"]["speculate"] is False and res["plan"]["bucket_bytes"] == 32 << 20
     assert res["iteration_s"] > 0 and set(res["memory"]) == {"device", "host", "storage"}
-    # the system is written under its new key and its old one (for one release)
-    assert res["system"] == res["schedule"] == res["plan"]["system"] == res["plan"]["schedule"]
+    # the system under one key (its old key "schedule" went in 0.2: CHANGELOG.md)
+    assert "schedule" not in res and "schedule" not in res["plan"]
+    assert res["plan"]["system"] == "superoffload"
 
 
-def test_old_flag_and_value_spellings_still_work_with_a_note(capsys) -> None:
-    # --schedule is now --system, "edf" is now "deadline": same result, a note on stderr
-    new = ["simulate", *SHAPE, "--system", "gpu", "--step-order", "deadline", "--json"]
-    old = ["simulate", *SHAPE, "--schedule", "gpu", "--step-order", "edf", "--json"]
-    assert main(new) == 0
-    got_new = capsys.readouterr()
-    assert main(old) == 0
-    got_old = capsys.readouterr()
-    assert got_old.out == got_new.out and got_new.err == ""
-    assert "note: --schedule is now --system" in got_old.err
-    assert "note: --step-order edf is now deadline" in got_old.err
-    # plan/tune --dtype take the config's spelling; torch's is still read, with a note
-    tiny = ["tune", "--hf-config", "llama-2-7b", "--seq", "128", "--micro-batch", "1", "--json"]
-    assert main([*tiny, "--dtype", "bf16"]) == 0
-    bf16 = capsys.readouterr()
-    assert main([*tiny, "--dtype", "bfloat16"]) == 0
-    bfloat16 = capsys.readouterr()
-    assert bfloat16.out == bf16.out and "note: --dtype bfloat16 is now bf16" in bfloat16.err
+@pytest.mark.parametrize(("argv", "says"), [
+    (["simulate", *SHAPE, "--schedule", "gpu"], "unrecognized arguments: --schedule"),
+    (["simulate", *SHAPE, "--step-order", "edf"], "invalid choice: 'edf'"),
+    (["tune", *SHAPE, "--dtype", "bfloat16"], "invalid choice: 'bfloat16'"),
+])
+def test_the_old_flag_and_value_spellings_are_refused(argv, says, capsys) -> None:
+    # --schedule (now --system), --step-order edf (now deadline), --dtype bfloat16 (now bf16)
+    # went in 0.2 (CHANGELOG.md): argparse names the flag and the choices, exit code 2
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_tune_json_and_out_file(capsys, tmp_path) -> None:
@@ -87,7 +81,7 @@ def test_facts_table_against_fact_md(capsys) -> None:
     assert len(rows) == 7 and all(abs(r["error"]) < 0.25 for r in rows)
     assert sum(r["fitted"] for r in rows) == 1
     # the engine now predicts our rows faster than the engine they were measured with
-    ours = [r for r in rows if r["schedule"].startswith("ours")]
+    ours = [r for r in rows if r["schedule"].startswith("ours")]  # the table's row label
     assert ours and all(r["predicted_engine_now_ms"] < r["predicted_ms"] for r in ours)
 
 
@@ -103,7 +97,7 @@ def test_engine_variant_flags(capsys) -> None:
     assert now["plan"]["engine"] == {"step_order": "deadline", "tail_step": "fused",
                                      "d2h_stats_first": False, "merge_small_buckets": True,
                                      "buckets_per_unit": False}
-    assert run("--step-order", "edf") == now == run("--step-order", "deadline")
+    assert now == run("--step-order", "deadline")
     # --step-order is OffloadConfig.step_order; --tail-step a what-if of the same engine
     assert fifo["plan"]["engine"]["step_order"] == "fifo"
     assert fifo["plan"]["engine"]["tail_step"] == "fused"

@@ -75,8 +75,13 @@ def _outside(bound, choices):
     out = list(wrong_kind[bound.kind])
     step = 1 if bound.kind == "int" else 1e-9
     if bound.lo is not None:
-        out.append(bound.lo if bound.lo_open else
-                   (bound.lo - step if bound.kind == "int" else bound.lo - max(step, abs(bound.lo) * 1e-9)))
+        if bound.lo_open:
+            out.append(bound.lo)
+        elif bound.kind == "int":
+            out.append(bound.lo - step)
+        else:
+            # a relative step: 1e-9 below a large bound would round back onto it
+            out.append(bound.lo - max(step, abs(bound.lo) * 1e-9))
     if bound.hi is not None:
         out.append(bound.hi + step if bound.kind == "int" else bound.hi * (1 + 1e-9) + step)
     if not bound.none_ok:

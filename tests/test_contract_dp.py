@@ -35,8 +35,8 @@ def results(tmp_path: Path, scenario: str, args: dict | None = None) -> list[dic
 
 
 @pytest.mark.parametrize("field,named", [
-    ("lr", "param_groups"), ("weight_decay", "param_groups"), ("width", "parameter #0"), ("ratio", "config.ratio"),
-    ("bucket_bytes", "config.bucket_bytes"), ("frozen", "parameter #2"),
+    ("lr", "param_groups"), ("weight_decay", "param_groups"), ("width", "parameter #0"),
+    ("ratio", "config.ratio"), ("bucket_bytes", "config.bucket_bytes"), ("frozen", "parameter #2"),
     ("max_grad_norm", "config.max_grad_norm"),
 ])
 def test_ranks_that_disagree_all_raise_naming_the_field(tmp_path, field, named):

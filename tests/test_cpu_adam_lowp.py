@@ -1,9 +1,9 @@
 """so.CPUAdam as a drop-in for bf16/fp16 CPU models, checked on the cases DeepSpeed's
 own CPU Adam unit tests use (sizes 64, 22, 128, 1024 and 2^20; fp16, bf16 and fp32
-parameters; 10 steps of N(0,1) gradients in the parameter's dtype; the parameter norm within 1% of torch.optim.AdamW's; bf16 optimizer
-states within 5% of fp32 ones), and on stricter ones: the fp32 master equals torch AdamW run
-on an fp32 copy to fp32 rounding, and the low-precision parameter is exactly the master
-rounded to its dtype.
+parameters; 10 steps of N(0,1) gradients in the parameter's dtype; the parameter norm within
+1% of torch.optim.AdamW's; bf16 optimizer states within 5% of fp32 ones), and on stricter
+ones: the fp32 master equals torch AdamW run on an fp32 copy to fp32 rounding, and the
+low-precision parameter is exactly the master rounded to its dtype.
 """
 
 from __future__ import annotations

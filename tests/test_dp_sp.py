@@ -45,7 +45,8 @@ def _close(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
 def _run(scenario: str, out: Path, **args: object) -> list[dict]:
     results = run_ranks(scenario, 2, out, timeout_s=150, args={"sp": 2, **args}, worker=WORKER)
     for r in results:
-        assert r.returncode == 0, f"rank {r.rank} of {scenario}: exit {r.returncode}\n{r.log[-4000:]}"
+        assert r.returncode == 0, (
+            f"rank {r.rank} of {scenario}: exit {r.returncode}\n{r.log[-4000:]}")
     name = "fsdp_flow_sp" if args.get("flow") else scenario
     return [torch.load(out / f"{name}_rank{r}.pt", weights_only=True) for r in range(2)]
 

@@ -99,7 +99,8 @@ _OFF = "zero_optimization.offload_optimizer."
 
 @pytest.mark.parametrize(("ds", "key", "fix"), [
     ({"zero_optimization": {"stage": 99}}, "zero_optimization.stage=99", "use 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": "three"}}, "zero_optimization.stage='three'", "use 0, 1, 2 or 3"),
+    ({"zero_optimization": {"stage": "three"}}, "zero_optimization.stage='three'",
+     "use 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage='3'", "a number"),
     ({"zero_optimization": {"stage": True}}, "zero_optimization.stage=True", "use 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": 2.0}}, "zero_optimization.stage=2.0", "use 0, 1, 2 or 3"),

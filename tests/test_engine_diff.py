@@ -43,8 +43,8 @@ cfg = cpu_config
 @pytest.mark.parametrize("ratio", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("bucket_bytes", [4096, 1 << 20])
 def test_fp32_model_matches_adamw(ratio, bucket_bytes):
-    ref, got, stats, _ = run_pair(torch.float32, cfg(ratio=ratio).replace(bucket_bytes=bucket_bytes),
-                                  clip=1.0)
+    config = cfg(ratio=ratio).replace(bucket_bytes=bucket_bytes)
+    ref, got, stats, _ = run_pair(torch.float32, config, clip=1.0)
     assert max_diff(ref, got) < TOL[torch.float32]
     assert stats.iterations == STEPS
 
@@ -159,4 +159,5 @@ def test_device_stats_tensor_matches_host_kernel():
     want = host_stats(grads)
     assert float(got[0]) == pytest.approx(want.sum_sq, rel=1e-5) and int(got[1]) == 0
     grads[1][2, 3] = float("inf")
-    assert int(stats_tensor(grads, torch.device("cpu"))[1]) == 1 and host_stats(grads).nonfinite == 1
+    got = stats_tensor(grads, torch.device("cpu"))
+    assert int(got[1]) == 1 and host_stats(grads).nonfinite == 1

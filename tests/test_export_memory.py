@@ -24,7 +24,7 @@ SCRIPT = r"""
 import json, sys, torch
 from superoffload.export import export_hf
 from superoffload.export.detect import open_source
-from superoffload.runtime import checkpoint as single
+from superoffload.runtime import engine_checkpoint as single
 from superoffload.runtime.ckpt_files import write_atomic
 
 folder, out = sys.argv[1], sys.argv[2]
@@ -39,7 +39,7 @@ for i in range(n):
 signature = [[f"p{i}", [numel], "bfloat16", True] for i in range(n)]
 import os
 os.makedirs(folder)
-write_atomic({"format": single.FORMAT, "state": state, "model": model,
+write_atomic({"format": single.ENGINE_FORMAT, "state": state, "model": model,
               "signature": signature}, os.path.join(folder, "engine.pt"))
 del state, model, master
 

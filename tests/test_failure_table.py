@@ -2,8 +2,8 @@
 
 Every pattern of torch's optimizer contract has a row (edit gradients, write weights, save
 mid-iteration, add a param group, two engines, compile, mismatched ranks, heavy clipping),
-every row names at least one test, and every test it names exists in tests/ (a renamed or deleted test makes
-this fail, so the table cannot drift from what is checked).
+every row names at least one test, and every test it names exists in tests/ (a renamed or
+deleted test makes this fail, so the table cannot drift from what is checked).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import pytest
 import torch
 from _dist_support import run_ranks
 
-from superoffload.kernels.optimizer import _device_shard_refusal
+from superoffload.kernels.cpu_adam_optimizer import _device_shard_refusal
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
 CASES = ["offload", "plain", "mixed", "bf16_params"]

@@ -88,7 +88,8 @@ def _ranks(scenario: str, world: int, out: Path, args: dict, **kw: object) -> li
     results = run_ranks(scenario, world, out, timeout_s=600, args=args, worker=WORKER, **kw)
     for r in results:
         if kw.get("wait_for") is None:
-            assert r.returncode == 0, f"rank {r.rank} of {scenario}: exit {r.returncode}\n{r.log[-4000:]}"
+            assert r.returncode == 0, (
+                f"rank {r.rank} of {scenario}: exit {r.returncode}\n{r.log[-4000:]}")
     return results
 
 

@@ -63,7 +63,10 @@ def test_a_killed_rank_resumes_bit_identically(tmp_path: Path) -> None:
     finally:
         _kill(proc)
     assert proc.returncode != 0
-    assert "DistributedError" in stderr and "have exited" in stderr, stderr[-3000:]
+    # the survivor names the dead rank: in its collective's DistributedError, or in its stop
+    # line when torchrun's SIGTERM (it ends the job once a rank dies) comes first
+    assert "have exited" in stderr, stderr[-3000:]
+    assert "DistributedError" in stderr or "SIGTERM received" in stderr, stderr[-3000:]
     assert not any(alive(pid) for pid in victims)  # no worker outlives the job
     resumed = _run(tmp_path, "--resume", str(out), "--quiet", "--json", "--save-checkpoint",
                    "--no-report", torchrun=True)

@@ -3,9 +3,9 @@
 
 torchao 0.18.0 installs on torch 2.13's CPU wheel (``pip install --no-deps torchao``) and
 imports, but ``CPUOffloadOptimizer.__init__`` asserts a CUDA or XPU device ("CPU Offload
-currently only supports CUDA & XPU"), so it cannot
-run on this machine; the real test below is marked ``cuda`` and skips without a GPU and torchao (it did
-not run in this session: no GPU). What runs here is the contract torchao holds its inner
+currently only supports CUDA & XPU"), so it cannot run on this machine; the real test below
+is marked ``cuda`` and skips without a GPU and torchao (it did not run in this session: no
+GPU). What runs here is the contract torchao holds its inner
 optimizer to, built the way its constructor builds it: one optimizer per parameter from
 ``optimizer_class([{"params": p_host, **group}], **kwargs)`` (a bare tensor as "params"), a
 pinned host ``.grad`` allocated once and overwritten in place by ``copy_`` before each

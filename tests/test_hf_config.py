@@ -54,7 +54,7 @@ SMALL = {
 
 
 def small(name: str) -> dict[str, Any]:
-    return {**hf_config.load(name), **SMALL[name]}
+    return {**hf_config.load_config(name), **SMALL[name]}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -64,7 +64,8 @@ def test_shipped_configs_match_published_parameter_counts(name):
     shape = ModelShape.from_hf_config(name, seq=4096)
     assert shape.params == PUBLISHED[name]
     if name not in META:
-        assert hf_config.parameter_count(hf_config.describe(hf_config.load(name))) == PUBLISHED[name]
+        arch = hf_config.arch_of(hf_config.load_config(name))
+        assert hf_config.parameter_count(arch) == PUBLISHED[name]
 
 
 def test_every_shipped_config_is_covered():
@@ -76,10 +77,11 @@ def test_every_shipped_config_is_covered():
 def test_parameters_match_the_instantiated_model(name):
     transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
     cfg = small(name)
+    fields = {k: v for k, v in cfg.items() if not k.startswith("_")}
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if not k.startswith("_")}))
+        transformers.AutoConfig.for_model(**fields))
     want = [(n, tuple(p.shape)) for n, p in model.named_parameters()]  # a tied head once
-    arch = hf_config.describe(cfg)
+    arch = hf_config.arch_of(cfg)
     got = [(n, s) for _, n, s in hf_config.parameter_shapes(arch)]
     assert got == want  # names, shapes and registration order (the engine's bucket order)
     shape = ModelShape.from_hf_config(cfg, seq=16)
@@ -94,12 +96,13 @@ def test_parameters_match_the_instantiated_model(name):
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - META))
 def test_defaults_agree_with_transformers_config_classes(name):
     transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
-    raw = hf_config.load(name)
-    config = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if not k.startswith("_")})
+    raw = hf_config.load_config(name)
+    fields = {k: v for k, v in raw.items() if not k.startswith("_")}
+    config = transformers.AutoConfig.for_model(**fields)
     # our family defaults (raw JSON) read the same numbers as the filled-in config object
-    ours, theirs = hf_config.describe(raw), hf_config.describe(hf_config.load(config))
-    assert (ours.layers, ours.hidden, ours.heads, ours.kv_heads, ours.head_dim, ours.ffn, ours.vocab,
-            ours.tied, ours.qkv_bias, ours.o_bias, ours.mlp_bias) == (
+    ours, theirs = hf_config.arch_of(raw), hf_config.arch_of(hf_config.load_config(config))
+    assert (ours.layers, ours.hidden, ours.heads, ours.kv_heads, ours.head_dim, ours.ffn,
+            ours.vocab, ours.tied, ours.qkv_bias, ours.o_bias, ours.mlp_bias) == (
         theirs.layers, theirs.hidden, theirs.heads, theirs.kv_heads, theirs.head_dim, theirs.ffn,
         theirs.vocab, theirs.tied, theirs.qkv_bias, theirs.o_bias, theirs.mlp_bias)
 
@@ -113,7 +116,8 @@ def test_gqa_swiglu_and_tied_head_in_the_shape():
     tied = ModelShape.from_hf_config("qwen2.5-0.5b")
     assert tied.tied_embeddings and tied.other_params_override == 151936 * 896 + 896
     assert tied.seq == hf_config.DEFAULT_MAX_SEQ  # context 32768, capped
-    assert ModelShape.from_hf_config("gpt2").seq == 1024 and ModelShape.from_hf_config("gpt2").learned_positions
+    assert (ModelShape.from_hf_config("gpt2").seq == 1024
+            and ModelShape.from_hf_config("gpt2").learned_positions)
 
 
 def test_param_table_when_the_planner_has_one():
@@ -127,7 +131,7 @@ def test_param_table_when_the_planner_has_one():
 
 
 def test_config_sources(tmp_path):
-    raw = hf_config.load("gpt2")
+    raw = hf_config.load_config("gpt2")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     want = ModelShape.from_hf_config("gpt2")
     assert ModelShape.from_hf_config(tmp_path) == want  # a directory

@@ -22,14 +22,14 @@ from superoffload.plan.config_numbers import (
 from superoffload.plan.size_limit import SimulationTooLarge
 
 FORMULA = [n for n in hf_config.shipped()
-           if hf_config.load(n).get("model_type") in hf_config.FAMILIES]
+           if hf_config.load_config(n).get("model_type") in hf_config.FAMILIES]
 META = [n for n in hf_config.shipped() if n not in FORMULA]
 BAD = [2.5, math.inf, -math.inf, math.nan]
 """Invalid for every key read: no whole number, flag, probability or list of names."""
 
 
 def _planted(name: str, key: str, value: object) -> dict:
-    return {**hf_config.load(name), key: value}
+    return {**hf_config.load_config(name), key: value}
 
 
 def _cases(names: list[str]) -> list[tuple[str, str]]:
@@ -46,7 +46,7 @@ def test_every_key_read_by_formula_is_checked(name: str, key: str) -> None:
 
 @pytest.mark.parametrize("name", FORMULA)
 def test_the_layer_count_is_whole_and_a_number(name: str) -> None:
-    key = "n_layer" if hf_config.load(name)["model_type"] == "gpt2" else "num_hidden_layers"
+    key = "n_layer" if hf_config.load_config(name)["model_type"] == "gpt2" else "num_hidden_layers"
     for value in (2.5, "32", True, 0, -3):
         with pytest.raises(ConfigNumberError, match=rf"{key}=.* is invalid: use a whole number"):
             ModelShape.from_hf_config(_planted(name, key, value))
@@ -56,7 +56,7 @@ def test_the_layer_count_is_whole_and_a_number(name: str) -> None:
 
 @pytest.mark.parametrize("name", FORMULA)
 def test_a_billion_layers_is_refused_before_anything_is_listed(name: str) -> None:
-    key = "n_layer" if hf_config.load(name)["model_type"] == "gpt2" else "num_hidden_layers"
+    key = "n_layer" if hf_config.load_config(name)["model_type"] == "gpt2" else "num_hidden_layers"
     for value in (1e9, 10**9):
         tracemalloc.start()
         try:
@@ -106,7 +106,7 @@ def test_every_number_read_on_the_meta_device_is_checked(name: str) -> None:
     pytest.importorskip("transformers", reason="needs the 'hf' extra")
     from superoffload.plan import hf_meta
 
-    raw = hf_config.load(name)
+    raw = hf_config.load_config(name)
     kinds = hf_meta.key_kinds(raw["model_type"])
     read = hf_config.config_keys(name)[0]
     numeric = [k for k in read if isinstance(raw[k], (int, float))
@@ -125,7 +125,7 @@ def test_every_number_read_on_the_meta_device_is_checked(name: str) -> None:
 
 @pytest.mark.parametrize("value", ["2.5", "Infinity", "NaN", "1e9"])
 def test_the_command_names_the_key(tmp_path, capsys, value: str) -> None:
-    text = json.dumps(hf_config.load("llama-2-7b")).replace(
+    text = json.dumps(hf_config.load_config("llama-2-7b")).replace(
         '"num_hidden_layers": 32', f'"num_hidden_layers": {value}')
     path = tmp_path / "config.json"
     path.write_text(text)

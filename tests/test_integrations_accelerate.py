@@ -33,11 +33,8 @@ from transformers import get_cosine_schedule_with_warmup  # noqa: E402
 
 import superoffload as so  # noqa: E402
 from superoffload.config import ConfigError  # noqa: E402
-from superoffload.integrations.accelerate import (  # noqa: E402
-    OffloadAcceleratedOptimizer,
-    SuperOffloadAccelerator,
-)
-from superoffload.integrations.hf import OffloadedOptimizer  # noqa: E402
+from superoffload.integrations.accelerate import SuperOffloadAccelerator  # noqa: E402
+from superoffload.integrations.offloaded_optimizer import OffloadedOptimizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -144,7 +141,7 @@ def test_matches_plain_accelerate_adamw(reference: dict[str, Any], offload: bool
     assert max(reference["norms"]) > CLIP  # clipping fired
     assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
     if offload:
-        assert isinstance(got["optimizer"], OffloadAcceleratedOptimizer)
+        assert isinstance(got["optimizer"], OffloadedOptimizer)
 
 
 def test_save_state_and_load_state_resume_bit_identically(tmp_path: Path) -> None:

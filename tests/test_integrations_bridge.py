@@ -26,7 +26,7 @@ import superoffload as so
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.ds_config import from_deepspeed
 from superoffload.integrations.bridge import (
-    PREFIX,
+    METRIC_PREFIX,
     EngineMetrics,
     adam_hyper,
     backward,
@@ -158,31 +158,31 @@ def test_tokens_go_with_the_iteration_they_train_and_the_window_ends_before_the_
         t += walls[it]
         if it == 1:  # iteration 1 is the newest: only 0 is complete
             first = logged.collect()
-    assert first[PREFIX + "window_iterations"] == 1.0
-    assert first[PREFIX + "tokens_per_s"] == pytest.approx(21 / 1.0)
-    assert first[PREFIX + "iteration_ms"] == pytest.approx(1e3)
+    assert first[METRIC_PREFIX + "window_iterations"] == 1.0
+    assert first[METRIC_PREFIX + "tokens_per_s"] == pytest.approx(21 / 1.0)
+    assert first[METRIC_PREFIX + "iteration_ms"] == pytest.approx(1e3)
     second = logged.collect()  # 1 and 2 complete, 3 the newest
-    assert second[PREFIX + "window_iterations"] == 2.0
-    assert second[PREFIX + "tokens_per_s"] == pytest.approx((200 + 2000) / 6.0)
-    assert second[PREFIX + "iteration_ms"] == pytest.approx(3e3)
-    assert PREFIX + "window_iterations" not in logged.collect()  # nothing new complete
+    assert second[METRIC_PREFIX + "window_iterations"] == 2.0
+    assert second[METRIC_PREFIX + "tokens_per_s"] == pytest.approx((200 + 2000) / 6.0)
+    assert second[METRIC_PREFIX + "iteration_ms"] == pytest.approx(3e3)
+    assert METRIC_PREFIX + "window_iterations" not in logged.collect()  # nothing new complete
     for name, value in (("rollbacks", 1), ("replays", 2), ("clipped_steps", 3),
                         ("skipped_steps", 4)):
-        assert second[PREFIX + name] == value
+        assert second[METRIC_PREFIX + name] == value
 
 
 def test_the_newest_finite_scalars_are_logged() -> None:
     engine = fake_engine()
     logged = EngineMetrics(engine)
-    assert PREFIX + "grad_norm" not in logged.collect()  # none recorded yet: left out
+    assert METRIC_PREFIX + "grad_norm" not in logged.collect()  # none recorded yet: left out
     for it, norm in enumerate((3.0, 2.0, 1.0)):
         engine.telemetry.scalar("grad_norm", it, norm)
         engine.telemetry.scalar("loss_scale", it, 2.0 ** (10 - it))
     out = logged.collect()
-    assert out[PREFIX + "grad_norm"] == 1.0 and out[PREFIX + "loss_scale"] == 2.0 ** 8
+    assert out[METRIC_PREFIX + "grad_norm"] == 1.0 and out[METRIC_PREFIX + "loss_scale"] == 2.0 ** 8
     assert logged.last_scalar("grad_norm") == 1.0 and logged.last_scalar("nothing") is None
     engine.telemetry.scalar("grad_norm", 3, float("inf"))  # a skipped step: not logged
-    assert PREFIX + "grad_norm" not in logged.collect()
+    assert METRIC_PREFIX + "grad_norm" not in logged.collect()
 
 
 # ---------------------------------------------------------------------------- gradients_in_grad

@@ -25,7 +25,8 @@ pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate 
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import superoffload as so  # noqa: E402
-from superoffload.integrations.hf import OffloadedOptimizer, SuperOffloadTrainer  # noqa: E402
+from superoffload.integrations.hf import SuperOffloadTrainer  # noqa: E402
+from superoffload.integrations.offloaded_optimizer import OffloadedOptimizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -120,7 +121,8 @@ class MasterWeightTrainer(Trainer):
             decay = set(self.get_decay_parameter_names(self.model))
             named = list(self.model.named_parameters())
             self.optimizer = MasterWeightAdamW(
-                [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                [{"params": [p for n, p in named if n in decay],
+                  "weight_decay": self.args.weight_decay},
                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}],
                 max_norm=0.5, lr=self.args.learning_rate, eps=self.args.adam_epsilon,
                 betas=(self.args.adam_beta1, self.args.adam_beta2))
@@ -210,7 +212,8 @@ def test_bf16_weights_match_master_weight_adamw(tmp_path):
     ref_model = make_model()
     for p in ref_model.parameters():
         p.data = p.data.bfloat16()
-    ref = MasterWeightTrainer(model=ref_model, args=arguments(tmp_path / "ref", bf16=True, max_grad_norm=0),
+    ref = MasterWeightTrainer(model=ref_model,
+                              args=arguments(tmp_path / "ref", bf16=True, max_grad_norm=0),
                               train_dataset=Tokens(80, 1), eval_dataset=Tokens(8, 2))
     ref.train()
     names = {id(p): n for n, p in ref_model.named_parameters()}
@@ -289,7 +292,8 @@ def test_fp16_overflow_skips_the_step_and_the_scheduler(tmp_path):
     ({}, ENGINE.replace(max_grad_norm=2.0), "TrainingArguments.max_grad_norm"),
     ({}, ENGINE.replace(grad_accum_steps=4), "TrainingArguments.gradient_accumulation_steps"),
     ({}, {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, "optimizer.params.lr"),
-    ({}, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}, "scheduler.params"),
+    ({}, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}},
+     "scheduler.params"),
 ])
 def test_contradictions_name_the_setting(tmp_path, overrides, offload, message):
     with pytest.raises(so.ConfigError, match=message):
@@ -320,7 +324,8 @@ def test_trainer_style_deepspeed_config_with_auto_values(tmp_path):
 
 def test_fp16_autocast_without_fp16_weights_is_refused(tmp_path):
     with pytest.raises(so.ConfigError, match="low_precision_weights"):
-        SuperOffloadTrainer(model=make_model(), args=arguments(tmp_path, fp16=True, eval_strategy="no"),
+        SuperOffloadTrainer(model=make_model(),
+                            args=arguments(tmp_path, fp16=True, eval_strategy="no"),
                             train_dataset=Tokens(8, 1), low_precision_weights=False)
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 pl = pytest.importorskip(
-    "lightning.pytorch", reason="needs the optional 'lightning' extra: pip install 'superoffload[lightning]'")
+    "lightning.pytorch",
+    reason="needs the optional 'lightning' extra: pip install 'superoffload[lightning]'")
 
 from _engine_ref import HYPER, max_diff, train_reference  # noqa: E402
 from _tiny_models import batches, make_model  # noqa: E402
@@ -94,7 +95,8 @@ def fit(module: Module, data: list, *, strategy: Any = None, precision: str = "3
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, strategy=strategy or "auto",
         precision=None if "plugins" in kw else precision, max_epochs=epochs,
-        logger=logger, callbacks=callbacks or [], enable_checkpointing=bool(kw.pop("checkpoint", False)),
+        logger=logger, callbacks=callbacks or [],
+        enable_checkpointing=bool(kw.pop("checkpoint", False)),
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=5,
         default_root_dir=root, **kw)
     loader = torch.utils.data.DataLoader(data, batch_size=None, shuffle=False)
@@ -123,7 +125,8 @@ def test_bf16_true_matches_master_weight_adamw():
     want = train_reference(make_model(dtype=torch.bfloat16), data, steps=STEPS, gas=GAS,
                            max_norm=CLIP, sched=schedule)
     got, masters = Module(), Masters()
-    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-true", callbacks=[masters])
+    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-true",
+        callbacks=[masters])
     assert max_diff(want, masters.weights) < 1e-3
     for name, p in got.net.named_parameters():  # device weights are bf16 of the masters
         assert torch.equal(p.detach(), masters.weights[name].to(torch.bfloat16)), name
@@ -134,7 +137,8 @@ def test_bf16_mixed_matches_lightning_amp():
     ref = Module()
     fit(ref, data, precision="bf16-mixed")
     got, masters = Module(), Masters()
-    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-mixed", callbacks=[masters])
+    fit(got, data, strategy=SuperOffloadStrategy(ENGINE), precision="bf16-mixed",
+        callbacks=[masters])
     assert max_diff(named(ref), masters.weights) < 1e-3
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from superoffload.integrations.bridge import PREFIX
+from superoffload.integrations.bridge import METRIC_PREFIX
 from superoffload.telemetry.metrics import iteration_metrics
 from superoffload.telemetry.window import WINDOW_NAMES, window_values
 
@@ -33,19 +33,19 @@ def assert_logs_are_the_telemetry(logs: list[dict[str, float]], spans: list[Any]
     """`counters`: the engine's `stats.as_dict()`; names logged from them are the engine's
     running totals (docs/integrations.md), not window figures: each may only grow, up to
     the final total."""
-    rows = [r for r in logs if PREFIX + "window_iterations" in r]
+    rows = [r for r in logs if METRIC_PREFIX + "window_iterations" in r]
     assert rows, "no log carried the engine's metrics"
     ms = iteration_metrics(spans)
     first = 0
     compared: set[str] = set()
     for row in rows:
-        n = int(row[PREFIX + "window_iterations"])
+        n = int(row[METRIC_PREFIX + "window_iterations"])
         window = ms[first:first + n]
         first += n
         assert len(window) == n, f"the logs cover {first} iterations, the timeline {len(ms)}"
         want = window_values(window)
         for name in WINDOW_NAMES:
-            key = PREFIX + name
+            key = METRIC_PREFIX + name
             if name in counters:
                 continue
             if not math.isfinite(want[name]):
@@ -55,9 +55,10 @@ def assert_logs_are_the_telemetry(logs: list[dict[str, float]], spans: list[Any]
             compared.add(name)
     assert set(LINK) <= compared  # the link rates were there to compare, in every direction
     for name in counters:
-        values = [r[PREFIX + name] for r in rows if PREFIX + name in r]
+        values = [r[METRIC_PREFIX + name] for r in rows if METRIC_PREFIX + name in r]
         assert values == sorted(values) and all(v <= counters[name] for v in values), name
-    assert all(r[PREFIX + "d2h_gbps_busy"] > 0 for r in rows if PREFIX + "d2h_gbps_busy" in r)
+    busy = METRIC_PREFIX + "d2h_gbps_busy"
+    assert all(r[busy] > 0 for r in rows if busy in r)
 
 
 def test_trainer_logs_the_telemetrys_own_figures(tmp_path: Any) -> None:

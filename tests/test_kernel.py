@@ -134,7 +134,8 @@ def test_one_step_matches_float64_statement(kw, grad_bf16):
         1 + tol_v / (v64 + 1e-300))
     assert bool(((s.m.double() - m64).abs() <= tol_m).all())
     assert bool(((s.v.double() - v64).abs() <= tol_v).all())
-    assert bool(((s.p.double() - p64).abs() <= tol_p).all()), float(((s.p.double() - p64).abs() / tol_p).max())
+    assert bool(((s.p.double() - p64).abs() <= tol_p).all()), (
+        float(((s.p.double() - p64).abs() / tol_p).max()))
 
 
 @pytest.mark.parametrize("impl", BACKENDS)

@@ -43,7 +43,8 @@ def _moments_at_offsets():
 def _lp_overlaps_param_by_one_element():
     raw = _bytes(4 * N + 2 * N)
     p = raw[: 4 * N].view(torch.float32)
-    lp = raw[4 * N - 2: 4 * N - 2 + 2 * N].view(torch.bfloat16)  # its first element = p's last 2 bytes
+    # its first element = p's last 2 bytes
+    lp = raw[4 * N - 2: 4 * N - 2 + 2 * N].view(torch.bfloat16)
     _, g, m, v = _fresh()
     return [p], [g], [m], [v], [lp]
 
@@ -135,7 +136,8 @@ def test_grads_may_alias_each_other(impl):
     g = torch.randn(N)
     kw = step_kwargs(weight_decay=0.1)
     impl.adam_step_multi([a[0], b[0]], [g, g], [a[2], b[2]], [a[3], b[3]], **kw)
-    impl.adam_step_multi([a2[0], b2[0]], [g.clone(), g.clone()], [a2[2], b2[2]], [a2[3], b2[3]], **kw)
+    impl.adam_step_multi([a2[0], b2[0]], [g.clone(), g.clone()], [a2[2], b2[2]], [a2[3], b2[3]],
+                         **kw)
     for x, y in zip((a[0], b[0], a[2], b[3]), (a2[0], b2[0], a2[2], b2[3])):
         assert torch.equal(x, y)
     # and a grad that is a view into another grad is fine as well

@@ -139,7 +139,8 @@ def test_flat_grads_and_bad_arguments():
     K.device_adam_multi([p], [g], [m], [v], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
     assert torch.allclose(m.reshape(-1), 0.1 * g)
     with pytest.raises(ValueError, match="grads has 2 entries"):
-        K.device_adam_multi([p], [g, g], [m], [v], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+        K.device_adam_multi([p], [g, g], [m], [v], step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                            eps=1e-8)
     with pytest.raises(ValueError, match="step"):
         K.device_adam_multi([p], [g], [m], [v], step=0, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
     with pytest.raises(ValueError, match="lr"):

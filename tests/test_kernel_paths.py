@@ -103,8 +103,10 @@ def test_many_tensors_equal_one_flat_buffer():
     K.adam_step(flat[0], flat[1], flat[2], flat[3], param_lp=flat[4], sr_seed=3, **kw)
     for i, k in enumerate(("p", "m", "v", "lp")):
         joined = torch.cat([getattr(s, k) for s in states])
-        assert torch.equal(joined.view(torch.int16 if joined.element_size() == 2 else torch.int32),
-                           flat[i if i == 0 else i + 1].view(torch.int16 if joined.element_size() == 2 else torch.int32))
+        # compared as bit patterns, so that equal means bit-identical
+        bits = torch.int16 if joined.element_size() == 2 else torch.int32
+        # flat[1] is g, which the loop skips
+        assert torch.equal(joined.view(bits), flat[i if i == 0 else i + 1].view(bits))
 
 
 def test_params_lp_list_may_hold_none():
@@ -187,7 +189,8 @@ except ImportError as exc:
     print("ImportError:", exc)
 """
     out = _run_python(code)
-    assert "ImportError:" in out.stdout and "pip install -e ." in out.stdout, out.stdout + out.stderr
+    assert "ImportError:" in out.stdout and "pip install -e ." in out.stdout, (
+        out.stdout + out.stderr)
 
 
 def _compile(cc: str, tmp_path: Path, extra: list[str],

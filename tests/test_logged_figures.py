@@ -50,7 +50,7 @@ def test_the_logged_loss_is_the_mean_over_the_micro_batches(place: str, gas: int
 
 @dataclass(frozen=True)
 class It:
-    """One iteration's figures (``window.IterationMetrics``): only the time matters here."""
+    """One iteration's figures (``window.PooledMetrics``): only the time matters here."""
 
     iteration: int
     wall_s: float

@@ -17,7 +17,7 @@ import torch
 import superoffload as so
 from superoffload.commands.train_output import SUMMARY_METRICS, print_summary, progress_postfix
 from superoffload.data import BatchSampler, load_tokens
-from superoffload.integrations.bridge import PREFIX, EngineMetrics
+from superoffload.integrations.bridge import METRIC_PREFIX, EngineMetrics
 from superoffload.models import GPT, gpt_tiny
 from superoffload.telemetry import metrics
 from superoffload.telemetry.vocabulary import METRICS, summary_values
@@ -81,16 +81,17 @@ def test_the_cli_summary_pools_the_run_after_its_warm_up(one_run: dict, capsys) 
             assert METRICS[name].show(want[name]) in line, name
 
 
-def test_the_trainer_and_lightning_log_pools_the_iterations_since_the_last_log(one_run: dict) -> None:
+def test_the_trainer_and_lightning_log_pools_the_iterations_since_the_last_log(
+        one_run: dict) -> None:
     log, ms = one_run["log"], one_run["metrics"]
-    n = int(log[PREFIX + "window_iterations"])
+    n = int(log[METRIC_PREFIX + "window_iterations"])
     assert n == len(ms) - 1, "every complete iteration (the newest one is still in flight)"
     want = window_values(ms[:n])
     for key, value in log.items():
-        name = key.removeprefix(PREFIX)
+        name = key.removeprefix(METRIC_PREFIX)
         if name in want and name not in ("rollbacks", "replays"):  # logs carry run totals
             assert same(value, want[name]), name
-    assert same(log[PREFIX + "d2h_gbps_busy"], want["d2h_gbps_busy"])
+    assert same(log[METRIC_PREFIX + "d2h_gbps_busy"], want["d2h_gbps_busy"])
 
 
 def test_the_dashboard_status_names_its_window_and_pools_it(one_run: dict) -> None:
@@ -113,7 +114,8 @@ def test_views_agree_where_their_windows_meet(one_run: dict) -> None:
     ms = one_run["metrics"]
     state = DashboardState()
     state.add_spans(one_run["result"].spans, final=True)
-    inside = [p.metrics for p in state.recent_by_rank[0] if info.window.first <= p.iteration <= info.window.last]
+    inside = [p.metrics for p in state.recent_by_rank[0]
+              if info.window.first <= p.iteration <= info.window.last]
     dash = window_values([m for m in inside if m is not None])
     assert same(dash["cpu_step_hidden_pct"], 100 * info.overlap)
     assert any(m.cpu_step_s > 0 for m in ms), "the run stepped buckets on the CPU"

@@ -158,7 +158,8 @@ def test_records_are_plain_dicts_and_dataframe_is_optional() -> None:
 
 
 @given(intervals, st.tuples(st.integers(0, 50), st.integers(0, 50)))
-def test_indexed_window_queries_match_the_plain_algebra(a: list[I.Interval], w: tuple[int, int]) -> None:
+def test_indexed_window_queries_match_the_plain_algebra(a: list[I.Interval],
+                                                        w: tuple[int, int]) -> None:
     # iteration_metrics clips the whole timeline once per iteration through a bisect index
     window = (float(min(w)), float(max(w)))
     index = I.Disjoint(a)
@@ -174,7 +175,8 @@ def test_window_lengths_match_the_plain_algebra(a: list[I.Interval], w: tuple[in
 
 
 @given(intervals, intervals)
-def test_subtract_keeps_exactly_the_points_outside_b(a: list[I.Interval], b: list[I.Interval]) -> None:
+def test_subtract_keeps_exactly_the_points_outside_b(a: list[I.Interval],
+                                                     b: list[I.Interval]) -> None:
     # checked point by point on the half-integer grid (the endpoints are integers)
     out = I.subtract(a, b)
     assert out == I.union(out), "sorted and disjoint"

@@ -30,7 +30,8 @@ def timeline(iterations: int) -> list[Span]:
         for b in range(3):
             s = t + 0.012 + 0.005 * b
             out += [Span("d2h", "d2h", s, s + 0.002, it, b, 4_000_000),
-                    Span("cpu_optimizer", "cpu_step", s + 0.002, s + 0.004 + 0.02 * (b == 2), it, b),
+                    Span("cpu_optimizer", "cpu_step", s + 0.002, s + 0.004 + 0.02 * (b == 2),
+                         it, b),
                     Span("h2d", "h2d", s + 0.004, s + 0.005, it, b, 2_000_000)]
         out += [Span("device_compute", "wait", t + 0.030, t + 0.031, it),
                 Span("device_optimizer", "device_step", t + 0.031, t + 0.032, it, 3)]

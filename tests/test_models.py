@@ -11,7 +11,8 @@ import torch
 from superoffload.models import GPT, PRESETS, GPTConfig, gpt_tiny
 
 
-def _batch(cfg: GPTConfig, b: int = 2, t: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(cfg: GPTConfig, b: int = 2, t: int = 16,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g)
     return x[:, :-1], x[:, 1:]

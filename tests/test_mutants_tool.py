@@ -1,6 +1,6 @@
-"""The mutation check's tool (scripts/mutants.py; docs/testing.md): the curated list still applies to
-this tree, and the mechanics are right on a toy tree: a snippet must occur exactly once, only
-tracked and untracked-not-ignored files are copied, a mutant is applied in the copy only
+"""The mutation check's tool (scripts/mutants.py; docs/testing.md): the curated list still
+applies to this tree, and the mechanics are right on a toy tree: a snippet must occur exactly
+once, only tracked and untracked-not-ignored files are copied, a mutant is applied in the copy only
 (the source tree is never written), caught / survived are told apart, and the exit code is
 non-zero when a mutant cannot be applied. (The whole check, `make mutants`, is slow and runs
 outside CI: docs/testing.md.) Two pytest starts on the toy tree: ~5 s."""

@@ -18,7 +18,7 @@ from superoffload import plan
 from superoffload.config import OffloadConfig
 from superoffload.plan.schedule import ENGINE, ScheduleFacts, resolve_schedule
 from superoffload.plan.techniques import Techniques, resolve
-from superoffload.runtime.state import EngineState
+from superoffload.runtime.engine_state import EngineState
 from superoffload.threads import usable_cores
 
 WORKER = Path(__file__).with_name("_one_engine_worker.py")

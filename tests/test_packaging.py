@@ -52,9 +52,11 @@ def _environment() -> dict[str, str]:
 
 def test_environment_yml_mirrors_pyproject():
     py, env = _pyproject(), _environment()
-    assert set(py) == set(env), f"only in pyproject: {set(py) - set(env)}; only in environment.yml: {set(env) - set(py)}"
+    assert set(py) == set(env), (f"only in pyproject: {set(py) - set(env)}; "
+                                 f"only in environment.yml: {set(env) - set(py)}")
     for name in py:
-        assert py[name] == env[name], f"{name}: pyproject '{py[name]}' vs environment.yml '{env[name]}'"
+        assert py[name] == env[name], (
+            f"{name}: pyproject '{py[name]}' vs environment.yml '{env[name]}'")
 
 
 def test_torch_is_pinned_exactly():

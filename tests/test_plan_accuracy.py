@@ -1,8 +1,9 @@
-"""The planner's accuracy machinery (docs/planner.md, "Accuracy"), checked by value, not by timing: the
-compute lane's three terms, calibration that keeps their split, repeatable probes (medians,
-spreads, the busy-host flag), the model probe, the calibrated flag, and the calibration that
-runs by itself after the first iterations of a real run. How accurate the predictions are on
-this machine is measured by benchmarks/bench_planner_accuracy.py (docs/planner.md)."""
+"""The planner's accuracy machinery (docs/planner.md, "Accuracy"), checked by value, not by
+timing: the compute lane's three terms, calibration that keeps their split, repeatable probes
+(medians, spreads, the busy-host flag), the model probe, the calibrated flag, and the
+calibration that runs by itself after the first iterations of a real run. How accurate the
+predictions are on this machine is measured by benchmarks/bench_planner_accuracy.py
+(docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from superoffload import plan
 from superoffload.plan import compute, timing
 from superoffload.plan.autocal import calibrate_run, spread
 from superoffload.plan.calibrate import calibration_state
-from superoffload.plan.measure import FORMAT
+from superoffload.plan.measure import PROFILE_FORMAT
 from superoffload.plan.probe import probe_model
 from superoffload.telemetry import events as ev
 
@@ -130,7 +131,7 @@ def test_probes_time_after_a_warm_up_and_spread_relative_to_the_median():
 def test_measured_profiles_carry_dispatch_spread_and_busy_flag(tmp_path):
     prof = plan.measure_local(quick=True, cache=tmp_path, progress=False)
     raw = prof.extra
-    assert raw["format"] == FORMAT == 3
+    assert raw["format"] == PROFILE_FORMAT == 3
     assert prof.device_op_s > 0 and prof.device_nongemm_gbps == prof.device_mem_bw_gbps
     assert {"host copy", "matmul", "dispatch", "link"} <= set(raw["spread"])
     busy = any(f.startswith("busy host") for f in prof.flags)
@@ -151,7 +152,7 @@ def test_measured_profiles_carry_dispatch_spread_and_busy_flag(tmp_path):
 def test_the_calibration_runs_by_itself_after_the_first_iterations(tmp_path):
     from superoffload.data import BatchSampler, load_tokens
     from superoffload.models.gpt import GPT, gpt_tiny
-    from superoffload.runtime.autocal import AutoCalibrator
+    from superoffload.runtime.calibrator import AutoCalibrator
     from superoffload.train_loop import TrainSettings, train
 
     torch.manual_seed(0)
@@ -186,7 +187,7 @@ def test_the_calibration_runs_by_itself_after_the_first_iterations(tmp_path):
 def test_a_noisy_window_is_passed_over_for_a_steady_one():
     """A busy host makes a window's iteration times spread: the calibrator measures the next
     window instead (up to `attempts`), on an engine stand-in with chosen times."""
-    from superoffload.runtime.autocal import AutoCalibrator
+    from superoffload.runtime.calibrator import AutoCalibrator
     from superoffload.telemetry.recorder import Recorder
 
     class Stub:

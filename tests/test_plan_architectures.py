@@ -39,8 +39,9 @@ the counter sees only matmuls. 0.2-0.8% on these models, 2.9% on GPT-2 at width 
 
 
 def _model(name: str) -> torch.nn.Module:
-    raw = {**hf_config.load(name), **SMALL[name]}
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if not k.startswith("_")})
+    raw = {**hf_config.load_config(name), **SMALL[name]}
+    fields = {k: v for k, v in raw.items() if not k.startswith("_")}
+    cfg = transformers.AutoConfig.for_model(**fields)
     torch.manual_seed(0)
     # eager attention and experts: the counter sees their matmuls (the fused CPU kernels,
     # flash attention and grouped experts, are not in FlopCounterMode's table)
@@ -55,7 +56,8 @@ def test_forward_flops_match_the_flop_counter(name):
     model = _model(name)
     batch, seq = 2, 16
     x = torch.randint(0, model.config.vocab_size, (batch, seq))
-    shape = ModelShape.from_module(model, seq=seq, micro_batch=batch, activation_checkpointing=False)
+    shape = ModelShape.from_module(model, seq=seq, micro_batch=batch,
+                                   activation_checkpointing=False)
     with FlopCounterMode(display=False) as counter:
         model(input_ids=x, labels=x)
     counted = counter.get_total_flops()
@@ -120,7 +122,7 @@ def test_activation_formula_by_hand():
 
 
 def test_training_dtype_is_not_the_configs(capsys):
-    raw = hf_config.load("gemma-2-9b")
+    raw = hf_config.load_config("gemma-2-9b")
     assert raw["torch_dtype"] == "float32"
     assert ModelShape.from_hf_config(raw).dtype == "bfloat16"
     assert ModelShape.from_hf_config(raw, dtype="float16").dtype == "float16"
@@ -132,7 +134,7 @@ def test_training_dtype_is_not_the_configs(capsys):
 
 def test_remote_code_is_never_run():
     # a type transformers ships is planned as data, its auto_map dropped (nothing imported)
-    falcon = hf_config.load("falcon-7b")
+    falcon = hf_config.load_config("falcon-7b")
     named = {**falcon, "auto_map": {"AutoModelForCausalLM": "x.Y"}}
     assert ModelShape.from_hf_config(named) == ModelShape.from_hf_config(falcon)
     # a type only its own code describes is refused

@@ -47,7 +47,7 @@ def test_the_measured_table_is_reproduced(table) -> None:
     # the order of the measured rows is the order of the predicted ones
     ranked = sorted(table, key=lambda r: r.row.measured_ms)
     assert [r.predicted_ms for r in ranked] == sorted(r.predicted_ms for r in ranked)
-    assert "ratio 0.5, 128 MiB" in facts.format_table(table)
+    assert "ratio 0.5, 128 MiB" in facts.format_calibration_table(table)
 
 
 def test_only_the_plain_row_is_fitted() -> None:

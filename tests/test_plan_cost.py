@@ -55,7 +55,8 @@ def test_device_adam_compute_and_casts() -> None:
     # 1e9 params x 28 B over 4 TB/s + 10 us launch
     assert cost.device_adam_time_s(1e9, GH200) == pytest.approx(10e-6 + 28e9 / 4e12)
     assert cost.compute_time_s(660e12, GH200) == pytest.approx(1.0)
-    assert cost.device_cast_time_s(1e9, GH200) == pytest.approx(10e-6 + 1e9 / (4000 * 0.7 / 6 * 1e9))
+    assert cost.device_cast_time_s(1e9, GH200) == pytest.approx(
+        10e-6 + 1e9 / (4000 * 0.7 / 6 * 1e9))
     assert cost.host_cast_time_s(1e9, GH200) == pytest.approx(1e9 / 50e9)
 
 
@@ -87,4 +88,5 @@ def test_weight_flow_efficiency_by_hand() -> None:
     compute = 13.672448
     exposed = 2 * 0.0128
     assert cost.weight_flow_efficiency(shape, prof) == pytest.approx(compute / (compute + exposed))
-    assert cost.weight_flow_efficiency(shape, prof.replace(h2d_gbps=1e9)) == pytest.approx(1.0, abs=1e-9)
+    instant_link = prof.replace(h2d_gbps=1e9)
+    assert cost.weight_flow_efficiency(shape, instant_link) == pytest.approx(1.0, abs=1e-9)

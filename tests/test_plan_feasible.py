@@ -14,7 +14,7 @@ from superoffload import plan
 from superoffload.config import MiB, OffloadConfig
 from superoffload.plan import feasible
 from superoffload.plan.techniques import resolve
-from superoffload.plan.tune import BUCKET_CHOICES, RATIO_CHOICES
+from superoffload.plan.tuning import BUCKET_CHOICES, RATIO_CHOICES
 
 MEASURED = plan.profiles.get("h200-pcie-measured")
 GB200 = plan.profiles.get("gb200")

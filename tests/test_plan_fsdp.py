@@ -143,7 +143,7 @@ def test_planner_units_and_buckets_are_the_engines() -> None:
                 flow = engine.weights.flow
                 host = {id(m) for m in (flow.blocks if flow is not None else [])}
                 got = []
-                for k, u in enumerate(engine.fsdp.units):
+                for k, u in enumerate(engine.units):
                     ids = tuple(sorted(index[id(p)] for p in u.params))
                     got.append((k, ids, sum(p.numel() for p in u.params),
                                 any(id(m) in host for m in u.modules),

@@ -13,7 +13,7 @@ import torch
 from superoffload import plan
 from superoffload.config import OffloadConfig
 from superoffload.plan.calibrate import fit_latency_rate
-from superoffload.plan.measure import FORMAT, _adam_flags, cached_profile
+from superoffload.plan.measure import PROFILE_FORMAT, _adam_flags, cached_profile
 
 GH200 = plan.profiles.get("gh200")
 
@@ -38,7 +38,8 @@ def test_measure_local_quick_is_cached(tmp_path) -> None:
     stale = json.loads(files[0].read_text())
     stale["extra"]["format"] = 1
     files[0].write_text(json.dumps(stale))
-    assert plan.measure_local(quick=True, cache=tmp_path, progress=False).extra["format"] == FORMAT
+    measured = plan.measure_local(quick=True, cache=tmp_path, progress=False)
+    assert measured.extra["format"] == PROFILE_FORMAT
     # what the rule book needs: is the device the CPU itself; the engine's thread count measured
     assert prof.device_type == ("cuda" if torch.cuda.is_available() else "cpu")
     from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
@@ -67,7 +68,8 @@ def test_fit_latency_rate_by_hand() -> None:
                (4e6, 1e-5 + 4e6 / 1e9), (4e6, 1.0)]  # an outlier: each size's median is used
     lat, rate = fit_latency_rate(samples)
     assert lat == pytest.approx(1e-5, rel=1e-6) and rate == pytest.approx(1e9, rel=1e-6)
-    assert fit_latency_rate([(1e6, 2e-3), (1e6, 1e-3), (1e6, 1.5e-3)]) == (0.0, pytest.approx(2/3 * 1e9))
+    assert fit_latency_rate([(1e6, 2e-3), (1e6, 1e-3), (1e6, 1.5e-3)]) == (
+        0.0, pytest.approx(2/3 * 1e9))
     with pytest.raises(ValueError):
         fit_latency_rate([])
 
@@ -165,7 +167,11 @@ def test_calibrated_simulator_predicts_the_engine_on_another_size() -> None:
             large.block(4)
     finally:
         small_spans, _ = small.close(), large.close()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # the cores this process may run on (Linux), else all of them
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
     base = plan.profiles.get("cpu-laptop").replace(cpu_cores=cores)  # rates are fitted below
     threads = plan.cost.cpu_threads(base, cfg.cpu_threads, cfg.cpu_cores_frac)
     cal = plan.calibrate(base, small_spans, small.shape, cpu_threads=threads)

@@ -81,7 +81,7 @@ QWEN15_MOE_A27B = {  # huggingface.co/Qwen/Qwen1.5-MoE-A2.7B ("14.3B in total, 2
     "shared_expert_intermediate_size": 5632, "tie_word_embeddings": False,
     "vocab_size": 151936}
 
-MIXTRAL_8X7B = hf_config.load("mixtral-8x7b")  # shipped; mistral.ai: 46.7B total, 12.9B active
+MIXTRAL_8X7B = hf_config.load_config("mixtral-8x7b")  # shipped; 46.7B total, 12.9B active
 
 
 def _gpt_oss(layers: int, experts: int) -> dict:

@@ -19,7 +19,8 @@ REQUIRED_POSITIVE = (
 )
 
 
-@pytest.mark.parametrize("name", ["gh200", "gb200", "mi300a", "h100-pcie", "h200-pcie", "cpu-laptop"])
+@pytest.mark.parametrize("name", ["gh200", "gb200", "mi300a", "h100-pcie", "h200-pcie",
+                                  "cpu-laptop"])
 def test_presets_validate_and_cite(name: str) -> None:
     prof = plan.profiles.get(name)
     assert prof.validate() is prof

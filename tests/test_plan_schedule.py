@@ -134,40 +134,14 @@ def test_planner_choice_sets_are_the_configs() -> None:
     from typing import get_args
 
     from superoffload.config import StepOrder, choices_of
-    from superoffload.plan import cost, fsdp_units, grad_accum
+    from superoffload.plan import cost, fsdp_units
     from superoffload.plan.device_grads import PLACES
 
-    assert grad_accum.PLACES == PLACES == choices_of("grad_accum_on", decided=True)
-    assert choices_of("weights", decided=True) == fsdp_units.WEIGHTS
+    assert choices_of("grad_accum_on", decided=True) == PLACES
+    assert choices_of("weights", decided=True) == fsdp_units.WEIGHT_POLICIES
     assert choices_of("optimizer_state_dtype") == cost.STATE_DTYPES
     assert sorted(cost.PARAM_CAST_PREFERENCE) == sorted(choices_of("param_cast", decided=True))
     assert all(EngineVariant(step_order=o).step_order == o for o in get_args(StepOrder))
-
-
-def test_old_names_still_work_with_a_deprecation_warning() -> None:
-    # the simulated system was called "schedule"; the two engine variants ENGINE_TODAY/NEXT
-    shape = plan.ModelShape.from_module(_gpt(), seq=32)
-    res = plan.simulate(shape, PCIE, system="gpu", config=CFG)
-    with pytest.warns(DeprecationWarning, match="system="):
-        old = plan.simulate(shape, PCIE, schedule="gpu", config=CFG)
-    assert old.summary() == res.summary() and res.plan.system == "gpu"
-    with pytest.warns(DeprecationWarning, match="Resolved.system"):
-        assert res.plan.schedule == "gpu"
-    with pytest.warns(DeprecationWarning, match="max_model_size"):
-        assert plan.max_model_size(PCIE, schedule="gpu") == plan.max_model_size(PCIE, "gpu")
-    with pytest.warns(DeprecationWarning, match="fit_problems"):
-        assert plan.fit_problems(shape, PCIE, schedule="gpu") == plan.fit_problems(shape, PCIE,
-                                                                                   "gpu")
-    for old_name, new in (("ENGINE_TODAY", ENGINE_H200_MEASURED), ("ENGINE_NEXT", ENGINE),
-                          ("SCHEDULES", plan.SYSTEMS)):
-        with pytest.warns(DeprecationWarning, match=old_name):
-            assert getattr(plan, old_name) is new
-    from superoffload.plan import schedule
-
-    with pytest.warns(DeprecationWarning, match="ENGINE_NEXT"):
-        assert schedule.ENGINE_NEXT is ENGINE
-    with pytest.raises(AttributeError):
-        plan.ENGINE_LATER  # noqa: B018
 
 
 def test_engine_variant_is_the_rule_books() -> None:
@@ -180,10 +154,8 @@ def test_engine_variant_is_the_rule_books() -> None:
     fifo = plan.simulate(res.shape, PCIE, config=fifo_cfg)
     assert fifo.plan.engine == engine_for(fifo_cfg) == replace(ENGINE, step_order="fifo")
     assert fifo.summary()["plan"]["engine"]["step_order"] == "fifo"
-    # the planner's old name for "deadline" is still accepted, with a deprecation note
-    with pytest.warns(DeprecationWarning, match="'edf' is now 'deadline'"):
-        assert EngineVariant(step_order="edf") == replace(ENGINE_H200_MEASURED,  # type: ignore[arg-type]
-                                                          step_order="deadline")
+    with pytest.raises(ValueError, match="step_order='edf'"):  # the old name went in 0.2
+        EngineVariant(step_order="edf")  # type: ignore[arg-type]
     # a variant given to Techniques is used as it is, whatever the config's order
     today = plan.simulate(res.shape, PCIE, config=CFG,
                           techniques=plan.Techniques(engine=ENGINE_H200_MEASURED))

@@ -1,4 +1,4 @@
-"""Simulator invariants, limits and the GH200 headline (plan/simulate.py, plan/ablation.py)."""
+"""Simulator invariants, limits and the GH200 headline (plan/simulator.py, plan/ablation.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from superoffload import plan
 from superoffload.config import OffloadConfig
 from superoffload.plan.schedule import ENGINE, ENGINE_H200_MEASURED, EngineVariant
 from superoffload.plan.sim_core import deadline_order, fifo_order
-from superoffload.plan.simulate import N_ITER
+from superoffload.plan.simulator import N_ITER
 from superoffload.telemetry import events as ev
 
 GH200 = plan.profiles.get("gh200")
@@ -88,7 +88,7 @@ def test_no_lane_overlaps_itself_and_spans_are_well_formed(prof, schedule, confi
     by_lane: dict[str, list[ev.Span]] = defaultdict(list)
     for span in res.timeline:
         assert isinstance(span, ev.Span)
-        assert span.lane in ev.LANES and span.kind in ev.KINDS
+        assert span.lane in ev.LANES and span.kind in ev.SPAN_KINDS
         assert span.end_s >= span.start_s >= 0
         if span.kind != ev.KIND_WAIT:
             by_lane[span.lane].append(span)
@@ -128,8 +128,9 @@ def test_dependencies_are_respected(speculation: str) -> None:
         assert kinds["cpu_step"].end_s <= kinds["h2d"].start_s + 1e-12
         if speculation == "off":  # without STV the CPU waits for validation (§4.3)
             assert kinds["cpu_step"].start_s >= validate[it].end_s - 1e-12
-    assert any(kinds["cpu_step"].start_s < validate[it].end_s for (it, _), kinds in per.items()) == (
-        speculation == "on")
+    cpu_ran_before_validation = any(kinds["cpu_step"].start_s < validate[it].end_s
+                                    for (it, _), kinds in per.items())
+    assert cpu_ran_before_validation == (speculation == "on")
     # forward of layer i in iteration k waits for the H2D of every bucket holding it (k-1)
     # and for the GPU tail step of iteration k-1
     needs = _layer_buckets(res)
@@ -198,7 +199,8 @@ def test_rollback_costs_what_it_replays() -> None:
     assert calm.iteration_s == calm.steady_iteration_s
     stormy = plan.simulate(SMALL, GH200, techniques=plan.Techniques(rollback_rate=1.0))
     assert stormy.rollback_penalty_s > 0
-    assert stormy.iteration_s == pytest.approx(stormy.steady_iteration_s + stormy.rollback_penalty_s)
+    assert stormy.iteration_s == pytest.approx(stormy.steady_iteration_s
+                                               + stormy.rollback_penalty_s)
     cpu_per_iter = calm.lanes["cpu_optimizer"].busy_s
     assert stormy.rollback_penalty_s <= 2 * cpu_per_iter * 1.05  # at most undo + redo everything
     # without speculation there is nothing to roll back
@@ -309,7 +311,7 @@ def test_bad_arguments() -> None:
 
 @pytest.mark.parametrize("engine", [ENGINE_H200_MEASURED, ENGINE], ids=["fifo", "deadline"])
 def test_clipped_iteration_timeline_is_consistent(engine) -> None:
-    from superoffload.plan.simulate import _run
+    from superoffload.plan.simulator import _run
     from superoffload.plan.techniques import resolve
 
     resolved = resolve(SMALL, GH200, "superoffload", SMALL_BUCKETS,
@@ -328,7 +330,8 @@ def test_clipped_iteration_timeline_is_consistent(engine) -> None:
        bucket_mib=st.sampled_from([4, 16, 64, 256]),
        weights=st.sampled_from(["stationary", "flow"]),
        link=st.floats(1.0, 20.0), cpu=st.floats(1.0, 20.0), flops=st.floats(1.0, 5.0))
-def test_faster_hardware_is_never_slower_property(ratio, bucket_mib, weights, link, cpu, flops) -> None:
+def test_faster_hardware_is_never_slower_property(ratio, bucket_mib, weights, link, cpu,
+                                                  flops) -> None:
     cfg = OffloadConfig(ratio=ratio, bucket_bytes=bucket_mib * MiB, weights=weights)
     base = plan.simulate(SMALL, PCIE, config=cfg)
     faster = PCIE.replace(h2d_gbps=PCIE.h2d_gbps * link, d2h_gbps=PCIE.d2h_gbps * link,

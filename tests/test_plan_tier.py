@@ -208,7 +208,7 @@ def test_a_clipped_step_reads_the_tier_state_back_for_its_replay() -> None:
     res = _resolved(TIER.replace(storage_buffer_count=8), shape, fast)
     tier = memory_host.host_side(shape, res).tier
     assert tier is not None
-    _, chunks = sim_core.run(shape, fast, res, 4, 2)
+    _, chunks = sim_core.run_timeline(shape, fast, res, 4, 2)
     spans = {kind: (s, e) for lane, kind, s, e, it, *_ in chunks
              if it == 2 and kind in (ev.KIND_ROLLBACK, ev.KIND_REPLAY, ev.KIND_VALIDATE)}
     (rb_s,), (rb_e,) = spans[ev.KIND_ROLLBACK]
@@ -286,7 +286,7 @@ def test_measure_local_measures_the_tier_it_is_given(tmp_path) -> None:
     from superoffload.plan import measure
 
     cached = dataclasses.replace(plan.profiles.get("cpu-laptop"),
-                                 extra={"format": measure.FORMAT})
+                                 extra={"format": measure.PROFILE_FORMAT})
     (tmp_path / f"profile-{socket.gethostname()}-quick.json").write_text(
         json.dumps(cached.to_dict()))  # measure_local's cache: nothing else is measured
     folder = tmp_path / "tier"

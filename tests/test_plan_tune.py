@@ -61,7 +61,8 @@ def test_constraints_are_respected() -> None:
 
 def test_infeasible_requests_name_the_reason() -> None:
     huge = plan.ModelShape(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)
-    with pytest.raises(plan.InfeasibleError, match=r"needs \d+ GB host memory, profile h100-pcie has"):
+    with pytest.raises(plan.InfeasibleError,
+                       match=r"needs \d+ GB host memory, profile h100-pcie has"):
         plan.tune(huge, PCIE)
     with pytest.raises(ValueError, match="host memory"):
         plan.tune(SHAPE, GH200, plan.Constraints(host_memory_bytes=100e9))
@@ -86,7 +87,8 @@ def test_max_model_size_orders_the_policies() -> None:
     fit = plan.gpt_by_layers(layers, seq=1024, micro_batch=1)
     assert fit.params == sizes["superoffload"]
     assert not plan.fit_problems(fit, GH200, "superoffload")
-    assert plan.fit_problems(plan.gpt_by_layers(layers + 1, seq=1024, micro_batch=1), GH200, "superoffload")
+    one_layer_more = plan.gpt_by_layers(layers + 1, seq=1024, micro_batch=1)
+    assert plan.fit_problems(one_layer_more, GH200, "superoffload")
     bigger_host = GH200.replace(host_memory_bytes=960e9)
     assert plan.max_model_size(bigger_host, seq=1024) > sizes["superoffload"]
     with pytest.raises(ValueError, match="system"):

@@ -16,7 +16,7 @@ import torch
 from superoffload.config import OffloadConfig
 from superoffload.kernels.hyper import DEFAULTS, FLAGS, AdamHyper
 from superoffload.runtime import contract
-from superoffload.runtime.state import EngineState
+from superoffload.runtime.engine_state import EngineState
 
 BASE = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 

@@ -56,7 +56,8 @@ def test_the_report_is_one_offline_file_in_the_dashboards_words_and_colours(tmp_
     text = out.read_text()
     assert not (out.parent / PLOTLY_JS).exists(), "nothing beside it: plotly.js is inside"
     page = text.split("</script>", 1)[1]  # all but the embedded plotly.js
-    assert out.stat().st_size > 1_000_000 and "<script src=" not in page and "cdn" not in page.lower()
+    assert (out.stat().st_size > 1_000_000 and "<script src=" not in page
+            and "cdn" not in page.lower())
     assert "unit &lt;test&gt;" in text  # the title is escaped
     assert "adaptive STV: speculation off" in text
     # summary and charts first, the settings table last; full width
@@ -68,9 +69,11 @@ def test_the_report_is_one_offline_file_in_the_dashboards_words_and_colours(tmp_
     (dash_data, dash_layout) = figures[0]
     # the dashboard's own traces, in its colours: D2H red, H2D blue, as on screen
     assert [t["name"] for t in dash_data] == [s.name for s in SPECS]
-    colours = {t["name"]: t.get("line", {}).get("color") for t in dash_data if t.get("type") == "scatter"}
+    colours = {t["name"]: t.get("line", {}).get("color")
+               for t in dash_data if t.get("type") == "scatter"}
     assert colours["D2H"] == L.METRIC_COLORS["d2h"] and colours["H2D"] == L.METRIC_COLORS["h2d"]
-    loss = next(t for t in dash_data if t["name"] == "loss" and t.get("mode") == "lines" and "fill" not in t)
+    loss = next(t for t in dash_data
+                if t["name"] == "loss" and t.get("mode") == "lines" and "fill" not in t)
     assert list(_values(loss["y"])) == [5.0, 4.0, 3.0, 2.0], "the loss of every iteration"
     assert dash_layout["yaxis2"]["title"]["text"] == "ms"
     # the other recorded series get vocabulary titles and a y axis title, never a raw key
@@ -93,7 +96,8 @@ def test_report_can_share_plotly_js_beside_it(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*.js"))) == 1
 
 
-def test_report_without_plotly_writes_tables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_report_without_plotly_writes_tables(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
     real_import = builtins.__import__
 
     def no_plotly(name: str, *args, **kwargs):  # type: ignore[no-untyped-def]

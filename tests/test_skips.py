@@ -1,10 +1,10 @@
 """Skipped steps are said out loud (runtime/skips.py).
 
 * ``eps <= 0`` is refused where the engine reads the param groups (kernels/hyper.py
-  ``hypers_of``: at ``initialize`` and at the step after a change), naming the field: with ``eps=0`` the engine used to skip every
-  step without a word (6 of 6 on the tiny GPT, whose unused embedding rows make 0/0), where
-  torch writes NaN. The kernel and ``CPUAdam`` keep torch's maths
-  (tests/test_kernel_prepared.py).
+  ``hypers_of``: at ``initialize`` and at the step after a change), naming the field: with
+  ``eps=0`` the engine used to skip every step without a word (6 of 6 on the tiny GPT, whose
+  unused embedding rows make 0/0), where torch writes NaN. The kernel and ``CPUAdam`` keep
+  torch's maths (tests/test_kernel_prepared.py).
 * A run that skips ``SKIP_STREAK`` steps in a row for a reason fp16's loss scale does not
   explain warns once (``SkippedSteps``), naming the cause and the buckets; the streak is
   ``EngineStats.skip_streak`` and the ``skip_streak`` scalar, 0 again after a step that ran.
@@ -75,7 +75,7 @@ def run(model: torch.nn.Module, config: so.OffloadConfig, losses: list[float],
                 engine.zero_grad()
                 streaks.append(engine.stats.skip_streak)
             scalars = [s.value for s in engine.telemetry.scalars("skip_streak")]
-            notes = [n.text for n in engine.telemetry.notes()]
+            notes = [(n.iteration, n.text) for n in engine.telemetry.notes()]
             stats = engine.stats
     said = [str(w.message) for w in caught if issubclass(w.category, SkippedSteps)]
     return streaks, said, scalars, notes, stats
@@ -97,7 +97,7 @@ def test_a_run_of_non_finite_gradients_says_so_once_per_streak() -> None:
     assert "a non-finite gradient in buckets" in first
     assert "inf/nan in the loss" in first and "before iteration 1" in first
     assert "(iterations 9-11)" in said[1]
-    assert sum(first in n for n in notes) == 1  # the telemetry note says the same
+    assert [it for it, text in notes if text == first] == [3]  # the same note, at its end
 
 
 @pytest.mark.parametrize("ratio", [0.0, 1.0])
@@ -128,8 +128,8 @@ def test_a_step_that_would_overflow_the_state_is_named_as_such() -> None:
     def huge(name: str, grad: torch.Tensor) -> None:
         grad.mul_(1e21)
 
-    _, said, _, notes, stats = run(make_model(), cpu_config(ratio=0.5), [1.0] * 4,
-                                   transform=huge)
+    _, said, _, _, stats = run(make_model(), cpu_config(ratio=0.5), [1.0] * 4,
+                               transform=huge)
     assert stats.skipped_steps == 4 and stats.skip_streak == 4
     assert len(said) == 1
     assert "a step that would make the optimizer state non-finite in bucket" in said[0]
@@ -138,13 +138,13 @@ def test_a_step_that_would_overflow_the_state_is_named_as_such() -> None:
 
 
 def test_fp16_loss_scale_skips_are_not_a_streak_until_the_scale_is_at_its_minimum() -> None:
-    """Dynamic scale 16, halved on every overflow (hysteresis 1) down to 1: the skips at 16,
-    8, 4 and 2 are the scale finding its level; at the minimum they count."""
-    cfg = cpu_config(ratio=0.5, initial_scale_power=4, hysteresis=1, min_loss_scale=1.0)
-    streaks, said, _, _, stats = run(make_model(dtype=torch.float16), cfg, [NAN] * 7)
-    assert stats.skipped_steps == 7
-    assert streaks == [0, 0, 0, 0, 1, 2, 3]
-    assert len(said) == 1 and "(iterations 4-6)" in said[0]
+    """Dynamic scale 16, halved on every overflow (hysteresis 1) down to 2: the skips at 16,
+    8 and 4 are the scale finding its level; at the minimum they count."""
+    cfg = cpu_config(ratio=0.5, initial_scale_power=4, hysteresis=1, min_loss_scale=2.0)
+    streaks, said, _, _, stats = run(make_model(dtype=torch.float16), cfg, [NAN] * 6)
+    assert stats.skipped_steps == 6
+    assert streaks == [0, 0, 0, 1, 2, 3]
+    assert len(said) == 1 and "(iterations 3-5)" in said[0]
 
 
 def test_the_message_by_hand() -> None:
@@ -153,7 +153,8 @@ def test_the_message_by_hand() -> None:
     from superoffload.runtime.skips import GRADIENT, STATE, Cause, streak_message
 
     grads = [Cause(GRADIENT, b, f"p{b}") for b in range(5)]
-    head = "the engine skipped 3 steps in a row (iterations 7-9), not because of fp16's loss scale: "
+    head = ("the engine skipped 3 steps in a row (iterations 7-9), "
+            "not because of fp16's loss scale: ")
     nan_advice = ("look for inf/nan in the loss and the data (a log of 0, a division by zero, a "
                   "learning rate that diverged: engine.grad_norm() is inf)")
     state_advice = ("lower the learning rate or clip (max_grad_norm): (1-b2) g^2 overflows fp32 "
@@ -171,6 +172,7 @@ def test_the_message_by_hand() -> None:
     assert streak_message(4, 9, grads[:2]).startswith(
         "the engine skipped 4 steps in a row (iterations 6-9)")
     assert "in buckets 0 ('p0'...), 1 ('p1'...). The" in streak_message(3, 9, grads[:2])
+    assert "2 ('p2'...) and 1 more. The" in streak_message(3, 9, grads[:4])
     assert streak_message(3, 9, []) == (
         head + "a non-finite gradient or state on another rank. The weights are still those "
         "from before iteration 7; " + nan_advice)

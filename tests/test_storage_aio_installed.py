@@ -39,7 +39,7 @@ def test_the_compiled_io_engine_runs_a_kernel_interface_when_required() -> None:
         f"{MODULE} is missing {why}: rebuild with `pip install -e .` (or `make install`)")
     from superoffload.storage import aio_c  # checks the ABI version baked into the library
 
-    assert aio_c.lib.so_aio_abi_version() == aio_c.EXPECTED_ABI_VERSION
+    assert aio_c.lib.so_aio_abi_version() == aio_c.EXPECTED_AIO_ABI_VERSION
     if not required:
         return
     assert aio_c.backends_built(), (

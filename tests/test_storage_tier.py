@@ -199,7 +199,8 @@ def test_what_the_tier_cannot_do_is_refused_at_initialize(
 
 def test_a_budget_without_a_tier_refuses_a_state_that_does_not_fit(tmp_path: Path) -> None:
     model = make_model()
-    with pytest.raises(ConfigError, match=r"host_memory_budget_bytes=10,000 is below .*storage_path"):
+    with pytest.raises(ConfigError,
+                       match=r"host_memory_budget_bytes=10,000 is below .*storage_path"):
         so.initialize(model, groups_for(model, False, HYPER),
                       cpu_config(ratio=0.7, host_memory_budget_bytes=10_000))
 

@@ -25,7 +25,7 @@ from test_storage_aio_faults import mounted
 import superoffload as so
 from superoffload.runtime.errors import EngineError
 from superoffload.runtime.tier_open import PREFIX, StorageNotice
-from superoffload.storage.errors import StorageError
+from superoffload.storage.io_errors import StorageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

@@ -21,7 +21,8 @@ STEPS = 3
 
 def _ranks(scenario: str, world: int, out: Path, args: dict) -> None:
     for r in run_ranks(scenario, world, out, timeout_s=600, args=args, worker=WORKER):
-        assert r.returncode == 0, f"rank {r.rank} of {scenario}: exit {r.returncode}\n{r.log[-4000:]}"
+        assert r.returncode == 0, (
+            f"rank {r.rank} of {scenario}: exit {r.returncode}\n{r.log[-4000:]}")
 
 
 @pytest.fixture(scope="module")

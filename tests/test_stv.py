@@ -115,7 +115,8 @@ def test_injected_nan_rolls_back_and_matches_reference(dtype):
     ref, _ = run(config, dtype=dtype, bad=BAD_STEPS, reference=True)
     got, st = run(config, dtype=dtype, bad=BAD_STEPS)
     assert max_diff(ref, got) < (1e-5 if dtype == torch.float32 else 1e-3)
-    n_host = len(so.initialize(make_model(dtype=dtype), {}, config, inline=True).bucket_plan.host_buckets)
+    n_host = len(
+        so.initialize(make_model(dtype=dtype), {}, config, inline=True).bucket_plan.host_buckets)
     assert st.skipped_steps == len(BAD_STEPS)
     assert st.nonfinite_buckets == len(BAD_STEPS)  # only the injected bucket is non-finite
     # every other offloaded bucket was speculated and then rolled back
@@ -204,7 +205,8 @@ def test_fp16_dynamic_loss_scale_shrinks_on_overflow():
         st = engine.stats
         assert st.skipped_steps >= 1
         assert scales[0] == 2.0**24 and scales[st.skipped_steps] < scales[0]
-        assert all(b == a / 2 for a, b in zip(scales[: st.skipped_steps], scales[1:st.skipped_steps + 1]))
+        assert all(b == a / 2 for a, b in zip(scales[: st.skipped_steps],
+                                              scales[1:st.skipped_steps + 1]))
         assert any("overflow" in n.text for n in engine.telemetry.notes())
         for p in model.parameters():
             assert torch.isfinite(p).all()

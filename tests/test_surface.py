@@ -4,8 +4,8 @@
 ``OffloadConfig`` field (type, default, roles, declared bound, choices), every command-line
 command with each flag (option strings, destination, choices, default, type, nargs), and the
 DeepSpeed keys ``from_deepspeed`` reads. A renamed flag, a removed choice or a changed
-default fails here. If the change is deliberate, regenerate the snapshot and keep the old
-name working with a deprecation note (docs/engine.md, "Glossary"):
+default fails here. If the change is deliberate, regenerate the snapshot and say in
+CHANGELOG.md what changed and what to use instead:
 
     .venv/bin/python tests/test_surface.py --write
 """
@@ -78,8 +78,8 @@ def test_the_user_visible_surface_is_the_snapshot() -> None:
         raise AssertionError(
             "the user-visible surface changed (config fields, command-line flags or DeepSpeed "
             "keys): if deliberate, regenerate the snapshot with `python tests/test_surface.py "
-            "--write` and keep any removed or renamed name working with a deprecation note "
-            f"(docs/engine.md, Glossary)\n{diff}")
+            "--write` and say in CHANGELOG.md what changed and what to use instead"
+            f"\n{diff}")
 
 
 if __name__ == "__main__":

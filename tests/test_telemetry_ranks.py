@@ -52,7 +52,8 @@ def test_metrics_per_rank_equal_each_ranks_own_metrics() -> None:
     sums = ranks.summarize_by_rank(merged, skip=1)
     # each rank's own iterations after the warm-up, pooled (time per iteration: the mean)
     for r in (0, 1):
-        assert sums[r].wall_s == pytest.approx(sum(m.wall_s for m in per[r][1:]) / (len(per[r]) - 1))
+        after_first = [m.wall_s for m in per[r][1:]]
+        assert sums[r].wall_s == pytest.approx(sum(after_first) / len(after_first))
     assert sums[1].wall_s > sums[0].wall_s
 
 
@@ -120,7 +121,8 @@ def test_dashboard_draws_per_rank_lanes_and_keeps_per_rank_points() -> None:
         assert list(got["iteration_ms"]) == pytest.approx([m.wall_s * 1e3 for m in expected])
         assert list(got["d2h_gbps_wall"]) == pytest.approx([m.d2h_gbps_wall for m in expected])
         assert list(got["d2h_gbps_busy"]) == pytest.approx([m.d2h_gbps_busy for m in expected])
-    assert list(fig.data[TRACE["d2h_gbps_busy"]].y) == pytest.approx(list(dash.state.series(0)["d2h_gbps_busy"]))
+    want = list(dash.state.series(0)["d2h_gbps_busy"])
+    assert list(fig.data[TRACE["d2h_gbps_busy"]].y) == pytest.approx(want)
     assert "rank 1, iterations 0-" in dash.summary(), "one pooled line per rank"
     with pytest.raises(ValueError, match="ranks seen"):
         dash.state.series(7)
@@ -152,10 +154,11 @@ def test_report_has_per_rank_lanes_and_a_per_rank_table(tmp_path: Path) -> None:
     text = out.read_text()
     assert "Per rank, pooled" in text
     dashboard, bandwidth = _figure_data(text)[:2]
-    layout = json.loads(re.search(r'Plotly\.newPlot\(\s*"[^"]+",\s*\[.*?\],\s*(\{.*?\}),\s*\{"responsive"',
-                                  text, flags=re.S).group(1))  # type: ignore[union-attr]
+    new_plot = r'Plotly\.newPlot\(\s*"[^"]+",\s*\[.*?\],\s*(\{.*?\}),\s*\{"responsive"'
+    layout = json.loads(re.search(new_plot, text, flags=re.S).group(1))  # type: ignore[union-attr]
     rows = set(layout["yaxis"]["ticktext"])  # the dashboard's timeline: a lane group per rank
-    assert {"r0 D2H (grads out)", "r1 D2H (grads out)", "r0 CPU optimizer", "r1 device compute"} <= rows
+    assert {"r0 D2H (grads out)", "r1 D2H (grads out)", "r0 CPU optimizer",
+            "r1 device compute"} <= rows
     assert {t["name"] for t in bandwidth} == {"r0 D2H", "r0 H2D", "r1 D2H", "r1 H2D"}
     single = write_html_report(r0, tmp_path / "one.html", title="one").read_text()
     assert "Per rank, pooled" not in single

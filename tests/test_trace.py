@@ -76,11 +76,13 @@ def test_recorder_trace_has_lanes_flows_counters_and_notes(tmp_path: Path) -> No
             assert src["args"]["bucket"] == dst["args"]["bucket"]
         assert pair["s"]["ts"] <= pair["f"]["ts"], "arrows point forward in time"
         kinds.append((names[pair["s"]["tid"]], names[pair["f"]["tid"]]))
-    assert set(kinds) == {("device compute", "D2H (grads out)"), ("D2H (grads out)", "CPU optimizer"),
+    assert set(kinds) == {("device compute", "D2H (grads out)"),
+                          ("D2H (grads out)", "CPU optimizer"),
                           ("CPU optimizer", "H2D (weights in)")}
     # counters and args in the metric vocabulary: names, units (ms, not s) and titles
     counters = {e["name"]: e["args"] for e in data["traceEvents"] if e["ph"] == "C"}
-    assert {"loss (nats)", "ratio", "D2H while moving (GB/s)", "CPU step hidden (%)"} <= set(counters)
+    titles = {"loss (nats)", "ratio", "D2H while moving (GB/s)", "CPU step hidden (%)"}
+    assert titles <= set(counters)
     assert set(counters["D2H while moving (GB/s)"]) == {"d2h_gbps_busy"}
     (note,) = [e for e in data["traceEvents"] if e["ph"] == "i"]
     assert note["name"].startswith("reconfigure applied") and note["s"] == "g"
@@ -173,7 +175,8 @@ def test_bad_sources_say_what_to_pass(tmp_path: Path) -> None:
         write_chrome_trace([1], tmp_path / "x.json")  # type: ignore[list-item]
     assert check_chrome_trace({"events": []}) != []
     bad = {"traceEvents": [{"ph": "X", "pid": 0, "tid": 1, "name": "a", "ts": 0, "dur": -1},
-                           {"ph": "s", "pid": 0, "tid": 1, "name": "f", "id": 1, "cat": "c", "ts": 5}]}
+                           {"ph": "s", "pid": 0, "tid": 1, "name": "f", "id": 1, "cat": "c",
+                            "ts": 5}]}
     problems = check_chrome_trace(bad)
     assert any("dur" in p for p in problems) and any("one 's' and one 'f'" in p for p in problems)
     assert check_chrome_trace(chrome_trace([], scalars=(), notes=())) == []

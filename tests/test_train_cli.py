@@ -204,7 +204,7 @@ def test_train_command_explains_missing_transformers(tmp_path: Path) -> None:
 
 def test_hf_model_trains_through_the_engine() -> None:
     pytest.importorskip("transformers")
-    from superoffload.models.hf import tiny_hf_causal_lm
+    from superoffload.models.hf_lm import tiny_hf_causal_lm
 
     model = tiny_hf_causal_lm(block_size=16, n_layer=1, n_embd=32, n_head=2)
     x, y = _sampler().next_batch()
@@ -250,12 +250,12 @@ def test_the_run_budget_is_a_lower_bound_of_a_real_step() -> None:
 
     from superoffload.cli import build_parser
     from superoffload.commands import run_budget
-    from superoffload.commands.train_args import resolve
+    from superoffload.commands.train_args import resolve_settings
     from superoffload.models import gpt_small
 
     seq, batch = 1024, 2
-    settings = resolve(build_parser().parse_args(["train", "--seq", str(seq), "--batch",
-                                                  str(batch)]), "cpu")
+    settings = resolve_settings(build_parser().parse_args(["train", "--seq", str(seq), "--batch",
+                                                           str(batch)]), "cpu")
     est = run_budget.estimate(settings, torch.device("cpu"))
     torch.manual_seed(0)
     model = GPT(gpt_small(block_size=seq))

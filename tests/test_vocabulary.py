@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from superoffload.commands.train_output import SUMMARY_METRICS, print_summary
-from superoffload.integrations.bridge import PREFIX, EngineMetrics
+from superoffload.integrations.bridge import METRIC_PREFIX, EngineMetrics
 from superoffload.telemetry import metrics
 from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.tensorboard import scalar_rows
@@ -50,7 +50,8 @@ def test_per_iteration_values_are_the_metrics_in_their_units() -> None:
     assert set(v) == set(vocab.PER_ITERATION)
     assert v["iteration_ms"] == pytest.approx(m.wall_s * 1e3)
     assert v["engine_ms"] + v["outside_engine_ms"] == pytest.approx(v["iteration_ms"])
-    assert v["d2h_gbps_busy"] == m.d2h_gbps_busy and v["cpu_step_hidden_pct"] == 100 * m.cpu_overlap_frac
+    assert (v["d2h_gbps_busy"] == m.d2h_gbps_busy
+            and v["cpu_step_hidden_pct"] == 100 * m.cpu_overlap_frac)
     assert vocab.METRICS["d2h_gbps_busy"].show(0.331) == "D2H while moving 0.331 GB/s"
     assert vocab.METRICS["tokens_per_s"].show(2290.0) == "2.29k tokens/s"
 
@@ -79,13 +80,14 @@ def test_the_cli_summary_speaks_the_same_words(capsys) -> None:
     summary = metrics.summarize(spans, skip=1)
     result = {"first_loss": 5.0, "final_loss": 3.0, "tokens_per_s": 2290.0, "steps": 6,
               "start_step": 0, "elapsed_s": 1.0, "summary": summary.to_dict(),
-              "engine_stats": {"clipped_steps": 0, "rollbacks": 0, "replays": 0, "skipped_steps": 0}}
+              "engine_stats": {"clipped_steps": 0, "rollbacks": 0, "replays": 0,
+                               "skipped_steps": 0}}
     print_summary(result, argparse.Namespace(sample_temperature=0.0, sample_top_k=0))
     out = capsys.readouterr().out
     assert "2.29k tokens/s over 6 steps" in out
     line = next(x for x in out.splitlines() if x.startswith("per iteration, "))
-    assert line == "per iteration, iterations 1-5 pooled: " + vocab.describe(vocab.summary_values(summary),
-                                                                 SUMMARY_METRICS)
+    assert line == "per iteration, iterations 1-5 pooled: " + vocab.describe_values(
+        vocab.summary_values(summary), SUMMARY_METRICS)
     assert all(vocab.METRICS[n].label in line for n in SUMMARY_METRICS)
 
 
@@ -103,16 +105,18 @@ def test_trainer_and_lightning_logs_use_the_table() -> None:
         t = record_iteration(rec, it, t) + 0.001
     rec.scalar("grad_norm", 5, 1.5)
     out = logged.collect()
-    assert {k.removeprefix(PREFIX) for k in out} <= NAMES and all(k.startswith(PREFIX) for k in out)
+    assert {k.removeprefix(METRIC_PREFIX) for k in out} <= NAMES
+    assert all(k.startswith(METRIC_PREFIX) for k in out)
     m = {x.iteration: x for x in metrics.iteration_metrics(rec.spans())}
     done = [m[i] for i in range(1, 5)]  # 5 is not complete yet
     wall = sum(x.wall_s for x in done)
-    assert out[PREFIX + "iteration_ms"] == pytest.approx(1e3 * wall / 4)
-    assert out[PREFIX + "tokens_per_s"] == pytest.approx(4 * 512 / wall), "tokens of those iterations"
-    assert out[PREFIX + "d2h_gbps_busy"] == pytest.approx(
+    assert out[METRIC_PREFIX + "iteration_ms"] == pytest.approx(1e3 * wall / 4)
+    assert out[METRIC_PREFIX + "tokens_per_s"] == pytest.approx(4 * 512 / wall), \
+        "tokens of those iterations"
+    assert out[METRIC_PREFIX + "d2h_gbps_busy"] == pytest.approx(
         sum(x.d2h_bytes for x in done) / sum(x.d2h_busy_s for x in done) / 1e9)
-    assert out[PREFIX + "cpu_step_hidden_pct"] == pytest.approx(100.0)
-    assert out[PREFIX + "grad_norm"] == 1.5 and out[PREFIX + "rollbacks"] == 2.0
+    assert out[METRIC_PREFIX + "cpu_step_hidden_pct"] == pytest.approx(100.0)
+    assert out[METRIC_PREFIX + "grad_norm"] == 1.5 and out[METRIC_PREFIX + "rollbacks"] == 2.0
 
 
 def test_tensorboard_and_the_trace_use_the_table() -> None:
@@ -127,5 +131,6 @@ def test_tensorboard_and_the_trace_use_the_table() -> None:
             assert e["name"] in titles and set(e["args"]) <= NAMES, e
         if e["ph"] == "X" and e.get("cat") == "iteration":
             assert set(e["args"]) <= NAMES, e["args"]
-    (it_ms,) = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "iteration time (ms)"]
+    (it_ms,) = [e for e in trace["traceEvents"]
+                if e["ph"] == "C" and e["name"] == "iteration time (ms)"]
     assert it_ms["args"] == {"iteration_ms": pytest.approx(34.0)}, "ms in the trace, as on screen"

@@ -44,7 +44,8 @@ class CkptTinyGPT(TinyGPT):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=self.reentrant)
         logits = self.head(self.ln_f(x)).float()
-        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        flat = logits.view(-1, logits.shape[-1])
+        return torch.nn.functional.cross_entropy(flat, targets.view(-1))
 
 
 def make_ckpt_model(dtype=torch.float32, reentrant=False, **kw):

@@ -156,7 +156,8 @@ SEQ, MB, WIDTH, CAP = 32, 2, 128, 4_000_000
 
 def _trains(n_layer: int, weights: str) -> bool:
     torch.manual_seed(0)
-    model = GPT(gpt_tiny(n_layer=n_layer, n_embd=WIDTH, n_head=2, block_size=SEQ)).to(torch.bfloat16)
+    gpt_config = gpt_tiny(n_layer=n_layer, n_embd=WIDTH, n_head=2, block_size=SEQ)
+    model = GPT(gpt_config).to(torch.bfloat16)
     config = so.OffloadConfig(device="cpu", bucket_bytes=1 << 20, cpu_threads=1, weights=weights,
                               prefetch_depth=1, ratio=1.0)
     x, y = lm_batch(MB, SEQ)

@@ -12,6 +12,7 @@ import pytest
 from superoffload.telemetry.recorder import Recorder
 from superoffload.widgets.dashboard.dashboard import LiveDashboard
 from superoffload.widgets.shared import env as _env
+from superoffload.widgets.shared import trainer as trainer_module
 from superoffload.widgets.shared.runstate import RunState
 from superoffload.widgets.shared.trainer import BackgroundTrainer
 from tests.widgets_support import FakeShell, record_iteration
@@ -53,11 +54,25 @@ def test_stop_ends_the_loop_between_steps() -> None:
     assert result.losses == [] and "stopped" in trainer.status()
 
 
-def test_without_steps_it_runs_until_stopped_or_its_time_limit() -> None:
-    trainer = BackgroundTrainer(lambda i: time.sleep(0.005), max_s=0.2).start()
+def test_without_steps_it_runs_until_stopped_or_its_time_limit(monkeypatch) -> None:
+    # the trainer's clock is a fake that each step moves on by 1/16 s: the 0.25 s limit comes
+    # after exactly four steps however loaded the machine is (on the wall clock a loaded
+    # machine ran one 5 ms step in 0.2 s)
+    clock = [0.0]
+    status_read = threading.Event()
+
+    def step(i: int) -> None:
+        status_read.wait(30)  # the status below is read while the run goes
+        clock[0] += 0.0625
+
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    trainer = BackgroundTrainer(step, max_s=0.25).start()
     assert "stops after" in trainer.status()
+    status_read.set()
     result = trainer.wait(timeout_s=30)
-    assert result.state is RunState.FINISHED and not result.stopped_early and result.steps_done > 3
+    assert result.state is RunState.FINISHED and not result.stopped_early
+    assert result.steps_done == 4
+    monkeypatch.undo()
     endless = BackgroundTrainer(lambda i: time.sleep(0.002)).start()
     assert endless.wait_for_steps(5, timeout_s=30) >= 5 and "until stopped" in endless.status()
     endless.stop()
@@ -109,8 +124,8 @@ def test_the_dashboard_and_the_tuner_follow_the_run_and_get_a_final_refresh() ->
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"), ({"steps": 3, "print_every": -1}, "print_every"),
-     ({"max_s": 0}, "max_s")],
+    [({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"),
+     ({"steps": 3, "print_every": -1}, "print_every"), ({"max_s": 0}, "max_s")],
 )
 def test_bad_arguments_name_the_field(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

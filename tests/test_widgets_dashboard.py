@@ -50,7 +50,8 @@ def test_refresh_draws_the_window_and_one_point_per_complete_iteration() -> None
     assert fig.data[TRACE["lane:device_compute"]].x[0] == 0.0, "ms since the window's start"
     # iterations 0..5 are complete (6 and 7 may still get late spans)
     assert list(fig.data[TRACE["d2h_gbps_busy"]].x) == list(range(6))
-    assert list(fig.data[TRACE["iteration_ms"]].y) == pytest.approx(list(dash.state.series()["iteration_ms"]))
+    want = list(dash.state.series()["iteration_ms"])
+    assert list(fig.data[TRACE["iteration_ms"]].y) == pytest.approx(want)
     assert list(fig.data[TRACE["loss"]].y) == pytest.approx([5.0 - 0.1 * i for i in range(8)])
     assert visible_panels(fig)[:4] == ["timeline", "speed", "link", "percent"]
     assert fig.layout.xaxis3.matches == "x2" and fig.layout.xaxis4.matches == "x2"
@@ -70,7 +71,8 @@ def test_until_the_first_complete_iteration_the_figure_says_it_is_waiting() -> N
     dash.refresh()
     texts = [a.text for a in FigureView(dash.figure).layout.annotations]
     assert WAITING in texts, "not empty axes: the figure says what it waits for"
-    assert any(line.startswith("waiting for the first complete iteration") for line in dash.status_lines())
+    lines = dash.status_lines()
+    assert any(line.startswith("waiting for the first complete iteration") for line in lines)
     for it in (1, 2):
         record_iteration(rec, it, 0.034 * it)
     dash.refresh()
@@ -87,9 +89,11 @@ def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
     for d in ("d2h", "h2d"):  # one line per direction, its own legend entry
         peak = FigureView(dash.figure).data[TRACE[f"{d}_peak"]]
         rate = getattr(plan.profiles.get("gh200"), f"{d}_gbps")
-        assert set(np.asarray(peak.y, dtype=float)) == {rate} and peak.name == f"planner's {d.upper()}"
+        assert set(np.asarray(peak.y, dtype=float)) == {rate}
+        assert peak.name == f"planner's {d.upper()}"
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
-    assert FigureView(dash.figure).data[TRACE["predicted_ms"]].y[0] == pytest.approx(res.iteration_s * 1e3)
+    predicted = FigureView(dash.figure).data[TRACE["predicted_ms"]].y
+    assert predicted[0] == pytest.approx(res.iteration_s * 1e3)
     assert "on profile gh200 (not calibrated; preset)" in dash.summary()
     # a reconfiguration: a new prediction step from its iteration, a marker on every panel
     engine.config = engine.config.replace(ratio=0.2)
@@ -100,9 +104,11 @@ def test_the_link_peak_and_the_prediction_come_from_the_profile() -> None:
     dash.refresh(final=True)
     pred = list(FigureView(dash.figure).data[TRACE["predicted_ms"]].y)
     res2 = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=engine.config)
-    assert pred[5] == pytest.approx(res.iteration_s * 1e3) and pred[6] == pytest.approx(res2.iteration_s * 1e3)
+    assert pred[5] == pytest.approx(res.iteration_s * 1e3)
+    assert pred[6] == pytest.approx(res2.iteration_s * 1e3)
     shapes = FigureView(dash.figure).layout.shapes
-    assert {s.xref for s in shapes} >= {"x2", "x3", "x4"} and all(s.x0 in (6, 6.0) or s.xref == "x" for s in shapes)
+    assert {s.xref for s in shapes} >= {"x2", "x3", "x4"}
+    assert all(s.x0 in (6, 6.0) or s.xref == "x" for s in shapes)
     assert any("ratio 0.9→0.2" in a.text for a in FigureView(dash.figure).layout.annotations)
     assert "it. 6: reconfigure applied: ratio 0.9 -> 0.2" in dash.summary()
 
@@ -138,7 +144,8 @@ def test_rollbacks_replays_and_skipped_steps_are_marked_separately() -> None:
     assert list(fig.data[TRACE["rollback"]].y) == [pytest.approx(row - 0.22)]
     assert list(fig.data[TRACE["replay"]].y) == [pytest.approx(row + 0.22)]
     assert len(fig.data[TRACE["skipped"]].x) == 1
-    assert list(fig.data[TRACE["speed_rollback"]].x) == [2] and list(fig.data[TRACE["speed_skipped"]].x) == [3]
+    assert list(fig.data[TRACE["speed_rollback"]].x) == [2]
+    assert list(fig.data[TRACE["speed_skipped"]].x) == [3]
     # on the iteration-time panel the events sit in a strip at the top, one row each, and
     # are the timeline legend's entries (one click hides an event everywhere)
     ys = {k: fig.data[TRACE[f"speed_{k}"]].y[0] for k in ("rollback", "replay", "skipped")}
@@ -162,14 +169,34 @@ def test_show_simulation_uses_the_simulated_layout() -> None:
     assert [b.side for b in figs.memory] == ["device", "host"] and all(b.fits for b in figs.memory)
     assert all(figs.exposed_ms[lane] <= figs.busy_ms[lane] + 1e-9 for lane in figs.busy_ms)
     # ratio 0: nothing crosses the link, so no link panel
-    none = sim_figures(plan.simulate(SHAPE, plan.profiles.get("gh200"), config=so.OffloadConfig(ratio=0.0)))
+    gh200 = plan.profiles.get("gh200")
+    none = sim_figures(plan.simulate(SHAPE, gh200, config=so.OffloadConfig(ratio=0.0)))
     assert "link" not in sim_panels(none)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("h100-sxm", SHAPE),  # eight GPUs share the host: one rank has an eighth of it
+    ("gh200", plan.ModelShape(layers=2, hidden=64, heads=2, vocab=256, seq=32, micro_batch=4,
+                              dp=4, ranks_per_host=4)),  # four ranks on one host
+])
+def test_simulated_memory_is_drawn_against_one_ranks_share_of_the_host(name, shape) -> None:
+    from superoffload.plan.memory import DEVICE_HEADROOM, HOST_HEADROOM
+    from superoffload.plan.parallel import rank_profile
+
+    whole = plan.profiles.get(name)
+    share = rank_profile(whole, shape.ranks_per_host)
+    assert share.host_memory_bytes < whole.host_memory_bytes  # the case is a real split
+    bars = {b.side: b for b in sim_figures(plan.simulate(shape, whole)).memory}
+    assert bars["host"].usable_gb == pytest.approx(share.host_memory_bytes * HOST_HEADROOM / 1e9)
+    assert bars["device"].usable_gb == pytest.approx(
+        share.device_memory_bytes * DEVICE_HEADROOM / 1e9)
 
 
 def test_a_simulation_that_does_not_fit_says_so_in_red() -> None:
     big = plan.ModelShape(layers=80, hidden=8192, heads=64, vocab=50257, seq=4096, micro_batch=8)
     dash = LiveDashboard(None)
-    dash.show_simulation(plan.simulate(big, plan.profiles.get("gh200"), config=so.OffloadConfig(ratio=0.0)))
+    gh200 = plan.profiles.get("gh200")
+    dash.show_simulation(plan.simulate(big, gh200, config=so.OffloadConfig(ratio=0.0)))
     assert dash.sim.problems and not all(b.fits for b in dash.sim.memory)
     texts = [a.text for a in FigureView(dash.figure).layout.annotations]
     assert any(t.startswith("<b>DOES NOT FIT</b>") for t in texts)
@@ -238,7 +265,8 @@ def test_device_memory_is_drawn_only_when_known() -> None:
     for it in range(4):
         t = record_iteration(rec, it, t, loss=5.0) + 0.001
     dash.refresh()
-    assert len(FigureView(dash.figure).data[TRACE["device_mem_gb"]].y) == 0, "CPU backend: no flat zero line"
+    device_mem = FigureView(dash.figure).data[TRACE["device_mem_gb"]].y
+    assert len(device_mem) == 0, "CPU backend: no flat zero line"
     rec.scalar("device_mem_bytes", 3, 5e9)  # the engine's own figure when it records one
     dash.refresh(final=True)
     assert list(FigureView(dash.figure).data[TRACE["device_mem_gb"]].y)[-1] == pytest.approx(5.0)
@@ -246,12 +274,14 @@ def test_device_memory_is_drawn_only_when_known() -> None:
 
 def test_static_dashboards_accept_a_fake_simulation() -> None:
     sim = SimpleNamespace(
-        timeline=[Span("device_compute", "forward", 0.0, 0.004, 0), Span("d2h", "d2h", 0.001, 0.003, 0, 0, 8)],
+        timeline=[Span("device_compute", "forward", 0.0, 0.004, 0),
+                  Span("d2h", "d2h", 0.001, 0.003, 0, 0, 8)],
         iteration_s=0.012, tflops=321.0, memory={"device": 2e9, "host": 5e9}, window=(0.0, 0.004),
         profile="gh200", problems=[])
     dash = LiveDashboard(None)
     dash.show_simulation(sim)
-    assert FigureView(dash.figure).layout.title.text == "simulated · 12.0 ms/iteration · 321 TFLOP/s · profile gh200"
+    assert FigureView(dash.figure).layout.title.text == (
+        "simulated · 12.0 ms/iteration · 321 TFLOP/s · profile gh200")
     assert [b.needed_gb for b in dash.sim.memory] == [2.0, 5.0]
 
 
@@ -268,10 +298,12 @@ def test_the_live_view_is_a_one_way_widget_with_the_figure_in_one_trait() -> Non
     assert set(sent) == {"json", "arrays"}, "the figure's JSON, its arrays as binary frames"
     assert all(isinstance(a, memoryview) for a in sent["arrays"]) and sent["arrays"]
     fig = unpack(sent)
-    np.testing.assert_allclose(fig["data"][TRACE["loss"]]["y"], dash.figure["data"][TRACE["loss"]]["y"])
+    loss = TRACE["loss"]
+    np.testing.assert_allclose(fig["data"][loss]["y"], dash.figure["data"][loss]["y"])
     # the live figure leaves its title to the status line above it (one screen at 1366x768)
     assert len(fig["data"]) == len(TRACE) and not fig["layout"]["title"]["text"]
-    assert dash.status.value.startswith("<div class='so-dash-status'") and "superoffload" in dash.status.value
+    assert dash.status.value.startswith("<div class='so-dash-status'")
+    assert "superoffload" in dash.status.value
     dash.refresh()  # nothing new: nothing sent
     assert dash.plot.figure is sent
     bundle = dash._static_bundle()  # what replaces the widget when the run ends
@@ -285,7 +317,8 @@ def test_labels_and_legends_do_not_cover_one_another() -> None:
     t = 0.0
     for it in range(30):
         t = record_iteration(engine.telemetry, it, t, loss=3.0) + 0.001
-    engine.telemetry.note(10, "A/B started: ratio 0.5 -> 0.8, 6 pairs of 4 iterations (+1 settling per switch)")
+    engine.telemetry.note(10, "A/B started: ratio 0.5 -> 0.8, 6 pairs of 4 iterations "
+                              "(+1 settling per switch)")
     engine.telemetry.note(15, "reconfigure applied: ratio 0.5 -> 0.8")
     engine.telemetry.note(25, "A/B measured: ratio 0.5 -> 0.8: 33.00 -> 32.00 ms, change -3.0% "
                               "[-5.0%, -1.0%] (90% CI, 6 pairs of 4 iterations): faster")
@@ -300,8 +333,10 @@ def test_labels_and_legends_do_not_cover_one_another() -> None:
     assert label.text == "A/B ratio 0.5→0.8" and label.yref == "y2 domain" and label.y < 0.1
     assert label.yanchor == "bottom" and label.bgcolor == "#FFFFFF", "opaque, at the bottom"
     bands = [s for s in fig.layout.shapes if s.type == "rect"]
-    assert {s.xref for s in bands} >= {"x2", "x3", "x4"} and {(s.x0, s.x1) for s in bands} == {(10, 25)}
-    assert not [s for s in fig.layout.shapes if s.type == "line"], "the switches inside the A/B are not lines"
+    assert {s.xref for s in bands} >= {"x2", "x3", "x4"}
+    assert {(s.x0, s.x1) for s in bands} == {(10, 25)}
+    lines = [s for s in fig.layout.shapes if s.type == "line"]
+    assert not lines, "the switches inside the A/B are not lines"
 
 
 def test_close_iteration_labels_and_link_numbers_stay_readable_in_the_simulated_layout() -> None:
@@ -313,7 +348,8 @@ def test_close_iteration_labels_and_link_numbers_stay_readable_in_the_simulated_
     fig = build_sim_figure(sim_figures(res))
     bars = [t for t in fig.data if t.type == "bar" and t.xaxis == "x3"]
     assert [b.x[0].split(" · ")[0] for b in bars] == ["D2H", "H2D"]
-    assert all("GB/s" in b.x[0] and not b.text for b in bars), "numbers under the axis, not on the bar"
+    assert all("GB/s" in b.x[0] and not b.text for b in bars), (
+        "numbers under the axis, not on the bar")
     peaks = [t.name for t in fig.data if t.xaxis == "x3" and t.type == "scatter"]
     assert peaks == ["D2H peak", "H2D peak"]
 

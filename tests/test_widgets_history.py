@@ -94,7 +94,8 @@ def test_thousands_of_points_fed_without_spans_stay_bounded() -> None:
     """The CI path past the bound without training: 100,000 iterations of points."""
     state = DashboardState(max_points=600)
     for it in range(100_000):
-        state.add_point(IterationPoint(it, {"iteration_ms": 10.0 + (50.0 if it == 31_337 else 0.0)}, 0))
+        spike_ms = 50.0 if it == 31_337 else 0.0
+        state.add_point(IterationPoint(it, {"iteration_ms": 10.0 + spike_ms}, 0))
     assert state.coverage() == (0, 99_999, 100_000)
     s = state.series()
     assert len(s["iteration"]) <= 600 and state.stride() == 256
@@ -112,7 +113,8 @@ def test_the_live_figure_and_the_static_one_draw_the_whole_run() -> None:
     assert max(band.y) == pytest.approx(max(dash.state.series()["iteration_ms_max"]))
     titles = [fig.layout[f"xaxis{k}"].title.text or "" for k in "23456"]
     assert any(t == "iteration · bins of 4" for t in titles), titles
-    assert any(line.startswith("history: iterations 0-1999 in bins of 4") for line in dash.status_lines())
+    status = dash.status_lines()
+    assert any(line.startswith("history: iterations 0-1999 in bins of 4") for line in status)
     # the static figure re-reads the recorder at a finer bound: stride 2 for 2,000 iterations
     static, lines = dash.static_figure()
     static = FigureView(static)
@@ -147,7 +149,8 @@ def test_an_archive_merges_bin_into_bin_at_the_coarser_stride() -> None:
     assert new.stride == old.stride == 8 and len(new) == 10, "no more doubling than needed"
     assert a["first"][0] == 0 and a["last"][-1] == 79
     assert new.count == 80 and new.extreme("min") == (0, 0.0) and new.extreme("max")[1] == 1000.0
-    assert all(int(f) // new.stride == int(la) // new.stride for f, la in zip(a["first"], a["last"]))
+    pairs = zip(a["first"], a["last"])
+    assert all(int(f) // new.stride == int(la) // new.stride for f, la in pairs)
 
 
 def test_static_figure_csv_and_report_cover_a_run_longer_than_the_recorder_keeps(tmp_path) -> None:

@@ -120,7 +120,8 @@ def test_an_ab_trial_is_one_event_and_its_result_is_shown_as_the_engine_wrote_it
     state = fed(30, final=True)
     result = ("A/B measured: ratio 0.5 -> 0.8: 33.10 -> 31.90 ms, change -3.6% [-5.0%, -2.1%] "
               "(90% CI, 6 pairs of 4 iterations): faster; predicted -0.3% (outside the interval)")
-    notes = [(10, "A/B started: ratio 0.5 -> 0.8, 6 pairs of 4 iterations (+1 settling per switch)"),
+    notes = [(10, "A/B started: ratio 0.5 -> 0.8, 6 pairs of 4 iterations "
+                  "(+1 settling per switch)"),
              *[(15 + 5 * k, f"reconfigure applied: ratio {a} -> {b}")
                for k, (a, b) in enumerate([(0.5, 0.8), (0.8, 0.5)] * 2)]]
     state.add_notes(notes)
@@ -148,7 +149,8 @@ def test_rollbacks_replays_and_skipped_steps_are_counted_apart() -> None:
                      (1, "reconfigure applied: ratio 0.5 -> 0.8")])
     assert (state.total_rollbacks, state.total_replays, state.skipped) == (2, 1, {1})
     assert state.reconfigures == [(1, "reconfigure applied: ratio 0.5 -> 0.8")]
-    view = timeline_view(state.timeline_spans(), skipped=state.skipped, reconfigures=state.reconfigures)
+    view = timeline_view(state.timeline_spans(), skipped=state.skipped,
+                         reconfigures=state.reconfigures)
     assert (view.rollbacks.count, view.replays.count, view.skipped.count) == (2, 1, 1)
     lines = status_lines(state, Workload(), [], run_state=RunState.STOPPED, iteration=2)
     assert lines[2] == ("2 bucket rollbacks · 1 replays · 1 skipped steps · it. 1: reconfigure "
@@ -177,10 +179,12 @@ def test_status_says_measured_vs_predicted_and_which_profile() -> None:
     # the reference rate is named for what it is (a preset's peak here; fitted: "fitted rate")
     assert "D2H link use" in text and "of the planner's 40.0 GB/s (peak)" in text
     assert not any(line.startswith("warning") for line in lines)  # 32 ms vs 30: close enough
-    fitted = status_lines(state, dataclasses.replace(work, d2h_peak_gbps=0.2, link_rate_kind="fitted"),
-                          [Expected(0, 0.030, 0.1)], run_state=RunState.RUNNING, iteration=8)
-    assert "of the planner's 0.200 GB/s (fitted rate); moving at 10x that rate (a fit, not a bound)" \
-        in "\n".join(fitted), "a measured rate above its reference is not called use of a peak"
+    fitted_work = dataclasses.replace(work, d2h_peak_gbps=0.2, link_rate_kind="fitted")
+    fitted = status_lines(state, fitted_work, [Expected(0, 0.030, 0.1)],
+                          run_state=RunState.RUNNING, iteration=8)
+    assert ("of the planner's 0.200 GB/s (fitted rate); moving at 10x that rate "
+            "(a fit, not a bound)") in "\n".join(fitted), (
+        "a measured rate above its reference is not called use of a peak")
 
 
 def _steady(state: DashboardState, its: range, engine_ms: float) -> None:
@@ -262,7 +266,8 @@ def test_grid_stacks_rows_and_every_panel_stays_inside_the_figure() -> None:
     g = L.grid(panels, sizes=L.MEASURED_SIZES, legend_px=40)
     assert g.domains["timeline"].x == (0.0, 1.0)
     assert g.domains["speed"].y == g.domains["link"].y == g.domains["percent"].y  # 3 columns
-    assert g.domains["speed"].x[1] < g.domains["link"].x[0] < g.domains["link"].x[1] < g.domains["percent"].x[0]
+    speed, link, percent = (g.domains[k].x for k in ("speed", "link", "percent"))
+    assert speed[1] < link[0] < link[1] < percent[0]
     assert g.domains["loss"].y[1] < g.domains["speed"].y[0]  # below
     assert g.domains["loss"].x == g.domains["speed"].x, "a short last row keeps the column width"
     for d in g.domains.values():
@@ -283,15 +288,16 @@ def test_grid_stacks_rows_and_every_panel_stays_inside_the_figure() -> None:
 
 def test_panels_can_be_hidden_and_the_legend_reserves_its_lines() -> None:
     everything = frozenset(L.MEASURED)
-    assert L.measured_panels(everything, hidden={"memory", "timeline"}) == ["speed", "link", "percent", "loss"]
+    shown = L.measured_panels(everything, hidden={"memory", "timeline"})
+    assert shown == ["speed", "link", "percent", "loss"]
     with pytest.raises(ValueError, match="known panels"):
         L.measured_panels(everything, hidden={"speed", "throughput"})
     assert L.legend_lines(["a" * 10] * 3, 1000) == 1
     assert L.legend_lines(["a" * 50] * 3, 1000) == 2
     sim = L.grid(list(L.SIMULATED), full_width=("timeline", "memory"))
     assert L.legends_fit(L.SIMULATED, sim.domains, L.MIN_WIDTH_PX) == []
-    too_long = {**L.SIMULATED, "link": L.Panel("link", "x", "GB/s", ("D2H (bytes / iteration time, "
-                                                                     "while the link was busy)",) * 3)}
+    long_name = "D2H (bytes / iteration time, while the link was busy)"
+    too_long = {**L.SIMULATED, "link": L.Panel("link", "x", "GB/s", (long_name,) * 3)}
     assert L.legends_fit(too_long, sim.domains, L.MIN_WIDTH_PX) == ["link"]
 
 
@@ -299,7 +305,8 @@ def test_palettes_give_each_meaning_its_own_colour() -> None:
     # a lane has one colour wherever it is drawn: its timeline bars and its metric lines
     for metric, lane in L.LANE_OF_METRIC.items():
         assert L.METRIC_COLORS[metric] == L.LANE_COLORS[lane], metric
-    prefixes = {"d2h_": "d2h", "h2d_": "h2d", "cpu_step": "cpu_optimizer", "device_idle": "device_compute"}
+    prefixes = {"d2h_": "d2h", "h2d_": "h2d", "cpu_step": "cpu_optimizer",
+                "device_idle": "device_compute"}
     for spec in SPECS:  # every line, band and compared run drawn of a lane's own figure
         lane = next((ln for p, ln in prefixes.items() if spec.metric.startswith(p)), None)
         if lane is not None and spec.kind != "peak":

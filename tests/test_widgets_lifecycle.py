@@ -124,7 +124,8 @@ def test_a_live_figure_that_never_starts_gets_a_copy_redrawn_in_place(monkeypatc
     (out,) = dash.box.fallback.outputs
     fig = out["data"]["application/vnd.plotly.v1+json"]
     assert "did not start" in fig["layout"]["title"]["text"] and fig["data"]
-    assert any(line.startswith("note: the live figure did not start") for line in dash.status_lines())
+    lines = dash.status_lines()
+    assert any(line.startswith("note: the live figure did not start") for line in lines)
     # the browser speaks at last (a cell held the kernel): the copy goes
     dash.plot._on_msg(dash.plot, {"event": "initialized"}, [])
     dash.refresh()
@@ -136,13 +137,13 @@ def test_a_snapshot_sent_while_no_page_was_open_is_sent_again_at_shutdown(monkey
     monkeypatch.setattr(snap._env, "in_notebook", lambda: True)
     monkeypatch.setattr("IPython.display.update_display",
                         lambda bundle, raw, display_id: sent.append(display_id))
-    slot = snap.Slot("dashboard")
+    slot = snap.OutputSlot("dashboard")
     slot.shown = True
     slot.update({"text/plain": "the run's static figure"})  # went to nobody
     sent.clear()
     snap.freeze_all()
     assert slot.display_id in sent, "the page that is open now gets the snapshot"
-    live = snap.Slot("trainer")
+    live = snap.OutputSlot("trainer")
     live.shown = True
     live.update({snap.WIDGET_MIME: {"model_id": "x"}})
     sent.clear()

@@ -29,7 +29,8 @@ class Outputs:
         self.by_id: dict[str, dict[str, Any]] = {}
         self.lock = threading.Lock()
 
-    def display(self, bundle: Any, raw: bool = False, display_id: str | None = None, **_: Any) -> None:
+    def display(self, bundle: Any, raw: bool = False, display_id: str | None = None,
+                **_: Any) -> None:
         assert raw and display_id, "every view is shown in a rewritable output"
         with self.lock:
             self.by_id[display_id] = bundle

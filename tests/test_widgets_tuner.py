@@ -20,8 +20,10 @@ from superoffload.widgets.shared import env as _env
 from superoffload.widgets.shared.debounce import Inline, LatestOnly
 from superoffload.widgets.shared.runstate import RunState
 from superoffload.widgets.tuner.core import (
-    TUNED_FIELDS,
+    CONTROL_FIELDS,
     engine_changes,
+    format_gb,
+    predict,
     prediction_rows,
     reconfigurable_fields,
     setting_notes,
@@ -33,7 +35,21 @@ SHAPE = plan.ModelShape(layers=8, hidden=1024, heads=16, vocab=50257, seq=1024, 
 
 
 def simulated_s(config: so.OffloadConfig, profile: str = "gh200") -> float:
-    return plan.simulate(SHAPE, plan.profiles.get(profile), system="superoffload", config=config).iteration_s
+    res = plan.simulate(SHAPE, plan.profiles.get(profile), system="superoffload", config=config)
+    return res.iteration_s
+
+
+def test_the_prediction_shows_memory_against_one_ranks_share_of_the_host() -> None:
+    from superoffload.plan.memory import HOST_HEADROOM
+    from superoffload.plan.parallel import rank_profile
+
+    whole = plan.profiles.get("h100-sxm")  # eight GPUs share the host: a rank has an eighth
+    share = rank_profile(whole, SHAPE.ranks_per_host)
+    assert share.host_memory_bytes < whole.host_memory_bytes  # the case is a real split
+    pred = predict(SHAPE, whole, so.OffloadConfig())
+    assert pred.host_capacity_bytes == pytest.approx(share.host_memory_bytes * HOST_HEADROOM)
+    shown = {label: value for label, value, _ in prediction_rows(pred)}
+    assert f"of {format_gb(share.host_memory_bytes * HOST_HEADROOM)} usable" in shown["host memory"]
 
 
 def test_every_control_change_shows_the_planners_prediction() -> None:
@@ -46,7 +62,8 @@ def test_every_control_change_shows_the_planners_prediction() -> None:
     assert tuner.prediction.iteration_s == pytest.approx(simulated_s(tuner.config), rel=1e-12)
     assert tuner.prediction_html.value != first
     for label, value, _ok in prediction_rows(tuner.prediction):  # a table, one row each
-        assert f">{label}</th>" in tuner.prediction_html.value and value.split(" ")[0] in tuner.prediction_html.value
+        table = tuner.prediction_html.value
+        assert f">{label}</th>" in table and value.split(" ")[0] in table
     assert "ratio 0.30," in tuner.prediction_html.value
     tuner.controls["weights"].value = "flow"
     res = plan.simulate(SHAPE, plan.profiles.get("gh200"), config=tuner.config)
@@ -89,7 +106,8 @@ def test_apply_sends_only_the_changed_reconfigurable_fields() -> None:
     assert not tuner.apply_button.disabled
     tuner.apply_button.click()  # the browser's click lands here
     assert engine.calls == [{"ratio": 0.5, "bucket_bytes": 2 * MiB}]
-    assert "applied ratio=0.5, bucket_bytes=2097152 at iteration 12 (in force from the next iteration)" in tuner.status_html.value
+    assert ("applied ratio=0.5, bucket_bytes=2097152 at iteration 12 "
+            "(in force from the next iteration)") in tuner.status_html.value
     assert "needs a restart: weights=flow" in tuner.status_html.value
     assert tuner.apply() == {}  # applied already: nothing new
     assert len(engine.calls) == 1 and tuner.apply_button.disabled
@@ -114,18 +132,20 @@ def test_apply_is_disabled_when_nothing_can_take_it_and_follows_the_run() -> Non
     tuner.set_run_state(RunState.FINISHED)
     tuner.set(ratio=0.3)
     tuner.apply()
-    assert "training is not running" in tuner.status_line and "in force from the next" not in tuner.status_line
+    assert "training is not running" in tuner.status_line
+    assert "in force from the next" not in tuner.status_line
     assert reconfigurable_fields(object()) == so.config.RECONFIGURABLE
 
 
 def test_engine_changes_splits_live_and_restart_fields() -> None:
     cur = so.OffloadConfig()
-    live, restart = engine_changes(cur, cur.replace(ratio=0.2, weights="flow"), frozenset({"ratio"}))
+    wanted = cur.replace(ratio=0.2, weights="flow")
+    live, restart = engine_changes(cur, wanted, frozenset({"ratio"}))
     assert live == {"ratio": 0.2} and restart == {"weights": "flow"}
 
 
 def test_flow_says_the_ratio_is_ignored_and_fields_come_from_the_config() -> None:
-    assert set(TUNED_FIELDS) == set(so.config.TUNED_FIELDS) and TUNED_FIELDS[0] == "ratio"
+    assert set(CONTROL_FIELDS) == set(so.config.TUNED_FIELDS) and CONTROL_FIELDS[0] == "ratio"
     tuner = OffloadTuner(SHAPE, "gh200", debounce_s=0)
     tuner.controls["weights"].value = "flow"
     assert tuner.controls["ratio"].disabled and "ratio control is ignored" in tuner.notes_html.value
@@ -137,14 +157,16 @@ def test_does_not_fit_is_red_and_names_the_capacity() -> None:
     tuner = OffloadTuner(big, "gh200", debounce_s=0, compare_baseline=False)
     tuner.set(ratio=0.0)
     assert tuner.prediction.fits is False
-    assert "DOES NOT FIT" in tuner.prediction_html.value and "color:#C00000" in tuner.prediction_html.value
+    table = tuner.prediction_html.value
+    assert "DOES NOT FIT" in table and "color:#C00000" in table
     assert "usable" in tuner.prediction_html.value
 
 
 def test_the_planner_runs_off_the_ui_thread_once_per_burst() -> None:
     runs: list[str] = []
     gate = LatestOnly(delay_s=0.05)
-    futures = [gate.submit(lambda k=k: runs.append(threading.current_thread().name) or k) for k in range(20)]
+    futures = [gate.submit(lambda k=k: runs.append(threading.current_thread().name) or k)
+               for k in range(20)]
     assert futures[-1].result(timeout=10) == 19
     assert all(f.cancelled() for f in futures[:-1]), "superseded values never run"
     assert runs == ["superoffload-debounce"]

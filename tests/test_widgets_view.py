@@ -137,7 +137,8 @@ def test_before_and_after_a_change_are_two_runs_from_zero() -> None:
     engine = FakeEngine(iteration=0)
     t = 0.0
     for it in range(40):
-        t = record_iteration(engine.telemetry, it, t, loss=3.0) + 0.001 + (0.02 if it >= 20 else 0.0)
+        slower_s = 0.02 if it >= 20 else 0.0
+        t = record_iteration(engine.telemetry, it, t, loss=3.0) + 0.001 + slower_s
     engine.telemetry.note(20, "reconfigure applied: ratio 0.5 -> 0.8")
     engine.iteration = 40
     dash = LiveDashboard(engine, live=False, calibrate_after=None)
@@ -198,7 +199,8 @@ def test_the_toolbar_calls_the_dashboards_methods(tmp_path: Path) -> None:
     assert all(b.value for b in bar.panels.values())
 
 
-def test_the_save_button_keeps_the_run_and_the_compare_menu_lists_it_at_once(tmp_path: Path) -> None:
+def test_the_save_button_keeps_the_run_and_the_compare_menu_lists_it_at_once(
+        tmp_path: Path) -> None:
     pytest.importorskip("ipywidgets")
     engine = FakeEngine(iteration=12)
     run(12, rec=engine.telemetry)

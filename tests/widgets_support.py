@@ -24,7 +24,8 @@ def record_iteration(
     for b in range(buckets):
         s = t0 + 0.012 + 0.005 * b
         rec.add("d2h", "d2h", s, s + 0.002, iteration=it, bucket=b, nbytes=4 * MB)
-        rec.add("cpu_optimizer", "cpu_step", s + 0.002, s + 0.004, iteration=it, bucket=b, nbytes=28 * MB)
+        rec.add("cpu_optimizer", "cpu_step", s + 0.002, s + 0.004, iteration=it, bucket=b,
+                nbytes=28 * MB)
         rec.add("h2d", "h2d", s + 0.004, s + 0.005, iteration=it, bucket=b, nbytes=2 * MB)
     rec.add("device_optimizer", "device_step", t0 + 0.030, t0 + 0.032, iteration=it, bucket=buckets)
     end = t0 + 0.032

@@ -15,10 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
-from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from superoffload.config import MIN_BUCKET_BYTES
 
@@ -150,38 +147,3 @@ def writable_file(text: str) -> Path:
                                                     and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text} is not writable: choose another path")
     return path
-
-
-# ------------------------------------------------------------------ renamed flags and values
-class DeprecatedFlag(argparse.Action):
-    """A flag kept under its old name: stores into the new flag's destination and prints
-    ``note: --old is now --new`` to stderr (the run goes on).
-
-        p.add_argument("--system", choices=...)
-        p.add_argument("--schedule", dest="system", action=DeprecatedFlag, new="--system",
-                       choices=..., help=argparse.SUPPRESS)
-    """
-
-    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: Any) -> None:
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
-        print(f"note: {option_string} is now {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
-def renamed_values(renamed: Mapping[str, str], flag: str) -> Callable[[str], str]:
-    """An argparse ``type`` that accepts a value's old spelling (a key of ``renamed``) as its
-    new one, with ``note: <flag> OLD is now NEW`` on stderr; any other text passes through for
-    ``choices`` to check."""
-    def convert(text: str) -> str:
-        new = renamed.get(text)
-        if new is None:
-            return text
-        print(f"note: {flag} {text} is now {new}", file=sys.stderr)
-        return new
-
-    convert.__name__ = f"{flag.lstrip('-').replace('-', '_')}_value"  # argparse's messages
-    return convert

@@ -1,4 +1,4 @@
-"""`python -m superoffload bench adam`: the CPU Adam benchmark (superoffload.kernels.bench).
+"""`python -m superoffload bench adam`: the CPU Adam benchmark (superoffload.kernels.adam_bench).
 
 Options keep a quick run possible: `--numel 4194304 --repeats 5`. Each is checked where it
 is parsed (`argtypes.positive_int`): 0 or a negative count is one argparse error line."""
@@ -10,7 +10,7 @@ import argparse
 from superoffload.commands.argtypes import positive_int
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (adam: the CPU Adam kernel vs its peers)",
                        usage="python -m superoffload bench adam [options]   (--help lists them)")
     p.add_argument("what", choices=["adam"], help="what to benchmark")
@@ -34,11 +34,11 @@ def add_adam_options(p: argparse.ArgumentParser) -> None:
 
 
 def run_adam(args: argparse.Namespace) -> int:
-    from superoffload.kernels import bench
+    from superoffload.kernels import adam_bench
 
     layouts = ("flat", "195") if args.layout == "both" else (args.layout,)
-    bench.main(numel=args.numel, threads=args.threads, repeats=args.repeats, layouts=layouts,
-               with_deepspeed=not args.no_deepspeed)
+    adam_bench.run_benchmark(numel=args.numel, threads=args.threads, repeats=args.repeats,
+                             layouts=layouts, with_deepspeed=not args.no_deepspeed)
     return 0
 
 

@@ -10,12 +10,11 @@ Layout of a run folder::
     <out>/.superoffload-run.lock     held by the run using the folder (commands/run_lock.py)
 
 Atomic at the folder level: a checkpoint is written into ``.partial-<name>`` next to its
-final name and renamed once complete (under torchrun by rank 0, after the engine's save has
-returned on every rank: its last barrier follows the manifest); then ``latest`` is replaced
-through a temporary file (``os.replace``), then checkpoints beyond the newest K are removed.
-A kill at any moment leaves the previous checkpoint and ``latest`` intact, plus a
-``.partial-*`` folder that the next run in that folder removes. The engine itself writes
-each of its files atomically (``runtime/checkpoint.py``, ``distributed/fsdp/checkpoint.py``).
+final name and renamed once complete; then ``latest`` is replaced through a temporary file
+(``os.replace``), then checkpoints beyond the newest K are removed. A kill at any moment
+leaves the previous checkpoint and ``latest`` intact, plus a ``.partial-*`` folder that the
+next run in that folder removes. The engine itself writes each of its files atomically
+(``runtime/engine_checkpoint.py``, ``distributed/fsdp/checkpoint.py``).
 
 What a checkpoint holds besides the engine (model, optimizer state, loss scaler, STV state,
 counters, each rank's RNG, the LR scheduler): ``extra`` = the run's settings, its
@@ -25,6 +24,7 @@ state, so `--resume` continues bit for bit where the run stopped.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -90,12 +90,14 @@ class RunCheckpoints:
         partial = final.parent / (PARTIAL + final.name)
         try:
             engine.save_checkpoint(str(partial), extra=extra, lr_scheduler=scheduler)
+            # rank 0 renames only now: the save's last barrier follows the manifest on every rank
             if self.lead:
                 _write_json(partial / TRAIN_JSON, {
                     "format": RUN_FORMAT, "step": extra["progress"]["step"],
                     "run": extra["run"], "kind": checkpoint_kind(partial)})
                 _replace_dir(partial, final)
-        except BaseException:  # a full disk raises OSError, or RuntimeError from torch.save
+        except BaseException:
+            # a full disk raises OSError, or RuntimeError from torch.save
             if self.lead:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -134,9 +136,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -216,7 +217,8 @@ def damaged(path: Path) -> str | None:
         return engine_damaged(str(path))
     from superoffload.runtime.ckpt_files import check_digests
 
-    try:  # the sharded format (distributed/fsdp/checkpoint.py): every file's SHA-256
+    try:
+        # the sharded format (distributed/fsdp/checkpoint.py): every file's SHA-256
         manifest = json.loads((path / "manifest.json").read_text())
         digests = {name: str(manifest["sha256"][name]) for name in manifest["files"]}
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -257,7 +259,8 @@ def _locate(arg: Path) -> tuple[Path, tuple[tuple[Path, str], ...]]:
         raise UsageError(f"--resume {arg}: no such folder; give a run folder (runs/<name>) "
                          "or a checkpoint folder")
     if is_checkpoint(arg):
-        why = damaged(arg) if (arg / TRAIN_JSON).is_file() else None  # no train.json: below
+        # no train.json (saved from Python) is not damage: find_resume_point says what to do
+        why = damaged(arg) if (arg / TRAIN_JSON).is_file() else None
         if why is not None:
             raise UsageError(f"--resume {arg}: this checkpoint is damaged ({why}); resume "
                              "from an older one, or give the run folder to use its newest "
@@ -277,7 +280,8 @@ def _locate(arg: Path) -> tuple[Path, tuple[tuple[Path, str], ...]]:
             return path, tuple(skipped)
         skipped.append((path, why))
     newest, why = skipped[0]
-    if why == f"no {TRAIN_JSON}":  # saved from Python: find_resume_point explains that
+    # saved from Python: find_resume_point explains that
+    if why == f"no {TRAIN_JSON}":
         return newest, ()
     raise UsageError(f"--resume {arg}: every checkpoint there is damaged (the newest, {newest}: "
                      f"{why}); start a new run without --resume")
@@ -326,7 +330,8 @@ def checkpoint_on_stop(ckpts: RunCheckpoints, engine: Any, *, step: int, steps: 
     if saved_step != step:
         try:
             ckpts.save_step(engine, extra=extra(), scheduler=scheduler)
-        except Exception as exc:  # say so, and point at the newest checkpoint that exists
+        except Exception as exc:
+            # say so, and point at the newest checkpoint that exists
             error = one_line(exc)
     name = signal_name(signum)
     if error is None:
@@ -345,22 +350,23 @@ def _default_out() -> Path:
     runs = Path("runs")
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out, n = runs / stamp, 1
-    while True:  # mkdir claims the name: two runs started in the same second get two
+    # mkdir claims the name: two runs started in the same second get two
+    while True:
         try:
             out.mkdir(parents=True)
             break
         except FileExistsError:
             out, n = runs / f"{stamp}-{n}", n + 1
         except OSError:
-            break  # make_out says why
+            # make_out says why
+            break
     make_out(out)
     latest = runs / "latest"
-    try:  # best effort: a convenience link, not needed by anything
+    # best effort: a convenience link, not needed by anything
+    with contextlib.suppress(OSError):
         if latest.is_symlink() or latest.exists():
             latest.unlink()
         latest.symlink_to(out.name)
-    except OSError:
-        pass
     return out
 
 
@@ -372,9 +378,11 @@ def prepare_run_folder(out: Path | None, resume: ResumePoint | None) -> Path:
     resume_run = resume.run_folder if resume is not None else None
     if out is not None:
         if out.exists() and not out.is_dir():
-            check_out(out, resume_run)  # a file there: refused
+            # a file there: refused
+            check_out(out, resume_run)
         folder = make_out(out)
-        lock_run_folder(folder, f"--out {out}")  # before it is checked: a race has one winner
+        # before it is checked: a race has one winner
+        lock_run_folder(folder, f"--out {out}")
         check_out(out, resume_run)
     elif resume_run is not None:
         folder = make_out(resume_run)

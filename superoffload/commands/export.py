@@ -22,10 +22,8 @@ import sys
 from superoffload.commands.planner_args import fail
 from superoffload.export.shards import DEFAULT_MAX_SHARD, parse_size
 
-PROG = "python -m superoffload export"
 
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export", help="write a checkpoint's fp32 masters as a Hugging Face folder",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,10 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="config.json, or the base model's folder (its config and tokenizer "
                         "files), when the checkpoint does not say which model it is")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run)
+    p.set_defaults(func=_run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
     except ValueError as exc:

@@ -30,6 +30,7 @@ from superoffload.commands.planner_args import (
     fail,
     load_profile,
     machine_args,
+    memory_caps,
     model_dtype,
     with_machine,
 )
@@ -49,8 +50,9 @@ CONFIG_KEYS = ("bucket_bytes", "ratio", "speculation", "grad_cast", "param_cast"
                "storage_path", "host_memory_budget_bytes", "storage_buffer_count")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="will a Hugging Face model fit a machine? (memory, time, settings)")
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="will a Hugging Face model fit a machine? (memory, time, settings)")
     p.add_argument("--hf-config", required=True, metavar="CONFIG",
                    help="config.json (or its directory) of a causal LM, or a shipped name: "
                         + ", ".join(_shipped()) + ". Llama, Mistral, Qwen2, GPT-2 and GPT-NeoX "
@@ -78,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "less host memory; changes the numerics: proposed only when it pays "
                         "or only it fits, and said so)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run)
+    p.set_defaults(func=_run)
 
 
 def _shipped() -> list[str]:
@@ -88,10 +90,10 @@ def _shipped() -> list[str]:
 
 
 def system_rows(shape: Any, prof: Any, constraints: Any = None) -> list[dict[str, Any]]:
-    """One dict per row of ROWS: `system` (the row's label; also under its old key
-    `schedule` for one release), `fits`, `problems`, `device_bytes`,
-    `host_bytes`, `iteration_s`, `tflops`, `config` (tuned OffloadConfig fields, SuperOffload
-    rows) and `explanation` (the tuner's). Pure planner calls; notebooks use it too."""
+    """One dict per row of ROWS: `system` (the row's label), `fits`, `problems`,
+    `device_bytes`, `host_bytes`, `iteration_s`, `tflops`, `config` (tuned OffloadConfig
+    fields, SuperOffload rows) and `explanation` (the tuner's). Pure planner calls; notebooks
+    use it too."""
     from superoffload import plan
 
     cons = constraints if constraints is not None else plan.Constraints()
@@ -110,7 +112,7 @@ def _tier_row(shape: Any, prof: Any, cons: Any, rows: list[dict[str, Any]]) -> d
     fitting = [r for r in rows if r["fits"] and r["config"] is not None]
     if fitting and not row.get("storage_bytes"):
         best = min(fitting, key=lambda r: r["iteration_s"])
-        row = {**best, "system": TIER_ROW, "schedule": TIER_ROW,
+        row = {**best, "system": TIER_ROW,
                "note": f"fits in host memory: as {best['system']}, nothing on the tier"}
     return row
 
@@ -118,7 +120,7 @@ def _tier_row(shape: Any, prof: Any, cons: Any, rows: list[dict[str, Any]]) -> d
 def best_row(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The fastest row that fits, or None."""
     fitting = [r for r in rows if r["fits"]]
-    return min(fitting, key=lambda r: r["iteration_s"]) if fitting else None
+    return min(fitting, key=lambda r: r["iteration_s"], default=None)
 
 
 def _row(label: str, system: str, weights: str | None, shape: Any, prof: Any,
@@ -127,51 +129,55 @@ def _row(label: str, system: str, weights: str | None, shape: Any, prof: Any,
     from superoffload import plan
     from superoffload.plan.tier_budget import tier_cost
 
-    out: dict[str, Any] = {"system": label, "schedule": label, "config": None}
+    out: dict[str, Any] = {"system": label, "config": None}
     if system != "superoffload":
         res = plan.simulate(shape, cons.apply(prof), system)
         why = ""
     else:
         try:
-            fixed = cons if weights is None else dataclasses.replace(
-                cons, fixed={**cons.fixed, "weights": weights})
+            fixed = cons
+            # one row per weight policy: pin it, so the tuner does not pick the other row's
+            if weights is not None:
+                fixed = dataclasses.replace(cons, fixed={**cons.fixed, "weights": weights})
             cfg, why, res = plan.tune(shape, prof, fixed)
         except plan.InfeasibleError as exc:
             return {**out, "fits": False, "problems": [str(exc)], "device_bytes": None,
                     "host_bytes": None, "storage_bytes": None, "iteration_s": None,
                     "tflops": None, "explanation": "", "storage_io": None}
         out["config"] = {k: getattr(cfg, k) for k in CONFIG_KEYS}
-    cost = tier_cost(shape, cons.apply(prof), res.plan) if system == "superoffload" else None
+    storage_io = None
+    # only SuperOffload's plan may keep state on the storage tier: the baselines have no tier
+    if system == "superoffload":
+        cost = tier_cost(shape, cons.apply(prof), res.plan)
+        # None: the plan keeps nothing on the tier, so there is no traffic to hide
+        if cost is not None:
+            storage_io = {"read_bytes": cost.read_bytes, "write_bytes": cost.write_bytes,
+                          "io_s": cost.io_s, "tokens_needed": cost.tokens_needed,
+                          "tokens_per_step": cost.tokens_per_step,
+                          "storage_busy": res.lanes["storage"].utilization,
+                          "weight_homes_in_files": _filed(shape, res)}
     return {**out, "fits": res.fits, "problems": list(res.problems),
             "device_bytes": res.memory["device"], "host_bytes": res.memory["host"],
             "storage_bytes": res.memory["storage"], "iteration_s": res.iteration_s,
             "tflops": res.tflops, "explanation": why,
-            "host_parts": dict(res.memory_detail.host_parts),
-            "storage_io": None if cost is None else {
-                "read_bytes": cost.read_bytes, "write_bytes": cost.write_bytes,
-                "io_s": cost.io_s, "tokens_needed": cost.tokens_needed,
-                "tokens_per_step": cost.tokens_per_step,
-                "storage_busy": res.lanes["storage"].utilization,
-                "weight_homes_in_files": _filed(shape, res)}}
+            "host_parts": dict(res.memory_detail.host_parts), "storage_io": storage_io}
 
 
-def run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> int:
     from superoffload import plan
     from superoffload.plan import hf_config
     from superoffload.plan.calibrate import calibration_state
 
     try:
-        raw = hf_config.load(args.hf_config)
+        raw = hf_config.load_config(args.hf_config)
         shape = plan.ModelShape.from_hf_config(
             raw, seq=args.seq, micro_batch=args.micro_batch,
             activation_checkpointing=not args.no_checkpointing, dp=args.dp,
             ranks_per_host=args.ranks_per_host, **model_dtype(args))
         model = _model(raw, shape)
         prof = with_machine(load_profile(args.profile), args)
-        cons = plan.Constraints(
-            device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
-            host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
-            max_grad_norm=args.max_grad_norm, allow_bf16_moments=args.allow_bf16_moments)
+        cons = plan.Constraints(**memory_caps(args), max_grad_norm=args.max_grad_norm,
+                                allow_bf16_moments=args.allow_bf16_moments)
         rows = system_rows(shape, prof, cons)
     except (ValueError, TypeError, FileNotFoundError, OSError) as exc:
         return fail(str(exc), args.json)
@@ -197,7 +203,7 @@ def _model(raw: dict[str, Any], shape: Any) -> dict[str, Any]:
     from superoffload.plan import hf_config, hf_meta
 
     if str(raw.get("model_type", "")) in hf_config.FAMILIES:
-        arch = hf_config.describe(raw)
+        arch = hf_config.arch_of(raw)
         model = {"name": arch.name, "family": arch.family, "layers": arch.layers,
                  "hidden": arch.hidden, "heads": arch.heads, "kv_heads": arch.kv_heads,
                  "ffn": arch.ffn, "vocab": arch.vocab, "experts": 0, "experts_per_token": 0}
@@ -214,21 +220,31 @@ def _model(raw: dict[str, Any], shape: Any) -> dict[str, Any]:
 
 def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, Any]],
             best: dict[str, Any] | None) -> str:
-    gqa = f"{model['heads']} heads" + (f" ({model['kv_heads']} KV)" if model["kv_heads"] != model["heads"] else "")
-    moe = (f"; MoE, {model['experts_per_token']} of {model['experts']} experts per token: "
-           f"{model['active_params'] / 1e9:.2f}B active parameters "
-           f"({model['active_params_without_embedding'] / 1e9:.2f}B without the embedding "
-           f"table: the FLOPs), all {model['params'] / 1e9:.2f}B in memory"
-           if model["experts"] else "")
+    gqa = f"{model['heads']} heads"
+    # grouped-query attention: fewer KV heads than query heads shrink the KV projections
+    if model["kv_heads"] != model["heads"]:
+        gqa += f" ({model['kv_heads']} KV)"
+    moe = ""
+    # a mixture of experts keeps every expert in memory but runs only the active ones: the
+    # FLOPs follow the active parameters without the embedding table (a lookup, no matmul)
+    if model["experts"]:
+        moe = (f"; MoE, {model['experts_per_token']} of {model['experts']} experts per token: "
+               f"{model['active_params'] / 1e9:.2f}B active parameters "
+               f"({model['active_params_without_embedding'] / 1e9:.2f}B without the embedding "
+               f"table: the FLOPs), all {model['params'] / 1e9:.2f}B in memory")
+    head = "tied" if model["tied_embeddings"] else "untied"
+    checkpointing = "on" if shape.activation_checkpointing else "off"
+    ranks = ""
+    # under data parallel every figure of the table is one rank's
+    if shape.dp > 1:
+        ranks = f", {shape.dp} data-parallel ranks (figures per rank)"
     lines = [
         f"{model['name']} ({model['family']}): {model['params'] / 1e9:.2f}B parameters "
         f"({model['params']:,}); {model['layers']} layers x {model['hidden']}, {gqa}, FFN "
-        f"{model['ffn']}, vocab {model['vocab']}, {'tied' if model['tied_embeddings'] else 'untied'} "
-        f"head, {model['dtype']}{moe}",
-        f"{prof.name}: {prof.device_name} ({prof.device_memory_bytes / 1e9:.0f} GB) + {prof.cpu_name} "
-        f"({prof.host_memory_bytes / 1e9:.0f} GB); seq {shape.seq} x micro-batch "
-        f"{shape.micro_batch}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}"
-        + (f", {shape.dp} data-parallel ranks (figures per rank)" if shape.dp > 1 else ""),
+        f"{model['ffn']}, vocab {model['vocab']}, {head} head, {model['dtype']}{moe}",
+        f"{prof.name}: {prof.device_name} ({prof.device_memory_bytes / 1e9:.0f} GB) + "
+        f"{prof.cpu_name} ({prof.host_memory_bytes / 1e9:.0f} GB); seq {shape.seq} x "
+        f"micro-batch {shape.micro_batch}, activation checkpointing {checkpointing}{ranks}",
         _share_line(_share(prof, shape)),
         _figures_line(prof),
         _keys_line(model),
@@ -240,14 +256,22 @@ def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, A
     for r in rows:
         def num(key: str, scale: float, fmt: str, row: dict[str, Any] = r) -> str:
             width = fmt.split(".")[0]
-            return format("-", ">" + width) if row[key] is None else format(row[key] * scale, fmt)
+            # a figure a refused row does not have: a dash, right-aligned as the numbers are
+            if row[key] is None:
+                return format("-", ">" + width)
+            return format(row[key] * scale, fmt)
 
-        note = "; ".join(r["problems"]) if not r["fits"] else r.get("note") or (
-            "tuned: " + _settings(r["config"]) if r["config"] else "")
-        lines.append(f"{r['system']:24} {'yes' if r['fits'] else 'NO':>4} "
+        # a row that does not fit says why; one that fits, its own note or the tuned settings
+        note = r.get("note") or ""
+        if not r["fits"]:
+            note = "; ".join(r["problems"])
+        elif not note and r["config"]:
+            note = "tuned: " + _settings(r["config"])
+        fits = "yes" if r["fits"] else "NO"
+        lines.append(f"{r['system']:24} {fits:>4} "
                      f"{num('device_bytes', 1e-9, '10.1f')} {num('host_bytes', 1e-9, '8.1f')} "
-                     f"{num('storage_bytes', 1e-9, '10.1f')} "
-                     f"{num('iteration_s', 1e3, '9.1f')} {num('tflops', 1.0, '7.0f')}  {note}".rstrip())
+                     f"{num('storage_bytes', 1e-9, '10.1f')} {num('iteration_s', 1e3, '9.1f')} "
+                     f"{num('tflops', 1.0, '7.0f')}  {note}".rstrip())
     lines.append("")
     lines.extend(_tier_lines(rows))
     if best is None:
@@ -255,11 +279,15 @@ def _report(model: dict[str, Any], prof: Any, shape: Any, rows: list[dict[str, A
                      "data-parallel ranks --dp, a shorter --seq or checkpointing help).")
         return "\n".join(lines)
     zero = next(r for r in rows if r["system"] == "ZeRO-Offload")
-    speed = (f" ({zero['iteration_s'] / best['iteration_s']:.2f}x faster than ZeRO-Offload)"
-             if zero["fits"] and best is not zero else "")
-    lines.append(f"Best: {best['system']}, {best['iteration_s'] * 1e3:.1f} ms per iteration{speed}.")
+    speed = ""
+    # a speed-up only against a ZeRO-Offload that fits, never of ZeRO-Offload over itself
+    if zero["fits"] and best is not zero:
+        speed = f" ({zero['iteration_s'] / best['iteration_s']:.2f}x faster than ZeRO-Offload)"
+    lines.append(f"Best: {best['system']}, {best['iteration_s'] * 1e3:.1f} ms per iteration"
+                 f"{speed}.")
     if best["config"]:
-        lines.append("OffloadConfig(" + ", ".join(f"{k}={v!r}" for k, v in best["config"].items()) + ")")
+        settings = ", ".join(f"{k}={v!r}" for k, v in best["config"].items())
+        lines.append(f"OffloadConfig({settings})")
         lines.append("")
         lines.append(best["explanation"])
     return "\n".join(lines)
@@ -284,8 +312,10 @@ def _settings(cfg: dict[str, Any]) -> str:
         parts.append(f"prefetch {cfg['prefetch_depth']}")
     if cfg.get("storage_path"):
         budget = cfg.get("host_memory_budget_bytes")
-        parts.append("storage tier (name a folder for storage_path)" + (
-            f", host budget {budget / 1e9:.0f} GB" if budget else ""))
+        tier = "storage tier (name a folder for storage_path)"
+        if budget:
+            tier += f", host budget {budget / 1e9:.0f} GB"
+        parts.append(tier)
     return ", ".join(parts)
 
 
@@ -295,25 +325,31 @@ def _share(prof: Any, shape: Any) -> dict[str, Any]:
     from superoffload.plan.parallel import host_share, rank_profile
 
     mine = rank_profile(prof, shape.ranks_per_host)
+    storage = None
+    if mine.has_storage:
+        storage = {"name": prof.storage_name, "read_gbps": mine.storage_read_gbps,
+                   "write_gbps": mine.storage_write_gbps, "bytes": mine.storage_bytes,
+                   "queue_depth": mine.storage_queue_depth}
     return {"ways": host_share(prof, shape.ranks_per_host), "gpus_per_host": prof.gpus_per_host,
             "host_memory_bytes": mine.host_memory_bytes, "cpu_cores": mine.cpu_cores,
-            "host_mem_bw_gbps": mine.host_mem_bw_gbps,
-            "storage": None if not mine.has_storage else {
-                "name": prof.storage_name, "read_gbps": mine.storage_read_gbps,
-                "write_gbps": mine.storage_write_gbps, "bytes": mine.storage_bytes,
-                "queue_depth": mine.storage_queue_depth}}
+            "host_mem_bw_gbps": mine.host_mem_bw_gbps, "storage": storage}
 
 
 def _share_line(share: dict[str, Any]) -> str:
     """Three tiers of memory this job plans with, its share of a shared host said."""
     ways = share["ways"]
-    whole = (f"1/{ways} of the host (--gpus-per-host {share['gpus_per_host']}: GPUs sharing "
-             "it; --gpus-per-host 1 gives this job all of it)" if ways > 1 else "the whole host")
+    whole = "the whole host"
+    # GPUs of one host share its memory and cores (plan.parallel.host_share): say so, and how
+    # to give this job all of it
+    if ways > 1:
+        whole = (f"1/{ways} of the host (--gpus-per-host {share['gpus_per_host']}: GPUs "
+                 "sharing it; --gpus-per-host 1 gives this job all of it)")
     tier = share["storage"]
-    storage = ("no storage tier (--storage names one)" if tier is None else
-               f"storage {tier['bytes'] / 1e12:.2f} TB at {tier['read_gbps']:.1f} GB/s read / "
-               f"{tier['write_gbps']:.1f} write, {tier['queue_depth']} requests in flight "
-               f"({tier['name']})")
+    storage = "no storage tier (--storage names one)"
+    if tier is not None:
+        storage = (f"storage {tier['bytes'] / 1e12:.2f} TB at {tier['read_gbps']:.1f} GB/s "
+                   f"read / {tier['write_gbps']:.1f} write, {tier['queue_depth']} requests in "
+                   f"flight ({tier['name']})")
     return (f"this job: {whole}: host {share['host_memory_bytes'] / 1e9:.0f} GB, "
             f"{share['cpu_cores']} cores, {share['host_mem_bw_gbps']:.0f} GB/s; {storage}")
 
@@ -338,10 +374,13 @@ def _tier_lines(rows: list[dict[str, Any]]) -> list[str]:
         io = r.get("storage_io")
         if not r["fits"] or io is None:
             continue
-        hidden = ("hidden" if io["tokens_per_step"] >= io["tokens_needed"] else
-                  "NOT hidden: the step waits for the drives")
-        blocks = (f"; the weights of {io['weight_homes_in_files']} buckets there"
-                  if io["weight_homes_in_files"] else "")
+        hidden = "NOT hidden: the step waits for the drives"
+        # forward and backward take time per token: from tokens_needed on they cover the I/O
+        if io["tokens_per_step"] >= io["tokens_needed"]:
+            hidden = "hidden"
+        blocks = ""
+        if io["weight_homes_in_files"]:
+            blocks = f"; the weights of {io['weight_homes_in_files']} buckets there"
         out.append(f"{r['system']}: the storage tier moves {io['read_bytes'] / 1e9:.1f} GB in "
                    f"and {io['write_bytes'] / 1e9:.1f} GB out per optimizer step "
                    f"({io['io_s']:.2f} s of the drives, {io['storage_busy']:.0%} busy{blocks}); "
@@ -354,6 +393,8 @@ def _filed(shape: Any, res: Any) -> int:
     """Buckets whose weight-flow home is in the tier's files (plan/storage.py's rule)."""
     from superoffload.plan.memory_host import host_side
 
+    # units exist only under FSDP2 data parallel (plan/memory.py): then each rank holds its
+    # 1/dp shard of every bucket; without them the one process holds all of it
     dp = shape.dp if res.plan.units is not None else 1
     tier = host_side(shape, res.plan, dp).tier
     return 0 if tier is None else len(tier.file_homes)

@@ -1,10 +1,6 @@
 """What the planner's commands (`simulate`, `tune`, `capacity`, `plan`) share: the model-shape
 and engine flags, the hardware profile a flag names, the results table, and how a command
 fails (exit code 2, the reason on stderr or as JSON).
-
-Old spellings users may still type are accepted with a note on stderr (docs/planner.md,
-"Renamed names"): ``--step-order edf`` (now ``deadline``), ``--dtype bfloat16/float16/float32``
-(now the config's ``bf16/fp16/fp32``).
 """
 
 from __future__ import annotations
@@ -15,10 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from superoffload.commands.argtypes import renamed_values
 from superoffload.config import OffloadConfig, choices_of
-from superoffload.plan.schedule import DEPRECATED_STEP_ORDERS, TAIL_STEPS
-from superoffload.plan.storage_presets import NAMES as STORAGE_NAMES
+from superoffload.plan.schedule import TAIL_STEPS
+from superoffload.plan.storage_presets import STORAGE_NAMES
 
 SHAPE_DEFAULTS = {"layers": 40, "hidden": 5120, "heads": 40, "vocab": 50257}
 """The GPT the shape flags describe when not given (a 12.8B GPT-3-like model)."""
@@ -27,14 +22,11 @@ MODEL_DTYPES = dict(zip(choices_of("precision", decided=True), ("float32", "bflo
                         strict=True))
 """``--dtype`` (the config's spelling, ``OffloadConfig.precision`` without "auto") -> the
 planner's ``ModelShape.dtype`` (torch's name)."""
-OLD_DTYPES = {torch_name: ours for ours, torch_name in MODEL_DTYPES.items()}
-"""The spelling ``plan``/``tune --dtype`` took before (torch's), accepted with a note."""
 
 
 def dtype_arg(p: argparse.ArgumentParser, help: str) -> None:
-    """``--dtype`` in the config's spelling; the old torch spelling accepted with a note."""
-    p.add_argument("--dtype", choices=tuple(MODEL_DTYPES), help=help,
-                   type=renamed_values(OLD_DTYPES, "--dtype"))
+    """``--dtype`` in the config's spelling (``OffloadConfig.precision``)."""
+    p.add_argument("--dtype", choices=tuple(MODEL_DTYPES), help=help)
 
 
 def model_dtype(args: argparse.Namespace) -> dict[str, str]:
@@ -44,7 +36,6 @@ def model_dtype(args: argparse.Namespace) -> dict[str, str]:
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-order", choices=choices_of("step_order"),
-                   type=renamed_values(DEPRECATED_STEP_ORDERS, "--step-order"),
                    help="OffloadConfig.step_order: 'deadline' (earliest deadline first; the "
                         "default) or 'fifo' (gradient-ready order)")
     p.add_argument("--tail-step", choices=TAIL_STEPS,
@@ -109,7 +100,8 @@ def shape_args(p: argparse.ArgumentParser) -> None:
                         "h200-pcie-measured), 'local' (measure this machine), or a profile "
                         "JSON file")
     machine_args(p)
-    p.add_argument("--layers", type=int, help=f"transformer blocks (default {SHAPE_DEFAULTS['layers']})")
+    p.add_argument("--layers", type=int,
+                   help=f"transformer blocks (default {SHAPE_DEFAULTS['layers']})")
     p.add_argument("--hidden", type=int, help=f"width (default {SHAPE_DEFAULTS['hidden']})")
     p.add_argument("--heads", type=int, help=f"attention heads (default {SHAPE_DEFAULTS['heads']})")
     p.add_argument("--vocab", type=int, help=f"vocabulary (default {SHAPE_DEFAULTS['vocab']})")
@@ -163,6 +155,16 @@ def shape_of(args: argparse.Namespace) -> Any:
     return plan.ModelShape(**dims, **common)
 
 
+def memory_caps(args: argparse.Namespace) -> dict[str, Any]:
+    """``--device-gb`` / ``--host-gb`` as ``plan.Constraints``' byte caps."""
+    caps: dict[str, Any] = {}
+    # a flag not given leaves the cap out: Constraints' default (None) means the profile's
+    for flag, key in (("device_gb", "device_memory_bytes"), ("host_gb", "host_memory_bytes")):
+        if (gb := getattr(args, flag)) is not None:
+            caps[key] = gb * 1e9
+    return caps
+
+
 def with_collective(prof: Any, args: argparse.Namespace) -> Any:
     if args.collective_gbps is None:
         return prof
@@ -182,14 +184,18 @@ def fail(msg: str, as_json: bool = False) -> int:
 def results_table(results: list[Any]) -> str:
     from superoffload.telemetry.events import LANES
 
-    head = (f"{'system':13} {'iter ms':>9} {'TFLOPS':>7} "
-            + " ".join(f"{lane[:10]:>10}" for lane in LANES) + f" {'device GB':>9} {'host GB':>8}  fits")
+    lanes = " ".join(f"{lane[:10]:>10}" for lane in LANES)
+    head = (f"{'system':13} {'iter ms':>9} {'TFLOPS':>7} {lanes} {'device GB':>9} "
+            f"{'host GB':>8}  fits")
     lines = [head, "-" * len(head)]
     for r in results:
         util = " ".join(f"{r.lanes[lane].utilization:>10.0%}" for lane in LANES)
+        fits = "yes"
+        # a system that does not fit says why, in the same cell
+        if not r.fits:
+            fits = "NO: " + "; ".join(r.problems)
         lines.append(f"{r.plan.system:13} {r.iteration_s * 1e3:9.1f} {r.tflops:7.0f} {util} "
-                     f"{r.memory['device'] / 1e9:9.1f} {r.memory['host'] / 1e9:8.1f}  "
-                     f"{'yes' if r.fits else 'NO: ' + '; '.join(r.problems)}")
+                     f"{r.memory['device'] / 1e9:9.1f} {r.memory['host'] / 1e9:8.1f}  {fits}")
     lines.append("(lane columns: busy share of one steady-state iteration)")
     return "\n".join(lines)
 

@@ -2,8 +2,9 @@
 
 `train --seq 100000` used to raise the small GPT's position table to 100000 rows without a
 word and start a first step that had not ended after 10 minutes on 2 CPU cores (it needs
-at least 50 GB of activations and 6e14 FLOPs). Before anything is built, ``check`` estimates one
-optimizer step of the run on one rank, and the final evaluation, and refuses the run when
+at least 50 GB of activations and 6e14 FLOPs). Before anything is built, ``check_budget``
+estimates one optimizer step of the run on one rank, and the final evaluation, and refuses
+the run when
 
 * the step's memory (activations plus model state) exceeds the memory of the device that
   holds them (the host's RAM on the CPU, the GPU's on CUDA), shared by the ranks on this host;
@@ -111,7 +112,7 @@ class StepEstimate:
     where: str
     """The memory's name: "host memory" or "GPU memory"."""
     measured: Rates | None = None
-    """This machine's rates for the run's kernels, when `check` probed them."""
+    """This machine's rates for the run's kernels, when `check_budget` probed them."""
 
     @property
     def flops(self) -> float:
@@ -145,7 +146,8 @@ class StepEstimate:
 
 def _dims(s: RunSettings) -> tuple[int, int, int, int, int]:
     """(layers, width, heads, vocabulary, positions of the preset) of the run's model."""
-    if s.hf:  # models/hf.py tiny_hf_causal_lm defaults
+    # models/hf_lm.py tiny_hf_causal_lm defaults
+    if s.hf:
         return 4, 128, 4, 256, s.seq
     from superoffload.models import PRESETS
 
@@ -159,7 +161,8 @@ def host_memory_bytes() -> float:
 
 
 def _local_ranks() -> int:
-    try:  # torchrun's ranks on this host share its memory and cores
+    try:
+        # torchrun's ranks on this host share its memory and cores
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         return 1
@@ -172,9 +175,11 @@ def estimate(s: RunSettings, device: torch.device) -> StepEstimate:
     shape = ModelShape(layers=layers, hidden=width, heads=heads, vocab=vocab, seq=seq_rank,
                        micro_batch=batch, activation_checkpointing=s.checkpointing,
                        learned_positions=False, flash_attention=True)
-    params = shape.params + max(block, s.seq) * width  # the position table (never split)
-    activations = ACTIVATION_SHARE * shape.activation_bytes() * (2.0 if s.dtype == "fp32"
-                                                                   else 1.0)
+    # the position table (never split)
+    params = shape.params + max(block, s.seq) * width
+    elem_bytes = {"fp32": 4.0, "bf16": 2.0}[s.dtype]
+    # Korthikanti's count is of 16-bit blocks (the module docstring): fp32 doubles it
+    activations = ACTIVATION_SHARE * shape.activation_bytes() * (elem_bytes / 2.0)
     tokens = batch * seq_rank
     ranks = _local_ranks()
     if device.type == "cuda":
@@ -185,10 +190,10 @@ def estimate(s: RunSettings, device: torch.device) -> StepEstimate:
         peak = usable_cores() * CPU_PEAK_FLOPS_PER_CORE[s.dtype] / ranks
         where = "host memory"
     state = STATE_BYTES_PER_PARAM * params
-    if s.storage_path is not None:  # the optimizer state streams from files (docs/storage.md):
+    # the optimizer state streams from files (docs/storage.md):
+    if s.storage_path is not None:
         # weights and gradients in the model's dtype stay, plus what the host budget allows
-        w = 4.0 if s.dtype == "fp32" else 2.0
-        state = 2 * w * params + (s.host_memory_budget or 0) * (device.type == "cpu")
+        state = 2 * elem_bytes * params + (s.host_memory_budget or 0) * (device.type == "cpu")
     return StepEstimate(activations, activations + state, capacity,
                         tokens * 6.0 * params, tokens * 6.0 * layers * width * s.seq, peak,
                         where)
@@ -211,7 +216,8 @@ def probe(s: RunSettings) -> Rates:
     the models use) of one head, forward and backward, on up to 1024 tokens."""
     layers, width, heads, _, _ = _dims(s)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[s.dtype]
-    gen = torch.Generator().manual_seed(0)  # the run's own RNG stays untouched
+    # the run's own RNG stays untouched
+    gen = torch.Generator().manual_seed(0)
     tokens = min(max(1, s.batch // s.dp) * max(1, s.seq // s.sp), 1024)
     x = torch.randn(tokens, width, generator=gen).to(dtype)
     w = torch.randn(width, 4 * width, generator=gen).to(dtype)
@@ -224,18 +230,21 @@ def probe(s: RunSettings) -> Rates:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
 
-    attention = 6.0 * head * seq * seq / _best_s(attend)  # 6 d T^2 of one head (module doc)
+    # 6 d T^2 of one head (module doc)
+    attention = 6.0 * head * seq * seq / _best_s(attend)
     return Rates(dense, attention, forward_fixed_s(s))
 
 
-@torch.no_grad()  # as the evaluation runs
+# as the evaluation runs
+@torch.no_grad()
 def forward_fixed_s(s: RunSettings) -> float:
     """A forward of a GPT of the run's layers and heads, 8 wide per head, at one token: what
     a forward costs whatever its tokens (the HF model's is longer: a lower bound there)."""
     from superoffload.models.gpt import GPT, GPTConfig
 
     layers, _, heads, _, _ = _dims(s)
-    with torch.random.fork_rng(devices=[]):  # the run's own RNG stays untouched
+    # the run's own RNG stays untouched
+    with torch.random.fork_rng(devices=[]):
         model = GPT(GPTConfig(n_layer=layers, n_head=heads, n_embd=8 * heads, vocab_size=8,
                               block_size=1).validate()).eval()
     x = torch.zeros(1, 1, dtype=torch.long)
@@ -273,7 +282,7 @@ def _rates(est: StepEstimate) -> str:
             f"({est.measured.attention / 1e9:,.1f} GFLOP/s)")
 
 
-def check(s: RunSettings, device: torch.device) -> StepEstimate:
+def check_budget(s: RunSettings, device: torch.device) -> StepEstimate:
     """Raise UsageError when one step of ``s`` cannot fit or cannot end in reasonable time
     here, or its evaluation cannot, with the estimates and what to change; else return the
     estimate."""
@@ -292,12 +301,18 @@ def check(s: RunSettings, device: torch.device) -> StepEstimate:
                             f"step {_rates(est)}")
     if problems:
         _, _, _, _, block = _dims(s)
-        model = "" if s.hf else f" (GPT {s.model} has {block} positions)"
+        # only the remedies that apply: a GPT's position table bounds --seq (an HF model
+        # says its own), checkpointing already on saves nothing more, a GPU run has one
+        model, more = "", ""
+        if not s.hf:
+            model = f" (GPT {s.model} has {block} positions)"
+        if not s.checkpointing:
+            more += ", --checkpointing"
+        if device.type == "cpu":
+            more += ", or a GPU"
         raise UsageError(
             f"--seq {s.seq} x --batch {s.batch} is too large for this machine: one step "
-            f"{' and '.join(problems)}; use a shorter --seq{model}, a smaller --batch"
-            + ("" if s.checkpointing else ", --checkpointing")
-            + (", or a GPU" if device.type == "cpu" else ""))
+            f"{' and '.join(problems)}; use a shorter --seq{model}, a smaller --batch{more}")
     evaluation, training = est.eval_s(s.eval_batches), est.train_s(s.steps)
     if evaluation > max(MAX_EVAL_S, training):
         fits = int(max(MAX_EVAL_S, training) / est.eval_s(1))
@@ -316,5 +331,6 @@ def grown_positions(s: RunSettings) -> str:
     if s.hf:
         return ""
     _, _, _, _, block = _dims(s)
-    return (f"positions {block} -> {s.seq} (--seq; the new ones start untrained), "
-            if s.seq > block else "")
+    if s.seq <= block:
+        return ""
+    return f"positions {block} -> {s.seq} (--seq; the new ones start untrained), "

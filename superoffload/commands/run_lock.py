@@ -28,7 +28,8 @@ from pathlib import Path
 
 from superoffload.commands.train_args import UsageError
 
-try:  # POSIX; elsewhere runs are not locked (said in the docs)
+try:
+    # POSIX; elsewhere runs are not locked (said in the docs)
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
@@ -40,7 +41,8 @@ the emptiness check of ``--out`` ignores)."""
 _held: dict[str, tuple[int, int]] = {}
 """Real path of a locked folder -> (the descriptor holding its lock, the thread whose run
 took it), in this process."""
-_held_guard = threading.Lock()  # a folder is looked up and taken in one step
+# a folder is looked up and taken in one step
+_held_guard = threading.Lock()
 
 
 def _record() -> bytes:
@@ -50,7 +52,8 @@ def _record() -> bytes:
 def _holder(lock: Path) -> str:
     """"pid 1234" (and the host when it is another one), read from the lock file; a pid of
     this host that is gone is the previous run's, read before the new holder wrote its own."""
-    try:  # the first line: a takeover writes its record over the old one, then truncates
+    try:
+        # the first line: a takeover writes its record over the old one, then truncates
         pid, _, host = lock.read_text().split("\n", 1)[0].strip().partition(" ")
     except OSError:
         return "pid unknown"
@@ -66,7 +69,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, another user's
+    except PermissionError:
+        # alive, another user's
         return True
     return True
 
@@ -91,7 +95,8 @@ def lock_run_folder(folder: Path, what: str) -> None:
 def _take(lock: Path, folder: Path, what: str) -> int:
     """The descriptor holding ``lock``'s ``flock``, or UsageError naming the holder."""
     fd = _create(lock)
-    if fd is None:  # the file exists: its holder may be alive
+    # the file exists: its holder may be alive
+    if fd is None:
         fd = os.open(lock, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -100,7 +105,8 @@ def _take(lock: Path, folder: Path, what: str) -> int:
             raise UsageError(
                 f"{what}: another `superoffload train` run ({_holder(lock)}) is using the run "
                 f"folder {folder} now; wait for it to end, or choose another --out") from None
-        record = _record()  # the previous holder ended: the file is ours now
+        # the previous holder ended: the file is ours now
+        record = _record()
         os.pwrite(fd, record, 0)
         os.ftruncate(fd, len(record))
     return fd
@@ -113,13 +119,16 @@ def _create(lock: Path) -> int | None:
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, _record())
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
-        os.link(tmp, lock)  # atomic, and fails when the name exists
+        # a new file: nobody else has it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # atomic, and fails when the name exists
+        os.link(tmp, lock)
         return fd
     except FileExistsError:
         os.close(fd)
         return None
-    except OSError:  # a file system without hard links: create the name itself
+    except OSError:
+        # a file system without hard links: create the name itself
         os.close(fd)
         return _create_in_place(lock)
     finally:
@@ -145,4 +154,5 @@ def release_all() -> None:
         for key in mine:
             fd, _ = _held.pop(key)
             with contextlib.suppress(OSError):
-                os.close(fd)  # closing the descriptor drops its flock
+                # closing the descriptor drops its flock
+                os.close(fd)

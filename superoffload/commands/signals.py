@@ -12,6 +12,22 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from superoffload.distributed.process_group import dist_info, exited_peers
+
+
+def gone_peers_note() -> str:
+    """" (rank(s) [1] on this host have exited)" when a local peer of this job has ended, else
+    "" (and in a single process): why a launcher may be stopping this rank -- torchrun ends
+    the whole job once one rank dies, often before this rank's collective fails and names it."""
+    try:
+        world = dist_info().world_size
+    except RuntimeError:  # not distributed: no peers
+        return ""
+    gone = exited_peers(list(range(world)))
+    if not gone:
+        return ""
+    return f" (rank(s) {gone} on this host have exited)"
+
 
 class StopSignals:
     """While steps run (inside ``deferring()``), SIGINT and SIGTERM ask the loop to stop at
@@ -48,7 +64,8 @@ class StopSignals:
             for sig in self.SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
             read_fd, write_fd = os.pipe()
-            os.set_blocking(write_fd, False)  # the C handler must never block
+            # the C handler must never block
+            os.set_blocking(write_fd, False)
             self._old_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
             self._pipe = (read_fd, write_fd)
             threading.Thread(target=self._watch, args=(read_fd,), daemon=True,
@@ -59,7 +76,8 @@ class StopSignals:
         self.restore()
         if self._pipe is not None:
             signal.set_wakeup_fd(self._old_wakeup_fd)
-            os.close(self._pipe[1])  # the watcher reads end-of-file and closes its end
+            # the watcher reads end-of-file and closes its end
+            os.close(self._pipe[1])
             self._pipe = None
 
     @contextlib.contextmanager
@@ -73,7 +91,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self._deferring:
-            return  # no step to finish: the watcher thread stops the process
+            # no step to finish: the watcher thread stops the process
+            return
         self.signum = signum
         self.restore()
 
@@ -94,9 +113,11 @@ class StopSignals:
                     # the handler records a signal that came while steps ran (the main
                     # thread runs it before it can leave ``deferring()``)
                     if not self._deferring and self.signum == 0:
+                        # a launcher's SIGTERM after a rank died: say which rank, as the
+                        # collective that would have failed next would (process_group.py)
                         print(f"train: {signal_name(signum)} received while no training step "
-                              "runs: stopping now (checkpoints already written are kept)",
-                              file=sys.stderr, flush=True)
+                              "runs: stopping now (checkpoints already written are kept)"
+                              f"{gone_peers_note()}", file=sys.stderr, flush=True)
                         sys.stdout.flush()
                         os._exit(128 + signum)
                     if received == 1:
@@ -104,10 +125,12 @@ class StopSignals:
                             name = signal_name(signum)
                             print(f"train: {name} received: finishing the current step, then "
                                   f"saving a checkpoint and stopping (send {name} again to stop "
-                                  "at once, without a checkpoint)", file=sys.stderr, flush=True)
-                    elif self.signum == 0:  # the main thread is still in one long operation
+                                  f"at once, without a checkpoint){gone_peers_note()}",
+                                  file=sys.stderr, flush=True)
+                    # the main thread is still in one long operation
+                    elif self.signum == 0:
                         print(f"train: {signal_name(signum)} again: stopping now, without a "
-                              "checkpoint", file=sys.stderr, flush=True)
+                              f"checkpoint{gone_peers_note()}", file=sys.stderr, flush=True)
                         sys.stdout.flush()
                         os._exit(128 + signum)
         finally:

@@ -8,9 +8,6 @@
     python -m superoffload simulate --facts h200     # predicted vs measured (FACTS.md, H200)
     python -m superoffload capacity --seq 1024      # the largest model per system and profile
     python -m superoffload simulate ... --step-order fifo --tail-step unfused   # what-ifs
-
-``--system`` was ``--schedule`` (still accepted, with a note); the JSON output writes the
-system under both keys, "system" and "schedule", for one release (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import dataclasses
 import json
 from typing import Any
 
-from superoffload.commands.argtypes import DeprecatedFlag
 from superoffload.commands.planner_args import (
     dp_line,
     engine_args,
@@ -40,13 +36,11 @@ from superoffload.plan.cost import KERNELS
 from superoffload.plan.techniques import SYSTEMS, Techniques
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_simulate_parser(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser("simulate", help="predict an iteration on a hardware profile")
     shape_args(sim)
     sim.add_argument("--system", default="all", choices=["all", *SYSTEMS],
                      help="system to simulate; 'all' compares the three (default)")
-    sim.add_argument("--schedule", dest="system", action=DeprecatedFlag, new="--system",
-                     choices=["all", *SYSTEMS], help="the old name of --system")
     sim.add_argument("--ratio", type=float, help="OffloadConfig.ratio (default 0.9)")
     sim.add_argument("--bucket-mb", type=int, help="bucket size in MiB (default 64)")
     sim.add_argument("--speculation", choices=choices_of("speculation"))
@@ -110,14 +104,18 @@ def _simulate(args: argparse.Namespace) -> int:
         if args.bucket_mb is not None:
             changes["bucket_bytes"] = args.bucket_mb * MiB
         cfg = OffloadConfig().replace(**changes, **step_order_change(args))
-        tech = plan.Techniques(kernel=args.kernel, engine=engine_variant(args, cfg),
-                               **({"rollback_rate": args.rollback_rate}
-                                  if args.rollback_rate is not None else {}))
+        extra = {}
+        # not given: Techniques' own default rate stands
+        if args.rollback_rate is not None:
+            extra["rollback_rate"] = args.rollback_rate
+        tech = plan.Techniques(kernel=args.kernel, engine=engine_variant(args, cfg), **extra)
         for name in args.disable:
             tech = tech.replace(**{name: TECHNIQUE_SWITCHES[name]})
         systems = plan.SYSTEMS if args.system == "all" else (args.system,)
         results = [plan.simulate(shape, prof, s, cfg, tech) for s in systems]
-        abl = plan.ablation.ablation(shape, prof, cfg, tech.rollback_rate) if args.ablation else None
+        abl = None
+        if args.ablation:
+            abl = plan.ablation.ablation(shape, prof, cfg, tech.rollback_rate)
     except ValueError as exc:
         return fail(str(exc), args.json)
     from superoffload.plan.calibrate import calibration_state
@@ -154,13 +152,17 @@ def _capacity(args: argparse.Namespace) -> int:
         names = args.profiles.split(",") if args.profiles else plan.profiles.names()
         profiles = [with_machine(load_profile(n.strip()), args) for n in names]
         given = [p.name for p in profiles if not p.has_storage]
-        profiles = [p if p.has_storage else storage_presets.with_tier(
-            p, storage_presets.by_name(DEFAULT_TIER)) for p in profiles]
+        # the table's storage column needs a tier: a profile without one gets the default
+        tier = storage_presets.by_name(DEFAULT_TIER)
+        profiles = [p if p.has_storage else storage_presets.with_tier(p, tier)
+                    for p in profiles]
         rows = largest.table(profiles, seq=args.seq, micro_batch=args.micro_batch)
     except ValueError as exc:
         return fail(str(exc), args.json)
-    tiers = {p.name: p.storage_name + (f" ({DEFAULT_TIER}: the profile has none)"
-                                       if p.name in given else "") for p in profiles}
+    tiers = {p.name: p.storage_name for p in profiles}
+    # say which tiers were lent, not the profile's own
+    for name in set(given):
+        tiers[name] += f" ({DEFAULT_TIER}: the profile has none)"
     if args.json:
         print(json.dumps({"seq": args.seq, "micro_batch": args.micro_batch, "rows": rows,
                           "storage": tiers}, indent=1))
@@ -202,7 +204,7 @@ def _facts(args: argparse.Namespace) -> int:
     print("predicted with the engine it was measured with (FIFO stepping, unfused tail step); "
           "last column: the engine now (EDF, copy first, small buckets merged, fused tail) -- "
           "a prediction, not yet measured on a GPU")
-    print(facts.format_table(then, now, next_label="engine now"))
+    print(facts.format_calibration_table(then, now, next_label="engine now"))
     print()
     print(f"the H200 speed targets for the engine now, relative to the measured plain row "
           f"({facts.PLAIN_MS} ms) -- predictions, not measurements:")

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from superoffload.commands import calibration, run_budget, run_lock, train_dist
 from superoffload.commands import checkpointing as ck
+from superoffload.commands import run_budget, run_lock, train_calibration, train_dist
 from superoffload.commands.checkpointing import CheckpointFailed, prepare_run_folder
 from superoffload.commands.signals import StopSignals
 from superoffload.commands.train_args import (
@@ -29,13 +29,13 @@ from superoffload.commands.train_args import (
     RunSettings,
     UsageError,
     add_arguments,
-    resolve,
+    resolve_settings,
 )
 from superoffload.commands.train_build import (
     build_model,
-    engine_config,
     param_groups,
     resolve_device,
+    run_config,
 )
 from superoffload.commands.train_output import (
     one_line,
@@ -48,7 +48,7 @@ from superoffload.commands.train_preflight import check_resume_and_tools
 from superoffload.config import OffloadConfig
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train a small GPT on the embedded corpus with the offload engine",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -57,7 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p)
     from superoffload.distributed.process_group import add_parallel_args
 
-    add_parallel_args(p)  # --dp/--sp/--dist-backend/--dist-timeout-s (docs/distributed.md)
+    # --dp/--sp/--dist-backend/--dist-timeout-s (docs/distributed.md)
+    add_parallel_args(p)
     p.set_defaults(func=_run)
 
 
@@ -65,12 +66,16 @@ def run_training(args: argparse.Namespace) -> dict[str, Any]:
     """Build model, data and engine from parsed arguments; train; write the report.
     Returns the JSON-able result (the CLI prints it); a run stopped by SIGINT/SIGTERM returns
     {"stopped": {...}}. Raises UsageError for bad input, before anything is written."""
-    resume = ck.find_resume_point(args.resume) if args.resume is not None else None
-    dp = train_dist.start(args)  # None unless under torchrun (or --dp/--sp > 1)
+    resume = None
+    if args.resume is not None:
+        resume = ck.find_resume_point(args.resume)
+    # None unless under torchrun (or --dp/--sp > 1)
+    dp = train_dist.start(args)
     try:
         return _train(_setup(args, dp, resume), args)
     finally:
-        run_lock.release_all()  # the run folder is free for the next run
+        # the run folder is free for the next run
+        run_lock.release_all()
         if dp is not None:
             from superoffload.distributed import shutdown
 
@@ -109,18 +114,27 @@ class _Job:
 def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> _Job:
     from superoffload.data import BatchSampler, load_tokens, split_train_val
 
-    device = torch.device(dp.device) if dp is not None else resolve_device(args.device)
-    s = resolve(args, device.type, dp=dp.dp if dp else 1, sp=dp.sp if dp else 1,
-                saved=resume.run if resume is not None else None)
+    # under torchrun the device is the one train_dist.start bound to this rank, not --device
+    if dp is not None:
+        device, rank, dp_size, sp_size = torch.device(dp.device), dp.rank, dp.dp, dp.sp
+    else:
+        device, rank, dp_size, sp_size = resolve_device(args.device), 0, 1, 1
+    saved, warning = None, None
+    if resume is not None:
+        saved, warning = resume.run, resume.fallback_warning(args.resume)
+    s = resolve_settings(args, device.type, dp=dp_size, sp=sp_size, saved=saved)
     check_resume_and_tools(args, s, resume, dp)
-    run_budget.check(s, device)  # an absurd --seq/--batch for this machine: refused, with why
-    rank, world = (dp.rank, dp.dp * dp.sp) if dp is not None else (0, 1)
-    warning = resume.fallback_warning(args.resume) if resume is not None else None
-    if warning is not None and rank == 0:  # a damaged newest checkpoint was passed over
+    # an absurd --seq/--batch for this machine: refused
+    run_budget.check_budget(s, device)
+    world = dp_size * sp_size
+    # a damaged newest checkpoint was passed over
+    if warning is not None and rank == 0:
         print(warning, file=sys.stderr, flush=True)
-    if dp is None:  # the folder before the model: a bad --out costs nothing
+    # the folder before the model: a bad --out costs nothing
+    if dp is None:
         out = prepare_run_folder(args.out, resume)
-    else:  # rank 0 makes the folder; a failure ends every rank with the same line
+    else:
+        # rank 0 makes the folder; a failure ends every rank with the same line
         made, error = None, None
         if rank == 0:
             try:
@@ -132,13 +146,19 @@ def _setup(args: argparse.Namespace, dp: Any, resume: ck.ResumePoint | None) -> 
     model = build_model(s).to(device=device, dtype=dtype)
     if s.sp > 1:
         train_dist.make_sequence_parallel(model, s.sp, s.seq)
-    config = engine_config(s, device)
-    batch = s.batch // s.dp  # --batch is the global batch; each rank takes its share
+    config = run_config(s, device)
+    # --batch is the global batch; each rank takes its share
+    batch = s.batch // s.dp
     train_tokens, val_tokens = split_train_val(load_tokens())
-    rank_seed = s.seed + (1000 * dp.dp_rank if dp is not None else 0)  # other data per rank
+    rank_seed = s.seed
+    # other data per rank: a data-parallel rank that drew its peers' batches would add nothing;
+    # the ranks of one sp group share dp_rank, so they read the same sequences
+    if dp is not None:
+        rank_seed += 1000 * dp.dp_rank
     batches: Any = BatchSampler(train_tokens, batch_size=batch, seq_len=s.seq, seed=rank_seed)
     val: Any = BatchSampler(val_tokens, batch_size=batch, seq_len=s.seq, seed=s.seed + 1)
-    if s.sp > 1:  # every rank of an sp group: the same sequences, its slice
+    # every rank of an sp group: the same sequences, its slice
+    if s.sp > 1:
         batches, val = train_dist.SequenceShard(batches), train_dist.SequenceShard(val)
     info = {"model": "HF GPT-2 (tiny)" if s.hf else f"GPT {s.model}",
             "params": sum(p.numel() for p in model.parameters()), "device": str(device),
@@ -160,7 +180,8 @@ def _engine(job: _Job) -> Any:
     groups = param_groups(job.model, job.s.weight_decay)
     for g in groups:
         g.update(lr=job.s.lr, betas=(0.9, 0.95))
-    if job.dp is not None:  # FSDP2 over the job's mesh: dp x sp, HSDP with --dp-replicate
+    # FSDP2 over the job's mesh: dp x sp, HSDP with --dp-replicate
+    if job.dp is not None:
         return train_dist.make_engine(job.model, groups, job.config)
     return so.initialize(job.model, optimizer=groups, config=job.config)
 
@@ -192,7 +213,9 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
         progress = _restore(job, engine, scheduler)
         start = progress.step if progress is not None else 0
         if not args.json and not quiet:
-            what = f"from step {start} of {job.resume.path}, " if job.resume is not None else ""
+            what = ""
+            if job.resume is not None:
+                what = f"from step {start} of {job.resume.path}, "
             grown = run_budget.grown_positions(s)
             print(f"training {job.info['model']}: {job.info['params'] / 1e6:.2f} M params on "
                   f"{job.device} ({s.dtype}), batch {job.info['batch_per_rank']} x {s.seq} "
@@ -200,7 +223,10 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
 
         def extra_at(p: Any) -> dict[str, Any]:
             state = job.batches.state_dict()
-            samplers = train_dist.gather_objects(state) if dp is not None else [state]
+            samplers = [state]
+            # rank 0 writes the checkpoint: it carries every rank's data position
+            if dp is not None:
+                samplers = train_dist.gather_objects(state)
             return {"format": ck.RUN_FORMAT, "run": s.to_dict(), "progress": p.to_dict(),
                     "samplers": samplers}
 
@@ -208,7 +234,8 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
             try:
                 ckpts.save_step(engine, extra=extra_at(p), scheduler=scheduler)
                 saved["step"] = p.step
-            except Exception as exc:  # a full disk must not end a healthy run
+            except Exception as exc:
+                # a full disk must not end a healthy run
                 msg = f"checkpoint at step {p.step} not written ({one_line(exc)})"
                 if dp is not None:
                     raise CheckpointFailed(msg) from exc
@@ -226,16 +253,19 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
         def on_step(i: Any) -> None:
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix_str(progress_postfix(i), refresh=False)  # the dashboard's words
+                # the dashboard's words
+                bar.set_postfix_str(progress_postfix(i), refresh=False)
 
-        evaluating: list[Any] = []  # the evaluation's progress bar, once it starts
+        # the evaluation's progress bar, once it starts
+        evaluating: list[Any] = []
 
         def on_eval(done: int, total: int) -> None:
             if not quiet and not evaluating:
                 from tqdm import tqdm
 
                 if bar is not None:
-                    bar.close()  # training is done: its bar shows the last step
+                    # training is done: its bar shows the last step
+                    bar.close()
                 evaluating.append(tqdm(total=total, desc="eval", unit="batch",
                                        file=sys.stderr, dynamic_ncols=True, mininterval=0.5))
             for b in evaluating:
@@ -244,32 +274,41 @@ def _train(job: _Job, args: argparse.Namespace) -> dict[str, Any]:
         with StopSignals(announce=job.lead) as signals:
             def should_stop() -> bool:
                 asked = signals.signum != 0
-                return train_dist.any_rank(asked) if dp is not None else asked
+                # one rank's signal stops all: a rank left alone would hang in a collective
+                if dp is not None:
+                    asked = train_dist.any_rank(asked)
+                return asked
 
+            # every rank logs the loss of the whole batch, not of its own share
+            loss_reduce = train_dist.global_mean if dp is not None else None
             try:
                 result = train(engine, job.model, job.batches, settings, val_batches=job.val,
-                               on_step=on_step, loss_reduce=train_dist.global_mean
-                               if dp is not None else None, scheduler=scheduler,
+                               on_step=on_step, loss_reduce=loss_reduce, scheduler=scheduler,
                                progress=progress, checkpoint_every=args.checkpoint_every,
                                on_checkpoint=on_checkpoint, should_stop=should_stop,
-                               calibrator=calibration.auto_calibrator(job, engine),
+                               calibrator=train_calibration.auto_calibrator(job, engine),
                                steps_scope=signals.deferring(), on_eval_batch=on_eval)
             finally:
                 for b in (bar, *evaluating):
                     if b is not None:
                         b.close()
         if result.stopped:
-            signum = train_dist.max_over_ranks(signals.signum) if dp else signals.signum
+            signum = signals.signum
+            # a signal reaches one rank or several: every rank must stop with the same code
+            if dp:
+                signum = train_dist.max_over_ranks(signals.signum)
             stop = ck.checkpoint_on_stop(
                 ckpts, engine, step=result.steps, steps=s.steps, signum=signum,
                 saved_step=saved["step"], extra=lambda: extra_at(result.progress()),
                 scheduler=scheduler, launch=job.launch())
             return {"stopped": stop, "rank": job.rank}
-        if args.save_checkpoint:  # before the report: it is the run's work
+        # before the report: it is the run's work
+        if args.save_checkpoint:
             try:
                 ckpts.save(engine, job.out / "checkpoint", extra=extra_at(result.progress()),
                            scheduler=scheduler)
-            except Exception as exc:  # keep result.json and the report
+            except Exception as exc:
+                # keep result.json and the report
                 saved["final_error"] = f"{job.out / 'checkpoint'}: {one_line(exc)}"
         return _finish(job, args, engine, result, saved)
 
@@ -284,35 +323,41 @@ def _finish(job: _Job, args: argparse.Namespace, engine: Any, result: Any,
              ("iterations", "skipped_steps", "clipped_steps", "rollbacks", "replays")}
     recorder = engine.telemetry
     spans = result.spans
-    if job.dp is not None:  # rank 0's report shows every rank's lanes
+    # rank 0's report shows every rank's lanes
+    if job.dp is not None:
         spans = train_dist.gather_rank_spans(spans, recorder)
     report_path = trace_path = None
     if not (args.no_report or not job.lead):
-        report_path = write_report(job.out, spans, recorder, result, job.info, stats,
-                                   job.info["model"], job.device)
+        report_path = str(write_report(job.out, spans, recorder, result, job.info, stats,
+                                       job.info["model"], job.device))
     if args.trace and job.lead:
         from superoffload.telemetry.trace import write_chrome_trace
 
-        trace_path = write_chrome_trace(recorder if job.dp is None else spans,
-                                        job.out / "trace.json")
+        # one process: the recorder holds every span; data parallel: the gathered ranks' spans
+        source = recorder if job.dp is None else spans
+        trace_path = str(write_chrome_trace(source, job.out / "trace.json"))
     if job.s.sp > 1:
         from superoffload.distributed import remove_ulysses
 
-        remove_ulysses(job.model)  # type: ignore[arg-type]  # a GPT (checked); generate() runs the whole sequence on one rank
-    sample = None if job.s.hf else sample_text(
-        job.model, job.device, temperature=args.sample_temperature, top_k=args.sample_top_k,
-        seed=job.s.seed)
+        # a GPT (checked); generate() runs the whole sequence on one rank
+        remove_ulysses(job.model)  # type: ignore[arg-type]
+    sample = None
+    # sample_text drives our GPT's generate (byte tokens, a seeded generator): not HF's API
+    if not job.s.hf:
+        sample = sample_text(job.model, job.device, temperature=args.sample_temperature,
+                             top_k=args.sample_top_k, seed=job.s.seed)
     payload: dict[str, Any] = {
         **result.to_dict(), **job.info, "engine_stats": stats,
-        "report": str(report_path) if report_path else None, "out": str(job.out),
-        "sample": sample, "trace": str(trace_path) if trace_path else None,
+        "report": report_path, "out": str(job.out), "sample": sample, "trace": trace_path,
         "resumed_from": str(job.resume.path) if job.resume is not None else None,
         "start_step": result.start_step, "checkpoint_errors": saved["errors"],
         "final_checkpoint_error": saved.get("final_error"),
     }
-    if (tier_io := storage_io(result.spans)) is not None:  # docs/storage.md: rates, bytes
+    # docs/storage.md: rates, bytes
+    if (tier_io := storage_io(result.spans)) is not None:
         payload["storage"] = tier_io.as_dict()
-    if job.dp is not None:  # every rank trains on its own tokens: the job's rate is their sum
+    # every rank trains on its own tokens: the job's rate is their sum
+    if job.dp is not None:
         payload["tokens_per_s_per_rank"] = payload["tokens_per_s"]
         payload["tokens"] = payload["tokens"] * job.world
         payload["tokens_per_s"] = payload["tokens_per_s"] * job.world
@@ -340,7 +385,8 @@ def _run(args: argparse.Namespace) -> int:
             print(stopped["message"], file=sys.stderr, flush=True)
         return int(stopped["exit_code"])
     if result.get("rank", 0) != 0:
-        return 0  # rank 0 speaks for the data-parallel job
+        # rank 0 speaks for the data-parallel job
+        return 0
     if not args.quiet or not args.json:
         print_summary(result, args)
     if args.json:

@@ -2,7 +2,7 @@
 
 Every option checks its own value where argparse parses it (`argtypes`), so a bad value is
 one line naming the flag and the fix, exit code 2, before anything is built or written.
-Options that shape the run default to None here and are resolved once by `resolve()`: from
+Options that shape the run default to None here and are resolved once by `resolve_settings()`: from
 the command line, else from the checkpoint being resumed, else from the per-device
 defaults. A resumed run may not change what its numbers depend on (`NUMERICS`).
 """
@@ -20,7 +20,7 @@ from typing import Any
 from superoffload.commands import argtypes as t
 from superoffload.config import choices_of
 from superoffload.models.gpt import PRESETS as MODEL_PRESETS
-from superoffload.presets import PRESETS as ENGINE_PRESETS
+from superoffload.presets import CONFIG_PRESETS
 
 TRAIN_DTYPES = tuple(p for p in choices_of("precision") if p != "fp16")
 """``--dtype``: ``OffloadConfig.precision``'s values but fp16: the command builds its model
@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=t.nonneg_float, help="AdamW decay (default 0.1)")
     p.add_argument("--max-grad-norm", type=t.nonneg_float,
                    help="clip threshold; 0 disables (default 1.0)")
-    p.add_argument("--preset", choices=("auto", *ENGINE_PRESETS),
+    p.add_argument("--preset", choices=("auto", *CONFIG_PRESETS),
                    help="engine settings to start from (default: tiny_cpu on CPU, pcie_host "
                         "on CUDA); the options below override them")
     p.add_argument("--ratio", type=t.fraction,
@@ -168,8 +168,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def resolve(args: argparse.Namespace, device_type: str, *, dp: int = 1, sp: int = 1,
-            saved: Mapping[str, Any] | None = None) -> RunSettings:
+def resolve_settings(args: argparse.Namespace, device_type: str, *, dp: int = 1, sp: int = 1,
+                     saved: Mapping[str, Any] | None = None) -> RunSettings:
     """The run's settings: given on the command line, else the resumed checkpoint's, else the
     defaults. Raises UsageError when a resumed run would change one of `NUMERICS`."""
     base: dict[str, Any] = {**COMMON_DEFAULTS, **DEVICE_DEFAULTS[device_type], "dp": dp, "sp": sp}
@@ -191,7 +191,7 @@ def resolve(args: argparse.Namespace, device_type: str, *, dp: int = 1, sp: int 
         base.update({k: v for k, v in saved.items() if k in base})
     values = {name: given[name] if given[name] is not None else base[name] for name in given}
     settings = RunSettings(**values)
-    check(settings)
+    check_args(settings)
     return settings
 
 
@@ -202,7 +202,7 @@ def _given(args: argparse.Namespace, name: str) -> Any:
     return value
 
 
-def check(s: RunSettings) -> None:
+def check_args(s: RunSettings) -> None:
     """Combinations of values that each flag's own check cannot see."""
     if s.lr * s.weight_decay >= 1.0:
         raise UsageError(
@@ -239,7 +239,8 @@ def make_out(out: Path) -> Path:
     """Create --out (and its parents); an OSError becomes a UsageError naming the folder."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f"{OWN_PREFIX}write-test-{os.getpid()}"  # two runs never share it
+        # two runs never share it
+        probe = out / f"{OWN_PREFIX}write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

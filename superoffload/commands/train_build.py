@@ -19,26 +19,28 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; "
+                         "use --device cpu")
     return device
 
 
 def build_model(s: RunSettings) -> torch.nn.Module:
     """The run's model: our GPT of ``--model``, or a tiny Hugging Face GPT-2 (``--hf``)."""
     if s.hf:
-        from superoffload.models.hf import tiny_hf_causal_lm
+        from superoffload.models.hf_lm import tiny_hf_causal_lm
 
         return tiny_hf_causal_lm(block_size=s.seq, seed=s.seed)
     from superoffload.models import GPT, PRESETS
 
     torch.manual_seed(s.seed)
     cfg = PRESETS[s.model](checkpointing=s.checkpointing)
-    if s.seq > cfg.block_size:  # said in the start line (_train); run_budget bounded it
+    # said in the start line (_train); run_budget bounded it
+    if s.seq > cfg.block_size:
         cfg.block_size = s.seq
     return GPT(cfg)
 
 
-def engine_config(s: RunSettings, device: torch.device) -> OffloadConfig:
+def run_config(s: RunSettings, device: torch.device) -> OffloadConfig:
     """The preset for this device, with the options the user gave applied on top."""
     from superoffload import presets
 
@@ -50,14 +52,16 @@ def engine_config(s: RunSettings, device: torch.device) -> OffloadConfig:
     for key in ("ratio", "speculation", "weights"):
         if getattr(s, key) is not None:
             changes[key] = getattr(s, key)
-    if s.bucket_mb is not None:  # argtypes.bucket_mb checked it against MIN_BUCKET_BYTES
+    # argtypes.bucket_mb checked it against MIN_BUCKET_BYTES
+    if s.bucket_mb is not None:
         changes["bucket_bytes"] = int(s.bucket_mb * MiB)
     changes.update({field: getattr(s, ours) for ours, field in STORAGE_FIELDS.items()
                     if getattr(s, ours) is not None})
     if device.type == "cpu":
-        changes["pin_memory"] = False  # nothing to pin without a device link
+        # nothing to pin without a device link
+        changes["pin_memory"] = False
     try:
-        return presets.PRESETS[name]().replace(**changes)
+        return presets.CONFIG_PRESETS[name]().replace(**changes)
     except ValueError as exc:
         raise UsageError(f"invalid engine option: {exc}") from None
 

@@ -26,7 +26,8 @@ def start(args: argparse.Namespace) -> Any:
 
     try:
         return init_from_args(args)
-    except ValueError as exc:  # --dp x --sp not matching the launched processes
+    except ValueError as exc:
+        # --dp x --sp not matching the launched processes
         raise UsageError(str(exc)) from None
 
 
@@ -50,7 +51,8 @@ def make_sequence_parallel(model: torch.nn.Module, sp: int, seq: int) -> None:
         raise UsageError("--sp > 1: sequence parallel is wired for our GPT only")
     try:
         apply_ulysses(model, get_groups().sp_group)
-    except ValueError as exc:  # heads not divisible by sp
+    except ValueError as exc:
+        # heads not divisible by sp
         raise UsageError(f"--sp {sp}: {exc}") from None
 
 
@@ -151,8 +153,13 @@ def clock_offsets(clocks: list[RankClock], lead: RankClock) -> list[float]:
     """Seconds from ``lead``'s origin to each rank's: by perf_counter on the lead's host
     (exact: one system-wide clock there), by the wall clock across hosts (perf_counter
     epochs of two hosts are unrelated; NTP keeps wall clocks within milliseconds)."""
-    return [c.origin_perf_s - lead.origin_perf_s if c.host == lead.host
-            else c.origin_wall_s - lead.origin_wall_s for c in clocks]
+    out = []
+    for c in clocks:
+        if c.host == lead.host:
+            out.append(c.origin_perf_s - lead.origin_perf_s)
+        else:
+            out.append(c.origin_wall_s - lead.origin_wall_s)
+    return out
 
 
 def gather_rank_spans(spans: list[Any], recorder: Any) -> list[Any]:
@@ -163,9 +170,11 @@ def gather_rank_spans(spans: list[Any], recorder: Any) -> list[Any]:
     from superoffload.telemetry.ranks import merge_rank_spans
 
     mine = (dist.get_rank(), RankClock.of(recorder), spans)
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    # gather_object wants the receiving list on the destination only
     if dist.get_rank() != 0:
+        dist.gather_object(mine, None, dst=0)
         return spans
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.gather_object(mine, gathered, dst=0)
     return merge_rank_spans([g[2] for g in gathered], ranks=[g[0] for g in gathered],
                             offsets_s=clock_offsets([g[1] for g in gathered], mine[1]))

@@ -27,8 +27,10 @@ def progress_postfix(info: Any) -> str:
     hidden = vocab.METRICS["cpu_step_hidden_pct"].show(100 * info.overlap)
     window = getattr(info, "window", None)
     if window is not None and window.iterations:
-        hidden += f" (it. {window.first}-{window.last})" if window.iterations > 1 else \
-            f" (it. {window.first})"
+        span = f"{window.first}"
+        if window.iterations > 1:
+            span += f"-{window.last}"
+        hidden += f" (it. {span})"
     return (f"loss {info.loss:.3f} | {vocab.METRICS['tokens_per_s'].show(info.tokens_per_s)}"
             f" | {hidden}")
 
@@ -74,25 +76,34 @@ def sample_text(model: torch.nn.Module, device: torch.device, *, temperature: fl
 
 def print_summary(r: dict[str, Any], args: argparse.Namespace) -> None:
     s = r.get("summary") or {}
+    held_out = ""
+    # no held-out loss when --eval-batches 0 or a stop signal ended the run
+    if r.get("val_loss") is not None:
+        held_out = f", held-out {r['val_loss']:.3f}"
     print(f"loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (mean of the last steps)"
-          + (f", held-out {r['val_loss']:.3f}" if r.get("val_loss") is not None else ""))
+          + held_out)
     resumed = f", resumed at step {r['start_step']}" if r.get("start_step") else ""
-    print(f"{vocab.METRICS['tokens_per_s'].show(r['tokens_per_s'])} over {r['steps'] - r['start_step']} steps "
-          f"({r['elapsed_s']:.1f} s{resumed})")
-    if s:  # the dashboard's words, units and pooling (telemetry.vocabulary, telemetry.window)
+    rate = vocab.METRICS["tokens_per_s"].show(r["tokens_per_s"])
+    print(f"{rate} over {r['steps'] - r['start_step']} steps ({r['elapsed_s']:.1f} s{resumed})")
+    # the dashboard's words, units and pooling (telemetry.vocabulary, telemetry.window)
+    if s:
         summary = Summary(**s)
         print(f"per iteration, {summary.window_label()} pooled: "
-              + vocab.describe(vocab.summary_values(summary), SUMMARY_METRICS))
-    if r.get("storage"):  # the storage tier's rates, bytes and exposed time
+              + vocab.describe_values(vocab.summary_values(summary), SUMMARY_METRICS))
+    # the storage tier's rates, bytes and exposed time
+    if r.get("storage"):
         print(StorageIO(**r["storage"]).line())
     st = r["engine_stats"]
     print(f"engine: {st['clipped_steps']} clipped steps, {st['rollbacks']} bucket rollbacks, "
           f"{st['replays']} replays, {st['skipped_steps']} skipped")
     if r.get("sample"):
-        how = (f"temperature {args.sample_temperature:g}, top-k {args.sample_top_k or 'all'}"
-               if args.sample_temperature else "greedy")
+        how = "greedy"
+        # temperature 0 means argmax decoding (models/gpt.py's generate)
+        if args.sample_temperature:
+            how = f"temperature {args.sample_temperature:g}, top-k {args.sample_top_k or 'all'}"
         print(f"sample ({how}): " + repr(r["sample"]))
-    if r.get("planner"):  # the planner calibrated on this run
+    # the planner calibrated on this run
+    if r.get("planner"):
         print(r["planner"]["line"])
     for key in ("report", "trace"):
         if r.get(key):

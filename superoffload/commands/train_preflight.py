@@ -17,11 +17,12 @@ def check_resume_and_tools(args: argparse.Namespace, s: RunSettings,
     """UsageError naming the option and the fix; `dp` is the DistInfo under torchrun."""
     if resume is not None:
         if (resume.kind == "zero") != (dp is not None):
-            how = ("under torchrun with the same --dp/--sp" if resume.kind == "zero"
-                   else "without torchrun")
+            # a ZeRO checkpoint holds one shard per rank: only the same ranks can read it
+            run, how = "single-process", "without torchrun"
+            if resume.kind == "zero":
+                run, how = "data-parallel", "under torchrun with the same --dp/--sp"
             raise UsageError(f"--resume {args.resume}: the checkpoint was written by a "
-                             f"{'data-parallel' if resume.kind == 'zero' else 'single-process'}"
-                             f" run; resume it {how}")
+                             f"{run} run; resume it {how}")
         if resume.step >= s.steps:
             raise UsageError(f"--resume {args.resume}: the checkpoint is at step {resume.step} "
                              f"of {s.steps}; that run is complete, nothing is left to train")
@@ -29,7 +30,7 @@ def check_resume_and_tools(args: argparse.Namespace, s: RunSettings,
         raise UsageError("--trace: this installation has no superoffload.telemetry.trace "
                          "(the trace writer); drop --trace")
     if s.hf:
-        from superoffload.models.hf import HF_MISSING, hf_available
+        from superoffload.models.hf_lm import HF_MISSING, hf_available
 
         if not hf_available():
             raise UsageError(HF_MISSING)

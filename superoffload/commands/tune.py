@@ -19,6 +19,7 @@ from superoffload.commands.planner_args import (
     engine_variant,
     fail,
     load_profile,
+    memory_caps,
     results_table,
     shape_args,
     shape_of,
@@ -29,7 +30,7 @@ from superoffload.commands.planner_args import (
 from superoffload.config import OffloadConfig
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     tune = sub.add_parser("tune", help="search the best OffloadConfig for a hardware profile")
     shape_args(tune)
     tune.add_argument("--hf-config", metavar="CONFIG",
@@ -77,14 +78,15 @@ def _tune(args: argparse.Namespace) -> int:
     try:
         prof = with_machine(with_collective(load_profile(args.profile), args), args)
         shape = shape_of(args)
-        extra = {} if args.rollback_rate is None else {"rollback_rate": args.rollback_rate}
+        extra = {}
+        # not given: the tuner's own default rate stands
+        if args.rollback_rate is not None:
+            extra["rollback_rate"] = args.rollback_rate
         fixed = {**_parse_fix(args.fix), **step_order_change(args)}
         ordered = OffloadConfig().replace(**{k: v for k, v in fixed.items() if k == "step_order"})
         cons = plan.Constraints(
-            device_memory_bytes=None if args.device_gb is None else args.device_gb * 1e9,
-            host_memory_bytes=None if args.host_gb is None else args.host_gb * 1e9,
-            cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm, fixed=fixed,
-            engine=engine_variant(args, ordered),
+            **memory_caps(args), cpu_cores=args.cpu_cores, max_grad_norm=args.max_grad_norm,
+            fixed=fixed, engine=engine_variant(args, ordered),
             allow_bf16_moments=args.allow_bf16_moments, storage=args.use_storage, **extra)
         cfg, why, pred = plan.tune(shape, prof, cons)
     except (ValueError, TypeError, FileNotFoundError) as exc:
@@ -92,7 +94,8 @@ def _tune(args: argparse.Namespace) -> int:
     if args.out is not None:
         try:
             args.out.write_text(json.dumps(cfg.to_dict(), indent=1, default=float))
-        except OSError as exc:  # checked at parse time; the folder may change meanwhile
+        except OSError as exc:
+            # checked at parse time; the folder may change meanwhile
             return fail(f"--out {args.out}: cannot write ({exc.strerror or exc}); choose "
                         "another path")
     from superoffload.plan.calibrate import calibration_state

@@ -66,7 +66,8 @@ def split_train_val(
     blocks = list(tokens.split(block_tokens))
     val = [b for i, b in enumerate(blocks) if i % every == every - 1]
     train = [b for i, b in enumerate(blocks) if i % every != every - 1]
-    if not val:  # a corpus shorter than `every` blocks: take its tail
+    # a corpus shorter than `every` blocks: take its tail
+    if not val:
         cut = int(len(tokens) * (1.0 - val_fraction))
         return tokens[:cut].clone(), tokens[cut:].clone()
     return torch.cat(train), torch.cat(val)
@@ -86,11 +87,13 @@ class BatchSampler:
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1:
-            raise ValueError(f"BatchSampler: tokens must be 1-D, got shape {tuple(self.tokens.shape)}")
+            raise ValueError(
+                f"BatchSampler: tokens must be 1-D, got shape {tuple(self.tokens.shape)}")
         for name in ("batch_size", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"BatchSampler.{name}={value!r} is invalid: use a whole number >= 1")
+                raise ValueError(
+                    f"BatchSampler.{name}={value!r} is invalid: use a whole number >= 1")
         if len(self.tokens) < self.seq_len + 2:
             raise ValueError(
                 f"BatchSampler: {len(self.tokens)} tokens are too few for seq_len={self.seq_len}; "

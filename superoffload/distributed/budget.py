@@ -39,8 +39,10 @@ def available_host_bytes() -> int:
         pass
     with open("/proc/meminfo") as f:
         for line in f:
+            # MemAvailable, not MemFree: the kernel's estimate counts reclaimable page cache
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the file counts kB
+                # the file counts kB
+                return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read the available host memory: install psutil")
 
 
@@ -60,6 +62,7 @@ class HostBudget:
 
     @property
     def allowed_bytes(self) -> int:
+        # int(): the check compares whole bytes, rounding the headroom's share down
         return int(self.available_bytes * self.headroom)
 
     @property
@@ -101,6 +104,7 @@ def shard_host_bytes(shard_numel: int, *, grad_bytes: int, lp_bytes: int, snapsh
     (``moment_bytes``: 8 fp32, 4 bf16), the gradient shard (``grad_bytes`` per element), the
     low-precision weight shard (``lp_bytes``, 0 for an fp32 model) and the optional
     snapshot (12 B)."""
+    # the snapshot copies p, m and v in fp32 (runtime/steps.py, rollback="snapshot")
     per_elem = 4 + moment_bytes + grad_bytes + lp_bytes + (12 if snapshot else 0)
     return shard_numel * per_elem
 
@@ -112,18 +116,27 @@ def plan_host_bytes(buckets: Sequence[Sequence[int]], *, dtype: torch.dtype, sna
     of each offloaded bucket (this rank's shards); gradients land in fp32 host buffers.
     ``planned``: the host bytes plan/storage.py gives a rank with a storage tier or a budget
     (the pool and the resident buckets: what it allocates, not the whole state)."""
+    # an fp32 model's master is its weight: no separate low-precision copy on the host
     lp_bytes = 0 if dtype == torch.float32 else dtype.itemsize
-    rank_bytes = planned if planned is not None else sum(
-        shard_host_bytes(sum(b), grad_bytes=4, lp_bytes=lp_bytes, snapshot=snapshot,
-                         moment_bytes=2 * moments.itemsize) for b in buckets)
-    return HostBudget(rank_bytes, local_ranks,
-                      available_host_bytes() if available is None else available,
+    if planned is not None:
+        # a tier or a budget allocates the pool and the resident buckets, not the whole state
+        rank_bytes = planned
+    else:
+        # gradients land in fp32 host buffers (4 B); two moments of ``moments`` each
+        rank_bytes = sum(
+            shard_host_bytes(sum(b), grad_bytes=4, lp_bytes=lp_bytes, snapshot=snapshot,
+                             moment_bytes=2 * moments.itemsize) for b in buckets)
+    # read only when not given: tests pass a fixed figure
+    if available is None:
+        available = available_host_bytes()
+    return HostBudget(rank_bytes, local_ranks, available,
                       DEFAULT_HEADROOM if headroom is None else headroom)
 
 
 def count_local_ranks(group: Any) -> int:
     """Ranks of ``group`` on this host (torchrun's LOCAL_WORLD_SIZE when set, else a gather
     of host names): they split this host's cores (the thread rule) and memory."""
+    # torchrun's own count needs no collective
     if "LOCAL_WORLD_SIZE" in os.environ:
         return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
     hosts: list[object] = [None] * dist.get_world_size(group)
@@ -136,10 +149,14 @@ def agree_host_budget(budget: HostBudget, group: Any, rank: int) -> None:
     """Raise HostMemoryError on every rank when any rank's host budget does not fit: either
     all ranks allocate or all raise, and none waits in a collective for a peer that gave up."""
     bad = torch.tensor([0.0 if budget.fits else 1.0])
+    # NCCL reduces device tensors only
     if dist.get_backend(group) == "nccl":
         bad = bad.cuda()
+    # MAX: one rank that does not fit stops them all
     with collective_guard("all_reduce (host budget)", group):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
     if bad.item() > 0:
-        where = "this host" if not budget.fits else "another rank's host"
+        where = "another rank's host"
+        if not budget.fits:
+            where = "this host"
         raise HostMemoryError(f"rank {rank}: {budget_message(budget, where)}")

@@ -82,10 +82,13 @@ def plan_parallel_layout(world_size: int, *, dp: int | None = None, sp: int = 1,
         dp = world_size // sp
     dp = _positive_int("dp", dp)
     if dp * sp != world_size:
+        # the --dp that would fit, when --sp divides the world at all
+        fitting_dp = "?"
+        if world_size % sp == 0:
+            fitting_dp = str(world_size // sp)
         raise ValueError(
             f"--dp {dp} x --sp {sp} = {dp * sp} does not match the world size {world_size}: "
-            f"launch dp*sp processes or pass --dp {world_size // sp if world_size % sp == 0 else '?'}"
-            f" for --sp {sp}"
+            f"launch dp*sp processes or pass --dp {fitting_dp} for --sp {sp}"
         )
     replicate = _positive_int("replicate", replicate)
     if dp % replicate:

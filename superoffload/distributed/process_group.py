@@ -10,11 +10,8 @@ Hangs: every collective of the process group times out after `timeout_s` (gloo r
 calling thread; NCCL's watchdog tears the process down, TORCH_NCCL_ASYNC_ERROR_HANDLING=3, the
 default). A rank that *dies* is usually noticed sooner: gloo sees the closed TCP connection at
 the next collective, and torchrun's agent stops the remaining workers of a failed group.
-`collective_guard()` turns the dist backend's error into a `DistributedError` that names this rank,
-the collective and the timeout, and the peer on this host that died: a rank killed with
-SIGKILL closes its connections before the kernel marks it as exited, so the survivor waits a
-moment for that (``PEER_EXIT_WAIT_S``; it used to say only "a peer rank died" in 2 of 3
-places a rank was killed).
+`collective_guard()` turns the dist backend's error into a `DistributedError` that names this
+rank, the collective, the timeout and the peer on this host that died.
 
     info = init_distributed(sp=2)            # under torchrun
     groups = get_groups()                     # .sp_group for Ulysses, .world_group for grads
@@ -47,16 +44,13 @@ DEFAULT_TIMEOUT_S = 300.0
 """Collective timeout: long enough for a slow first step (model build, kernel compilation on
 one rank), short enough that a stuck job fails within minutes instead of torch's 30 min."""
 MIN_TIMEOUT_S = 1.0
-"""The shortest collective timeout accepted (``init_distributed`` and ``--dist-timeout-s``):
-below it the rendezvous of a healthy job can time out, and a value that rounds to 0 in a
-``timedelta`` (1e-9) made torch fail with a raw C++ error."""
-
+"""The shortest collective timeout accepted (``init_distributed``, ``--dist-timeout-s``): below
+it a healthy job's rendezvous can time out, and a near-zero ``timedelta`` fails in torch's C++."""
 
 PEER_EXIT_WAIT_S = 5.0
-"""How long a failed collective waits for a local peer's process to end before naming the
-cause (woken at once by the exit: ``exited_soon``). A killed torch process takes a moment to
-be torn down (its memory unmapped: over 2 s seen on 2 busy cores); only a failure with no
-local peer exiting (a remote one) waits it out, once, on its way to an error."""
+"""How long a failed collective waits for a local peer's process to end before naming the cause
+(``exited_soon`` wakes at the exit). A killed torch process takes seconds to be torn down (over 2
+s seen on 2 busy cores); only a failure with no local peer exiting waits it out, once."""
 
 
 def timeout_ok(timeout_s: float) -> bool:
@@ -150,6 +144,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
     """
     global _STATE
     env = dict(os.environ) if env is None else env
+    # a bool is an int to isinstance; timeout_ok refuses nan, inf and near-zero values
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
             or not timeout_ok(timeout_s):
         raise ValueError(f"timeout_s={timeout_s!r} is invalid: use a finite number of seconds "
@@ -160,8 +155,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
             raise ValueError(
                 f"init_distributed: already initialised with dp={_STATE.info.dp}, "
                 f"sp={_STATE.info.sp}, replicate={_STATE.info.replicate}; call shutdown() "
-                f"before re-initialising with dp={dp}, sp={sp}, replicate={replicate}"
-            )
+                f"before re-initialising with dp={dp}, sp={sp}, replicate={replicate}")
         return _STATE.info
     present = [name for name in TORCHRUN_ENV if name in env]
     if present and len(present) != len(TORCHRUN_ENV):
@@ -174,7 +168,8 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
         rank, world_size = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
         local_rank = _env_int(env, "LOCAL_RANK")
         if not rank < world_size:
-            raise ValueError(f"RANK={rank} is not below WORLD_SIZE={world_size}: check the launcher")
+            raise ValueError(
+                f"RANK={rank} is not below WORLD_SIZE={world_size}: check the launcher")
     else:
         rank, world_size, local_rank = 0, 1, 0
     # validate before any networking
@@ -189,16 +184,17 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
 
+    # a group the caller made (Accelerate, Lightning) is used, and never destroyed by us
     owns_group = not dist.is_initialized()
     if owns_group:
         timeout = timedelta(seconds=float(timeout_s))
         if present:
-            # env:// rendezvous: MASTER_ADDR/MASTER_PORT name rank 0's TCPStore.
+            # env:// rendezvous: MASTER_ADDR/MASTER_PORT name rank 0's TCPStore
             dist.init_process_group(backend, init_method="env://", rank=rank,
                                     world_size=world_size, timeout=timeout,
                                     device_id=torch.device(device) if backend == "nccl" else None)
         else:
-            # One rank and no launcher: an in-memory store, no port to pick.
+            # one rank and no launcher: an in-memory store, no port to pick
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
     try:
@@ -206,6 +202,7 @@ def init_distributed(*, backend: str = "auto", timeout_s: float = DEFAULT_TIMEOU
                                device_type="cuda" if backend == "nccl" else "cpu")
         processes = _exchange_processes(world_size)
     except Exception:
+        # a failed init leaves no half-made group, so the caller may try again
         if owns_group:
             dist.destroy_process_group()
         raise
@@ -259,6 +256,7 @@ def _process_gone(pid: int) -> bool:
 def _local_peers(ranks: list[int], test: Callable[[int], bool]) -> list[int]:
     """Ranks among `ranks` on this host, not this one, whose process pid passes `test`
     (remote ranks are never listed: we cannot see them)."""
+    # no table, or one from another layout: naming a wrong peer is worse than naming none
     if _STATE is None or len(_STATE.processes) != _STATE.info.world_size:
         return []
     host, procs = socket.gethostname(), _STATE.processes
@@ -281,6 +279,7 @@ def exited_soon(ranks: list[int], timeout_s: float) -> list[int]:
     `timeout_s` (a process descriptor per peer wakes the wait at its exit; without them,
     only those gone already)."""
     gone = exited_peers(ranks)
+    # pidfd_open is Linux-only (3.9+ Python, 5.3+ kernel): elsewhere, only those gone already
     if gone or _STATE is None or not hasattr(os, "pidfd_open"):
         return gone
     fds: dict[int, int] = {}
@@ -299,9 +298,11 @@ def exited_soon(ranks: list[int], timeout_s: float) -> list[int]:
 def stall_cause(ranks: list[int]) -> str:
     """Which of ``ranks`` on this host is stopped or gone, for a watchdog's message."""
     stopped, gone = stopped_peers(ranks), exited_peers(ranks)
-    return (f"rank(s) {stopped} on this host are stopped" if stopped else
-            f"rank(s) {gone} on this host have exited" if gone else
-            "no local peer is stopped or gone: look at the other hosts' ranks")
+    if stopped:
+        return f"rank(s) {stopped} on this host are stopped"
+    if gone:
+        return f"rank(s) {gone} on this host have exited"
+    return "no local peer is stopped or gone: look at the other hosts' ranks"
 
 
 def _require_state(caller: str) -> _State:
@@ -335,21 +336,28 @@ def collective_guard(collective: str, group: dist.ProcessGroup | None = None) ->
     message."""
     try:
         yield
-    except RuntimeError as exc:  # DistBackendError, gloo's IOError-as-RuntimeError, timeouts
+    except RuntimeError as exc:
+        # DistBackendError, gloo's IOError-as-RuntimeError, timeouts; an inner guard's goes on
         if isinstance(exc, DistributedError) or not dist.is_initialized():
             raise
         rank, world = dist.get_rank(), dist.get_world_size()
         peers = dist.get_process_group_ranks(group) if group is not None else list(range(world))
         timeout = f"{_STATE.info.timeout_s:g} s" if _STATE is not None else "the group's timeout"
-        stopped = stopped_peers(peers)  # a stall: nobody is about to exit
-        gone = exited_peers(peers) if stopped else exited_soon(peers, PEER_EXIT_WAIT_S)
-        cause = (f"rank(s) {gone} on this host have exited" if gone else
-                 f"rank(s) {stopped} on this host are stopped (SIGSTOP or a debugger) and did "
-                 f"not join within {timeout}" if stopped else
-                 f"a peer rank died, or stalled past {timeout}, or passed a different shape")
+        stopped = stopped_peers(peers)
+        # a stall: none exits; else a SIGKILLed rank's sockets close before it shows as exited
+        if stopped:
+            gone = exited_peers(peers)
+        else:
+            gone = exited_soon(peers, PEER_EXIT_WAIT_S)
+        cause = f"a peer rank died, or stalled past {timeout}, or passed a different shape"
+        if gone:
+            cause = f"rank(s) {gone} on this host have exited"
+        elif stopped:
+            cause = (f"rank(s) {stopped} on this host are stopped (SIGSTOP or a debugger) and "
+                     f"did not join within {timeout}")
         raise DistributedError(
             f"rank {rank} of {world}: collective {collective} over ranks {peers} failed: "
-            f"{cause}. Look at the other ranks' logs for the first error. Backend said: {exc}"
+            f"{cause}. Look at the other ranks' logs for the first error. Backend said: {exc}",
         ) from exc
 
 

@@ -92,8 +92,11 @@ def average_gradients_in_backward(params: Iterable[nn.Parameter],
     rank of the world, in the same order (it creates a dedicated communicator, so these
     all-reduces never interleave with another thread's collectives on `group`).
     """
-    ranks = dist.get_process_group_ranks(group) if dist.is_initialized() and group is not None \
-        else list(range(group_size(group)))
+    # without a process group (one process, tests) the group's ranks are 0..size-1
+    if dist.is_initialized() and group is not None:
+        ranks = dist.get_process_group_ranks(group)
+    else:
+        ranks = list(range(group_size(group)))
     if len(ranks) == 1:
         return []
     own = dist.new_group(ranks)

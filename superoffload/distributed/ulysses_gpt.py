@@ -31,10 +31,12 @@ class UlyssesSelfAttention(nn.Module):
         self.n_head, self.dropout = original.n_head, original.dropout
         self.qkv, self.proj, self.resid_drop = original.qkv, original.proj, original.resid_drop
         self.group = group
-        self.original = [original]  # a list, so it is not registered as a submodule
+        # a list, so it is not registered as a submodule
+        self.original = [original]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # t = S/P local positions
+        # t = S/P local positions
+        b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = ulysses_attention(q, k, v, self.group, causal=True,
@@ -45,7 +47,8 @@ class UlyssesSelfAttention(nn.Module):
 
 def _position_shift_hook(group: dist.ProcessGroup | None, block_size: int):
     def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        (pos,) = args  # GPT.forward looks up arange(S/P): shift to this rank's positions
+        # GPT.forward looks up arange(S/P): shift to this rank's positions
+        (pos,) = args
         p, t_local = group_size(group), pos.shape[-1]
         if t_local * p > block_size:
             raise ValueError(

@@ -5,10 +5,11 @@
     so.export_hf(engine, "out/model")                       # live: the engine's fp32 masters
     so.export_hf("runs/a/checkpoint", "out/model", dtype="bf16", max_shard_bytes="2GB")
 
-Sources (detect.py): a live engine or ``SuperOffloadTrainer`` (live.py, peft_adapter.py), an
-``engine.save_checkpoint`` folder or a Trainer ``checkpoint-N`` (engine_file.py), an FSDP2
-checkpoint (dcp.py). The writer (writer.py) streams one tensor at a time into safetensors
-files (safetensors_file.py) laid out by shards.py, with config.json from companions.py.
+Sources (detect.py): a live engine or ``SuperOffloadTrainer`` (live_engine.py,
+peft_adapter.py), an ``engine.save_checkpoint`` folder or a Trainer ``checkpoint-N``
+(engine_file.py), an FSDP2 checkpoint (dcp.py). The writer (writer.py) streams one tensor at
+a time into safetensors files (safetensors_file.py) laid out by shards.py, with config.json
+from companions.py.
 ``load_gpt`` (gpt_loader.py) reads an export of our GPT back.
 """
 

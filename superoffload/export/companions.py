@@ -144,9 +144,10 @@ def run_extras(folder: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Extr
     if not isinstance(run, dict):
         return Extras(), ""
     if run.get("hf"):
-        from superoffload.models.hf import tiny_hf_causal_lm
+        from superoffload.models.hf_lm import tiny_hf_causal_lm
 
-        with torch.random.fork_rng():  # it seeds torch's generator: leave the caller's alone
+        # it seeds torch's generator: leave the caller's alone
+        with torch.random.fork_rng():
             extras, prefix = model_extras(tiny_hf_causal_lm(block_size=int(run["seq"]),
                                                             seed=int(run["seed"])))
     else:
@@ -156,7 +157,8 @@ def run_extras(folder: str, shapes: Mapping[str, tuple[int, ...]]) -> tuple[Extr
             cfg = PRESETS[str(run["model"])](checkpointing=bool(run.get("checkpointing")))
             # the run may have widened the context beyond the preset's: the shapes say how much
             cfg.vocab_size, cfg.block_size = shapes["wte.weight"][0], shapes["wpe.weight"][0]
-        except (KeyError, IndexError, ValueError, TypeError):  # not a model this version builds
+        except (KeyError, IndexError, ValueError, TypeError):
+            # not a model this version builds
             return Extras(), ""
         extras, prefix = gpt_extras(cfg), ""
     extras.config_from = f"{os.path.join(folder, TRAIN_JSON)} (the model the run built)"

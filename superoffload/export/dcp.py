@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from superoffload.export.source import Entry, Extras, plan_entries
-from superoffload.runtime import checkpoint as single
+from superoffload.runtime import engine_checkpoint as single
 from superoffload.runtime.ckpt_files import CheckpointCorrupt, check_digests
 
 MASTER = "state/{}/master"
@@ -37,8 +37,10 @@ class DcpSource:
         from superoffload.export.companions import run_extras
 
         digests = manifest.get("sha256")
-        reason = ("its manifest records no checksums" if not isinstance(digests, dict) else
-                  check_digests(path, digests))
+        # a manifest without digests cannot prove the shards intact: refuse, not trust
+        reason: str | None = "its manifest records no checksums"
+        if isinstance(digests, dict):
+            reason = check_digests(path, digests)
         if reason is not None:
             raise CheckpointCorrupt(f"checkpoint {path}: {reason}; it was not exported. Export "
                                     "an older checkpoint, or copy every file of this one again")
@@ -69,7 +71,8 @@ class DcpSource:
 
         md = self.stored[key]
         target = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        # "assuming the intent is to load in a single process"
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(target, storage_reader=self.reader, no_dist=True)
         return target[key]

@@ -41,7 +41,7 @@ def kind_of(path: str) -> str | None:
 
 def open_source(source: Any) -> Source:
     """The reader for ``source`` (a live engine or trainer, or a checkpoint folder)."""
-    from superoffload.export.live import LiveSource, engine_of
+    from superoffload.export.live_engine import LiveSource, engine_of
     from superoffload.export.peft_adapter import PeftLiveSource, is_peft_model
 
     if not isinstance(source, str | os.PathLike):
@@ -54,7 +54,8 @@ def open_source(source: Any) -> Source:
         return PeftLiveSource(engine) if peft else LiveSource(engine)
     path = os.fspath(source)
     if os.path.isfile(path) and os.path.basename(path) in (ENGINE_FILE, MANIFEST):
-        path = os.path.dirname(path) or "."  # the checkpoint's file given: its folder
+        # the checkpoint's file given: its folder
+        path = os.path.dirname(path) or "."
     if not os.path.isdir(path):
         what = "is a file, not a folder" if os.path.lexists(path) else "does not exist"
         raise FileNotFoundError(f"export: {path} {what} (expected a checkpoint folder holding "

@@ -1,5 +1,5 @@
 """Reading a run from an engine state dict on disk: a single-process checkpoint's ``engine.pt``
-(``engine.save_checkpoint``, runtime/checkpoint.py) or a Trainer checkpoint's
+(``engine.save_checkpoint``, runtime/engine_checkpoint.py) or a Trainer checkpoint's
 ``optimizer.pt`` (``SuperOffloadTrainer``: ``engine.state_dict()``, integrations/hf.py).
 
 Both hold ``state`` (per trainable parameter name: the fp32 ``master`` and both moments),
@@ -27,7 +27,7 @@ from superoffload.export.source import (
     plan_entries,
     storage_identity,
 )
-from superoffload.runtime import checkpoint as single
+from superoffload.runtime import engine_checkpoint as single
 from superoffload.runtime.ckpt_files import CheckpointCorrupt, check_seal
 from superoffload.runtime.ckpt_manifest import damaged
 
@@ -47,15 +47,15 @@ def check_format(payload: dict[str, Any], file: str, how: str) -> None:
     """The payload is an engine state dict, else an error naming what it is and ``how`` the
     file was expected to be written."""
     found = payload.get("format")
-    if found == single.FORMAT and isinstance(payload.get("state"), dict):
+    if found == single.ENGINE_FORMAT and isinstance(payload.get("state"), dict):
         return
     if found is None and "param_groups" in payload and "state" in payload:
         what = ("a torch.optim state dict (parameters by number, no names, no fp32 masters): "
                 "written by another optimizer than the offload engine")
     else:
         what = f"format {found!r}"
-    raise single.CheckpointMismatch(f"{file} holds {what}; an export reads {single.FORMAT!r}, "
-                                    f"{how}")
+    raise single.CheckpointMismatch(
+        f"{file} holds {what}; an export reads {single.ENGINE_FORMAT!r}, {how}")
 
 
 class PayloadSource:
@@ -75,7 +75,8 @@ class PayloadSource:
         identity = self._identities()
         groups = alias_groups(self.model, identity.__getitem__)
         missing = sorted(set(self.state) - set(self.model))
-        if missing:  # every trainable parameter is also a model state-dict key
+        # every trainable parameter is also a model state-dict key
+        if missing:
             raise single.CheckpointMismatch(f"{self.what}: parameter(s) {missing[:3]} have "
                                             "fp32 masters but no entry in the model's state")
         return plan_entries(groups, lambda k: tuple(self.model[k].shape),
@@ -110,7 +111,8 @@ class PayloadSource:
         return self._extras
 
     def close(self) -> None:
-        self.payload, self.state, self.model = {}, {}, {}  # unmaps the file
+        # unmaps the file
+        self.payload, self.state, self.model = {}, {}, {}
 
 
 def open_engine_checkpoint(path: str) -> PayloadSource:
@@ -119,16 +121,19 @@ def open_engine_checkpoint(path: str) -> PayloadSource:
     from superoffload.export.companions import run_extras
 
     file = os.path.join(path, single.FILENAME)
-    reason = damaged(path)  # the manifest's size and SHA-256, streamed
+    # the manifest's size and SHA-256, streamed
+    reason = damaged(path)
     if reason is not None:
         raise CheckpointCorrupt(f"checkpoint {path}: {reason}; it was not exported. Export an "
                                 "older checkpoint, or copy this one again from where it was "
                                 "written")
     payload = load_mapped(file)
     if not _sha_recorded(path):
-        check_seal(payload, file)  # no checksum in meta.json: the sealed one alone decides
+        # no checksum in meta.json: the sealed one alone decides
+        check_seal(payload, file)
     check_format(payload, file, "written by engine.save_checkpoint(path)")
-    if payload.get("tier") is not None:  # the storage tier's masters: a file beside engine.pt
+    # the storage tier's masters: a file beside engine.pt
+    if payload.get("tier") is not None:
         from superoffload.runtime.tier_checkpoint import mapped_states
 
         payload["state"].update({name: {"master": st.master} for name, st in

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from superoffload.export.engine_file import PayloadSource
-from superoffload.export.live import LiveSource
+from superoffload.export.live_engine import LiveSource
 from superoffload.export.safetensors_file import Stored, read_header, read_tensor
 from superoffload.export.source import Entry, Extras
 
@@ -108,7 +108,8 @@ class PeftCheckpointSource(PayloadSource):
         by_key: dict[str, list[str]] = {}
         for name in self.state:
             parts = name.split(".")
-            for i in range(len(parts)):  # the name without one segment: the adapter's
+            # the name without one segment: the adapter's
+            for i in range(len(parts)):
                 by_key.setdefault(".".join(parts[:i] + parts[i + 1:]), []).append(name)
         out = []
         for key, s in self.stored.items():
@@ -118,7 +119,8 @@ class PeftCheckpointSource(PayloadSource):
                                  f"parameters {names}; it cannot be exported unambiguously")
             if names:
                 out.append(Entry(key, names[0], s.shape, torch.float32, True))
-            else:  # not trained here (peft saved it from the model): as the adapter holds it
+            else:
+                # not trained here (peft saved it from the model): as the adapter holds it
                 out.append(Entry(key, key, s.shape, s.dtype, False))
         _check_every_master_kept(out, self.state, self.what)
         return out

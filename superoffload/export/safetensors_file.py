@@ -34,7 +34,7 @@ CODES: dict[torch.dtype, str] = {
     torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 """torch dtype -> the format's dtype code."""
-DTYPES = {code: dtype for dtype, code in CODES.items()}
+DTYPE_OF_CODE = {code: dtype for dtype, code in CODES.items()}
 METADATA = {"format": "pt"}
 
 
@@ -77,7 +77,8 @@ def header_bytes(specs: Sequence[TensorSpec]) -> bytes:
                          "data_offsets": [offset, offset + s.nbytes]}
         offset += s.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the reference writer's padding: data starts 8-aligned
+    # the reference writer's padding: data starts 8-aligned
+    text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
@@ -86,7 +87,8 @@ def write_file(path: str, specs: Sequence[TensorSpec],
     """Write ``path``: the header of ``specs`` (``file_order``), then each tensor's bytes,
     asking ``tensor_of(spec)`` for one tensor at a time (a CPU tensor of the spec's dtype and
     shape; dropped once written). fsynced; returns the bytes written."""
-    if sys.byteorder != "little":  # the format is little-endian; torch writes native order
+    # the format is little-endian; torch writes native order
+    if sys.byteorder != "little":
         raise RuntimeError("safetensors export needs a little-endian machine")
     written = 0
     with open(path, "wb") as f:
@@ -109,7 +111,8 @@ def _write_bytes(f: BinaryIO, t: torch.Tensor) -> int:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return 0
-    view = flat.view(torch.uint8).numpy()  # the bytes themselves: no copy (bf16 has no numpy)
+    # the bytes themselves: no copy (bf16 has no numpy)
+    view = flat.view(torch.uint8).numpy()
     f.write(view.data)
     return int(view.nbytes)
 
@@ -143,9 +146,10 @@ def read_header(path: str) -> tuple[dict[str, Stored], dict[str, str]]:
     out = {}
     for key, e in header.items():
         begin, end = e["data_offsets"]
-        if e["dtype"] not in DTYPES:
+        if e["dtype"] not in DTYPE_OF_CODE:
             raise ValueError(f"{path}: tensor {key!r} has dtype {e['dtype']!r}, unknown here")
-        out[key] = Stored(key, DTYPES[e["dtype"]], tuple(e["shape"]), 8 + n + begin, 8 + n + end)
+        out[key] = Stored(key, DTYPE_OF_CODE[e["dtype"]], tuple(e["shape"]), 8 + n + begin,
+                          8 + n + end)
     return out, meta
 
 

@@ -76,7 +76,8 @@ def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int, *,
     current: list[tuple[str, int]] = []
     filled = 0
     for key, nbytes in sizes:
-        if current and filled + nbytes > max_shard_bytes:  # the next tensor would overflow
+        # the next tensor would overflow
+        if current and filled + nbytes > max_shard_bytes:
             groups.append(current)
             current, filled = [], 0
         current.append((key, nbytes))

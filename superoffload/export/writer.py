@@ -37,7 +37,7 @@ from superoffload.export.safetensors_file import TensorSpec, file_order, write_f
 from superoffload.export.shards import DEFAULT_MAX_SHARD, ShardPlan, parse_size, plan_shards
 from superoffload.export.source import Entry, Source, tensor_of
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """``--dtype`` -> the dtype floating-point tensors are written in."""
 
 
@@ -60,8 +60,10 @@ class ExportReport:
     """The most tensor bytes the writer held at any moment (measured)."""
 
     def lines(self) -> list[str]:
-        files = self.files[0] if len(self.files) == 1 else (
-            f"{len(self.files)} shards + {self.index_file}")
+        files = f"{len(self.files)} shards + {self.index_file}"
+        # one file needs no index (shards.py writes one only for several)
+        if len(self.files) == 1:
+            files = self.files[0]
         out = [f"export: {self.source} -> {self.out_dir}",
                f"  {self.tensors} tensors, {self.total_bytes / 1e6:,.1f} MB of {self.dtype} in "
                f"{files} (at most {self.peak_held_bytes / 1e6:,.1f} MB held at once)"]
@@ -102,8 +104,8 @@ def export_hf(source: Any, out_dir: str | os.PathLike[str], *, dtype: str = "fp3
     (the masters bit for bit) or "bf16". ``max_shard_bytes``: bytes or a size such as "5GB".
     ``config``: a config.json, or a model folder whose config and tokenizer files to use
     (replaces what the source knows)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(EXPORT_DTYPES)}")
     bound = parse_size(max_shard_bytes)
     out = os.fspath(out_dir)
     _check_out(out)
@@ -111,7 +113,7 @@ def export_hf(source: Any, out_dir: str | os.PathLike[str], *, dtype: str = "fp3
     src = open_source(source) if not _is_source(source) else source
     try:
         entries = src.entries()
-        target = DTYPES[dtype]
+        target = EXPORT_DTYPES[dtype]
         specs = {e.key: TensorSpec(e.key, target if e.dtype.is_floating_point else e.dtype,
                                    e.shape) for e in entries}
         if len(specs) != len(entries):
@@ -150,7 +152,8 @@ def _cast(src: Source, entry: Entry, dtype: torch.dtype, held: _Held) -> torch.T
     t = held.track(tensor_of(src, entry))
     if t.dtype == dtype:
         return t
-    return held.track(t.to(dtype))  # the read tensor is freed when this returns
+    # the read tensor is freed when this returns
+    return held.track(t.to(dtype))
 
 
 def _check_out(out: str) -> None:
@@ -164,7 +167,8 @@ def _check_space(out: str, nbytes: int) -> None:
     try:
         free = shutil.disk_usage(parent).free
     except OSError:
-        return  # no statvfs there: find out by writing
+        # no statvfs there: find out by writing
+        return
     if free < nbytes:
         raise OSError(errno.ENOSPC, f"no space left on device: the export needs {nbytes:,} "
                       f"bytes ({nbytes / 1e9:.2f} GB), {parent} has {free:,} free; nothing was "
@@ -200,5 +204,6 @@ def _write_text(path: str, text: str) -> None:
 def _install(partial: str, out: str) -> None:
     """Rename the complete folder to its name (an empty folder there gives way)."""
     if os.path.isdir(out):
-        os.rmdir(out)  # empty (checked first); a file appearing since fails here, kept
+        # empty (checked first); a file appearing since fails here, kept
+        os.rmdir(out)
     os.replace(partial, out)

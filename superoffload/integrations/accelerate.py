@@ -24,10 +24,11 @@ accelerator takes over what the engine must own and leaves the script alone:
   (`torch.optim.AdamW` / `Adam`: the engine is built from its groups and hyper-parameters,
   which stay what schedulers see and are copied into the engine before every backward and
   step), or an engine's own `engine.optimizer`, or the Trainer integration's
-  `OffloadedOptimizer`. It returns `OffloadAcceleratedOptimizer`, which steps and zeroes only
-  when `accelerator.sync_gradients` (as accelerate's `AcceleratedOptimizer` does) and never
-  round-trips the engine's state (accelerate's wrapper copies an optimizer's whole state at
-  prepare). An LR scheduler built on the object you passed is prepared as usual.
+  `OffloadedOptimizer`. It returns an `OffloadedOptimizer` (integrations/offloaded_optimizer.py,
+  the Trainer's too), which steps and zeroes only when `accelerator.sync_gradients` (as
+  accelerate's `AcceleratedOptimizer` does) and never round-trips the engine's state
+  (accelerate's wrapper copies an optimizer's whole state at prepare). An LR scheduler built
+  on the object you passed is prepared as usual.
 * `backward(loss)` -> `engine.backward(loss / gradient_accumulation_steps)`: the loss plain
   Accelerate backpropagates, with the buckets leaving for the CPU during backward.
 * `clip_grad_norm_(model.parameters(), max_norm)` -> `engine.clip_grad_norm_`: returns the
@@ -47,7 +48,7 @@ accelerator takes over what the engine must own and leaves the script alone:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,187 +62,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from superoffload.config import ConfigError, OffloadConfig
-from superoffload.integrations.accumulation import complete_window
-from superoffload.integrations.bridge import EngineMetrics, adam_hyper, engine_config
-from superoffload.kernels.hyper import torch_flag_keys, torch_flags
-from superoffload.runtime.contract import owner
-
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
-
-
-class OffloadAcceleratedOptimizer(torch.optim.Optimizer):
-    """What `SuperOffloadAccelerator.prepare` returns for an optimizer: the engine's step.
-
-    NOTE: like accelerate's `AcceleratedOptimizer` it does not call `Optimizer.__init__`; its
-    `param_groups` are those of the object passed to `prepare` (`optimizer`), which LR
-    schedulers change; `step` / `zero_grad` act only when `accelerator.sync_gradients`."""
-
-    _is_accelerate_prepared = True  # accelerate: prepared, do not wrap again
-
-    def __init__(self, accelerator: SuperOffloadAccelerator, optimizer: torch.optim.Optimizer,
-                 engine: Any = None) -> None:
-        self.accelerator = accelerator
-        self.optimizer = optimizer
-        """The object passed to `prepare` (`prepare_scheduler` matches schedulers by it)."""
-        self.engine = engine
-        """The engine: given (`engine.optimizer`, `OffloadedOptimizer`) or built at `bind`."""
-        self.built = False
-        """Whether the accelerator built the engine (and closes it in `free_memory`)."""
-        self._pairs: list[tuple[int, int]] = []
-        """(engine group, torch group) indices whose hyper-parameters are copied over."""
-        self._micro = 0
-        self._skipped = False
-
-    # ------------------------------------------------------------------ torch surface
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """An fp16 overflow skipped the last step (accelerate then keeps the scheduler)."""
-        return self._skipped
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.accelerator.sync_gradients:
-            return loss  # mid-accumulation: accelerate's optimizer does nothing either
-        engine = self.bound()
-        self.close_window("optimizer.step()")
-        self.sync_hyper()
-        before = engine.stats.skipped_steps
-        engine.step()
-        # NOTE: the engine stepped on the passed optimizer's behalf; tell its LR scheduler
-        # (torch's LR scheduler wraps `optimizer.step` to set the same flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        self._micro = 0
-        self._skipped = engine.stats.skipped_steps > before
-        return loss
-
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        if self.accelerator.sync_gradients:
-            self.bound().zero_grad(True if set_to_none is None else set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The engine's state; with a torch optimizer passed, also its groups (the lr a
-        scheduler set)."""
-        engine = self.bound()
-        if not self.built:
-            return engine.state_dict()
-        return {"superoffload_engine": engine.state_dict(),
-                "torch_optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        engine = self.bound()
-        if self.built:
-            if "superoffload_engine" not in state_dict:
-                raise ConfigError(
-                    "load_state: the optimizer state holds no superoffload engine state; it was "
-                    "not saved by SuperOffloadAccelerator (load the model's weights only and "
-                    "start the optimizer afresh)")
-            self.optimizer.load_state_dict(state_dict["torch_optimizer"])
-            state_dict = state_dict["superoffload_engine"]
-        engine.load_state_dict(state_dict)
-        self._micro = 0
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if self.built:
-            raise NotImplementedError(
-                "add_param_group on a torch optimizer the accelerator turned into an engine: "
-                "pass every group before prepare(), or build the engine yourself "
-                "(so.initialize) and prepare engine.optimizer, whose add_param_group works")
-        self.optimizer.add_param_group(param_group)
-
-    def train(self) -> None:
-        """Accelerate calls this for schedule-free optimizers; AdamW has no modes."""
-
-    def eval(self) -> None:
-        """See `train`."""
-
-    def __repr__(self) -> str:
-        return f"OffloadAcceleratedOptimizer({self.optimizer.__class__.__name__}, {self.engine!r})"
-
-    # ------------------------------------------------------------------ engine
-    def bound(self) -> Any:
-        if self.engine is None:
-            raise RuntimeError(
-                "SuperOffloadAccelerator: no engine yet for this optimizer: pass its model to "
-                "accelerator.prepare() too (the engine is built on the model)")
-        return self.engine
-
-    def bind(self, models: Iterable[torch.nn.Module]) -> bool:
-        """Build the engine on the model holding the optimizer's parameters, once it has been
-        prepared; False while it has not."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        ids = {id(p) for p in params}
-        model = next((m for m in models if ids <= {id(p) for p in m.parameters()}), None)
-        if model is None:
-            return False
-        import superoffload as so
-
-        opt, acc = self.optimizer, self.accelerator
-        adamw = isinstance(opt, torch.optim.AdamW) or bool(opt.defaults.get("decoupled_weight_decay"))
-        groups = []
-        for k, group in enumerate(opt.param_groups):
-            trained = [p for p in group["params"] if p.requires_grad]
-            if trained:
-                groups.append({"params": trained, **adam_hyper(group, adamw=adamw),
-                               **torch_flags(group)})  # flags: honoured or refused
-                self._pairs.append((len(groups) - 1, k))
-        config = acc.engine_config()
-        self.engine = so.initialize(acc.unwrap_model(model), groups, config, **acc.engine_kwargs)
-        self.built = True
-        return True
-
-    def sync_hyper(self) -> None:
-        """The torch optimizer's hyper-parameters and flags (a scheduler set them) -> the
-        engine's groups, before each backward and step (the engine reads them then)."""
-        if not self.built:
-            return  # the groups are the engine's own
-        theirs, ours = self.optimizer.param_groups, self.bound().optimizer.param_groups
-        flags = torch_flag_keys()  # a flag set mid-run is honoured or refused at the next step
-        for k_ours, k_theirs in self._pairs:
-            for key in (*_HYPER_KEYS, *(k for k in theirs[k_theirs] if k in flags)):
-                value = theirs[k_theirs][key]
-                ours[k_ours][key] = tuple(value) if key == "betas" else value
-
-    def count_backward(self) -> None:
-        self._micro += 1
-
-    def close_window(self, where: str) -> None:
-        """`where` reads the window's gradients: an early end completed or refused."""
-        complete_window(self.bound(), self._micro, self.accelerator, where)
-        self._micro = self.accelerator.gradient_accumulation_steps
-
-
-def engine_of(optimizer: Any) -> Any | None:
-    """The engine behind `engine.optimizer` or an `OffloadedOptimizer`; None for a torch
-    optimizer (the accelerator builds one)."""
-    engine = getattr(optimizer, "engine", None)
-    if engine is not None:  # integrations.hf.OffloadedOptimizer
-        return engine
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    engines = {id(e): e for e in (owner(p) for p in params) if e is not None}
-    found = next(iter(engines.values()), None)
-    if len(engines) == 1 and found is not None and found.optimizer is optimizer:
-        return found
-    if engines:
-        raise ConfigError(
-            f"accelerator.prepare({type(optimizer).__name__}): its parameters belong to a live "
-            "offload engine already; prepare that engine's engine.optimizer instead (a second "
-            "engine would train the same weights from other moments)")
-    return None
+from superoffload.integrations.bridge import EngineMetrics, engine_config
+from superoffload.integrations.offloaded_optimizer import OffloadedOptimizer, engine_behind
 
 
 class SuperOffloadAccelerator(Accelerator):
@@ -255,7 +77,8 @@ class SuperOffloadAccelerator(Accelerator):
     metrics for `accelerator.log`."""
 
     def __init__(self, *args: Any,
-                 offload_config: OffloadConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+                 offload_config: (OffloadConfig | Mapping[str, Any] | str | os.PathLike[str]
+                                  | None) = None,
                  engine_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.distributed_type != DistributedType.NO:
@@ -274,8 +97,8 @@ class SuperOffloadAccelerator(Accelerator):
         self.engine_metrics: EngineMetrics | None = None
 
     @property
-    def offload_optimizers(self) -> list[OffloadAcceleratedOptimizer]:
-        return [o for o in self._optimizers if isinstance(o, OffloadAcceleratedOptimizer)]
+    def offload_optimizers(self) -> list[OffloadedOptimizer]:
+        return [o for o in self._optimizers if isinstance(o, OffloadedOptimizer)]
 
     @property
     def engine(self) -> Any:
@@ -308,12 +131,16 @@ class SuperOffloadAccelerator(Accelerator):
         return result
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
-                          device_placement: Any = None) -> OffloadAcceleratedOptimizer:
-        if isinstance(optimizer, OffloadAcceleratedOptimizer):
+                          device_placement: Any = None) -> OffloadedOptimizer:
+        # ours, or the Trainer's: adopted as it is
+        if isinstance(optimizer, OffloadedOptimizer):
+            if optimizer.accelerator is None:
+                self._check_engine(optimizer.bound())
+                optimizer.accelerator = self
             if optimizer not in self._optimizers:
                 self._optimizers.append(optimizer)
             return optimizer
-        engine = engine_of(optimizer)
+        engine = engine_behind(optimizer)
         if engine is None and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise ConfigError(
                 f"accelerator.prepare({type(optimizer).__name__}): the offload engine runs "
@@ -321,7 +148,7 @@ class SuperOffloadAccelerator(Accelerator):
                 "an engine's engine.optimizer")
         if engine is not None:
             self._check_engine(engine)
-        wrapped = OffloadAcceleratedOptimizer(self, optimizer, engine)
+        wrapped = OffloadedOptimizer(engine, optimizer, accelerator=self)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -335,7 +162,7 @@ class SuperOffloadAccelerator(Accelerator):
                 "the accelerator build the engine")
 
     # ------------------------------------------------------------------ training
-    def _offload_for(self) -> OffloadAcceleratedOptimizer | None:
+    def _offload_for(self) -> OffloadedOptimizer | None:
         for opt in self.offload_optimizers:
             if opt.engine is not None:
                 return opt
@@ -351,7 +178,8 @@ class SuperOffloadAccelerator(Accelerator):
             raise ConfigError(f"accelerator.backward(loss, {', '.join(kwargs)}=...): the engine "
                               "runs the backward pass itself and takes no options")
         self._check_engine(opt.bound())
-        opt.sync_hyper()  # the engine launches CPU steps during backward: the lr of this step
+        # the engine launches CPU steps during backward: the lr of this step
+        opt.sync_hyper()
         gas = self.gradient_accumulation_steps
         opt.bound().backward(loss / gas if gas != 1 else loss, scale_wrt_gas=False)
         opt.count_backward()
@@ -395,4 +223,4 @@ class SuperOffloadAccelerator(Accelerator):
         return super().free_memory(*objects)
 
 
-__all__ = ["OffloadAcceleratedOptimizer", "SuperOffloadAccelerator", "engine_of"]
+__all__ = ["SuperOffloadAccelerator"]

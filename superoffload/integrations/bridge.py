@@ -39,7 +39,7 @@ from superoffload.telemetry.events import Span
 from superoffload.telemetry.metrics import IterationMetrics, iteration_metrics
 from superoffload.telemetry.window import window_values
 
-PREFIX = "superoffload/"
+METRIC_PREFIX = "superoffload/"
 """Key prefix of every logged engine metric (TensorBoard groups them under one heading);
 after it, a `telemetry.vocabulary` name."""
 
@@ -63,7 +63,8 @@ def engine_config(
         from superoffload import ds_keys
         from superoffload.ds_config import from_deepspeed
 
-        ds = ds_keys.read(config)[0]  # a copy of the dict, or a DeepSpeed JSON file's
+        # a copy of the dict, or a DeepSpeed JSON file's
+        ds = ds_keys.read(config)[0]
         if "optimizer" in ds:
             raise ConfigError(
                 "DeepSpeed config key 'optimizer': the training framework's own arguments set "
@@ -71,9 +72,8 @@ def engine_config(
             )
         base, _ = from_deepspeed(ds)
     else:
-        raise TypeError(
-            f"offload config: pass an OffloadConfig or a DeepSpeed-style dict, not {type(config).__name__}"
-        )
+        raise TypeError(f"offload config: pass an OffloadConfig or a DeepSpeed-style dict, not "
+                        f"{type(config).__name__}")
     clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
     ours = base.max_grad_norm if base.max_grad_norm else None
     if ours is not None and ours != clip:
@@ -115,7 +115,8 @@ def gradients_in_grad(engine: Any) -> Iterator[None]:
                 g = g.to(p.device, p.dtype)
                 p.grad = g
                 shown.append((p, g, g._version))
-    except ContractError:  # not the last micro-step: the gradients are not final yet
+    except ContractError:
+        # not the last micro-step: the gradients are not final yet
         pass
     try:
         yield
@@ -157,7 +158,7 @@ class EngineMetrics:
         self._tokens[it] = self._tokens.get(it, 0) + int(n)
 
     def collect(self) -> dict[str, float]:
-        """Flat dict of floats, keys `PREFIX` + a vocabulary name."""
+        """Flat dict of floats, keys `METRIC_PREFIX` + a vocabulary name."""
         out: dict[str, float] = {}
         new, self._seq = self.engine.telemetry.spans_since(self._seq)
         self._spans.extend(new)
@@ -179,7 +180,8 @@ class EngineMetrics:
             last = self.last_scalar(name)
             if last is not None and math.isfinite(last):
                 out[name] = last
-        return {PREFIX + vocab.metric(k).name: v for k, v in out.items()}  # names: the vocabulary's
+        # names: the vocabulary's
+        return {METRIC_PREFIX + vocab.metric(k).name: v for k, v in out.items()}
 
     def last_scalar(self, name: str) -> float | None:
         """The newest value of an engine scalar (`grad_norm`, `loss_scale`...), or None."""

@@ -10,10 +10,11 @@ How it hooks in -- the places transformers' and accelerate's own DeepSpeed integ
 (docs/integrations.md, "Hugging Face `Trainer`"), nothing else:
 
 * `create_optimizer` builds the engine from Trainer's own param groups (decay / no decay) and
-  TrainingArguments' AdamW hyperparameters; `self.optimizer` becomes `OffloadedOptimizer`, a
-  `torch.optim.Optimizer` whose groups are the engine's, so `create_scheduler` (any
-  `lr_scheduler_type`) steps the engine's learning rate. It is marked as prepared so that
-  `accelerator.prepare` neither wraps it nor round-trips its state (a full copy).
+  TrainingArguments' AdamW hyperparameters; `self.optimizer` becomes `OffloadedOptimizer`
+  (integrations/offloaded_optimizer.py), a `torch.optim.Optimizer` whose groups are the
+  engine's, so `create_scheduler` (any `lr_scheduler_type`) steps the engine's learning rate.
+  It is marked as prepared so that `accelerator.prepare` neither wraps it nor round-trips its
+  state (a full copy).
 * `accelerator.backward` -> `engine.backward` (overlap, accumulation, fp16 loss scaling);
   `accelerator.clip_grad_norm_` -> no clipping: the engine clips with `max_grad_norm` inside
   its step (paper §4.3), as accelerate routes both calls to DeepSpeed's engine; it returns
@@ -51,6 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import EngineMetrics, backward, engine_config
+from superoffload.integrations.offloaded_optimizer import OffloadedOptimizer
 from superoffload.kernels.hyper import check_flags, torch_flags
 
 ADAMW_OPTIMS = frozenset({"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused",
@@ -68,7 +70,8 @@ def deepspeed_for_trainer(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
     fills = {"gradient_accumulation_steps": args.gradient_accumulation_steps,
              "gradient_clipping": args.max_grad_norm,
              "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-             "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps}
+             "train_batch_size":
+                 args.per_device_train_batch_size * args.gradient_accumulation_steps}
     for key, value in fills.items():
         if out.get(key) == "auto":
             out[key] = value
@@ -92,86 +95,6 @@ def deepspeed_for_trainer(ds: Mapping[str, Any], args: Any) -> dict[str, Any]:
     if isinstance(zero, dict) and zero.get("reduce_bucket_size") == "auto":
         zero.pop("reduce_bucket_size")
     return out
-
-
-class OffloadedOptimizer(torch.optim.Optimizer):
-    """The engine as the `torch.optim.Optimizer` Trainer and accelerate call.
-
-    NOTE: like accelerate's `AcceleratedOptimizer` it does not call `Optimizer.__init__`: its
-    `param_groups` *are* `engine.optimizer.param_groups` (an LR scheduler built on it changes
-    the engine's learning rate) and it holds no state of its own. `step_was_skipped` tells
-    accelerate (`Accelerator.optimizer_step_was_skipped`) that an fp16 overflow skipped the
-    step, so Trainer leaves the LR scheduler alone, as with DeepSpeed.
-
-    Being marked prepared, accelerate does not wrap it, so it does what its wrapper would:
-    `optimizer` (how `prepare_scheduler` finds a scheduler's optimizer; it used to raise
-    AttributeError there) is itself, and `step` / `zero_grad` act only when accelerate's
-    `sync_gradients` says the accumulation is complete (it used to step on every
-    micro-batch of `accelerator.accumulate`). Trainer sets that flag for every micro-step."""
-
-    _is_accelerate_prepared = True  # accelerate: do not wrap, do not copy the state
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self._skipped = False
-
-    @property
-    def optimizer(self) -> OffloadedOptimizer:
-        """Itself: what accelerate's optimizer wrapper calls the optimizer it wraps."""
-        return self
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.engine.optimizer.param_groups
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.engine.optimizer.defaults
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # type: ignore[override]
-        return self.engine.optimizer.state
-
-    @property
-    def step_was_skipped(self) -> bool:
-        return self._skipped
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not _sync_gradients():
-            return loss  # mid-accumulation, as accelerate's wrapper
-        before = self.engine.stats.skipped_steps
-        self.engine.step()
-        self._skipped = self.engine.stats.skipped_steps > before
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if _sync_gradients():
-            self.engine.zero_grad(set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self.engine.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "OffloadedOptimizer.add_param_group: the engine plans its buckets once; pass every "
-            "parameter group when the engine is built")
-
-    def __repr__(self) -> str:
-        return f"OffloadedOptimizer({len(self.param_groups)} groups, {self.engine.config.device})"
-
-
-def _sync_gradients() -> bool:
-    """accelerate's `sync_gradients` (True when no Accelerator is in use: nothing accumulates)."""
-    from accelerate.state import GradientState
-
-    return bool(GradientState().sync_gradients)
 
 
 class SuperOffloadTrainer(Trainer):
@@ -230,7 +153,8 @@ class SuperOffloadTrainer(Trainer):
             raise ConfigError(
                 f"TrainingArguments.optim={optim!r}: the offload engine runs AdamW; use one of "
                 f"{sorted(ADAMW_OPTIMS)} (the default 'adamw_torch' is fine)")
-        hyper = self._adamw_hyper()  # refusals first: nothing is cast yet
+        # refusals first: nothing is cast yet
+        hyper = self._adamw_hyper()
         import superoffload as so
 
         model = self.model if model is None else model
@@ -244,22 +168,26 @@ class SuperOffloadTrainer(Trainer):
         decay = set(self.get_decay_parameter_names(model))
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [g for g in (
-            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay, **hyper},
+            {"params": [p for n, p in named if n in decay],
+             "weight_decay": self.args.weight_decay, **hyper},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0, **hyper},
         ) if g["params"]]
         offload = self.offload_config
-        if isinstance(offload, Mapping | str | os.PathLike):  # a dict or, as deepspeed=, a path
+        # a dict or, as deepspeed=, a path
+        if isinstance(offload, Mapping | str | os.PathLike):
             from superoffload import ds_keys
 
             offload = deepspeed_for_trainer(ds_keys.read(offload)[0], self.args)
         config = engine_config(
             offload, max_grad_norm=self.args.max_grad_norm,
             grad_accum_steps=self.args.gradient_accumulation_steps,
-            names=("TrainingArguments.max_grad_norm", "TrainingArguments.gradient_accumulation_steps"))
+            names=("TrainingArguments.max_grad_norm",
+                   "TrainingArguments.gradient_accumulation_steps"))
         if config.device == "auto":
             config = config.replace(device=self.args.device.type)
         self.engine = so.initialize(model, groups, config, **self.engine_kwargs)
-        if getattr(self.engine, "fsdp", None) is not None:  # under torchrun: FSDP2 sharded it
+        # under torchrun: FSDP2 sharded it
+        if getattr(self.engine, "fsdp", None) is not None:
             # Trainer's path for a model that owns its placement and gradient reduction: no DDP
             self.is_distributed_loading_by_transformers = True
         self.engine_metrics = EngineMetrics(self.engine)
@@ -286,7 +214,8 @@ class SuperOffloadTrainer(Trainer):
             raise ConfigError(f"optimizer_cls_and_kwargs={cls!r}: the offload engine runs "
                               "AdamW; pass (torch.optim.AdamW, {...}) or Adam")
         defaults = cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults
-        check_flags(defaults, "Trainer(optimizer_cls_and_kwargs)")  # amsgrad=True: refused
+        # amsgrad=True: refused
+        check_flags(defaults, "Trainer(optimizer_cls_and_kwargs)")
         return {"lr": defaults["lr"], "betas": tuple(defaults["betas"]), "eps": defaults["eps"],
                 **torch_flags(defaults)}
 
@@ -347,7 +276,8 @@ class SuperOffloadTrainer(Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         self.engine.synchronize()
-        with self.engine.resident_weights():  # weight-flow: streamed blocks are fetched first
+        # weight-flow: streamed blocks are fetched first
+        with self.engine.resident_weights():
             super().save_model(output_dir, _internal_call)
         if not _internal_call and self.weights_dtype() != torch.float32:
             from superoffload.export import notes
@@ -395,4 +325,4 @@ class SuperOffloadTrainer(Trainer):
         return quiet()
 
 
-__all__ = ["ADAMW_OPTIMS", "OffloadedOptimizer", "SuperOffloadTrainer", "deepspeed_for_trainer"]
+__all__ = ["ADAMW_OPTIMS", "SuperOffloadTrainer", "deepspeed_for_trainer"]

@@ -60,15 +60,17 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.integrations.bridge import (
     EngineMetrics,
-    adam_hyper,
     backward,
     engine_config,
     gradients_in_grad,
 )
-from superoffload.kernels.hyper import torch_flag_keys, torch_flags
+from superoffload.integrations.offloaded_optimizer import (
+    copy_hyper,
+    engine_groups,
+    step_without_gradients,
+)
 
 PRECISIONS = frozenset({"32-true", "32", "bf16-true", "16-true", "bf16-mixed"})
-_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 class SuperOffloadStrategy(SingleDeviceStrategy):
@@ -122,7 +124,6 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             raise ConfigError(
                 f"configure_optimizers returned {type(opt).__name__}; the offload engine runs "
                 "Adam/AdamW: return torch.optim.AdamW (or Adam) with your hyperparameters")
-        adamw = isinstance(opt, torch.optim.AdamW) or bool(opt.defaults.get("decoupled_weight_decay"))
         algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm")
         if trainer.gradient_clip_val and algorithm != "norm":
             raise ConfigError(
@@ -134,32 +135,20 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             names=("Trainer(gradient_clip_val)", "Trainer(accumulate_grad_batches)"))
         if config.device == "auto":
             config = config.replace(device=str(self.root_device))
-        groups = []
-        for group in opt.param_groups:
-            params = [p for p in group["params"] if p.requires_grad]
-            if params:
-                groups.append({"params": params, **adam_hyper(group, adamw=adamw),
-                               **torch_flags(group)})  # honoured or refused by the engine
+        groups, self._engine_groups = engine_groups(opt)
         self.engine = so.initialize(self.lightning_module, groups, config, **self.engine_kwargs)
         # Lightning's clipping (the default configure_gradient_clipping, a user's override,
         # self.clip_gradients in manual optimization) ends in the precision plugin's
         # clip_grad_by_norm: route it to the engine, which clips every bucket under STV
         self.precision_plugin.clip_grad_by_norm = self._clip_by_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = self._clip_by_value  # type: ignore[method-assign]
-        # indices, not the dicts: Optimizer.load_state_dict replaces the group dicts
-        trained = [i for i, g in enumerate(opt.param_groups) if any(p.requires_grad for p in g["params"])]
-        self._engine_groups = list(enumerate(trained))
         self.engine_metrics = EngineMetrics(self.engine)
         self._steps = 0
 
     def _sync_hyper(self) -> None:
         """The module optimizer's hyperparameters (a scheduler changed them) -> the engine's."""
-        theirs, ours = self.optimizers[0].param_groups, self.engine.optimizer.param_groups
-        flags = torch_flag_keys()  # a flag set mid-run is refused at the engine's next step
-        for k_ours, k_theirs in self._engine_groups:
-            for key in (*_HYPER_KEYS, *(k for k in theirs[k_theirs] if k in flags)):
-                value = theirs[k_theirs][key]
-                ours[k_ours][key] = tuple(value) if key == "betas" else value
+        copy_hyper(self.optimizers[0].param_groups, self.engine.optimizer.param_groups,
+                   self._engine_groups)
 
     def _engine_or_raise(self) -> Any:
         if self.engine is None:
@@ -195,15 +184,15 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
             call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
             call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._sync_hyper()
-        if self.lightning_module.automatic_optimization:  # Lightning's order: hooks, then clip
+        # Lightning's order: hooks, then clip
+        if self.lightning_module.automatic_optimization:
             call._call_lightning_module_hook(
                 trainer, "configure_gradient_clipping", optimizer,
                 gradient_clip_val=trainer.gradient_clip_val,
                 gradient_clip_algorithm=trainer.gradient_clip_algorithm)
         engine.step()
-        # NOTE: the engine stepped on the module optimizer's behalf; tell its LR scheduler
-        # (torch's LR scheduler wraps `optimizer.step` to set the same flag), or torch warns that lr_scheduler.step() ran before optimizer.step()
-        getattr(optimizer, "_optimizer", optimizer)._opt_called = True
+        # the engine stepped on the module optimizer's behalf: tell its LR scheduler
+        step_without_gradients(getattr(optimizer, "optimizer", optimizer))
         self._steps += 1
         every = max(1, int(getattr(trainer, "log_every_n_steps", 50) or 50))
         if self.engine_metrics is not None and self._steps % every == 0 and trainer.loggers:
@@ -228,7 +217,8 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ evaluation
     def on_validation_start(self) -> None:
-        if self.engine is not None:  # keep evaluation forwards out of the engine's timeline
+        # keep evaluation forwards out of the engine's timeline
+        if self.engine is not None:
             self.engine.synchronize()
             self._quiet, self.engine.telemetry.enabled = self.engine.telemetry.enabled, False
         super().on_validation_start()
@@ -249,7 +239,8 @@ class SuperOffloadStrategy(SingleDeviceStrategy):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.engine is None:
             return super().optimizer_state(optimizer)
-        inner = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> torch's
+        # LightningOptimizer -> torch's
+        inner = getattr(optimizer, "_optimizer", optimizer)
         return {"superoffload_engine": self.engine.state_dict(),
                 "module_optimizer": inner.state_dict(),
                 "torch_rng": torch.get_rng_state()}

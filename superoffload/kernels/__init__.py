@@ -62,7 +62,8 @@ def _load_backend() -> tuple[ModuleType, str]:
             warnings.warn(f"{exc}. Using the pure-torch fallback (slower).",
                           RuntimeWarning, stacklevel=3)
             return torch_ref, "torch"
-        raise  # a stale build fails loudly
+        # a stale build fails loudly
+        raise
     return cpu_adam, "cffi"
 
 
@@ -140,9 +141,8 @@ def grad_stats(grad: torch.Tensor, threads: int | None = None) -> tuple[float, i
     return grad_stats_multi([grad], threads)
 
 
-def simd_path() -> str:
-    """The SIMD path that runs: avx512, avx2, portable, neon, sve, or torch (fallback)."""
-    return "torch" if _BACKEND == "torch" else _impl.simd_path()  # type: ignore[no-any-return]
+simd_path = _impl.simd_path
+"""() -> the SIMD path that runs: avx512, avx2, portable, neon, sve, or torch (fallback)."""
 
 
 def backend() -> str:

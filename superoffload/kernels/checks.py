@@ -14,12 +14,12 @@ and the fix (docs/kernel.md, "API").
 
 Memory overlap: what one call writes must not overlap. The kernel walks every tensor once
 and writes ``params``, ``exp_avgs``, ``exp_avg_sqs`` and ``params_lp`` in place while it
-reads ``grads``. Identity is not enough to decide whether
-two arguments may share memory: views of one storage at different offsets, a bf16 copy
-overlapping its fp32 master by one element, or the same tensor twice in one multi call all
-have distinct tensor objects (or distinct ``data_ptr()``) and would be computed wrongly (a
-later element reads a value an earlier one already rewrote). So the check compares BYTE
-RANGES ``[data_ptr, data_ptr + numel * element_size)`` of contiguous tensors:
+reads ``grads``. Identity is not enough to decide whether two arguments may share memory:
+views of one storage at different offsets, a bf16 copy overlapping its fp32 master by one
+element, or the same tensor twice in one multi call all have distinct tensor objects (or
+distinct ``data_ptr()``) and would be computed wrongly (a later element reads a value an
+earlier one already rewrote). So the check compares BYTE RANGES
+``[data_ptr, data_ptr + numel * element_size)`` of contiguous tensors:
 
 * no two written ranges may overlap (same tensor twice included);
 * no gradient may overlap a written range;
@@ -69,11 +69,11 @@ def _error(a: str, b: str) -> ValueError:
     return ValueError(f"{a} and {b} share memory (their byte ranges overlap): {_FIX}")
 
 
-Span = tuple[str, Sequence[int], Sequence[int], int]
+TensorList = tuple[str, Sequence[int], Sequence[int], int]
 """(list name, data pointers, element counts, element size) of one list of tensors."""
 
 
-def written_ranges(lists: Sequence[Span]) -> WrittenRanges:
+def written_ranges(lists: Sequence[TensorList]) -> WrittenRanges:
     """Sort the written tensors' ranges and refuse any overlap; empty tensors take no
     memory. One sort of (start, end, list, index) tuples: O(n log n)."""
     spans = sorted((start, start + n * size, li, i)
@@ -91,18 +91,17 @@ def written_ranges(lists: Sequence[Span]) -> WrittenRanges:
 
 
 def check_read_only_ranges(written: WrittenRanges, name: str, starts: Sequence[int],
-                           numels: Sequence[int], element_size: int | Sequence[int]) -> None:
+                           numels: Sequence[int], element_size: int) -> None:
     """Refuse a read-only tensor (a grad) that overlaps anything the call writes, from its
-    already read pointer and length (one element size for all, or one per tensor): O(log n)
-    per tensor by bisection in the sorted written ranges."""
+    already read pointer and length: O(log n) per tensor by bisection in the written ranges."""
     w_starts, w_ends = written.starts, written.ends
     if not w_starts:
         return
-    sizes = [element_size] * len(starts) if isinstance(element_size, int) else element_size
-    for i, (start, n, size) in enumerate(zip(starts, numels, sizes)):
+    for i, (start, n) in enumerate(zip(starts, numels)):
         if n:
-            end = start + n * size
-            k = bisect_left(w_starts, end) - 1  # the written range starting last before end
+            end = start + n * element_size
+            # the written range starting last before end
+            k = bisect_left(w_starts, end) - 1
             if k >= 0 and w_ends[k] > start:
                 raise _error(f"{name}[{i}]", written.name(k))
 
@@ -111,9 +110,9 @@ def check_read_only_ranges(written: WrittenRanges, name: str, starts: Sequence[i
 GRAD_DTYPES = (torch.float32, torch.bfloat16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 LP_DTYPES = (torch.bfloat16, torch.float16)
-FLT_MAX = 3.4028234663852886e38  # the largest finite fp32: grad_scale is used as (float)
-_P, _G, _M = frozenset({torch.float32}), frozenset(GRAD_DTYPES), frozenset(MOMENT_DTYPES)
-_LP = frozenset(LP_DTYPES)
+# the largest finite fp32: grad_scale is used as (float)
+FLT_MAX = 3.4028234663852886e38
+_G = frozenset(GRAD_DTYPES)
 # unbound C methods: map() over them keeps the per-tensor loops of per-call checks in C
 _dtype_of = attrgetter("dtype")
 _numel = torch.Tensor.numel
@@ -146,6 +145,7 @@ class AdamTensors:
         dtype, contiguous CPU, not overlapping anything written). Cheap, O(n log n): five
         C-level reads per tensor on the common path (this runs on every CPUAdam step), the
         per-tensor messages on the slow one."""
+        # the per-step path: CPUAdam passes a list, used as is (anything else: checked, copied)
         gs = grads if type(grads) is list else _as_list("grads", grads)
         if len(gs) != len(self.params):
             raise ValueError(f"grads has {len(gs)} entries but the prepared call has "
@@ -156,19 +156,21 @@ class AdamTensors:
             # is_contiguous() is False for a sparse COO tensor and raises for CSR
             ok = (len(dtypes) <= 1 and dtypes <= _G and numels == self.numels
                   and all(map(_is_cpu, gs)) and all(map(_is_contiguous, gs)))
-        except (AttributeError, RuntimeError, TypeError):  # not tensors, or sparse
+        except (AttributeError, RuntimeError, TypeError):
+            # not tensors, or sparse
             ok = False
-        if not ok:  # find the culprit for the message
+        # find the culprit for the message
+        if not ok:
             for i, g in enumerate(gs):
                 _check_tensor(f"grads[{i}]", g, GRAD_DTYPES)
                 if g.numel() != self.numels[i]:
                     raise ValueError(f"grads[{i}] has {g.numel()} elements but params[{i}] "
                                      f"has {self.numels[i]}")
             _same_dtype("grads", gs)
-        grad_dtype = next(iter(dtypes)) if gs else torch.float32
+        # no grads (an empty call): fp32, the kernel's default
+        grad_dtype = next(iter(dtypes), torch.float32)
         ptrs = tuple(map(_data_ptr, gs))
-        check_read_only_ranges(self.written, "grads", ptrs, numels,
-                               2 if grad_dtype == torch.bfloat16 else 4)
+        check_read_only_ranges(self.written, "grads", ptrs, numels, grad_dtype.itemsize)
         return replace(self, grads=tuple(gs), grad_dtype=grad_dtype, grad_ptrs=ptrs)
 
 
@@ -262,7 +264,8 @@ def check_call(tensors: AdamTensors, hyper: object, *, step: object, grad_scale:
     if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)):
         raise TypeError(f"grad_scale must be a real number, got {type(grad_scale).__name__}")
     gs = float(grad_scale)
-    if not 0.0 <= gs <= FLT_MAX:  # NaN fails too
+    # NaN fails too
+    if not 0.0 <= gs <= FLT_MAX:
         raise ValueError(f"grad_scale must be finite (in fp32) and >= 0, got {gs}")
     if isinstance(sr_seed, bool) or not isinstance(sr_seed, int):
         raise TypeError(f"sr_seed must be an int, got {type(sr_seed).__name__}")
@@ -274,15 +277,18 @@ def check_call(tensors: AdamTensors, hyper: object, *, step: object, grad_scale:
             if _f32(beta) <= 0.0:
                 raise ValueError(f"adam_rollback cannot invert a step with {name}={beta}: "
                                  f"use {name} > 0")
-    return AdamCall(tensors, hyper, step, -gs if hyper.maximize else gs, sr_seed,
-                    check_threads(threads), options)
+    if hyper.maximize:
+        # ascend: step with -grad, folded into the scale (exact, and no pass over the grads)
+        gs = -gs
+    return AdamCall(tensors, hyper, step, gs, sr_seed, check_threads(threads), options)
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
-        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout} (sparse grads are not supported)")
+        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout} (sparse grads "
+                        "are not supported)")
     if t.dtype not in dtypes:
         allowed = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must be {allowed}, got {t.dtype}")
@@ -302,8 +308,9 @@ def _as_list(name: str, seq: object) -> list:
 def _same_dtype(name: str, tensors: Sequence[torch.Tensor]) -> torch.dtype | None:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
-        raise TypeError(f"all {name} must share one dtype in a call, got {sorted(map(str, dtypes))}")
-    return next(iter(dtypes)) if dtypes else None
+        raise TypeError(
+            f"all {name} must share one dtype in a call, got {sorted(map(str, dtypes))}")
+    return next(iter(dtypes), None)
 
 
 def _scan(seq: list, allowed: frozenset) -> tuple[tuple[int, ...], tuple[int, ...], set] | None:
@@ -314,7 +321,8 @@ def _scan(seq: list, allowed: frozenset) -> tuple[tuple[int, ...], tuple[int, ..
         if not (dtypes <= allowed and all(map(_is_cpu, seq)) and all(map(_is_contiguous, seq))):
             return None
         return tuple(map(_numel, seq)), tuple(map(_data_ptr, seq)), dtypes
-    except (AttributeError, RuntimeError, TypeError):  # not tensors, or sparse
+    except (AttributeError, RuntimeError, TypeError):
+        # not tensors, or sparse
         return None
 
 
@@ -346,33 +354,36 @@ def check_tensors(params: object, grads: object, exp_avgs: object, exp_avg_sqs: 
     p_n, p_ptr, _ = _checked("params", ps, (torch.float32,))
     m_n, m_ptr, m_dt = _checked("exp_avgs", ms, MOMENT_DTYPES)
     v_n, v_ptr, v_dt = _checked("exp_avg_sqs", vs, MOMENT_DTYPES)
-    g_n, g_ptr, g_dt = _checked("grads", gs, GRAD_DTYPES) if gs is not None else (p_n, (), set())
-    lp_idx = [] if lps is None else [i for i, t in enumerate(lps) if t is not None]
-    lp_list = [lps[i] for i in lp_idx] if lps is not None else []
-    lp_n, lp_ptr, lp_dt = _checked("params_lp", lp_list, LP_DTYPES)
-    for name, numels, idx in (("grads", g_n, None), ("exp_avgs", m_n, None),
-                              ("exp_avg_sqs", v_n, None), ("params_lp", lp_n, lp_idx)):
-        want = p_n if idx is None else tuple(p_n[i] for i in idx)
+    # grads=None: they come with each call, so they match by construction here
+    g: tuple[tuple[int, ...], tuple[int, ...], set] = (p_n, (), set())
+    if gs is not None:
+        g = _checked("grads", gs, GRAD_DTYPES)
+    g_n, g_ptr, g_dt = g
+    # a None entry of params_lp: that param has no low-precision copy to write
+    lp_idx = [i for i, t in enumerate(lps or ()) if t is not None]
+    lp_n, lp_ptr, lp_dt = _checked("params_lp", [(lps or [])[i] for i in lp_idx], LP_DTYPES)
+    for name, numels, idx in (("grads", g_n, range(n)), ("exp_avgs", m_n, range(n)),
+                              ("exp_avg_sqs", v_n, range(n)), ("params_lp", lp_n, lp_idx)):
+        want = tuple(p_n[i] for i in idx)
         if numels != want:
             j = next(k for k, (a, b) in enumerate(zip(numels, want)) if a != b)
-            i = j if idx is None else idx[j]
+            i = idx[j]
             raise ValueError(f"{name}[{i}] has {numels[j]} elements but params[{i}] has {p_n[i]}")
     if m_dt != v_dt:
         _same_dtype("exp_avgs and exp_avg_sqs", ms + vs)
     moment_dtype = next(iter(m_dt), torch.float32)
     lp_dtype = next(iter(lp_dt), None)
-    mom_size = 2 if moment_dtype == torch.bfloat16 else 4
-    lp_ptrs = [0] * n
+    mom_size = moment_dtype.itemsize
+    # params_lp ranges indexed like params; a param without a copy writes nothing there
+    lp_ptrs, lp_numels = [0] * n, [0] * n
     for k, i in enumerate(lp_idx):
-        lp_ptrs[i] = lp_ptr[k]
+        lp_ptrs[i], lp_numels[i] = lp_ptr[k], p_n[i]
     written = written_ranges([("params", p_ptr, p_n, 4), ("exp_avgs", m_ptr, m_n, mom_size),
                               ("exp_avg_sqs", v_ptr, v_n, mom_size),
-                              ("params_lp", lp_ptrs, [p_n[i] if lp_ptrs[i] else 0
-                                                      for i in range(n)], 2)])
+                              ("params_lp", lp_ptrs, lp_numels, 2)])
     grad_dtype = next(iter(g_dt), torch.float32)
     if gs is not None:
-        check_read_only_ranges(written, "grads", g_ptr, g_n,
-                               2 if grad_dtype == torch.bfloat16 else 4)
+        check_read_only_ranges(written, "grads", g_ptr, g_n, grad_dtype.itemsize)
     return AdamTensors(tuple(ps), tuple(gs or ()), tuple(ms), tuple(vs),
                        None if lps is None else tuple(lps), p_n, grad_dtype, moment_dtype,
                        lp_dtype, written, g_ptr if gs is not None else None)

@@ -33,7 +33,8 @@ from superoffload.kernels.prepared import multi_entry_points
 
 try:
     from superoffload.kernels._cpu_adam_cffi import ffi, lib  # type: ignore[import-not-found]
-except ImportError as exc:  # missing build: the package falls back to torch_ref
+except ImportError as exc:
+    # missing build: the package falls back to torch_ref
     raise ImportError(f"superoffload's C kernel is not built ({exc}); build it with "
                       "`pip install -e .` (or `make install`)") from exc
 
@@ -63,7 +64,8 @@ _NONFINITE = {lib.SO_ERR_NONFINITE_PARAM: "param", lib.SO_ERR_NONFINITE_EXP_AVG:
               lib.SO_ERR_NONFINITE_EXP_AVG_SQ: "exp_avg_sq", lib.SO_ERR_NONFINITE_GRAD: "grad"}
 
 
-_throttle_started = False  # read on every call: the only cost of the check below
+# read on every call: the only cost of the check below
+_throttle_started = False
 _throttle_lock = threading.Lock()
 
 
@@ -254,7 +256,8 @@ def rollback_risk_multi(grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tenso
     numels = ffi.new("int64_t[]", [g.numel() for g in gs])
     out = ffi.new("int64_t *")
     dtype = _DTYPE_CODES[gs[0].dtype] if gs else lib.SO_DTYPE_F32
-    g_ptrs, v_ptrs = _ptrs("void *", gs), _ptrs("void *", exp_avg_sqs)  # alive through the call
+    # alive through the call
+    g_ptrs, v_ptrs = _ptrs("void *", gs), _ptrs("void *", exp_avg_sqs)
     rc = lib.so_rollback_risk_multi(g_ptrs[1], v_ptrs[1], numels, len(gs), dtype,
                                     float(grad_scale), float(c_v), check_threads(threads), out)
     _raise_for(rc, "rollback_risk")

@@ -94,7 +94,8 @@ def device_adam_multi(params: list[torch.Tensor], grads: list[torch.Tensor],
         else:
             _foreach(params, grads, exp_avgs, exp_avg_sqs, hyper, step, gs)
         if params_lp is not None:
-            torch._foreach_copy_(params_lp, params)  # one launch, casts with RNE
+            # one launch, casts with RNE
+            torch._foreach_copy_(params_lp, params)
 
 
 def _fused(params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -102,7 +103,8 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor],
            step: int, gs: float, scratch_grads: bool) -> None:
     dev, dtype = params[0].device, params[0].dtype
     scale: torch.Tensor | None = None
-    if any(g.shape != p.shape for g, p in zip(grads, params)):  # flat bucket views, say
+    # flat bucket views, say
+    if any(g.shape != p.shape for g, p in zip(grads, params)):
         grads = [g.view(p.shape) for g, p in zip(grads, params)]
     if any(g.dtype != dtype for g in grads):
         # widen into temporaries of our own; the op may then unscale them in place
@@ -111,10 +113,14 @@ def _fused(params: list[torch.Tensor], grads: list[torch.Tensor],
         grads = wide
         scratch_grads = True
     if gs != 1.0:
-        if scratch_grads:  # the op computes g / scale: divide by 1/gs (inf for gs == 0)
-            scale = torch.full((), math.inf if gs == 0.0 else 1.0 / gs, dtype=torch.float32,
-                               device=dev)
-        else:  # exactly g * gs, as the CPU kernel, without touching the caller's grads
+        # the op computes g / scale: divide by 1/gs (inf for gs == 0)
+        if scratch_grads:
+            inv = math.inf
+            if gs != 0.0:
+                inv = 1.0 / gs
+            scale = torch.full((), inv, dtype=torch.float32, device=dev)
+        else:
+            # exactly g * gs, as the CPU kernel, without touching the caller's grads
             grads = list(torch._foreach_mul(grads, gs))
     steps = torch.full((len(params),), float(step), dtype=torch.float32, device=dev).unbind()
     op = torch._fused_adamw_ if h.adamw_mode else torch._fused_adam_
@@ -127,13 +133,18 @@ def _foreach(params: list[torch.Tensor], grads: list[torch.Tensor],
              exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], h: AdamHyper,
              step: int, gs: float) -> None:
     # foreach ops: one launch per op over all tensors (torch.optim's foreach AdamW idea).
-    bc1 = 1.0 - h.beta1**step if h.bias_correction else 1.0
-    bc2_sqrt = math.sqrt(1.0 - h.beta2**step) if h.bias_correction else 1.0
+    bc1, bc2 = h.bias_corrections(step)
+    bc2_sqrt = math.sqrt(bc2)
     dtype = params[0].dtype
-    g32 = [x.to(dtype) if x.dtype != dtype else x for x in grads]
-    g = list(torch._foreach_mul(g32, -gs if h.maximize else gs))  # maximize: -grad
+    # .to() hands back the tensor itself when it has the dtype already: no copy then
+    g32 = [x.to(dtype) for x in grads]
+    # maximize: -grad, folded into the scale (exact: a sign flip)
+    if h.maximize:
+        gs = -gs
+    g = list(torch._foreach_mul(g32, gs))
     if not h.adamw_mode and h.weight_decay != 0.0:
-        torch._foreach_add_(g, params, alpha=h.weight_decay)  # Adam with L2: decay in the moments
+        # Adam with L2: decay in the moments
+        torch._foreach_add_(g, params, alpha=h.weight_decay)
     torch._foreach_mul_(exp_avgs, h.beta1)
     torch._foreach_add_(exp_avgs, g, alpha=1.0 - h.beta1)
     torch._foreach_mul_(exp_avg_sqs, h.beta2)

@@ -190,6 +190,13 @@ class AdamHyper:
     def __post_init__(self) -> None:
         self.check("AdamHyper")
 
+    def bias_corrections(self, step: int) -> tuple[float, float]:
+        """``(1 - beta1**step, 1 - beta2**step)`` in double (DESIGN.md §4's bc_1, bc_2);
+        ``(1.0, 1.0)`` when ``bias_correction`` is off."""
+        if not self.bias_correction:
+            return 1.0, 1.0
+        return 1.0 - self.beta1**step, 1.0 - self.beta2**step
+
     def check(self, where: str) -> None:
         """Raise TypeError/ValueError naming ``where[key]`` and the fix."""
         for key in ("lr", "beta1", "beta2", "eps", "weight_decay"):

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from superoffload.process_env import OUR_POLICY, passive_set_here, user_wait_policy
 
 THROTTLE_ENV = "SUPEROFFLOAD_OMP_THROTTLE"
-THROTTLED_SPINS = 100  # libgomp's throttled spin count when the policy is undefined
+# libgomp's throttled spin count when the policy is undefined
+THROTTLED_SPINS = 100
 NOT_STARTED = "not started (the throttle starts at the first kernel call)"
 
 
@@ -104,11 +105,13 @@ def _settle(park: Callable[[int], None]) -> WaitPolicy:
     def parker() -> None:
         try:
             park(threads)
-        except Exception as exc:  # a refused call: keep the default policy, say why
+        except Exception as exc:
+            # a refused call: keep the default policy, say why
             failure.append(exc)
         parked.set()
         if not failure:
-            threading.Event().wait()  # the pool belongs to this thread: keep it alive
+            # the pool belongs to this thread: keep it alive
+            threading.Event().wait()
 
     threading.Thread(target=parker, name="superoffload-omp-throttle", daemon=True).start()
     parked.wait()

@@ -64,10 +64,17 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     Parameter, a view of it): the kernel writes the memory FSDP2 all-gathers from."""
     if not is_dtensor(t):
         return t
-    if not torch.is_grad_enabled():  # a step (no_grad already): entering it again costs 2 us
+    # a step (no_grad already): entering it again costs 2 us
+    if not torch.is_grad_enabled():
         return t.to_local()  # type: ignore[attr-defined,no-any-return]
     with torch.no_grad():
         return t.to_local()  # type: ignore[attr-defined,no-any-return]
+
+
+def _layout(t: torch.Tensor, whose: str) -> str:
+    if is_dtensor(t):
+        return f"a DTensor with {whose}placements {t.placements}"  # type: ignore[attr-defined]
+    return "a plain tensor"
 
 
 def shard_grads(params: list[torch.Tensor] | tuple[torch.Tensor, ...],
@@ -79,10 +86,7 @@ def shard_grads(params: list[torch.Tensor] | tuple[torch.Tensor, ...],
     for i, (p, g) in enumerate(zip(params, grads)):
         p_dt, g_dt = is_dtensor(p), is_dtensor(g)
         if p_dt != g_dt or (p_dt and g.placements != p.placements):  # type: ignore[attr-defined]
-            what = (f"a DTensor with placements {g.placements}" if g_dt  # type: ignore[attr-defined]
-                    else "a plain tensor")
-            want = (f"a DTensor with the parameter's placements {p.placements}" if p_dt  # type: ignore[attr-defined]
-                    else "a plain tensor")
+            what, want = _layout(g, ""), _layout(p, "the parameter's ")
             raise ValueError(f"CPUAdam: the gradient of parameter {i} of a batch is {what}, "
                              f"but it must be {want}: let FSDP2 (fully_shard) produce the "
                              "gradients, or assign p.grad in the parameter's layout")
@@ -95,9 +99,13 @@ def kernel_grads(grads: list[torch.Tensor], widen: bool) -> list[torch.Tensor]:
     kernel has no fp16 gradient path, and the exact widening costs one extra pass)."""
     if widen:
         return [g.float() for g in grads]
-    # (a sparse grad passes through: the kernel's check refuses it with its message)
-    return [g if g.is_contiguous() or g.layout is not torch.strided else g.contiguous()
-            for g in grads]
+    out = []
+    for g in grads:
+        # a sparse grad passes through: the kernel's check refuses it with its message
+        if not g.is_contiguous() and g.layout is torch.strided:
+            g = g.contiguous()
+        out.append(g)
+    return out
 
 
 @dataclass(slots=True)
@@ -138,10 +146,15 @@ class Batch:
     def count(self) -> int | None:
         """The batch's step count, or None when the step views disagree (edited by hand)."""
         lo, hi = torch.aminmax(self.steps)
-        return int(lo) if float(lo) == float(hi) else None
+        # one kernel call takes one t (the bias corrections): disagreeing views force a rebuild
+        if float(lo) != float(hi):
+            return None
+        return int(lo)
 
     def grads(self, group_grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        gs = group_grads if self.index is None else [group_grads[i] for i in self.index]
+        gs = group_grads
+        if self.index is not None:
+            gs = [group_grads[i] for i in self.index]
         if self.sharded:
             gs = shard_grads(self.params, gs)
         return kernel_grads(gs, self.widen)
@@ -155,8 +168,10 @@ def init_state(state: dict[str, Any], p: torch.Tensor, moment_dtype: torch.dtype
     if state:
         return
     state["step"] = torch.tensor(0.0)
-    state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.contiguous_format)
-    state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=torch.contiguous_format)
+    # contiguous whatever p's strides: the kernel walks the moments as flat arrays
+    dense = torch.contiguous_format
+    state["exp_avg"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=dense)
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=moment_dtype, memory_format=dense)
     if p.dtype in LOW_PRECISION:
         state[MASTER_KEY] = p.detach().float().contiguous()
 
@@ -174,15 +189,22 @@ def _build_batch(index: list[int], ps: list[torch.Tensor], state: Any, count: in
             captured.append((st, MASTER_KEY, st[MASTER_KEY]))
     sharded = any(map(is_dtensor, ps))
     # the kernel steps local shards (DTensor parameters and states) or the tensors themselves
-    local = [local_shard(p) for p in ps] if sharded else ps
-    masters = [local_shard(st[MASTER_KEY]) if lp_dtype is not None else p
-               for p, st in zip(local, sts)]
+    local = ps
+    if sharded:
+        local = [local_shard(p) for p in ps]
+    # a bf16/fp16 parameter: the kernel steps its fp32 master, then rounds into the parameter
+    # as params_lp in the same pass (docs/kernel.md, "Reduced precision")
+    masters, params_lp = list(local), None
+    if lp_dtype is not None:
+        masters, params_lp = [local_shard(st[MASTER_KEY]) for st in sts], local
     prepared = kernels.prepare_adam(
         masters, None, [local_shard(st["exp_avg"]) for st in sts],
-        [local_shard(st["exp_avg_sq"]) for st in sts],
-        params_lp=None if lp_dtype is None else local)
-    whole = len(index) == all_params and index == list(range(all_params))
-    return Batch(None if whole else tuple(index), tuple(ps), prepared, steps, tuple(sts),
+        [local_shard(st["exp_avg_sq"]) for st in sts], params_lp=params_lp)
+    # the whole group in order: grads() then passes the group's list through, no gather
+    kept: tuple[int, ...] | None = tuple(index)
+    if len(index) == all_params and index == list(range(all_params)):
+        kept = None
+    return Batch(kept, tuple(ps), prepared, steps, tuple(sts),
                  (tuple(c[0] for c in captured), tuple(c[1] for c in captured),
                   tuple(c[2] for c in captured)),
                  [p.data_ptr() for p in local], grad_dtype == torch.float16, sharded)

@@ -50,7 +50,9 @@ class StalePreparedCall(ValueError):
 
 
 class Backend(Protocol):
-    """What kernels/cpu_adam.py and kernels/torch_ref.py provide to prepared calls."""
+    """What kernels/cpu_adam.py and kernels/torch_ref.py provide: the prepared calls' steps
+    (a descriptor built once, then run) and the functions the package binds directly
+    (kernels/__init__.py); the two modules are the kernel's two implementations of it."""
 
     def describe(self, tensors: AdamTensors) -> Any: ...
 
@@ -61,6 +63,14 @@ class Backend(Protocol):
     def grad_stats_describe(self, grads: list[torch.Tensor]) -> Any: ...
 
     def grad_stats_run(self, desc: Any, threads: int) -> tuple[float, int]: ...
+
+    def grad_stats_multi(self, grads: list[torch.Tensor],
+                         threads: int | None = None) -> tuple[float, int]: ...
+
+    def rollback_risk_multi(self, grads: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], *,
+                            grad_scale: float, c_v: float, threads: int | None = None) -> int: ...
+
+    def simd_path(self) -> str: ...
 
 
 def _originals(t: AdamTensors) -> list[torch.Tensor]:
@@ -99,7 +109,8 @@ class PreparedAdam:
         if now == self._ptrs:
             return None
         k = next(i for i, (a, b) in enumerate(zip(now, self._ptrs)) if a != b)
-        return f"tensor {k} of the prepared call (params, grads, exp_avgs, exp_avg_sqs, params_lp in that order)"
+        return (f"tensor {k} of the prepared call (params, grads, exp_avgs, exp_avg_sqs, "
+                "params_lp in that order)")
 
     def step(self, hyper: AdamHyper, *, step: int, grad_scale: float = 1.0,
              threads: int | None = None, sr_seed: int = 0,
@@ -191,9 +202,9 @@ def multi_entry_points(backend: Backend) -> tuple[AdamMulti, AdamMulti]:
             backend.run(backend.describe(tensors), call, rollback)
 
         multi.__name__ = where
-        multi.__doc__ = ("Undo adam_step_multi with the same arguments, in place."
-                         if rollback else
-                         "One Adam(W) step over a list of tensors in one parallel region.")
+        multi.__doc__ = "One Adam(W) step over a list of tensors in one parallel region."
+        if rollback:
+            multi.__doc__ = "Undo adam_step_multi with the same arguments, in place."
         return multi
 
     return entry(False), entry(True)

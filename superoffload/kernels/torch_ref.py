@@ -20,7 +20,8 @@ import torch
 from superoffload.kernels.checks import AdamCall, AdamTensors, check_grads
 from superoffload.kernels.prepared import multi_entry_points
 
-STATS_BLOCK = 4096  # = SO_STATS_BLOCK in cext/so_cpu_adam.h
+# = SO_STATS_BLOCK in cext/so_cpu_adam.h
+STATS_BLOCK = 4096
 _MASK32 = 0xFFFFFFFF
 
 
@@ -45,8 +46,8 @@ def _f32(x: float) -> torch.Tensor:
 def coefficients(call: AdamCall) -> dict[str, torch.Tensor]:
     """The fp32 coefficients of cext/so_cpu_adam.c so_coeffs_make(), from the same doubles."""
     hp, t = call.hyper, call.step
-    bc1 = 1.0 - hp.beta1**t if hp.bias_correction else 1.0
-    bc2 = 1.0 - hp.beta2**t if hp.bias_correction else 1.0
+    # in double, then one rounding to fp32 each, as so_coeffs_make() does
+    bc1, bc2 = hp.bias_corrections(t)
     return {
         "b1": _f32(hp.beta1), "b2": _f32(hp.beta2),
         "omb1": _f32(1.0 - hp.beta1), "omb2": _f32(1.0 - hp.beta2),
@@ -122,6 +123,10 @@ def f16_rne_bits(x: torch.Tensor) -> torch.Tensor:
     return out | (sign >> 16)
 
 
+_RNE_BITS = {torch.bfloat16: bf16_rne_bits, torch.float16: f16_rne_bits}
+"""The params_lp rounding of each accepted low-precision dtype (checks.LP_DTYPES)."""
+
+
 # ---- the step and its inverse ------------------------------------------------------------
 
 def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollback: bool) -> None:
@@ -135,7 +140,8 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
         if l2:
             g = g + c["wd"] * w
         m = c["b1"] * m + c["omb1"] * g
-        v = c["b2"] * v + (c["omb2"] * g) * g  # torch's order: no overflow of g*g
+        # torch's order: no overflow of g*g
+        v = c["b2"] * v + (c["omb2"] * g) * g
         denom = _div(_sqrt(v), c["bc2_sqrt"]) + c["eps"]
         w = w * c["decay"]
         w = w - c["step_size"] * (m / denom)
@@ -147,7 +153,8 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
             g = g + c["wd"] * w
         m = _div(m - c["omb1"] * g, c["b1"])
         v = _div(v - (c["omb2"] * g) * g, c["b2"])
-        v = torch.where(v > 0.0, v, _f32(0.0))  # fp32 cancellation can leave v < 0
+        # fp32 cancellation can leave v < 0
+        v = torch.where(v > 0.0, v, _f32(0.0))
     p.copy_(w)
     if t.moment_dtype == torch.bfloat16:
         r = sr_bits(call.sr_seed, torch.arange(index0, index0 + p.numel(), dtype=torch.int64))
@@ -157,7 +164,8 @@ def _one(c: dict[str, torch.Tensor], call: AdamCall, i: int, index0: int, rollba
         m_t.copy_(m)
         v_t.copy_(v)
     if lp is not None:
-        _store16(lp, (bf16_rne_bits(w) if lp.dtype == torch.bfloat16 else f16_rne_bits(w)))
+        # the fused copy out rounds to nearest even (DESIGN.md §4), unlike the bf16 moments
+        _store16(lp, _RNE_BITS[lp.dtype](w))
 
 
 def _check_finite_for_rollback(t: AdamTensors) -> None:
@@ -168,6 +176,11 @@ def _check_finite_for_rollback(t: AdamTensors) -> None:
                 raise ValueError(f"adam_rollback: {name} holds non-finite values, so the step "
                                  "cannot be inverted; nothing was modified (skip the rollback "
                                  "and restore from a snapshot)")
+
+
+def simd_path() -> str:
+    """The fallback runs no SIMD path of its own: "torch"."""
+    return "torch"
 
 
 def describe(tensors: AdamTensors) -> None:
@@ -185,7 +198,8 @@ def run(desc: None, call: AdamCall, rollback: bool) -> None:
     if rollback:
         _check_finite_for_rollback(t)
     c = coefficients(call)
-    index0 = 0  # global element index across the list, as the C side counts it
+    # global element index across the list, as the C side counts it
+    index0 = 0
     with torch.no_grad():
         for i in range(len(t.params)):
             if t.numels[i]:
@@ -224,7 +238,8 @@ def grad_stats_multi(grads, threads=None) -> tuple[float, int]:
         padded[:n] = sq
         lanes_in = padded.view(blocks, STATS_BLOCK // 8, 8)
         lane = torch.zeros(blocks, 8, dtype=torch.float64)
-        for k in range(STATS_BLOCK // 8):  # sequential per lane, as the C loop
+        # sequential per lane, as the C loop
+        for k in range(STATS_BLOCK // 8):
             lane = lane + lanes_in[:, k, :]
         tree = ((lane[:, 0] + lane[:, 1]) + (lane[:, 2] + lane[:, 3])) + (
             (lane[:, 4] + lane[:, 5]) + (lane[:, 6] + lane[:, 7]))

@@ -57,7 +57,8 @@ class GPTConfig:
                 "choose n_head that divides n_embd"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout!r} is invalid: use a value in [0, 1)")
+            raise ValueError(
+                f"GPTConfig.dropout={self.dropout!r} is invalid: use a value in [0, 1)")
         return self
 
     def to_dict(self) -> dict[str, int | float | bool]:
@@ -158,7 +159,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying (Press & Wolf 2017)
+        # weight tying (Press & Wolf 2017)
+        self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         # GPT-2 §2.3: scale the residual projections by 1/sqrt(2 * n_layer)
         for name, p in self.named_parameters():
@@ -180,7 +182,8 @@ class GPT(nn.Module):
         """idx: (B, T) int64 token ids with T <= block_size. Returns logits (B, T, vocab)
         when `targets` is None, else the mean cross-entropy over all positions (fp32 scalar)."""
         if idx.dim() != 2:
-            raise ValueError(f"GPT.forward: idx must be (batch, time), got shape {tuple(idx.shape)}")
+            raise ValueError(
+                f"GPT.forward: idx must be (batch, time), got shape {tuple(idx.shape)}")
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(

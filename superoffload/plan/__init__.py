@@ -46,10 +46,10 @@ from superoffload.plan.memory import memory
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.schedule import ENGINE, ENGINE_H200_MEASURED, EngineVariant, engine_for
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import LaneStats, SimResult, choose_weights, simulate
+from superoffload.plan.simulator import LaneStats, SimResult, choose_weights, simulate
 from superoffload.plan.size_limit import SimulationTooLarge
 from superoffload.plan.techniques import SYSTEMS, ZERO_OFFLOAD, System, Techniques
-from superoffload.plan.tune import Constraints, InfeasibleError, tune
+from superoffload.plan.tuning import Constraints, InfeasibleError, tune
 from superoffload.plan.weights import WeightChoice
 
 __all__ = [
@@ -98,16 +98,3 @@ __all__ = [
     "simulate",
     "tune",
 ]
-
-_RENAMED = {"ENGINE_TODAY": "ENGINE_H200_MEASURED", "ENGINE_NEXT": "ENGINE", "SCHEDULES": "SYSTEMS"}
-"""Old public names, still importable with a DeprecationWarning (docs/planner.md, "Renamed")."""
-
-
-def __getattr__(name: str) -> object:
-    if name in _RENAMED:
-        import warnings
-
-        new = _RENAMED[name]
-        warnings.warn(f"plan.{name} is now plan.{new}", DeprecationWarning, stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

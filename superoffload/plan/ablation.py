@@ -15,7 +15,7 @@ from typing import Any
 from superoffload.config import OffloadConfig
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import simulate
+from superoffload.plan.simulator import simulate
 from superoffload.plan.techniques import ZERO_OFFLOAD, Techniques
 
 # (label, the switch that turns the technique on, the switch that turns it off)
@@ -74,7 +74,10 @@ class Ablation:
 def ablation(shape: ModelShape, prof: HardwareProfile, config: OffloadConfig | None = None,
              rollback_rate: float | None = None) -> Ablation:
     """Simulate the two ablation views for `shape` on `prof` (config: SuperOffload's settings)."""
-    full_t = Techniques() if rollback_rate is None else Techniques(rollback_rate=rollback_rate)
+    full_t = Techniques()
+    if rollback_rate is not None:
+        # otherwise Techniques' own default clipping rate
+        full_t = Techniques(rollback_rate=rollback_rate)
     zero = simulate(shape, prof, "zero-offload", config, full_t).iteration_s
     full = simulate(shape, prof, "superoffload", config, full_t).iteration_s
     rows = []

@@ -5,7 +5,7 @@ iteration time) is the best description of this machine for this model: ``calibr
 fits the profile to them (``plan.calibrate``: the compute lane scaled to its measured busy
 time, the CPU step, the links) and reports the prediction before and after beside the
 measured median, so a view can say "calibrated" and how far off the uncalibrated figure
-was. runtime/autocal.py runs it by itself after N iterations of a training run.
+was. runtime/calibrator.py runs it by itself after N iterations of a training run.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def calibrate_run(profile: HardwareProfile, shape: ModelShape, config: Any,
     """Fit `profile` to the spans and step-to-step times (iteration, seconds) of a run of
     `shape` with OffloadConfig `config`; report before, after and measured. The spans should
     cover the same iterations (``plan.calibrate`` drops the first of several)."""
-    from superoffload.plan.simulate import simulate
+    from superoffload.plan.simulator import simulate
 
     if not iteration_s:
         raise ValueError("calibrate_run: no iteration times to calibrate on")

@@ -119,9 +119,11 @@ def plan_buckets(
     seen: set[int] = set()
     ready: list[ParamSpec] = []
     params = list(params)
+    # reversed registration order is gradient-ready order: backward meets the last layers first
     for spec in reversed(params):
         if spec.numel < 0:
             raise ValueError(f"param {spec.name or spec.index}: numel={spec.numel} must be >= 0")
+        # a tied parameter counts once, where its gradient is final (the docstring's first bullet)
         if spec.trainable and spec.index not in seen:
             seen.add(spec.index)
             ready.append(spec)
@@ -135,7 +137,10 @@ def plan_buckets(
     current: list[ParamSpec] = []
     current_bytes = 0
     for spec in ready:
+        # buckets are sized by fp32 gradient bytes, whatever the model dtype
         nbytes = spec.numel * GRAD_BYTES_PER_PARAM
+        # an overflow closes the bucket, unless merge_small and it is under half full: then the
+        # parameter joins it, so small tensors ride with a large one (docstring)
         if current and current_bytes + nbytes > bucket_bytes \
                 and (not merge_small or 2 * current_bytes >= bucket_bytes):
             groups.append(current)
@@ -170,7 +175,10 @@ def _host_prefix(sizes: Sequence[int], ratio: float) -> int:
     """Number of leading buckets to offload so the offloaded share is closest to ``ratio``."""
     total = sum(sizes)
     if ratio >= 1.0 or total == 0:
-        return len(sizes) if ratio > 0 else 0
+        if ratio > 0:
+            # everything asked for, or an empty model: every (possibly empty) bucket goes
+            return len(sizes)
+        return 0
     if ratio <= 0.0:
         return 0
     target = ratio * total
@@ -178,6 +186,7 @@ def _host_prefix(sizes: Sequence[int], ratio: float) -> int:
     for k, size in enumerate(sizes, start=1):
         cumulative += size
         err = abs(cumulative - target)
-        if err <= best_err:  # ties go to offloading more, the paper's bias (ratio ~0.9)
+        # ties go to offloading more, the paper's bias (ratio ~0.9)
+        if err <= best_err:
             best_k, best_err = k, err
     return best_k

@@ -111,10 +111,13 @@ def fit_latency_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, flo
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         sxx = sum((x - mx) ** 2 for x in xs)
+        # least squares of time over size: the intercept is the latency, 1 / slope the rate
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
         lat = my - slope * mx
         if slope > 0 and lat >= 0:
             return lat, 1.0 / slope
+    # one size, or a fit with no physical meaning (negative latency or slope): no latency, the
+    # median rate
     return 0.0, statistics.median(size / t for size, t in samples)
 
 
@@ -129,8 +132,10 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
     28 B, so the fitted rate is scaled by adam_bytes_per_param / 28. `tail_step`: the device
     step the spans came from (default: the engine's, plan.schedule.ENGINE, "fused"; pass
     "unfused" for spans of the engine at ef04687, plan.facts.H200_ENGINE), for its bytes/param."""
-    m = data if isinstance(data, Measurements) else measurements_from_spans(
-        data, shape, cpu_threads=cpu_threads)
+    if isinstance(data, Measurements):
+        m = data
+    else:
+        m = measurements_from_spans(data, shape, cpu_threads=cpu_threads)
     threads = m.cpu_threads or cpu_threads or profile.cpu_cores
     changes: dict[str, object] = {}
     sources = dict(profile.sources)
@@ -170,7 +175,11 @@ def calibrate(profile: HardwareProfile, data: Measurements | Iterable[ev.Span],
     if lats:
         changes["link_latency_s"] = statistics.fmean(lats)
     changes["sources"] = tuple(sources.items())
-    changes["name"] = profile.name if profile.name.endswith("-calibrated") else profile.name + "-calibrated"
+    name = profile.name
+    if not name.endswith("-calibrated"):
+        # calibrating a calibrated profile again keeps one suffix, not a growing chain
+        name = name + "-calibrated"
+    changes["name"] = name
     return profile.replace(**changes)
 
 
@@ -195,8 +204,10 @@ def calibration_state(profile: HardwareProfile) -> CalibrationState:
     src = dict(profile.sources).get("device_achieved_tflops", "")
     if src.startswith(CALIBRATED_PREFIXES):
         return CalibrationState(True, f"calibrated (profile {profile.name}: compute rate {src})")
-    kind = ("measured by microbenchmarks, not yet fitted to a run"
-            if src.startswith("measured") else "a preset: vendor figures and our estimates")
+    if src.startswith("measured"):
+        kind = "measured by microbenchmarks, not yet fitted to a run"
+    else:
+        kind = "a preset: vendor figures and our estimates"
     return CalibrationState(False, f"not calibrated (profile {profile.name} is {kind}); "
                                    "`superoffload train` calibrates it after its first "
                                    "iterations and saves profile-calibrated.json in the run "
@@ -209,7 +220,7 @@ def fit_compute(profile: HardwareProfile, shape: ModelShape, plain_iteration_s: 
     PyTorch, fused AdamW on the device) take `plain_iteration_s` for `shape`. That schedule is
     serial (compute, validation, the device step), so its time is FLOPs / rate + a rest that
     does not depend on the rate: one simulation gives the rest, the fit is exact."""
-    from superoffload.plan.simulate import simulate
+    from superoffload.plan.simulator import simulate
 
     if not plain_iteration_s > 0:
         raise ValueError(f"fit_compute: plain_iteration_s={plain_iteration_s!r}: use the "

@@ -23,8 +23,8 @@ from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import choose_weights
-from superoffload.plan.techniques import SYSTEMS, system_of
+from superoffload.plan.simulator import choose_weights
+from superoffload.plan.techniques import SYSTEMS
 from superoffload.plan.tier_budget import tier_config
 
 MAX_LAYERS = 1000
@@ -40,37 +40,40 @@ def gpt_by_layers(layers: int, *, seq: int, micro_batch: int, vocab: int = 50257
                       dp=dp, ranks_per_host=ranks_per_host)
 
 
-def fit_problems(shape: ModelShape, prof: HardwareProfile, system: str | None = None,
+def fit_problems(shape: ModelShape, prof: HardwareProfile, system: str,
                  config: OffloadConfig | None = None, *,
                  allow_bf16_moments: bool = False,
                  weights: Literal["stationary", "flow"] | None = None,
-                 schedule: str | None = None, storage: bool = False) -> list[str]:
+                 storage: bool = False) -> list[str]:
     """Reasons `shape` does not fit (empty list when it does). For "superoffload" without a
     config, every setting that saves memory is searched (plan/feasible.py: the ratio down from
     1 when the host binds, weight-flow when the device binds, bf16 moments only when
     `allow_bf16_moments`): the same search ``tune`` starts from; ``weights`` ("stationary" or
     "flow") keeps the weight policy fixed in it; ``storage``: what host memory cannot hold
-    may go to the profile's storage tier (plan/tier_budget.py). ``schedule=`` is the old name
-    of ``system=`` (a DeprecationWarning)."""
+    may go to the profile's storage tier (plan/tier_budget.py)."""
     return list(feasibility(shape, prof, system, config, allow_bf16_moments=allow_bf16_moments,
-                            weights=weights, schedule=schedule, storage=storage).problems)
+                            weights=weights, storage=storage).problems)
 
 
-def feasibility(shape: ModelShape, prof: HardwareProfile, system: str | None = None,
+def feasibility(shape: ModelShape, prof: HardwareProfile, system: str,
                 config: OffloadConfig | None = None, *, allow_bf16_moments: bool = False,
                 weights: Literal["stationary", "flow"] | None = None,
-                schedule: str | None = None, storage: bool = False) -> Feasibility:
+                storage: bool = False) -> Feasibility:
     """``fit_problems``' answer with the setting found (``Feasibility.config``; for a given
     config or another system, the config itself when it fits)."""
-    system = system_of(system, schedule, "fit_problems")
     if config is not None or system != "superoffload":
-        prof = rank_profile(prof, shape.ranks_per_host)  # per rank: its share of the host
+        # per rank: its share of the host
+        prof = rank_profile(prof, shape.ranks_per_host)
         auto = None
         if config is not None and config.weights == "auto" and system == "superoffload":
-            auto = choose_weights(shape, prof, config)  # as plan.simulate decides it
+            # as plan.simulate decides it
+            auto = choose_weights(shape, prof, config)
         plan = resolve_decided(shape, prof, system, config, None, auto=auto)
         why = check_fits(memory(shape, prof, plan), prof)
-        return Feasibility(None if why else config, None, tuple(why))
+        # a config that does not fit is no setting found: the reasons say why
+        fitting = None if why else config
+        return Feasibility(fitting, None, tuple(why))
+    # bf16 moments change the maths: searched only when allowed
     dtypes = choices_of("optimizer_state_dtype") if allow_bf16_moments else ("fp32",)
     base = OffloadConfig()
     if storage:
@@ -83,15 +86,13 @@ def feasibility(shape: ModelShape, prof: HardwareProfile, system: str | None = N
     return search(shape, prof, base, dtypes=dtypes)
 
 
-def max_model_size(prof: HardwareProfile, system: str | None = None, seq: int = 1024,
+def max_model_size(prof: HardwareProfile, system: str = "superoffload", seq: int = 1024,
                    micro_batch: int = 1, config: OffloadConfig | None = None,
                    activation_checkpointing: bool = True, dp: int = 1,
-                   ranks_per_host: int = 1, allow_bf16_moments: bool = False, *,
-                   schedule: str | None = None) -> int:
+                   ranks_per_host: int = 1, allow_bf16_moments: bool = False) -> int:
     """Parameters of the largest GPT-like model that fits `prof` running `system` (default
     "superoffload"; 0 if none); with `dp` ranks (`ranks_per_host` per host) every rank must fit
-    (plan/parallel.py). ``schedule=`` is the old name of ``system=`` (a DeprecationWarning)."""
-    system = system_of(system, schedule, "max_model_size", default="superoffload")
+    (plan/parallel.py)."""
     if system not in SYSTEMS:
         raise ValueError(f"system={system!r}: use one of {', '.join(SYSTEMS)}")
     best = 0

@@ -33,10 +33,6 @@ class ComputeParts:
     elementwise_s: float
     dispatch_s: float
 
-    @property
-    def work_s(self) -> float:
-        return self.matmul_s + self.elementwise_s
-
 
 def _terms(shape: ModelShape, prof: HardwareProfile
            ) -> tuple[list[tuple[float, float, float]], list[tuple[float, float, float]]]:
@@ -50,15 +46,28 @@ def _terms(shape: ModelShape, prof: HardwareProfile
     last = len(fwd_f) - 1
     fwd, bwd = [], []
     for i, (ff, bf, b, n) in enumerate(zip(fwd_f, bwd_f, fwd_b, ops)):
-        again = rec if 0 < i < last else 0.0  # blocks are recomputed, not the edges
-        fwd.append((ff / rate, b / bw if bw > 0 else 0.0, n * op))
-        bwd.append((bf / rate, (2.0 + again) * b / bw if bw > 0 else 0.0, (2.0 + again) * n * op))
+        # blocks are recomputed, not the edges (embedding, head)
+        again = rec if 0 < i < last else 0.0
+        # backward: twice forward's element-wise traffic and operations, + one forward when
+        # the block is recomputed (the FLOPs come with the shape's backward FLOPs)
+        bwd_factor = 2.0 + again
+        if bw > 0:
+            fwd_elem, bwd_elem = b / bw, bwd_factor * b / bw
+        else:
+            # a profile without an element-wise rate leaves those passes out
+            fwd_elem = bwd_elem = 0.0
+        fwd.append((ff / rate, fwd_elem, n * op))
+        bwd.append((bf / rate, bwd_elem, bwd_factor * n * op))
     return fwd, bwd
 
 
 def _combine(term: tuple[float, float, float], device_type: str) -> float:
     work = term[0] + term[1]
-    return work + term[2] if device_type == "cpu" else max(work, term[2])
+    if device_type == "cpu":
+        # the CPU backend runs each op on the thread that dispatches it: the costs add
+        return work + term[2]
+    # a GPU queues launches ahead of its kernels: dispatch overlaps the work
+    return max(work, term[2])
 
 
 def layer_times(shape: ModelShape, prof: HardwareProfile) -> tuple[list[float], list[float]]:

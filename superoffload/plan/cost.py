@@ -1,9 +1,9 @@
 """Cost model: the time of each piece of work, from a HardwareProfile (DESIGN.md §5).
 
 Formulas (paper section in brackets; SuperOffload, Lian et al., arXiv 2509.21271):
-  link        t = latency + bytes / peak            per direction, per message; with a measured
-                                                    table, t = bytes / bw(bytes) (log-interpolated)
-                                                    [§4.2: ~64 MB buckets saturate NVLink-C2C]
+  link        t = latency + bytes / peak per direction, per message; with a measured table,
+              t = bytes / bw(bytes) (log-interpolated)
+              [§4.2: ~64 MB buckets saturate NVLink-C2C]
   CPU Adam    t = call + params / rate(threads) * bytes_per_param / 28
               rate(threads) = min(compute(threads), eff * host_bw / 28 B) x kernel factor, the
               cap applied with or without a measured table [§4.6 GraceAdam: bandwidth bound]
@@ -23,12 +23,12 @@ Formulas (paper section in brackets; SuperOffload, Lian et al., arXiv 2509.21271
               thread in cache), so it pays only where the bus, not the cores, bounds the lane
   device Adam fused: t = launch per bucket + params * 28 B / device_bw; the unfused
               foreach step: ~20 launches per bucket and ~118 B/param
-  compute     t = FLOPs / achieved FLOP/s           (FLOPs from ModelShape: 6 N tokens + attention,
-                                                    + 2 N tokens recompute with checkpointing)
-  casting     device: launch + elems / device_cast_rate; host: elems / host_cast_rate, a separate
-              pass unless the CPU kernel fuses it       [§4.4 Superchip-aware casting]
-  weight flow efficiency = compute / (compute + exposed transfer), exposed = max(0, fetch - compute)
-              per layer                             [§4.5 adaptive weight offloading]
+  compute     t = FLOPs / achieved FLOP/s (FLOPs from ModelShape: 6 N tokens + attention,
+              + 2 N tokens recompute with checkpointing)
+  casting     device: launch + elems / device_cast_rate; host: elems / host_cast_rate, a
+              separate pass unless the CPU kernel fuses it [§4.4 Superchip-aware casting]
+  weight flow efficiency = compute / (compute + exposed transfer),
+              exposed = max(0, fetch - compute) per layer [§4.5 adaptive weight offloading]
 """
 
 from __future__ import annotations
@@ -65,32 +65,45 @@ def _interp_log(table: Sequence[tuple[float, float]], x: float) -> float:
         return pts[-1][1]
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
         if x0 <= x <= x1:
+            # Over log(size): link rates rise with the message size roughly logarithmically
+            # between the latency-bound and the saturated regime.
             w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return y0 + w * (y1 - y0)
     return pts[-1][1]  # pragma: no cover - unreachable with a sorted table
+
+
+def _link(prof: HardwareProfile, direction: Direction
+          ) -> tuple[tuple[tuple[float, float], ...], float]:
+    """(measured table, peak GB/s) of one link direction."""
+    if direction == "h2d":
+        return prof.h2d_table, prof.h2d_gbps
+    # Anything but "h2d" is the device-to-host direction, as the callers always name one.
+    return prof.d2h_table, prof.d2h_gbps
 
 
 def link_time_s(nbytes: float, prof: HardwareProfile, direction: Direction) -> float:
     """Seconds to move one message of `nbytes` in `direction` ("h2d" or "d2h")."""
     if nbytes <= 0:
         return 0.0
-    table = prof.h2d_table if direction == "h2d" else prof.d2h_table
+    table, peak = _link(prof, direction)
     if table:
+        # A measured table's rates already include the per-message latency.
         return nbytes / (_interp_log(table, nbytes) * 1e9)
-    peak = prof.h2d_gbps if direction == "h2d" else prof.d2h_gbps
     return prof.link_latency_s + nbytes / (peak * 1e9)
 
 
-def link_time_s_array(nbytes: np.ndarray, prof: HardwareProfile, direction: Direction) -> np.ndarray:
+def link_time_s_array(nbytes: np.ndarray, prof: HardwareProfile,
+                      direction: Direction) -> np.ndarray:
     """`link_time_s` over an array of message sizes (vectorised; 0 bytes take 0 s)."""
     nbytes = np.asarray(nbytes, dtype=float)
-    table = prof.h2d_table if direction == "h2d" else prof.d2h_table
+    table, peak = _link(prof, direction)
     if table:
         pts = sorted(table)
         xs = np.log([p[0] for p in pts])
+        # np.interp clamps at both ends like _interp_log; the 1-byte floor keeps log() finite
+        # for the empty messages np.where zeroes below.
         gbps = np.interp(np.log(np.maximum(nbytes, 1.0)), xs, [p[1] for p in pts])
         return np.where(nbytes > 0, nbytes / (gbps * 1e9), 0.0)
-    peak = prof.h2d_gbps if direction == "h2d" else prof.d2h_gbps
     return np.where(nbytes > 0, prof.link_latency_s + nbytes / (peak * 1e9), 0.0)
 
 
@@ -118,6 +131,7 @@ def cpu_adam_rate(prof: HardwareProfile, threads: int, kernel: Kernel = "ours") 
     capped by the host bus at 28 B/param (also when a measured table exists: a table measured
     on a warm buffer is cache speed, FACTS.md H200), times the kernel factor."""
     rate = cpu_compute_rate(prof, threads)
+    # The bus cap applies to the fp32 step's 28 B (§4.6: the CPU step is bandwidth bound).
     return min(rate, host_bus_bps(prof) / ADAM_BYTES_PER_PARAM) * kernel_factor(prof, kernel)
 
 
@@ -135,9 +149,11 @@ def cpu_compute_rate(prof: HardwareProfile, threads: int) -> float:
     if prof.cpu_adam_table:
         pts = sorted(prof.cpu_adam_table)
         if threads <= pts[0][0]:
+            # Below the first row: linear in the threads (each core runs its own share).
             rate = pts[0][1] * threads / pts[0][0]
         elif threads >= pts[-1][0]:
-            rate = pts[-1][1]  # measured saturation; more threads than measured adds nothing
+            # measured saturation; more threads than measured adds nothing
+            rate = pts[-1][1]
         else:
             rate = pts[-1][1]
             for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
@@ -154,14 +170,16 @@ def cpu_adam_time_s(params: float, prof: HardwareProfile, threads: int, kernel: 
     """One CPU Adam call over `params` parameters touching `bytes_per_param` each."""
     if params <= 0:
         return 0.0
+    # The rate is per fp32 28 B step; a variant touching other bytes scales with them (the
+    # step is bandwidth bound).
     return prof.cpu_call_s + params / cpu_adam_rate(prof, threads, kernel) * (
         bytes_per_param / ADAM_BYTES_PER_PARAM
     )
 
 
 UNFUSED_TAIL_BYTES = 118.0
-"""Device bytes per parameter of the unfused tail step (``ENGINE_H200_MEASURED``'s kernels.device_adam_multi:
-~13 foreach passes, per-tensor casts and temporaries)."""
+"""Device bytes per parameter of the unfused tail step (``ENGINE_H200_MEASURED``'s
+kernels.device_adam_multi: ~13 foreach passes, per-tensor casts and temporaries)."""
 UNFUSED_TAIL_LAUNCHES = 20
 """Kernel launches per tail bucket of the unfused tail step (``ENGINE_H200_MEASURED``)."""
 FUSED_TAIL_LAUNCHES = 1
@@ -182,13 +200,17 @@ def device_adam_time_s(params: float, prof: HardwareProfile, *, tail_step: str =
         per_param, launches = UNFUSED_TAIL_BYTES, UNFUSED_TAIL_LAUNCHES
     else:
         raise ValueError(f"tail_step={tail_step!r}: use 'fused' or 'unfused'")
+    # At least one launch: a tail with parameters is stepped even when given 0 buckets.
     return (max(1, buckets) * launches * prof.device_launch_s
             + params * per_param / (prof.device_mem_bw_gbps * 1e9))
 
 
 def tail_bytes_per_param(tail_step: str) -> float:
     """Device bytes per parameter the tail step moves (for calibrate's bandwidth fit)."""
-    return float(ADAM_BYTES_PER_PARAM) if tail_step == "fused" else UNFUSED_TAIL_BYTES
+    if tail_step == "fused":
+        return float(ADAM_BYTES_PER_PARAM)
+    # Anything else is the unfused step: device_adam_time_s rejects other names first.
+    return UNFUSED_TAIL_BYTES
 
 
 def compute_time_s(flops: float, prof: HardwareProfile) -> float:
@@ -197,11 +219,17 @@ def compute_time_s(flops: float, prof: HardwareProfile) -> float:
 
 
 def device_cast_time_s(elems: float, prof: HardwareProfile) -> float:
-    return 0.0 if elems <= 0 else prof.device_launch_s + elems / (prof.device_cast_gelems * 1e9)
+    if elems <= 0:
+        # Nothing to cast launches no kernel: no launch cost either.
+        return 0.0
+    return prof.device_launch_s + elems / (prof.device_cast_gelems * 1e9)
 
 
 def host_cast_time_s(elems: float, prof: HardwareProfile) -> float:
-    return 0.0 if elems <= 0 else elems / (prof.host_cast_gelems * 1e9)
+    if elems <= 0:
+        return 0.0
+    # No launch term: the host pass is a plain loop in the calling thread.
+    return elems / (prof.host_cast_gelems * 1e9)
 
 
 # ----------------------------------------------------------------------------- casting (§4.4)
@@ -247,28 +275,40 @@ def host_step(prof: HardwareProfile, grad_cast: str, param_cast: str, kernel: Ke
     if moments not in STATE_DTYPES:
         raise ValueError(f"optimizer_state_dtype={moments!r}: use one of {STATE_DTYPES}")
     fuse_g, fuse_p = kernel_fuses(kernel)
+    # x86 reads each line of a write-only destination before writing it (write-allocate).
     wa = 1.0 if prof.host_write_allocate else 0.0
     kernel_bytes, extra, cast_bytes, cast_s = float(ADAM_BYTES_PER_PARAM), 0.0, 0.0, 0.0
     if grad_cast == "host":
         if fuse_g:
             kernel_bytes -= 2.0
-        else:  # a pass reading 2 B and writing 4 B (allocated first on x86)
+        else:
+            # a pass reading 2 B and writing 4 B (allocated first on x86)
             cast_bytes += 6.0 + 4.0 * wa
             cast_s += 1.0 / (prof.host_cast_gelems * 1e9)
     if param_cast == "host":
         if fuse_p:
             kernel_bytes += 2.0
-            extra += 2.0 * wa  # the bf16 copy is write-only: its lines are read first
-        else:  # a pass reading 4 B and writing 2 B
+            # the bf16 copy is write-only: its lines are read first
+            extra += 2.0 * wa
+        else:
+            # a pass reading 4 B and writing 2 B
             cast_bytes += 6.0 + 2.0 * wa
             cast_s += 1.0 / (prof.host_cast_gelems * 1e9)
+    # Taken before the bf16 saving: compute follows the fp32 pass's bytes (HostStep).
     compute_scale = kernel_bytes / ADAM_BYTES_PER_PARAM
-    if moments == "bf16":  # the same pass with narrower moments: fewer bytes, more compute
+    if moments == "bf16":
+        # the same pass with narrower moments: fewer bytes, more compute
         compute_scale /= prof.cpu_adam_bf16_moments_relative
         kernel_bytes -= BF16_MOMENT_SAVING
+    # A device-side cast means fp32 crosses the link (4 B); a host-side one, bf16 (2 B).
     g_bytes = 4.0 if grad_cast == "device" else 2.0
     p_bytes = 4.0 if param_cast == "device" else 2.0
-    dma = g_bytes + (2.0 * 2.0 if flow else p_bytes)
+    if flow:
+        # weight flow: no bucket H2D, the bf16 weight is fetched twice (forward, backward; §4.5)
+        h2d_bytes = 2.0 * 2.0
+    else:
+        h2d_bytes = p_bytes
+    dma = g_bytes + h2d_bytes
     return HostStep(kernel_bytes, kernel_bytes + extra + dma, cast_bytes, cast_s, g_bytes,
                     p_bytes, compute_scale)
 
@@ -281,6 +321,7 @@ def host_step_s(params: np.ndarray | float, prof: HardwareProfile, threads: int,
     n = np.asarray(params, dtype=float)
     bus = host_bus_bps(prof)
     compute = cpu_compute_rate(prof, threads) * kernel_factor(prof, kernel)
+    # The lane runs at its slower resource: the cores or the bus it shares with the DMAs.
     per_kernel = max(step.compute_scale / compute, step.bus_bytes / bus)
     per_cast = max(step.cast_s, step.cast_bytes / bus)
     return n * (per_kernel + per_cast)
@@ -292,6 +333,8 @@ def per_param_lane_s(prof: HardwareProfile, grad_cast: str, param_cast: str, ker
     """Seconds per parameter on each lane of the offload pipeline for one casting choice; the
     CPU lane shares the host bus with both DMA directions (`host_step`)."""
     step = host_step(prof, grad_cast, param_cast, kernel, moments=moments)
+    # Link times at the bucket's message size (latency amortised over it); >= 1 parameter so
+    # an empty bucket does not divide by zero.
     n = max(bucket_params, 1.0)
     return {
         "d2h": link_time_s(step.g_bytes * n, prof, "d2h") / n,
@@ -323,6 +366,8 @@ def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
             key = max(lanes["d2h"], lanes["cpu"], lanes["h2d"])
             total = lanes["d2h"] + lanes["cpu"] + lanes["h2d"]
             candidates.append((key, total, g, p))
+    # Tuples compare by bottleneck, then total, then grad_cast's declared order and
+    # PARAM_CAST_PREFERENCE's position: ties fall deterministically.
     key, _, g, p = min(candidates)
     reason = (f"grads cast on the {g}, weights cast on the {p}: the slowest pipeline lane then "
               f"costs {key * 1e12:.1f} ps/param")
@@ -331,13 +376,18 @@ def choose_casting(prof: HardwareProfile, kernel: Kernel, threads: int,
 
 # ----------------------------------------------------------------------------- weight flow (§4.5)
 def weight_flow_efficiency(shape: ModelShape, prof: HardwareProfile) -> float:
-    """compute / (compute + exposed transfer) when every layer's bf16 weights stream in before its
-    forward and again before its backward, each fetch hidden behind the previous layer's compute."""
+    """compute / (compute + exposed transfer) when every layer's bf16 weights stream in before
+    its forward and again before its backward, each fetch hidden behind the previous layer's
+    compute."""
     params = shape.layer_params()
     fwd, bwd = layer_times(shape, prof)
     compute = sum(fwd) + sum(bwd)
     exposed = 0.0
     for p, tf, tb in zip(params, fwd, bwd):
+        # 2 B per parameter: the bf16 weights
         fetch = link_time_s(2.0 * p, prof, "h2d")
         exposed += max(0.0, fetch - tf) + max(0.0, fetch - tb)
-    return compute / (compute + exposed) if compute + exposed > 0 else 1.0
+    if compute + exposed > 0:
+        return compute / (compute + exposed)
+    # An empty model: nothing to hide, so nothing is exposed.
+    return 1.0

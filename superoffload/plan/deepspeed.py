@@ -78,10 +78,12 @@ def resolve_zero2(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,
     host (bf16 crosses), DeepSpeedCPUAdam on every core of the rank's share."""
     plan = plan_buckets(shape.param_specs(), bucket_bytes=REDUCE_BUCKET_ELEMS * 4, ratio=1.0)
     low = shape.dtype != "float32"
+    # DeepSpeedCPUAdam writes the 16-bit copy on the host; an fp32 model has none to cast
+    param_cast = "host" if low else "device"
     return Resolved(
         system="zero-offload", bucket_bytes=REDUCE_BUCKET_ELEMS * 4, whole_model_bucket=False,
         ratio=1.0, speculate=False, rollback_rate=rollback_rate, grad_cast="device",
-        param_cast="host" if low else "device", weights="stationary", kernel="deepspeed",
+        param_cast=param_cast, weights="stationary", kernel="deepspeed",
         threads=prof.cpu_cores, prefetch_depth=cfg.prefetch_depth, snapshot_rollback=False,
         bucket_plan=plan, requested_ratio=1.0, model_dtype=shape.dtype,
         reasons=("DeepSpeed ZeRO-2 + offload_optimizer (stage_1_and_2.py): gradients processed "
@@ -92,12 +94,15 @@ def zero2_memory(shape: ModelShape, plan: Resolved) -> Memory:
     """Per-rank bytes of DeepSpeed ZeRO-2 + offload_optimizer (module docstring)."""
     n = float(shape.params)
     _, numel = shape.param_layout()
+    # the per-parameter gradient passes run on one parameter at a time: the largest bounds them
     largest = float(numel.max()) if len(numel) else 0.0
-    w = 4.0 if shape.dtype == "float32" else 2.0
+    w = shape.dtype_bytes
     part = n / shape.dp
+    # overlap_comm double-buffers the reduce bucket
+    reduce_buffers = 2 if OVERLAP_COMM else 1
     dev = {
         "weights_bf16": w * n,
-        "reduce_bucket": min(REDUCE_BUCKET_ELEMS, n) * w * (2 if OVERLAP_COMM else 1),
+        "reduce_bucket": min(REDUCE_BUCKET_ELEMS, n) * w * reduce_buffers,
         "grad_temporaries": largest * (w + w + 4.0 + 8.0 + 4.0),
         "activations": shape.activation_bytes(),
     }
@@ -112,7 +117,10 @@ def zero2_memory(shape: ModelShape, plan: Resolved) -> Memory:
 def pinned_bytes(nbytes: float) -> float:
     """Bytes one pinned allocation of ``nbytes`` takes: PyTorch's pinned-host caching
     allocator rounds it up to a power of two (module docstring)."""
-    return 0.0 if nbytes <= 0 else float(2 ** math.ceil(math.log2(nbytes)))
+    if nbytes <= 0:
+        # log2 is undefined at 0; nothing is allocated
+        return 0.0
+    return float(2 ** math.ceil(math.log2(nbytes)))
 
 
 def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int
@@ -123,17 +131,20 @@ def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: 
     p = np.asarray(shape.layer_params(), dtype=float)
     fwd_t, bwd_t = compute.layer_times(shape, prof)
     dp = shape.dp
-    w = 4.0 if shape.dtype == "float32" else 2.0
+    w = shape.dtype_bytes
     launch = prof.device_launch_s
     # per reduce bucket: reduce-scatter, device passes, per-parameter fp32 D2H of the partition
     buckets = plan.bucket_plan.buckets
     sizes = [len(b.param_indices) for b in buckets]
     members = np.fromiter(chain.from_iterable(b.param_indices for b in buckets), dtype=np.int64,
                           count=sum(sizes))
-    of = np.repeat(np.arange(len(buckets)), sizes)  # bucket of each member
-    mine = numel[members] / dp  # this rank's share of each parameter's gradient
+    # bucket of each member
+    of = np.repeat(np.arange(len(buckets)), sizes)
+    # this rank's share of each parameter's gradient
+    mine = numel[members] / dp
     done_in = np.full(len(buckets), len(p), dtype=np.int64)
-    np.minimum.at(done_in, of, layer[members])  # a bucket completes in its earliest layer
+    # a bucket completes in its earliest layer: backward reaches it last
+    np.minimum.at(done_in, of, layer[members])
     b_numel = np.asarray([b.numel for b in buckets], dtype=float)
     rs = parallel.ring_time_s(b_numel * w, dp, prof)
     dev = (np.asarray(sizes) * (GRAD_PASS_LAUNCHES + SYNCS_PER_PARAM) * launch
@@ -148,11 +159,15 @@ def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: 
                                   minlength=len(p))
     part = float(shape.params) / dp
     bus = cost.host_bus_bps(prof)
+    # x86 reads a write-only destination's lines first (write-allocate)
     wa = 1.0 if prof.host_write_allocate else 0.0
-    norm_s = len(numel) * SYNCS_PER_PARAM * launch / 2  # the .item() per parameter
-    unscale_s = part * 8.0 / bus  # mul_ in place over the fp32 gradient partition
+    # the .item() per parameter: a host sync each
+    norm_s = len(numel) * SYNCS_PER_PARAM * launch / 2
+    # mul_ in place over the fp32 gradient partition: read and write 4 B each
+    unscale_s = part * 8.0 / bus
     rate = cost.cpu_compute_rate(prof, plan.threads) * cost.kernel_factor(prof, "deepspeed")
     adam_s = prof.cpu_call_s + part * max(1.0 / rate, ADAM_BYTES_PER_PARAM / bus)
+    # a separate pass: read fp32 (4), write bf16 (2, allocated first on x86)
     cast_s = part * max(1.0 / (prof.host_cast_gelems * 1e9), (6.0 + 2.0 * wa) / bus)
     h2d_s = cost.link_time_s(part * w, prof, "h2d")
     ag_s = float(parallel.ring_time_s(float(shape.params) * w, dp, prof))
@@ -174,7 +189,8 @@ def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: 
                 wait_s.append(t)
                 t += extra_after_layer[li]
                 d_s.append(t)
-                t += d2h_after_layer[li]  # the copies run on the compute stream
+                # the copies run on the compute stream: backward waits for them
+                t += d2h_after_layer[li]
                 d_e.append(t)
                 d_b.append(int(d2h_bytes_after[li]))
                 wait_e.append(t)
@@ -183,12 +199,15 @@ def zero2_run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: 
         chunks.append((ev.LANE_COMPUTE, ev.KIND_BACKWARD, b_s, b_e, it, None, 0))
         chunks.append((ev.LANE_COMPUTE, ev.KIND_WAIT, wait_s, wait_e, it, None, 0))
         chunks.append((ev.LANE_D2H, ev.KIND_D2H, d_s, d_e, it, None, d_b))
+        # the step starts after backward and runs its parts in sequence: the norm's syncs,
+        # unscale, Adam, the cast of the 16-bit copy
         s0 = t + norm_s
         a0 = s0 + unscale_s
         a1 = a0 + adam_s
         c1 = a1 + cast_s
         chunks.append((ev.LANE_CPU, ev.KIND_CPU_STEP, [s0, a0, a1], [a0, a1, c1], it, None,
                        [0, int(part * ADAM_BYTES_PER_PARAM), 0]))
+        # the updated partition goes up and is all-gathered before the next forward starts
         h1 = c1 + h2d_s + ag_s
         chunks.append((ev.LANE_H2D, ev.KIND_H2D, [c1], [h1], it, None, int(part * w)))
         chunks.append((ev.LANE_COMPUTE, ev.KIND_WAIT, [t], [h1], it, None, 0))
@@ -200,7 +219,7 @@ def zero2_collective_s(shape: ModelShape, prof: HardwareProfile, plan: Resolved)
     """Per-rank collective seconds of one DeepSpeed iteration: each reduce bucket's
     reduce-scatter in the model dtype (``average_tensor``) and the all-gather of the updated
     bf16 partitions (``all_gather_dp_groups``); 0 at dp=1."""
-    w = 4.0 if shape.dtype == "float32" else 2.0
+    w = shape.dtype_bytes
     rs = sum(float(parallel.ring_time_s(b.numel * w, shape.dp, prof))
              for b in plan.bucket_plan.buckets)
     return rs + float(parallel.ring_time_s(float(shape.params) * w, shape.dp, prof))

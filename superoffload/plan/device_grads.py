@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from superoffload.config import choices_of
-
-PLACES: tuple[str, ...] = choices_of("grad_accum_on", decided=True)
-"""Where gradients of offloaded buckets accumulate over micro-steps (resolved, never "auto")."""
+AccumPlace = Literal["device", "host"]
+PLACES: tuple[AccumPlace, ...] = get_args(AccumPlace)
+"""Where gradients of offloaded buckets accumulate over micro-steps: ``grad_accum_on`` decided
+(the config's members without "auto"; tests/test_plan_schedule.py checks they agree)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,9 @@ class DeviceGrads:
     def carried_numel(self) -> int:
         """Elements resident from earlier micro-steps while a later one's forward runs: the
         tail's and the kept ones (0 without accumulation: ``zero_grad()`` ran before)."""
-        return self.tail_numel + self.kept_numel if self.accumulating else 0
+        if not self.accumulating:
+            return 0
+        return self.tail_numel + self.kept_numel
 
     def offloaded_resident_numel(self, arrived: float) -> float:
         """Offloaded elements resident once ``arrived`` of them have been produced in this
@@ -101,7 +104,11 @@ def device_grads(host_bucket_numels: Sequence[int], tail_numel: int, *,
     in_flight = min(offloaded, (grad_buckets_in_flight + 1) * largest)
     accumulating = grad_accum_steps > 1
     on_device = accumulating and grad_accum_on == "device"
-    kept = max(0, offloaded - int(streamed_numel)) if keep_device_grads or on_device else 0
+    kept = 0
+    if keep_device_grads or on_device:
+        # weight-flow's streamed blocks leave whatever the settings: their weights are not
+        # resident, so neither are their gradients (runtime/departures.py)
+        kept = max(0, offloaded - int(streamed_numel))
     streamed = " (weight-flow's streamed blocks leave regardless)" if streamed_numel else ""
     if keep_device_grads:
         rule = "keep_device_grads: offloaded gradients stay until zero_grad()" + streamed

@@ -129,17 +129,26 @@ def _stationary(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,
     if not sides(0)[1]:  # pragma: no cover - nothing offloaded puts nothing on the host
         return Feasibility(None, None, ("stationary weights: the host does not fit even at "
                                         "ratio 0",))
-    lo, hi = 0, n  # host fits at lo; find the largest such k
+    # host fits at lo; find the largest such k (more offloaded = more host memory: monotone)
+    lo, hi = 0, n
     if not sides(n)[1]:
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if sides(mid)[1] else (lo, mid)
+            if sides(mid)[1]:
+                lo = mid
+            else:
+                hi = mid
+        # hi is the first count that does not fit: the answer is the one below
         hi = lo
     top = hi
     if not sides(top)[0]:
         staging = whole.model_dtype != "float32" and "device" in (whole.grad_cast,
                                                                  whole.param_cast)
-        below = [k for k in range(top - 1, -1, -1) if sides(k)[0]] if staging else []
+        below: list[int] = []
+        if staging:
+            # device-side casting's fp32 staging makes the device's need not monotone in the
+            # host buckets: a lower count may fit where `top` does not, so search downward
+            below = [k for k in range(top - 1, -1, -1) if sides(k)[0]]
         if not below:
             at_one = check_fits(_memory(shape, prof, cfg.replace(ratio=1.0), techniques), prof)
             at_top = check_fits(_memory(shape, prof, cfg.replace(ratio=ratio_of(top)),
@@ -151,10 +160,15 @@ def _stationary(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig,
                 f"stationary weights fit no ratio: at ratio 1 {'; '.join(at_one)}; at ratio "
                 f"{ratio_of(top):.3g}, the most the host holds, {'; '.join(at_top)}",))
         top = below[0]
-    low, high = 0, top  # the device fits at `top`; find the smallest k where it does
+    # the device fits at `top`; find the smallest k where it does
+    low, high = 0, top
     if not sides(0)[0]:
         while high - low > 1:
             mid = (low + high) // 2
-            low, high = (low, mid) if sides(mid)[0] else (mid, high)
+            if sides(mid)[0]:
+                high = mid
+            else:
+                low = mid
+        # low is the last count that does not fit: the answer is the one above
         low = high
     return Feasibility(cfg.replace(ratio=ratio_of(top)), (ratio_of(low), ratio_of(top)))

@@ -43,7 +43,7 @@ from superoffload.plan.buckets import (
 
 ROOT = -1
 """``block_of`` value of a parameter outside the blocks (the root unit holds it)."""
-WEIGHTS: tuple[str, ...] = choices_of("weights", decided=True)
+WEIGHT_POLICIES: tuple[str, ...] = choices_of("weights", decided=True)
 
 
 def group_blocks(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -79,8 +79,8 @@ def block_units(block_numels: Sequence[int], total_numel: int, *, bucket_bytes: 
                 weights: str) -> BlockUnits:
     """The block units for blocks of ``block_numels`` parameters in a model of
     ``total_numel`` (module docstring). ``weights``: "stationary" or "flow"."""
-    if weights not in WEIGHTS:
-        raise ValueError(f"block_units: weights={weights!r}; use one of {WEIGHTS} (decide "
+    if weights not in WEIGHT_POLICIES:
+        raise ValueError(f"block_units: weights={weights!r}; use one of {WEIGHT_POLICIES} (decide "
                          "'auto' first)")
     if weights == "flow":
         return BlockUnits(tuple((k,) for k in range(len(block_numels))), True, True)
@@ -91,8 +91,9 @@ def block_units(block_numels: Sequence[int], total_numel: int, *, bucket_bytes: 
 
 
 @dataclass(frozen=True, slots=True)
-class Unit:
-    """One FSDP2 unit: what one all-gather gathers and one reduce-scatter reduces."""
+class UnitSpec:
+    """One FSDP2 unit as the planner sees it: what one all-gather gathers and one
+    reduce-scatter reduces (distributed/fsdp/units.py ``Unit`` holds its modules)."""
 
     index: int
     """Forward order: 0 is the root (its all-gather opens the forward), then the block units."""
@@ -121,7 +122,7 @@ class Unit:
 class UnitPlan:
     """A model's FSDP2 units, forward order (the root first)."""
 
-    units: tuple[Unit, ...]
+    units: tuple[UnitSpec, ...]
 
     def unit_of(self) -> dict[int, int]:
         """``ParamSpec.index`` -> unit index."""
@@ -139,9 +140,9 @@ class UnitPlan:
     def with_buckets(self, plan: BucketPlan) -> UnitPlan:
         """The same units, each with the ids of the buckets of ``plan`` holding its params."""
         bucket_of = plan.bucket_of()
-        units = tuple(Unit(u.index, u.blocks, u.param_indices, u.numel, u.on_host,
-                           u.reshard_after_forward,
-                           tuple(sorted({bucket_of[i] for i in u.param_indices
+        units = tuple(UnitSpec(u.index, u.blocks, u.param_indices, u.numel, u.on_host,
+                               u.reshard_after_forward,
+                               tuple(sorted({bucket_of[i] for i in u.param_indices
                                          if i in bucket_of})))
                       for u in self.units)
         return UnitPlan(units)
@@ -159,15 +160,18 @@ class UnitPlan:
         on the last micro-step only, unless every micro-step reduces (accumulation on the
         host: each micro-step's shards leave)."""
         gathers = micro_steps * sum(u.all_gathers for u in self.units)
+        # without reduce_every_micro_step, FSDP2's no-sync keeps gradients until the last
         reduces = (micro_steps if reduce_every_micro_step else 1) * len(self.units)
         return gathers, reduces
 
 
-def reduce_position(unit: Unit) -> tuple[int, int]:
+def reduce_position(unit: UnitSpec) -> tuple[int, int]:
     """Sort key of the order FSDP2 reduce-scatters units in backward: block units from the
     last block down, the root last."""
     if unit.is_root:
+        # the root's post-backward runs after every block's
         return (1, 0)
+    # a unit's reduce-scatter follows the backward of its first (lowest) block
     return (0, -min(unit.blocks, default=0))
 
 
@@ -193,15 +197,19 @@ def plan_units(params: Sequence[ParamSpec], block_of: Sequence[int], *, bucket_b
     if total_numel is None:
         total_numel = sum(s.numel for s in params)
     bu = block_units(block_numels, total_numel, bucket_bytes=bucket_bytes, weights=weights)
+    # unit 0 is the root; block units are numbered from 1 in forward order
     unit_of_block = {k: u + 1 for u, group in enumerate(bu.groups) for k in group}
     members: list[list[ParamSpec]] = [[] for _ in range(len(bu.groups) + 1)]
     for spec, b in zip(params, block_of):
-        members[unit_of_block.get(b, 0) if b != ROOT else 0].append(spec)
+        # outside the blocks, or in a block no unit took: the root holds it
+        unit = unit_of_block.get(b, 0) if b != ROOT else 0
+        members[unit].append(spec)
     root_blocks = tuple(k for k in range(len(block_numels)) if k not in unit_of_block)
-    units = [Unit(0, root_blocks, tuple(s.index for s in members[0]),
-                  sum(s.numel for s in members[0]), False, False)]
-    units += [Unit(u + 1, group, tuple(s.index for s in members[u + 1]),
-                   sum(s.numel for s in members[u + 1]), bu.on_host, bu.reshard_after_forward)
+    # FSDP2 never reshards the root after forward, and it stays on the device
+    units = [UnitSpec(0, root_blocks, tuple(s.index for s in members[0]),
+                      sum(s.numel for s in members[0]), False, False)]
+    units += [UnitSpec(u + 1, group, tuple(s.index for s in members[u + 1]),
+                       sum(s.numel for s in members[u + 1]), bu.on_host, bu.reshard_after_forward)
               for u, group in enumerate(bu.groups)]
     out = UnitPlan(tuple(units))
     return out.with_buckets(bucket_plan) if bucket_plan is not None else out

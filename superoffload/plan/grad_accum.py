@@ -24,19 +24,20 @@ figures, the ``plan.memory`` and ``plan.sim_core`` every prediction uses:
    only accumulate; "host" when accumulating on the device does not fit (or neither does:
    the host needs less).
 
-``resolve_decided`` is ``techniques.resolve`` with that decision made first: every planner
-entry point (simulate, the memory search, capacity) resolves through it, so a prediction
-describes the place the engine uses. Pure: no torch, no threads (docs/conventions.md, "Pure planning core"). The engine
-calls ``choose_grad_accum`` for "auto" with its own facts (``ModelShape.from_module`` of the
-model, the resolved profile: the rank's share of the host when ranks share one).
+``resolve_decided`` is ``techniques.resolve`` with that decision made first: every planner entry
+point (simulate, the memory search, capacity) resolves through it, so a prediction describes the
+place the engine uses. Pure: no torch, no threads (docs/conventions.md, "Pure planning core").
+The engine calls ``choose_grad_accum`` for "auto" with its own facts (``ModelShape.from_module``
+of the model, the resolved profile: the rank's share of the host when ranks share one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 from superoffload.config import OffloadConfig
+from superoffload.plan.device_grads import PLACES, AccumPlace
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import check_fits, memory
 from superoffload.plan.resolved import Resolved
@@ -45,17 +46,12 @@ from superoffload.plan.sim_core import accumulation_micro_step_s
 from superoffload.plan.techniques import Techniques, resolve
 from superoffload.plan.weights import fmt_gb
 
-Place = Literal["device", "host"]
-PLACES: tuple[Place, ...] = get_args(Place)
-"""``grad_accum_on`` decided (the config's members without "auto"; tests/test_plan_schedule.py
-checks they agree)."""
-
 
 @dataclass(frozen=True, slots=True)
 class GradAccumChoice:
     """The decision and the figures it compared (None where nothing was compared)."""
 
-    place: Place
+    place: AccumPlace
     """"device" or "host"."""
     reason: str
     """Why, in plain words with the numbers."""
@@ -90,8 +86,10 @@ def choose_grad_accum(shape: ModelShape, profile: HardwareProfile, config: Offlo
                                "accumulates (every micro-step is an optimizer step), so the "
                                "place does not matter")
     if profile.shared_memory or profile.device_type == "cpu":
-        pool = ("the device is the CPU" if profile.device_type == "cpu"
-                else "device and host share one memory pool")
+        if profile.device_type == "cpu":
+            pool = "the device is the CPU"
+        else:
+            pool = "device and host share one memory pool"
         return GradAccumChoice("device", f"grad_accum_on=device: on {profile.name} {pool}: "
                                "accumulating on the host saves no memory and its copies cost "
                                "time")
@@ -111,11 +109,14 @@ def choose_grad_accum(shape: ModelShape, profile: HardwareProfile, config: Offlo
                f"ms on the host (D2H + host add each); device memory "
                f"{fmt_gb(device_bytes['device'])} vs {fmt_gb(device_bytes['host'])} of "
                f"{fmt_gb(profile.device_memory_bytes)}")
-    place: Place
+    place: AccumPlace
     if dev_fits and host_fits:
+        # a tie goes to the device: it makes no copies and runs no host add
         place = "host" if seconds["host"] < seconds["device"] else "device"
-        why = (f"both fit; the {place} is faster" if seconds["host"] != seconds["device"]
-               else "both fit and take as long: the device (no copies)")
+        if seconds["host"] != seconds["device"]:
+            why = f"both fit; the {place} is faster"
+        else:
+            why = "both fit and take as long: the device (no copies)"
     elif dev_fits:
         place, why = "device", "only accumulating on the device fits: " + "; ".join(
             problems["host"])

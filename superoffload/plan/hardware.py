@@ -92,7 +92,8 @@ class HardwareProfile:
     docs/kernel.md (2-core Sapphire Rapids, AVX-512): ~1.3 G params/s per thread with the
     data in cache vs ~3 G for fp32 -- an estimate on every other CPU until measured there."""
     deepspeed_adam_relative: float = 0.082 / 0.098
-    """DeepSpeed CPUAdam throughput relative to ours (FACTS.md: Grace, 1B params, 0.098 vs 0.082 s)."""
+    """DeepSpeed CPUAdam throughput relative to ours (FACTS.md: Grace, 1B params, 0.098 vs
+    0.082 s)."""
     torch_adam_relative: float = 0.082 / 0.289
     """PyTorch CPU Adam throughput relative to ours (FACTS.md: Grace, 0.289 vs 0.082 s)."""
     h2d_gbps: float
@@ -175,9 +176,11 @@ class HardwareProfile:
         source = self.source(field_name)
         if source is None:
             return None
+        # the provenance is the first word: "spec: ...", "measured, ..." and "estimate ..." alike
         words = source.replace(":", " ").replace(",", " ").split(maxsplit=1)
         word = words[0].lower() if words else ""
-        return word if word in PROVENANCES else None  # an older file's free text: uncited
+        # an older file's free text names no provenance: uncited
+        return word if word in PROVENANCES else None
 
     def source(self, field_name: str) -> str | None:
         """The source of ``field_name``'s figure: the profile's own, else the default's when
@@ -222,11 +225,13 @@ class HardwareProfile:
         )
         for name in positive:
             if not getattr(self, name) > 0:
-                raise ValueError(f"HardwareProfile({self.name}).{name} must be > 0 (figure missing?)")
+                raise ValueError(f"HardwareProfile({self.name}).{name} must be > 0 (figure "
+                                 "missing?)")
         if self.device_achieved_tflops > self.device_peak_tflops:
             raise ValueError(
                 f"HardwareProfile({self.name}).device_achieved_tflops="
-                f"{self.device_achieved_tflops} exceeds device_peak_tflops={self.device_peak_tflops}"
+                f"{self.device_achieved_tflops} exceeds "
+                f"device_peak_tflops={self.device_peak_tflops}"
             )
         if self.cpu_adam_bw_efficiency > 1:
             raise ValueError(f"HardwareProfile({self.name}).cpu_adam_bw_efficiency must be <= 1")
@@ -234,7 +239,8 @@ class HardwareProfile:
             for point in getattr(self, tname):
                 if len(point) != 2 or not all(p > 0 for p in point):
                     raise ValueError(
-                        f"HardwareProfile({self.name}).{tname} holds {point!r}: use (x, y) pairs > 0"
+                        f"HardwareProfile({self.name}).{tname} holds {point!r}: use (x, y) pairs > "
+                        "0"
                     )
         if not self.name:
             raise ValueError("HardwareProfile.name is empty: give the profile a key")

@@ -12,12 +12,12 @@ their parameters (each family's modeling file in huggingface/transformers):
                   biased; two LayerNorms; rotary positions; untied head by default
 hd = head_dim (default hidden / heads). A tied head is the embedding, counted once.
 
-`parameter_shapes` lists every parameter (HF name, shape) in registration order -- the order
-the engine buckets them -- and `shape_fields` gives a ModelShape (`ModelShape.from_hf_config`) with exact block
-and non-block counts (`block_params_override`, `other_params_override`) and, where ModelShape
-has it, the per-parameter `param_table`, with what the FLOP and activation formulas need (GQA
-widths, a gated MLP, biases, dropout; plan/formulas.py). Any other ``model_type`` is built on
-the meta device when transformers is installed (plan/hf_meta.py).
+`parameter_shapes` lists every parameter (HF name, shape) in registration order -- the order the
+engine buckets them -- and `shape_fields` gives a ModelShape (`ModelShape.from_hf_config`) with
+exact block and non-block counts (`block_params_override`, `other_params_override`) and, where
+ModelShape has it, the per-parameter `param_table`, with what the FLOP and activation formulas
+need (GQA widths, a gated MLP, biases, dropout; plan/formulas.py). Any other ``model_type`` is
+built on the meta device when transformers is installed (plan/hf_meta.py).
 
 Shipped configs (`hf_configs/*.json`, config.json only, no weights) load by name offline:
     model_shape("llama-2-7b", seq=4096)
@@ -73,7 +73,7 @@ def shipped() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
-def load(config_or_path: Any) -> dict[str, Any]:
+def load_config(config_or_path: Any) -> dict[str, Any]:
     """A plain dict from a `transformers.PretrainedConfig`, a dict, a `config.json` path, a
     directory holding one, or the name of a shipped config."""
     if isinstance(config_or_path, Mapping):
@@ -92,7 +92,8 @@ def load(config_or_path: Any) -> dict[str, Any]:
         return _parse(path.read_text(), str(path))
     name = str(config_or_path)
     if name in shipped():
-        text = resources.files("superoffload.plan").joinpath(_SHIPPED_DIR, name + ".json").read_text()
+        shipped_file = resources.files("superoffload.plan").joinpath(_SHIPPED_DIR, name + ".json")
+        text = shipped_file.read_text()
         return _parse(text, f"shipped config {name}")
     raise FileNotFoundError(
         f"from_hf_config({name!r}): no such file or directory, and not a shipped config; "
@@ -105,7 +106,7 @@ def _parse(text: str, where: str) -> dict[str, Any]:
                         "such as {\"model_type\": \"llama\", ...}")
 
 
-def describe(cfg: Mapping[str, Any]) -> HFArch:
+def arch_of(cfg: Mapping[str, Any]) -> HFArch:
     """Read one config's shape numbers with its family's defaults (as the transformers config
     classes fill them in), each checked as it is read (plan/config_numbers.py). Errors name
     the key, the unsupported model_type, or the count the planner cannot simulate."""
@@ -124,8 +125,11 @@ def _describe(r: ConfigReader) -> HFArch:
             f"{', '.join(FAMILIES)}); with transformers installed ModelShape.from_hf_config "
             "builds it on the meta device (plan/hf_meta.py)")
     named = r.raw("_name_or_path", "")
-    name = named if isinstance(named, str) and named else (
-        r.names("architectures", []) or [family])[0]
+    if isinstance(named, str) and named:
+        name = named
+    else:
+        # a config saved without its path: the class it names, else the family
+        name = (r.names("architectures", []) or [family])[0]
     if family == "gpt2":
         layers_key = "n_layer"
         h, heads = r.whole("n_embd"), r.whole("n_head")
@@ -140,6 +144,7 @@ def _describe(r: ConfigReader) -> HFArch:
         positions = r.whole("max_position_embeddings", 2048)
         tied = r.flag("tie_word_embeddings", False)
         if family == "gpt_neox":
+            # GPT-NeoX's attention biases default on (its MLP always has them)
             bias = r.flag("attention_bias", True)
             arch = HFArch(family, name, layers, h, heads, heads, h // heads,
                           r.whole("intermediate_size", 4 * h), vocab, positions, tied,
@@ -148,11 +153,13 @@ def _describe(r: ConfigReader) -> HFArch:
             kv = r.whole("num_key_value_heads", heads)
             head_dim = r.whole("head_dim", max(1, h // heads))
             attn_bias = r.flag("attention_bias", False)
+            qkv_bias = o_bias = attn_bias
+            if family == "qwen2":
+                # Qwen2 always biases Q, K and V and never O; its config has no key for it
+                qkv_bias, o_bias = True, False
             arch = HFArch(family, name, layers, h, heads, kv, head_dim,
                           r.whole("intermediate_size"), vocab, positions, tied,
-                          True if family == "qwen2" else attn_bias,
-                          False if family == "qwen2" else attn_bias,
-                          r.flag("mlp_bias", False))
+                          qkv_bias, o_bias, r.flag("mlp_bias", False))
     # what the numbers add up to, before anything is listed per layer (a 1e9-layer config
     # would build a billion-entry list): the simulation's size, then the parameters
     per_block = len(_block(arch, "b"))
@@ -165,12 +172,18 @@ def _describe(r: ConfigReader) -> HFArch:
 
 def _linear(prefix: str, out_f: int, in_f: int, bias: bool) -> list[tuple[str, Shape]]:
     """nn.Linear registers weight (out x in) then bias (out)."""
-    return [(f"{prefix}.weight", (out_f, in_f))] + ([(f"{prefix}.bias", (out_f,))] if bias else [])
+    out: list[tuple[str, Shape]] = [(f"{prefix}.weight", (out_f, in_f))]
+    if bias:
+        out.append((f"{prefix}.bias", (out_f,)))
+    return out
 
 
 def _norm(prefix: str, h: int, bias: bool) -> list[tuple[str, Shape]]:
     out: list[tuple[str, Shape]] = [(f"{prefix}.weight", (h,))]
-    return out + ([(f"{prefix}.bias", (h,))] if bias else [])
+    if bias:
+        # LayerNorm; RMSNorm has a weight only
+        out.append((f"{prefix}.bias", (h,)))
+    return out
 
 
 def _block(a: HFArch, p: str) -> list[tuple[str, Shape]]:
@@ -184,7 +197,8 @@ def _block(a: HFArch, p: str) -> list[tuple[str, Shape]]:
                 (f"{p}.mlp.c_fc.weight", (h, f)), (f"{p}.mlp.c_fc.bias", (f,)),
                 (f"{p}.mlp.c_proj.weight", (f, h)), (f"{p}.mlp.c_proj.bias", (h,))]
     if a.family == "gpt_neox":
-        return [*_norm(f"{p}.input_layernorm", h, True), *_norm(f"{p}.post_attention_layernorm", h, True),
+        return [*_norm(f"{p}.input_layernorm", h, True),
+                *_norm(f"{p}.post_attention_layernorm", h, True),
                 *_linear(f"{p}.attention.query_key_value", 3 * h, h, a.qkv_bias),
                 *_linear(f"{p}.attention.dense", h, h, a.o_bias),
                 *_linear(f"{p}.mlp.dense_h_to_4h", f, h, True),
@@ -197,7 +211,8 @@ def _block(a: HFArch, p: str) -> list[tuple[str, Shape]]:
             *_linear(f"{p}.mlp.gate_proj", f, h, a.mlp_bias),
             *_linear(f"{p}.mlp.up_proj", f, h, a.mlp_bias),
             *_linear(f"{p}.mlp.down_proj", h, f, a.mlp_bias),
-            *_norm(f"{p}.input_layernorm", h, False), *_norm(f"{p}.post_attention_layernorm", h, False)]
+            *_norm(f"{p}.input_layernorm", h, False),
+            *_norm(f"{p}.post_attention_layernorm", h, False)]
 
 
 def parameter_shapes(arch: HFArch) -> list[tuple[int, str, Shape]]:
@@ -240,15 +255,16 @@ def parameter_count(arch: HFArch) -> int:
 
 def _dropout_on(r: ConfigReader) -> bool:
     """Whether the config trains with dropout (then its masks are kept for backward)."""
+    # GPT-2 names its dropout resid_pdrop; Llama-style configs only have attention_dropout
     key = "resid_pdrop" if r.raw("resid_pdrop", None) is not None else "attention_dropout"
     return r.fraction(key, 0.0) > 0
 
 
 def config_keys(config_or_path: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(keys read, keys not read) of a config (see `load`): for the shipped families the keys
+    """(keys read, keys not read) of a config (see `load_config`): for the shipped families the keys
     the formulas looked up, for any other the architecture's own keys transformers' config
     class takes (plan/hf_meta.config_keys). A key not read changes nothing in the plan."""
-    raw = load(config_or_path)
+    raw = load_config(config_or_path)
     if str(raw.get("model_type", "")) not in FAMILIES:
         from superoffload.plan import hf_meta
 
@@ -263,11 +279,11 @@ def config_keys(config_or_path: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: int = 1,
                  **kw: Any) -> dict[str, Any]:
-    """ModelShape's fields for an HF causal LM config (see `load` for what `config_or_path`
+    """ModelShape's fields for an HF causal LM config (see `load_config` for what `config_or_path`
     may be); ``ModelShape.from_hf_config`` builds the shape from them (this module does not
     import shapes.py: no import cycle). `seq` defaults to the config's context length capped
     at DEFAULT_MAX_SEQ; other keywords (activation_checkpointing, dp, ...) pass through."""
-    raw = load(config_or_path)
+    raw = load_config(config_or_path)
     if str(raw.get("model_type", "")) not in FAMILIES:  # any other architecture: meta device
         from superoffload.plan import hf_meta
 
@@ -278,9 +294,11 @@ def shape_fields(config_or_path: Any, *, seq: int | None = None, micro_batch: in
     table = parameter_shapes(arch)
     block = sum(_numel(s) for layer, _, s in table if layer == 1)
     total = sum(_numel(s) for _, _, s in table)
+    if seq is None:
+        # the context length, capped: a 128k context is not a default training sequence
+        seq = min(arch.positions, DEFAULT_MAX_SEQ)
     fields: dict[str, Any] = dict(
-        layers=arch.layers, hidden=arch.hidden, heads=arch.heads, vocab=arch.vocab,
-        seq=seq if seq is not None else min(arch.positions, DEFAULT_MAX_SEQ),
+        layers=arch.layers, hidden=arch.hidden, heads=arch.heads, vocab=arch.vocab, seq=seq,
         micro_batch=micro_batch, ffn_hidden=arch.ffn, tied_embeddings=arch.tied,
         learned_positions=arch.family == "gpt2", block_params_override=block,
         other_params_override=total - arch.layers * block, kv_heads=arch.kv_heads,

@@ -113,11 +113,14 @@ def key_kinds(family: str) -> dict[str, str]:
     kinds: dict[str, str] = {}
     for name, param in inspect.signature(cls.__init__).parameters.items():
         hint = param.annotation
+        # a Union / Optional lists its members; a plain annotation is its own only member
         members = set(typing.get_args(hint)) if typing.get_args(hint) else {hint}
+        # Optional[int] is still an int where the config sets it
         members.discard(type(None))
         if members == {bool}:
             kinds[name] = "flag"
         elif int in members and float not in members:
+            # Union[int, float] accepts a fraction: only a pure int is "whole"
             kinds[name] = "whole"
         elif members & {int, float}:
             kinds[name] = "number"
@@ -128,7 +131,10 @@ def layer_keys(family: str) -> list[str]:
     """The keys that give ``family``'s block count: ``num_hidden_layers`` and the names its
     config class maps onto it (``attribute_map``, e.g. GPT-2's ``n_layer``)."""
     cls = config_class(family)
-    aliases = dict(getattr(cls, "attribute_map", {}) or {}) if cls is not None else {}
+    aliases: dict[str, str] = {}
+    if cls is not None:
+        # attribute_map may be absent or None on a class that maps nothing
+        aliases = dict(getattr(cls, "attribute_map", {}) or {})
     return ["num_hidden_layers", *(k for k, v in aliases.items() if v == "num_hidden_layers")]
 
 
@@ -142,7 +148,10 @@ def config_keys(raw: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...
 
     cls = config_class(str(raw.get("model_type", "")))
     common = set(inspect.signature(transformers.PretrainedConfig.__init__).parameters)
-    own = set(inspect.signature(cls.__init__).parameters) - common if cls is not None else set()
+    own: set[str] = set()
+    if cls is not None:
+        own = set(inspect.signature(cls.__init__).parameters) - common
+    # "_name_or_path" and the like are bookkeeping, not architecture
     keys = [k for k in raw if k != "model_type" and not k.startswith("_")]
     return (tuple(sorted(k for k in keys if k in own)),
             tuple(sorted(k for k in keys if k not in own)))
@@ -156,8 +165,10 @@ def shape_fields(raw: Mapping[str, Any], *, seq: int | None, micro_batch: int = 
 
     model = build_meta(raw)
     positions = _context(model.config)
-    fields = of_module(model, seq=seq if seq is not None else min(positions, max_seq),
-                       micro_batch=micro_batch)
+    if seq is None:
+        # a long context (128k) would plan a sequence nobody trains by default
+        seq = min(positions, max_seq)
+    fields = of_module(model, seq=seq, micro_batch=micro_batch)
     fields["dtype"] = dtype or DEFAULT_DTYPE
     fields.update(kw)
     return fields

@@ -29,7 +29,7 @@ from superoffload.plan.capacity import MAX_LAYERS, feasibility, fit_problems
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import simulate
+from superoffload.plan.simulator import simulate
 
 DEEPSPEED_ESTIMATOR = {"gpu_bytes_per_param": 2.0, "cpu_bytes_per_param": 16.0,
                        "additional_buffer_factor": 1.5}
@@ -131,8 +131,11 @@ def table(profiles: Sequence[HardwareProfile], *, seq: int = 1024,
             params, layers = largest_layers(p, c, seq=seq, micro_batch=micro_batch)
             row[c.label] = float(params)
             if c.label == TIER:
-                row[TIER_TIME] = (tier_iteration_s(p, layers, seq=seq, micro_batch=micro_batch)
-                                  if layers else 0.0)
+                row[TIER_TIME] = 0.0
+                if layers:
+                    # the tier column's model, timed: what the extra size costs per iteration
+                    row[TIER_TIME] = tier_iteration_s(p, layers, seq=seq,
+                                                      micro_batch=micro_batch)
         rows.append(row)
     return rows
 
@@ -149,6 +152,7 @@ def markdown(rows: list[dict[str, float]]) -> str:
             if row["profile"] == "gh200" and c.label in PAPER_GH200:
                 cell += f" (paper {PAPER_GH200[c.label] / 1e9:g})"
             cells.append(cell)
+        # 0 s: no model fits the tier column, nothing was timed
         cells.append(f"{row[TIER_TIME]:.1f}" if row[TIER_TIME] else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

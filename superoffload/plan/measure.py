@@ -39,7 +39,7 @@ from superoffload.plan.probe import dispatch_op_s
 from superoffload.plan.timing import busy_flags, load_average, relative_spread, repeat
 
 CACHE_ENV = "SUPEROFFLOAD_CACHE_DIR"
-FORMAT = 3
+PROFILE_FORMAT = 3
 """Version of what measure_local measures; a cached profile of another version is re-measured
 (version 1 timed Adam on one warm buffer and counted a copy as 2 B per byte; version 2 kept
 the best of the trials and had no per-operation cost)."""
@@ -61,16 +61,19 @@ def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
     if override is not None:
         return Path(override)
     env = os.environ.get(CACHE_ENV)
+    # An empty variable counts as unset, as a shell's `VAR= cmd` means.
     return Path(env) if env else Path.home() / ".cache" / "superoffload"
 
 
 def _cache_path(cache: str | os.PathLike[str] | None, quick: bool) -> Path:
-    return cache_dir(cache) / f"profile-{socket.gethostname()}{'-quick' if quick else ''}.json"
+    # quick profiles (small sizes, for tests) must never stand in for a full measurement.
+    suffix = "-quick" if quick else ""
+    return cache_dir(cache) / f"profile-{socket.gethostname()}{suffix}.json"
 
 
 def cached_profile(*, quick: bool = False, cache: str | os.PathLike[str] | None = None
                    ) -> HardwareProfile | None:
-    """This host's cached profile when one of the current FORMAT exists, else None; never
+    """This host's cached profile when one of the current PROFILE_FORMAT exists, else None; never
     measures (for callers that must stay fast, e.g. the engine's weights="auto" default)."""
     path = _cache_path(cache, quick)
     if not path.exists():
@@ -78,8 +81,10 @@ def cached_profile(*, quick: bool = False, cache: str | os.PathLike[str] | None 
     try:
         hit = HardwareProfile.from_dict(json.loads(path.read_text()))
     except (ValueError, TypeError, json.JSONDecodeError):
-        return None  # a stale or foreign file: measure_local measures again and overwrites it
-    return hit if hit.extra.get("format") == FORMAT else None
+        # A stale or foreign file: measure_local measures again and overwrites it.
+        return None
+    # Another PROFILE_FORMAT measured something else (see its docstring): not a hit.
+    return hit if hit.extra.get("format") == PROFILE_FORMAT else None
 
 
 def measure_local(*, quick: bool = False, force: bool = False, progress: bool = True,
@@ -101,7 +106,8 @@ def measure_local(*, quick: bool = False, force: bool = False, progress: bool = 
 
 def _measure_local(*, quick: bool, force: bool, progress: bool,
                    cache: str | os.PathLike[str] | None, use_cache: bool) -> HardwareProfile:
-    import torch  # measuring needs tensors; the rest of plan/ stays torch-free
+    # Measuring needs tensors; the rest of plan/ stays torch-free.
+    import torch
 
     path = _cache_path(cache, quick)
     if use_cache and not force:
@@ -114,17 +120,29 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
     from superoffload.threads import optimizer_threads, runtime_threads, usable_cores
 
     cuda = torch.cuda.is_available()
+    device_type = "cuda" if cuda else "cpu"
     cores = usable_cores()
+    # x86 reads a destination line before writing it (write-allocate); ARM hosts such as
+    # Grace stream the write, so the copy's bus traffic differs (module docstring).
     write_allocate = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
-    reps = 3 if quick else 5
-    big = (1 << 22) if quick else (1 << 25)  # elements for bandwidth tests (16 / 128 MB fp32)
-    sizes = [1 << s for s in (range(16, 24, 3) if quick else range(16, 29, 2))]
-    engine_threads = optimizer_threads(cores, 0.9, reserved=runtime_threads("cuda" if cuda else "cpu"))
-    thread_counts = sorted({1, cores, engine_threads} | ({cores // 2} if cores >= 4 else set()))
+    if quick:
+        # Elements for the bandwidth tests (16 MB fp32) and link sizes 64 KiB..4 MiB.
+        reps, big, exponents = 3, 1 << 22, range(16, 24, 3)
+    else:
+        # 128 MB fp32, well past the last-level cache; link sizes 64 KiB..256 MiB.
+        reps, big, exponents = 5, 1 << 25, range(16, 29, 2)
+    sizes = [1 << s for s in exponents]
+    # The thread count the engine will give Adam, so the table holds its operating point.
+    engine_threads = optimizer_threads(cores, 0.9, reserved=runtime_threads(device_type))
+    thread_set = {1, cores, engine_threads}
+    if cores >= 4:
+        # A midpoint, so the table can interpolate the curve between 1 and all cores.
+        thread_set.add(cores // 2)
+    thread_counts = sorted(thread_set)
     steps = ["host bandwidth", "casts", "matmul"] + [f"adam x{t}" for t in thread_counts] + [
         f"link {s >> 10} KiB" for s in sizes]
     bar = tqdm(total=len(steps), desc="measure_local", disable=not progress, leave=False)
-    raw: dict[str, Any] = {"format": FORMAT, "quick": quick, "cuda": cuda,
+    raw: dict[str, Any] = {"format": PROFILE_FORMAT, "quick": quick, "cuda": cuda,
                            "torch": torch.__version__, "kernel_backend": kernels.backend(),
                            "load_average": load_average()}
     spreads: dict[str, float] = {}
@@ -145,6 +163,7 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
         b = torch.empty_like(a)
         t = _best_time(lambda: b.copy_(a), reps, name="host copy")
         copy_gbps = 2 * a.numel() * 4 / t / 1e9
+        # Bus bytes, not copied bytes: 3 B per byte copied where writes allocate, else 2 B.
         host_bw = copy_gbps * (1.5 if write_allocate else 1.0)
         raw["host_copy_s"], raw["host_copy_gbps"] = t, copy_gbps
         bar.update()
@@ -165,16 +184,21 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
             device_cast, device_bw = host_cast, host_bw
         bar.update()
         # device compute: a square matmul in the training dtype (bf16 on CUDA, fp32 on a CPU)
-        n = (4096 if not quick else 2048) if cuda else (512 if quick else 1024)
-        dtype = torch.bfloat16 if cuda else torch.float32
-        x = torch.randn(n, n, dtype=dtype, device="cuda" if cuda else "cpu")
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync: Callable[[], None]
+        if cuda:
+            # Large enough to reach the tensor cores' steady rate, not their launch overhead.
+            n = 2048 if quick else 4096
+            dtype, sync = torch.bfloat16, torch.cuda.synchronize
+        else:
+            n = 512 if quick else 1024
+            dtype, sync = torch.float32, (lambda: None)
+        x = torch.randn(n, n, dtype=dtype, device=device_type)
         t = _best_time(lambda: x @ x, reps, sync, name="matmul")
         tflops = 2 * n**3 / t / 1e12
         raw["matmul_n"], raw["matmul_s"] = n, t
-        # the host's cost of one operation of a model's forward/backward (plan/probe.py)
-        op_s, spreads["dispatch"] = dispatch_op_s("cuda" if cuda else "cpu", dtype, max(reps, 5),
-                                                 sync)
+        # the host's cost of one operation of a model's forward/backward (plan/probe.py); at
+        # least 5 trials even when quick: one op is microseconds and noisy
+        op_s, spreads["dispatch"] = dispatch_op_s(device_type, dtype, max(reps, 5), sync)
         bar.update()
         # our CPU Adam kernel per thread count, DRAM-resident, in the engine's variant
         table, adam_raw = _adam_table(thread_counts, quick)
@@ -187,8 +211,10 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
         h2d, d2h = [], []
         for size in sizes:
             src = torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
-            dst = torch.empty_like(src, device="cuda" if cuda else "cpu")
+            dst = torch.empty_like(src, device=device_type)
             if cuda:
+                # Pinned host memory: what the engine's buffers use, and the only kind the
+                # copy engines read asynchronously at full rate.
                 src = src.pin_memory()
                 back = torch.empty_like(src).pin_memory()
             else:
@@ -200,7 +226,8 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
             def down(d: torch.Tensor = dst, h: torch.Tensor = back) -> None:
                 h.copy_(d, non_blocking=True)
 
-            # small copies are cheap: repeat them more, so one preemption cannot decide the figure
+            # small copies are cheap: repeat them more, so one preemption cannot decide the
+            # figure
             n_reps = max(reps, min(50, int(2e7 // size)))
             t_h2d = _best_time(up, n_reps, sync, name="link")
             t_d2h = _best_time(down, n_reps, sync, name="link")
@@ -212,15 +239,22 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
         bar.close()
 
     host_mem = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    # Without CUDA the "device" is the CPU backend: its memory is the host's.
     dev_mem = float(torch.cuda.mem_get_info()[1]) if cuda else host_mem
+    # table[0] is the single-thread row (thread_counts is sorted and holds 1).
     per_core = table[0][1] / table[0][0]
     adam_peak = max(r for _, r in table)
     raw["spread"] = spreads
     flags = _adam_flags(adam_peak, host_bw, write_allocate) + busy_flags(
         spreads, load=raw["load_average"])
+    if cuda:
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = "this machine's CPU (CPU backend)"
+    source = "measured by plan.measure_local" + (" (quick)" if quick else "")
     prof = HardwareProfile(
         name=f"local-{socket.gethostname()}",
-        device_name=torch.cuda.get_device_name() if cuda else "this machine's CPU (CPU backend)",
+        device_name=device_name,
         cpu_name=_cpu_name(),
         device_peak_tflops=tflops,
         device_achieved_tflops=tflops,
@@ -232,22 +266,24 @@ def _measure_local(*, quick: bool, force: bool, progress: bool,
         host_mem_bw_gbps=host_bw,
         cpu_cores=cores,
         cpu_adam_params_per_s_per_core=per_core,
-        cpu_adam_bw_efficiency=1.0,  # the bus figure is measured: the cap is all of it
+        # the bus figure is measured: the cap is all of it
+        cpu_adam_bw_efficiency=1.0,
         cpu_adam_table=tuple(table),
         h2d_gbps=max(r for _, r in h2d),
         d2h_gbps=max(r for _, r in d2h),
+        # per-size rates in the tables already include the fixed cost of each copy
         link_latency_s=0.0,
         h2d_table=tuple(h2d),
         d2h_table=tuple(d2h),
         device_cast_gelems=device_cast,
         host_cast_gelems=host_cast,
         shared_memory=not cuda,
-        device_type="cuda" if cuda else "cpu",
+        device_type=device_type,
         host_write_allocate=write_allocate,
         flags=flags,
-        sources=tuple((k, "measured by plan.measure_local" + (" (quick)" if quick else ""))
-                      for k in ("device_achieved_tflops", "device_mem_bw_gbps", "host_mem_bw_gbps",
-                                "device_op_s", "device_nongemm_gbps",
+        sources=tuple((k, source)
+                      for k in ("device_achieved_tflops", "device_mem_bw_gbps",
+                                "host_mem_bw_gbps", "device_op_s", "device_nongemm_gbps",
                                 "cpu_adam_params_per_s_per_core", "cpu_adam_table", "h2d_gbps",
                                 "d2h_gbps", "device_cast_gelems", "host_cast_gelems",
                                 "device_peak_tflops", "device_memory_bytes",
@@ -272,8 +308,13 @@ def _adam_table(thread_counts: list[int], quick: bool
 
     from superoffload import kernels
 
-    chunk = ADAM_CHUNK_PARAMS_QUICK if quick else ADAM_CHUNK_PARAMS
-    total = ADAM_BUFFER_BYTES_QUICK if quick else ADAM_BUFFER_BYTES
+    if quick:
+        # tests: small and cheap, not DRAM-resident (ADAM_BUFFER_BYTES_QUICK)
+        chunk, total = ADAM_CHUNK_PARAMS_QUICK, ADAM_BUFFER_BYTES_QUICK
+    else:
+        chunk, total = ADAM_CHUNK_PARAMS, ADAM_BUFFER_BYTES
+    # 16 B per parameter (module docstring); at least two chunks so no call finds its
+    # buffers still in cache from the previous one
     n_chunks = max(2, total // (16 * chunk))
     bufs = [(torch.full((chunk,), 0.5), torch.full((chunk,), 1e-3, dtype=torch.bfloat16),
              torch.zeros(chunk), torch.zeros(chunk), torch.empty(chunk, dtype=torch.bfloat16))
@@ -283,9 +324,11 @@ def _adam_table(thread_counts: list[int], quick: bool
     step = 0
     try:
         for threads in thread_counts:
-            torch.set_num_threads(threads)  # the torch fallback follows torch's pool
+            # the torch fallback follows torch's pool
+            torch.set_num_threads(threads)
             times = []
-            for sweep in range(2):  # the first sweep warms up (page faults, thread start)
+            # the first sweep warms up (page faults, thread start) and is not timed
+            for sweep in range(2):
                 for p, g, m, v, lp in bufs:
                     step += 1
                     t0 = time.perf_counter()
@@ -305,6 +348,7 @@ def _adam_flags(adam_peak: float, host_bw_gbps: float, write_allocate: bool) -> 
     """A flag when the Adam rate implies more bus traffic than the measured bandwidth (+10%)."""
     per_param = ENGINE_KERNEL_BUS_BYTES + (2 if write_allocate else 0)
     implied = adam_peak * per_param / 1e9
+    # 10% slack: the two probes are separate medians, each with its own noise.
     if implied <= 1.1 * host_bw_gbps:
         return ()
     return (f"CPU Adam measured at {adam_peak / 1e9:.2f} G params/s, i.e. {implied:.0f} GB/s of "

@@ -38,17 +38,20 @@ def measure_storage_tier(folder: str | os.PathLike[str], *, quick: bool = False,
     defaults = OffloadConfig()
     block, depth = defaults.storage_block_bytes, defaults.storage_queue_depth
     size = size_bytes or (SIZE_BYTES_QUICK if quick else SIZE_BYTES)
+    # the engine's own block size and queue depth, so the rates are the ones it will get
     m = measure_storage(folder, size_bytes=size, block_bytes=block, queue_depth=depth)
+    # the tier's capacity is what the folder's disk has free now
     free = float(shutil.disk_usage(folder).free)
+    # O_DIRECT bypasses the page cache; a buffered measurement may read the cache's speed
+    mode = "O_DIRECT" if m.direct else "buffered"
     how = (f"measured: superoffload.storage.measure_storage on {str(folder)!r}, {size >> 20} MiB "
-           f"in {block >> 10} KiB requests, {m.queue_depth} in flight, "
-           f"{'O_DIRECT' if m.direct else 'buffered'}, {m.backend}")
+           f"in {block >> 10} KiB requests, {m.queue_depth} in flight, {mode}, {m.backend}")
     return {
         "storage_read_gbps": float(m.read_gbps),
         "storage_write_gbps": float(m.write_gbps),
         "storage_bytes": free,
         "storage_queue_depth": int(m.queue_depth),
-        "storage_name": f"{folder} ({m.backend}, {'O_DIRECT' if m.direct else 'buffered'})",
+        "storage_name": f"{folder} ({m.backend}, {mode})",
         "sources": (
             ("storage_read_gbps", how),
             ("storage_write_gbps", how),

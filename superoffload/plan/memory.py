@@ -54,9 +54,6 @@ from superoffload.plan.shapes import ModelShape
 
 DEVICE_HEADROOM = 0.95
 HOST_HEADROOM = 0.90
-TRANSIENTS = ("loss_transient", "step_temporaries")
-"""Device parts no tensor keeps (allocator transients): ``device`` counts them,
-``device_kept`` does not."""
 
 
 def offloaded_params(shape: ModelShape, plan: Resolved) -> float:
@@ -104,40 +101,56 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
         from superoffload.plan.deepspeed import zero2_memory
 
         return zero2_memory(shape, plan)
-    if plan.units is not None:  # data parallel over FSDP2
+    if plan.units is not None:
+        # data parallel over FSDP2: sharded state, per-unit gathers (plan/memory_fsdp.py)
         from superoffload.plan.memory_fsdp import fsdp_memory
 
         return fsdp_memory(shape, prof, plan)
     n = float(shape.params)
     off = offloaded_params(shape, plan)
     tail = n - off
-    w = 4.0 if shape.dtype == "float32" else 2.0
-    low = shape.dtype != "float32"  # an fp32 model casts nothing: no fp32 copies
+    w = shape.dtype_bytes
+    # an fp32 model casts nothing: no fp32 copies
+    low = shape.dtype != "float32"
     resident: dict[str, float] = {}
     if plan.weights == "flow" and off > 0:
         # blocks stream, (prefetch_depth + 1) at a time; embeddings, final norm and head stay
         per_layer = shape.layer_params()
         edge = per_layer[0] + per_layer[-1]
+        # the largest blocks bound the in-flight ones whichever are fetched together
         blocks = (plan.prefetch_depth + 1) * max(per_layer[1:-1], default=0)
+        # never more than the whole model: a tail can already hold most of the blocks
         resident["weights"] = min(w * n, w * tail + w * (edge + blocks))
     else:
         resident["weights"] = w * n
-    resident["tail_state"] = (12.0 if low else 8.0) * tail  # master (low precision), m, v
+    # fp32 master + m + v; an fp32 model's weights are the master: m and v only
+    resident["tail_state"] = (12.0 if low else 8.0) * tail
     resident["staging"] = 0.0
     if off > 0:
         # fp32 copies made on the device for device-side casting, two buckets in flight
         bucket_params = largest_host_bucket(plan)
-        per_param = (4.0 if plan.grad_cast == "device" and low else 0.0) + (
-            4.0 if plan.param_cast == "device" and low else 0.0)
+        grad_copy = param_copy = 0.0
+        if low:
+            # 4 B per element for each direction cast on the device (§4.4)
+            if plan.grad_cast == "device":
+                grad_copy = 4.0
+            if plan.param_cast == "device":
+                param_copy = 4.0
+        per_param = grad_copy + param_copy
         resident["staging"] = 2.0 * per_param * bucket_params
     grads = grads_of(shape, plan)
     temporaries = 0.0
     if low and prof.device_type == "cuda" and grads.tail_numel:
-        tail_buckets = (plan.bucket_plan.buckets if plan.system == "gpu"
-                        else plan.bucket_plan.device_buckets)
+        # the fused CUDA step widens one bucket's low-precision gradients to fp32 at a time
+        # (module docstring); the "gpu" schedule's every bucket is a tail bucket
+        if plan.system == "gpu":
+            tail_buckets = plan.bucket_plan.buckets
+        else:
+            tail_buckets = plan.bucket_plan.device_buckets
         temporaries = 4.0 * max((b.numel for b in tail_buckets), default=0)
     parts, kept = _device_peak(shape, plan, resident, grads, w, temporaries)
-    side = host_side(shape, plan)  # the engine's rule for what it keeps (plan/storage.py)
+    # the engine's rule for what it keeps (plan/storage.py)
+    side = host_side(shape, plan)
     return Memory(sum(parts.values()), sum(side.host_parts.values()), parts, side.host_parts,
                   device_kept=kept, storage=sum(side.storage_parts.values()),
                   storage_parts=side.storage_parts, refusal=side.refusal)
@@ -151,7 +164,8 @@ def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
     layer, numel = shape.param_layout()
     top = shape.layers + 1
     arrival = layer.copy()
-    if shape.tied_embeddings:  # the tied head's gradient first arrives with the head
+    if shape.tied_embeddings:
+        # the tied head's gradient first arrives with the head (the first layer backward runs)
         tied = np.flatnonzero((layer == 0) & (numel == shape.vocab * shape.hidden))
         arrival[tied[:1]] = top
     on_host = np.zeros(len(numel), dtype=bool)
@@ -167,9 +181,12 @@ def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
         tail_arrived = np.full(top + 1, float(grads.tail_numel))
     off_res = np.asarray([grads.offloaded_resident_numel(a) for a in off_arrived])
     grad_bytes = w * (tail_arrived + off_res)
-    act = np.cumsum(np.asarray(shape.layer_activation_bytes()))  # layers 0..k not yet done
+    # after layer k's backward, layers 0..k-1 still hold theirs: a forward cumsum, read at k
+    act = np.cumsum(np.asarray(shape.layer_activation_bytes()))
+    # only the blocks (1..layers) recompute under checkpointing
     recompute = np.zeros(top + 1)
     recompute[1:top] = shape.recompute_bytes()
+    # the loss's fp32 gradients exist only while the head's backward runs
     loss = np.zeros(top + 1)
     loss[top] = shape.loss_transient_bytes()
     step_grads = w * (grads.tail_numel + grads.kept_numel)
@@ -182,8 +199,11 @@ def _device_peak(shape: ModelShape, plan: Resolved, resident: dict[str, float],
     total = kept_all + moments_loss + moments_temp
     at = int(np.argmax(total))
     parts = dict(resident)
-    parts.update(grads=float(moments_grad[at]), activations=float(act[at]) if at <= top else 0.0,
-                 recompute=float(recompute[at]) if at <= top else 0.0,
+    activations = recomputed = 0.0
+    if at <= top:
+        # a backward moment; at == top + 1 is the tail step, after every activation is freed
+        activations, recomputed = float(act[at]), float(recompute[at])
+    parts.update(grads=float(moments_grad[at]), activations=activations, recompute=recomputed,
                  loss_transient=float(moments_loss[at]), step_temporaries=float(moments_temp[at]))
     return parts, sum(resident.values()) + float(kept_all.max())
 
@@ -193,6 +213,7 @@ def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
     pool (``shared_memory``) the pool is the host side and the device side always fits. The
     host side includes the storage tier: its files fit the tier, and the engine would not
     refuse the budget."""
+    # 10% stays free for the OS and the data pipeline (module docstring, "Headroom")
     host_cap = prof.host_memory_bytes * HOST_HEADROOM
     tier_ok = not mem.refusal and mem.storage <= prof.storage_bytes
     if prof.shared_memory:
@@ -203,7 +224,10 @@ def fit_sides(mem: Memory, prof: HardwareProfile) -> tuple[bool, bool]:
 
 def _gb(nbytes: float) -> str:
     """Whole GB from 10 GB up, three significant digits below (a small cap still reads)."""
-    return f"{nbytes / 1e9:.0f}" if nbytes >= 9.5e9 else f"{nbytes / 1e9:.3g}"
+    # 9.5e9: where .0f starts printing "10", so whole GB begin at what reads as 10
+    if nbytes >= 9.5e9:
+        return f"{nbytes / 1e9:.0f}"
+    return f"{nbytes / 1e9:.3g}"
 
 
 def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
@@ -213,13 +237,18 @@ def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
     if mem.refusal:
         problems.append(mem.refusal)
     if mem.storage > prof.storage_bytes:
+        # a profile without a tier has 0 bytes: say how to name one rather than "has 0"
+        fix = "" if prof.has_storage else " (no storage tier: --storage names one)"
         problems.append(f"needs {_gb(mem.storage)} GB on the storage tier, profile "
-                        f"{prof.name} has {_gb(prof.storage_bytes)}"
-                        + ("" if prof.has_storage else " (no storage tier: --storage names one)"))
+                        f"{prof.name} has {_gb(prof.storage_bytes)}" + fix)
     device_fits, _ = fit_sides(mem, prof)
     dev_cap = prof.device_memory_bytes * DEVICE_HEADROOM
     host_cap = prof.host_memory_bytes * HOST_HEADROOM
-    host_fits = (mem.device + mem.host if prof.shared_memory else mem.host) <= host_cap
+    host_need = mem.host
+    if prof.shared_memory:
+        # one pool: the device's bytes are host bytes too
+        host_need = mem.device + mem.host
+    host_fits = host_need <= host_cap
     if prof.shared_memory:
         total = mem.device + mem.host
         if not host_fits:
@@ -230,6 +259,12 @@ def check_fits(mem: Memory, prof: HardwareProfile) -> list[str]:
         problems.append(f"needs {_gb(mem.device)} GB device memory, profile {prof.name} "
                         f"has {_gb(dev_cap)} usable of {_gb(prof.device_memory_bytes)}")
     if not host_fits:
+        copies = mem.host_parts.get("rollback_snapshot", 0.0)
+        hint = ""
+        if copies:
+            # the pre-step copies are a choice, not a need: name the setting that drops them
+            hint = (f", {_gb(copies)} GB of it pre-step copies of the state (rollback="
+                    "'snapshot', or 'auto' in the first steps; rollback='inverse' keeps none)")
         problems.append(f"needs {_gb(mem.host)} GB host memory, profile {prof.name} has "
-                        f"{_gb(host_cap)} usable of {_gb(prof.host_memory_bytes)}")
+                        f"{_gb(host_cap)} usable of {_gb(prof.host_memory_bytes)}{hint}")
     return problems

@@ -50,17 +50,19 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
     """Per-rank bytes of ``shape`` under ``plan`` over FSDP2 (module docstring)."""
     assert plan.units is not None
     n = shape.dp
-    w = 4.0 if shape.dtype == "float32" else 2.0
+    w = shape.dtype_bytes
     low = shape.dtype != "float32"
     layer, numel = shape.param_layout()
     numel = numel.astype(float)
     top = shape.layers + 1
     units = plan.units.units
     unit_of = plan.units.unit_of()
+    # the root unit (index 0) holds whatever no block unit does
     uid = np.asarray([unit_of.get(i, 0) for i in range(len(numel))], np.int64)
     nu = len(units)
     u_numel = np.bincount(uid, weights=numel, minlength=nu)
     u_host = np.asarray([u.on_host for u in units])
+    # a unit reduces after the backward of its lowest layer (an empty unit: layer 0)
     u_low = np.asarray([layer[uid == u].min() if np.any(uid == u) else 0 for u in range(nu)])
     on_host_bucket = np.zeros(len(numel), bool)
     for b in plan.bucket_plan.host_buckets:
@@ -68,40 +70,57 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
     off = float(numel[on_host_bucket].sum())
     tail = float(numel.sum()) - off
 
+    # fp32 master + m + v (an fp32 model's weights are the master: 8 B), sharded n ways
+    tail_state_bytes = 12.0 if low else 8.0
     resident = {"weights": w * float(u_numel[~u_host].sum()) / n,
-                "tail_state": (12.0 if low else 8.0) * tail / n, "staging": 0.0}
+                "tail_state": tail_state_bytes * tail / n, "staging": 0.0}
     host_numels = [b.numel for b in plan.bucket_plan.host_buckets]
     if plan.whole_model_bucket and host_numels:
+        # the ablation without buckets: one bucket of everything offloaded
         host_numels = [sum(host_numels)]
     largest_shard = float(np.ceil(max(host_numels, default=0) / n))
-    per_param = (4.0 if plan.grad_cast == "device" and low else 0.0) + (
-        4.0 if plan.param_cast == "device" and low else 0.0)
+    grad_copy = param_copy = 0.0
+    if low:
+        # fp32 copies for each direction cast on the device (§4.4), two shards in flight
+        if plan.grad_cast == "device":
+            grad_copy = 4.0
+        if plan.param_cast == "device":
+            param_copy = 4.0
+    per_param = grad_copy + param_copy
     resident["staging"] = 2.0 * per_param * largest_shard
 
-    moments = np.arange(top + 1)  # backward at layer k, k = 0..top
+    # backward at layer k, k = 0..top
+    moments = np.arange(top + 1)
     # unsharded weights: which units are gathered while layer k runs backward
     unit_of_layer = np.zeros(top + 1, np.int64)
     unit_of_layer[layer] = uid
     gathered = np.zeros((top + 1, nu), bool)
-    gathered[:, 0] = True  # the root: the whole iteration
-    if u_host.any():  # weight-flow: the unit in backward and the one prefetched after it
+    # the root: the whole iteration (FSDP2 never reshards it after forward)
+    gathered[:, 0] = True
+    if u_host.any():
+        # weight-flow: the unit in backward and the one prefetched after it
         gathered[moments, unit_of_layer] = True
         gathered[moments[1:], unit_of_layer[:-1]] = True
         gathered[:, 0] = True
-    else:  # stationary: every unit until its reduce-scatter
+    else:
+        # stationary: every unit until its reduce-scatter
         gathered |= u_low[None, :] <= moments[:, None]
     unsharded_w = w * (gathered * u_numel[None, :]).sum(axis=1)
     # unsharded gradients: arrived (by layer; a tied head's with the head) and not yet
     # reduced, at the start and at the end of layer k's backward
     arrival = layer.copy()
     if shape.tied_embeddings:
+        # the tied weight is registered once, with the embedding (layer 0)
         tied = np.flatnonzero((layer == 0) & (numel == shape.vocab * shape.hidden))
         arrival[tied[:1]] = top
     accumulating = plan.grad_accum_steps > 1 and plan.grad_accum_on == "device"
-    reduced = u_low[uid][None, :] > moments[:, None]  # (moment, param): its unit has reduced
-    if accumulating:  # no-sync: every unit's unsharded gradients from earlier micro-steps
+    # (moment, param): its unit has reduced
+    reduced = u_low[uid][None, :] > moments[:, None]
+    if accumulating:
+        # no-sync: every unit's unsharded gradients from earlier micro-steps
         ug_start = ug_end = w * (~reduced * numel[None, :]).sum(axis=1)
     else:
+        # arrival > k: produced before layer k's backward; >= k: by its end
         ug_start = w * (((arrival[None, :] > moments[:, None]) & ~reduced) @ numel)
         ug_end = w * (((arrival[None, :] >= moments[:, None]) & ~reduced) @ numel)
     # FSDP2's reduce-scatter input of the unit reduced last before moment k
@@ -109,6 +128,7 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
     for k in moments:
         done = np.flatnonzero(u_low > k)
         if len(done):
+            # the smallest u_low above k: the unit reduced most recently
             rs_input[k] = w * u_numel[done[np.argmin(u_low[done])]]
     # sharded gradients: they arrive when their unit reduces (the engine's rule on shards)
     streamed = float(numel[u_host[uid]].sum())
@@ -117,27 +137,32 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
                         keep_device_grads=plan.keep_device_grads, grad_accum_steps=1,
                         grad_accum_on="device", streamed_numel=int(np.ceil(streamed / n)))
     tail_arrived = (reduced & ~on_host_bucket[None, :]) @ numel / n
-    if plan.grad_accum_steps > 1 and not accumulating:  # reduced every micro-step: the
-        tail_arrived = np.full(top + 1, tail / n)  # tail's shards carry over from earlier ones
+    if plan.grad_accum_steps > 1 and not accumulating:
+        # reduced every micro-step: the tail's shards carry over from earlier ones
+        tail_arrived = np.full(top + 1, tail / n)
     off_arrived = (reduced & on_host_bucket[None, :]) @ numel / n
     off_res = np.asarray([rule.offloaded_resident_numel(a) for a in off_arrived])
     sharded_g = w * (tail_arrived + off_res)
 
     layer_act = np.asarray(shape.layer_activation_bytes())
-    act = np.cumsum(layer_act)  # layers 0..k not yet done
+    # layers 0..k not yet done
+    act = np.cumsum(layer_act)
     recompute = np.zeros(top + 1)
     recompute[1:top] = shape.recompute_bytes()
     loss = np.zeros(top + 1)
     loss[top] = shape.loss_transient_bytes()
     temporaries = 0.0
     if low and prof.device_type == "cuda" and tail > 0:
-        temporaries = 4.0 * float(np.ceil(max((b.numel for b in plan.bucket_plan.device_buckets),
-                                              default=0) / n))
+        # the fused step widens the largest tail bucket's shard to fp32 (plan/memory.py)
+        largest_tail = max((b.numel for b in plan.bucket_plan.device_buckets), default=0)
+        temporaries = 4.0 * float(np.ceil(largest_tail / n))
     # the end of forward: FSDP2 frees a unit's all-gather output (the flat buffer its
     # parameters are copied out of) only at the next unit's copy-out, and the last one at
     # the root's post-forward; weight-flow's prefetched gathers free theirs at once
     if u_host.any():
-        fwd_w = w * (u_numel[0] + (u_numel[unit_of_layer[top - 1]] if top > 1 else 0.0))
+        # the root and the last block's unit (a model without blocks: the root only)
+        last_unit = u_numel[unit_of_layer[top - 1]] if top > 1 else 0.0
+        fwd_w = w * (u_numel[0] + last_unit)
     else:
         fwd_w = float(unsharded_w[top]) + w * float(u_numel[-1])
     # the moments: the end of forward; the start of layer k's backward, its end (its
@@ -161,12 +186,15 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
                  step_temporaries=float(m_temp[at]))
     kept = sum(resident.values()) + float(kept_all.max())
 
-    # the engine's buffers over this rank's shards, by its own rule (plan/memory_host.py)
-    side = host_side(shape, plan, n) if off > 0 else None
-    host = dict(side.host_parts) if side is not None else {}
+    # the engine's buffers over this rank's shards, by its own rule (plan/memory_host.py);
+    # nothing offloaded: no host buffers, no tier
+    host: dict[str, float] = {}
+    storage: dict[str, float] = {}
+    refusal = ""
+    if off > 0:
+        side = host_side(shape, plan, n)
+        host, storage, refusal = dict(side.host_parts), side.storage_parts, side.refusal
     if u_host.any():
         host["weights_host_shards"] = w * float(u_numel[u_host].sum()) / n
-    storage = side.storage_parts if side is not None else {}
     return Memory(sum(parts.values()), sum(host.values()), parts, host, device_kept=kept,
-                  storage=sum(storage.values()), storage_parts=storage,
-                  refusal=side.refusal if side is not None else "")
+                  storage=sum(storage.values()), storage_parts=storage, refusal=refusal)

@@ -64,11 +64,19 @@ def element_of(plan: Resolved) -> ElementBytes:
     w = 4 if plan.model_dtype == "float32" else 2
     low = w == 2
     accum_host = plan.grad_accum_on == "host" and plan.grad_accum_steps > 1
-    grad = w if low and plan.grad_cast == "host" and not accum_host else 4
+    if low and plan.grad_cast == "host" and not accum_host:
+        # 16-bit gradients land as they are; the kernel widens them in its pass (§4.4)
+        grad = w
+    else:
+        # fp32: cast on the device, an fp32 model, or a host accumulation buffer (which
+        # sums micro-steps in fp32)
+        grad = 4
+    # the 16-bit weight copy the kernel writes only when parameters are cast on the host
     lp = w if low and plan.param_cast == "host" else 0
     flow = plan.weights == "flow"
     return ElementBytes(moment=MOMENT_BYTES[plan.optimizer_state_dtype], grad=grad, lp=lp,
                         snapshot=plan.speculate and plan.pre_step_copies,
+                        # weight-flow streams the blocks from that copy: it is their home
                         home=lp if flow else 0)
 
 
@@ -80,16 +88,19 @@ def host_buckets(plan: Resolved, dp: int = 1) -> list[Bucket]:
         host = [Bucket(0, tuple(i for b in host for i in b.param_indices),
                        sum(b.numel for b in host), False)]
     if dp > 1:
+        # ceil: FSDP2 pads the last shard, so every rank holds the largest share
         host = [Bucket(b.id, b.param_indices, -(-b.numel // dp), False) for b in host]
     return host
 
 
-def homes_of(plan: Resolved) -> Homes | None:
+def planned_homes(plan: Resolved) -> Homes | None:
     """Weight-flow's homes for the rule, as the engine builds them (runtime/tier_open.homes_of):
     the model dtype streamed through ``prefetch_depth + 1`` buffers; None without weight-flow."""
     if plan.weights != "flow":
         return None
-    return Homes(plan.weight_homes, 4 if plan.model_dtype == "float32" else 2,  # type: ignore[arg-type]
+    # an fp32 model streams its master (4 B per element); others their 16-bit weights
+    stream = 4 if plan.model_dtype == "float32" else 2
+    return Homes(plan.weight_homes, stream,  # type: ignore[arg-type]
                  plan.prefetch_depth + 1)
 
 
@@ -98,7 +109,7 @@ def host_side(shape: ModelShape, plan: Resolved, dp: int = 1) -> HostSide:
     buckets = host_buckets(plan, dp)
     if plan.system == "gpu" or not buckets:
         return HostSide(None)
-    element, homes = element_of(plan), homes_of(plan)
+    element, homes = element_of(plan), planned_homes(plan)
 
     def rule(budget: int | None) -> TierPlan:
         return plan_tier(buckets, element, storage=plan.storage, budget_bytes=budget,
@@ -106,10 +117,14 @@ def host_side(shape: ModelShape, plan: Resolved, dp: int = 1) -> HostSide:
 
     try:
         tier, refusal = rule(plan.host_budget_bytes), ""
-    except TierError as exc:  # what it would need without the budget, and why not
+    except TierError as exc:
+        # what it would need without the budget, and why not
         tier, refusal = rule(None), str(exc)
     host = {name: float(v) for name, v in tier.host_parts.items() if v}
-    storage = {"state_files": float(tier.file_bytes)} if tier.tier else {}
+    storage: dict[str, float] = {}
+    if tier.tier:
+        # files exist only when some bucket's state lives on the tier
+        storage = {"state_files": float(tier.file_bytes)}
     return HostSide(tier, host, storage, refusal)
 
 

@@ -59,8 +59,12 @@ def shape_fields(module: Any, *, seq: int, micro_batch: int = 1,
     block_total = count(blocks)
     total = block_total + count(module)
     hidden = tok.embedding_dim
+    # no attribute names the heads: assume the common head width of 64
     heads = find_heads(module) or max(1, hidden // 64)
-    heads = heads if hidden % heads == 0 else 1
+    if hidden % heads:
+        # a head count that does not divide the width is not this model's: fall back to one
+        # head (the matmul FLOPs do not depend on it)
+        heads = 1
     table, dtype = param_table(module, blocks)
     per_block = block_total // len(blocks)
     fields: dict[str, Any] = dict(
@@ -131,18 +135,24 @@ def param_table(module: Any, blocks: Any) -> tuple[tuple[tuple[int, int], ...], 
     table: list[tuple[int, int]] = []
     dtypes: set[str] = set()
     seen_block = False
-    for _, p in module.named_parameters():  # deduplicates tied parameters, as the engine sees
+    # named_parameters deduplicates tied parameters, as the engine sees them
+    for _, p in module.named_parameters():
         if not p.requires_grad:
             continue
         layer = in_block.get(id(p))
         if layer is None:
+            # outside the blocks: before the first block it is the embedding's layer, after
+            # it the head's
             layer = top if seen_block else 0
         else:
             seen_block = True
         table.append((layer, int(p.numel())))
         dtypes.add(str(p.dtype).removeprefix("torch."))
-    dtype = dtypes.pop() if len(dtypes) == 1 else "bfloat16"
-    return tuple(table), dtype if dtype in DTYPES else "bfloat16"
+    # mixed or unknown dtypes: the planner's 16-bit default
+    dtype = "bfloat16"
+    if len(dtypes) == 1 and (only := dtypes.pop()) in DTYPES:
+        dtype = only
+    return tuple(table), dtype
 
 
 def find_heads(module: Any) -> int | None:

@@ -63,14 +63,14 @@ def all_reduce_time_s(nbytes: float, ranks: int, prof: HardwareProfile) -> float
     return float(ring_time_s(nbytes, ranks, prof, steps_factor=2))
 
 
-BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 """The collective backend of a device type (``init_distributed``'s default per device)."""
 
 
 def collective_backend(prof: HardwareProfile) -> str:
     """"gloo" (a CPU device: each collective blocks the training thread) or "nccl" (a GPU:
     collectives overlap compute on their own streams), from ``prof.device_type``."""
-    return BACKENDS[prof.device_type]
+    return DIST_BACKENDS[prof.device_type]
 
 
 def host_share(prof: HardwareProfile, ranks_per_host: int = 1) -> int:
@@ -100,11 +100,13 @@ def rank_profile(prof: HardwareProfile, ranks_per_host: int) -> HardwareProfile:
         "storage_read_gbps": prof.storage_read_gbps / r,
         "storage_write_gbps": prof.storage_write_gbps / r,
         "storage_bytes": prof.storage_bytes / r,
+        # ranks share the drives' queue; at least one request each (none without a tier)
         "storage_queue_depth": max(1, prof.storage_queue_depth // r) if prof.has_storage
         else 0,
         "gpus_per_host": 1,
     }
     if prof.cpu_adam_table:
+        # r ranks step at once on one bus: each gets at most 1/r of the measured peak
         cap = max(rate for _, rate in prof.cpu_adam_table) / r
         changes["cpu_adam_table"] = tuple((t, min(rate, cap)) for t, rate in prof.cpu_adam_table)
     if prof.shared_memory:

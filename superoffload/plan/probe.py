@@ -41,8 +41,18 @@ def _gemms(shape: ModelShape) -> list[tuple[int, int, int]]:
     """(in, out, count per iteration) of the model's GEMMs: the block's (x layers) and the
     head; tokens are the shape's."""
     h, q, kv, f = formulas.widths(shape)
-    block = [(h, q, 1), (h, kv, 2), (q, h, 1)] if (q, kv) != (h, h) else [(h, 3 * h, 1), (h, h, 1)]
-    mlp = [(h, f, 2), (f, h, 1)] if shape.gated_mlp else [(h, f, 1), (f, h, 1)]
+    if (q, kv) != (h, h):
+        # separate Q, K and V projections (K and V alike: GQA or another head width), then O
+        block = [(h, q, 1), (h, kv, 2), (q, h, 1)]
+    else:
+        # our GPT's fused QKV projection (3h wide), then O
+        block = [(h, 3 * h, 1), (h, h, 1)]
+    if shape.gated_mlp:
+        # gate and up are two h -> f GEMMs, then down
+        mlp = [(h, f, 2), (f, h, 1)]
+    else:
+        mlp = [(h, f, 1), (f, h, 1)]
+    # an MoE token runs k experts' MLPs
     k = shape.experts_per_token or 1
     out = [(i, o, n * shape.layers) for i, o, n in block]
     out += [(i, o, n * shape.layers * k) for i, o, n in mlp]
@@ -54,12 +64,16 @@ def probe_model(shape: ModelShape, profile: HardwareProfile, *, trials: int = 5,
     """`profile` with the compute figures of `shape` measured here (module docstring)."""
     import torch
 
-    dev = device or ("cuda" if profile.device_type == "cuda" and torch.cuda.is_available()
-                     else "cpu")
+    dev = device
+    if not dev:
+        # a CUDA profile is probed on CUDA when this machine has it; anything else on the CPU
+        dev = "cuda" if profile.device_type == "cuda" and torch.cuda.is_available() else "cpu"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[shape.dtype]
     if dev == "cpu" and dtype == torch.float16:
-        dtype = torch.float32  # no fast fp16 matmul on a CPU: the engine trains fp32 there
+        # no fast fp16 matmul on a CPU: the engine trains fp32 there
+        dtype = torch.float32
+    # CUDA kernels run asynchronously: a timed call ends when the device is done
     sync: Callable[[], None] = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     raw: dict[str, Any] = {"device": dev, "dtype": str(dtype).removeprefix("torch.")}
     with torch.no_grad():

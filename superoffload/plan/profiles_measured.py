@@ -83,14 +83,19 @@ def h200_pcie_measured() -> HardwareProfile:
             ("host_mem_bw_gbps", f"derived: {fm}: 71 GB/s copy (measure_local, 2 B per byte) x 3/2 "
                                  "for the copy's write-allocate read (STREAM FAQ)"),
             ("cpu_cores", f"measured: {fm}: 16-core Xeon host"),
-            ("cpu_adam_params_per_s_per_core", f"measured: {fm}: our CPU Adam, 1 thread, 0.61 G params/s (warm buffer)"),
-            ("cpu_adam_table", f"measured: {fm}: 0.61 / 3.3 / 8.4 G params/s at 1 / 8 / 16 threads, one warm "
+            ("cpu_adam_params_per_s_per_core", f"measured: {fm}: our CPU Adam, 1 thread, 0.61 G "
+                                               "params/s (warm buffer)"),
+            ("cpu_adam_table", f"measured: {fm}: 0.61 / 3.3 / 8.4 G params/s at 1 / 8 / 16 "
+                               "threads, one warm "
                                "134 MB buffer (cache-resident: a compute bound only)"),
-            ("cpu_adam_bw_efficiency", "derived: host_mem_bw_gbps is itself measured, so the cap is 1.0 of it"),
+            ("cpu_adam_bw_efficiency", "derived: host_mem_bw_gbps is itself measured, so the cap "
+                                       "is 1.0 of it"),
             ("h2d_gbps", f"measured: {fm}: pinned H2D 54.8 GB/s at 256 MiB"),
             ("d2h_gbps", f"measured: {fm}: pinned D2H 55.2 GB/s at 256 MiB"),
-            ("h2d_table", f"measured: {fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 54.8 at 256 MiB"),
-            ("d2h_table", f"measured: {fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 55.2 at 256 MiB"),
+            ("h2d_table", f"measured: {fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 54.8 at "
+                          "256 MiB"),
+            ("d2h_table", f"measured: {fm}: 3.9 GB/s at 64 KiB, 30 at 1 MiB, 52 at 16 MiB, 55.2 at "
+                          "256 MiB"),
             ("device_cast_gelems", f"measured: {fm}: device cast 529 G elements/s"),
             ("host_cast_gelems", f"measured: {fm}: host bf16 cast 21 G elements/s"),
             ("collective_gbps", "estimate: one GPU, no peer (PCIe P2P through the host, ~25 GB/s)"),

@@ -3,7 +3,6 @@ peer, plan/deepspeed.py, too — a module of its own so neither imports the othe
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,18 +84,12 @@ class Resolved:
         object.__setattr__(self, "host_numel", host)
         object.__setattr__(self, "device_numel", self.bucket_plan.total_numel - host)
 
-    @property
-    def schedule(self) -> str:
-        """Deprecated: the old name of ``system``."""
-        warnings.warn("Resolved.schedule is now Resolved.system", DeprecationWarning, stacklevel=2)
-        return self.system
-
     def as_dict(self) -> dict[str, Any]:
-        """JSON-safe fields (the bucket table as counts; "schedule" repeats "system" under its
-        old key for one release, docs/planner.md)."""
-        out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__  # type: ignore[attr-defined]
+        """JSON-safe fields (the bucket table as counts)."""
+        fields = self.__slots__  # type: ignore[attr-defined]
+        # the bucket table, the engine variant and the units are objects: summarised below
+        out: dict[str, Any] = {k: getattr(self, k) for k in fields
                                if k not in ("bucket_plan", "engine", "units")}
-        out["schedule"] = self.system
         out["reasons"] = list(self.reasons)
         out["engine"] = {"step_order": self.engine.step_order, "tail_step": self.engine.tail_step,
                          "d2h_stats_first": self.engine.d2h_stats_first,

@@ -42,7 +42,6 @@ No torch, no threads, no devices (docs/conventions.md, "Pure planning core").
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
@@ -61,18 +60,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICE_TYPES = ("cpu", "cuda")
 TailStep = Literal["unfused", "fused"]
 TAIL_STEPS: tuple[TailStep, ...] = get_args(TailStep)
-DEPRECATED_STEP_ORDERS: dict[str, StepOrder] = {"edf": "deadline"}
-"""Step orders the planner spelled differently before it took the config's names."""
-
-
-def step_order_of(value: str, where: str) -> StepOrder:
-    """``value`` as the config's step order: the old planner name "edf" becomes "deadline" with
-    a DeprecationWarning (``where`` names what was given, for the note)."""
-    new = DEPRECATED_STEP_ORDERS.get(value)
-    if new is None:
-        return value  # type: ignore[return-value]  # checked against StepOrder by the caller
-    warnings.warn(f"{where}={value!r} is now {new!r}", DeprecationWarning, stacklevel=4)
-    return new
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +70,7 @@ class EngineVariant:
     """Order the CPU steps (and H2D sends) offloaded buckets, as ``OffloadConfig.step_order``:
     "fifo" in gradient-ready order (the bucket the next forward needs first is stepped last),
     or "deadline", earliest deadline first (of the buckets ready, the one the next forward
-    needs first is stepped and sent first; DESIGN.md §6). The old name "edf" is accepted with
-    a DeprecationWarning."""
+    needs first is stepped and sent first; DESIGN.md §6)."""
     tail_step: TailStep = "unfused"
     """GPU tail step: "unfused" (``kernels.device_adam_multi``: ~13 foreach passes, per-tensor
     casts, ~118 B/param and ~20 launches per bucket) or "fused" (one pass
@@ -104,11 +90,9 @@ class EngineVariant:
     simulator's case for switching)."""
 
     def __post_init__(self) -> None:
-        order = step_order_of(self.step_order, "EngineVariant.step_order")
-        if order not in get_args(StepOrder):
+        if self.step_order not in get_args(StepOrder):
             raise ValueError(f"EngineVariant.step_order={self.step_order!r}: use one of "
                              f"{get_args(StepOrder)}")
-        object.__setattr__(self, "step_order", order)  # frozen: the one normalisation
         if self.tail_step not in TAIL_STEPS:
             raise ValueError(f"EngineVariant.tail_step={self.tail_step!r}: use one of "
                              f"{TAIL_STEPS}")
@@ -123,18 +107,6 @@ ENGINE = EngineVariant(step_order="deadline", tail_step="fused", d2h_stats_first
 deadline first, copy-first D2H with several buckets in flight, small buckets merged, fused tail
 step (kernels/device_adam.py). Its step order is the default ``OffloadConfig.step_order``
 ("deadline"); ``engine_for`` applies another."""
-
-_RENAMED = {"ENGINE_TODAY": "ENGINE_H200_MEASURED", "ENGINE_NEXT": "ENGINE"}
-"""Old public names of the two variants, still importable with a DeprecationWarning."""
-
-
-def __getattr__(name: str) -> EngineVariant:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"plan.schedule.{name} is now {new}", DeprecationWarning, stacklevel=2)
-        return globals()[new]  # type: ignore[no-any-return]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def engine_for(config: OffloadConfig, base: EngineVariant = ENGINE) -> EngineVariant:
     """The variant the engine runs for ``config``: ``base`` (the engine's implementation) with
@@ -241,26 +213,36 @@ def resolve_casting(grad_cast: str, param_cast: str, *, model_dtype: str, device
     """(grad side, param side, notes) for one model dtype; see the module docstring."""
     notes: list[str] = []
     if model_dtype == "float32":
-        return "device", "device", ()  # nothing to cast: fp32 crosses both ways
+        # nothing to cast: fp32 crosses both ways
+        return "device", "device", ()
     g, p = grad_cast, param_cast
     if "auto" in (g, p):
         if device_type == "cpu":
+            # one memory pool: a "device" cast is a host pass too, so cast where the kernel
+            # fuses it
             g_auto, p_auto = "host", "host"
         elif profile is not None:
-            from superoffload.plan import cost  # the cost model (pure)
+            # the cost model (pure)
+            from superoffload.plan import cost
 
             g_auto, p_auto, why = cost.choose_casting(profile, "ours", threads, bucket_params,
                                                       moments)
             notes.append(f"casting auto on {profile.name}: {why}")
         else:
+            # no profile to ask: the paper's Superchip choice (§4.4)
             g_auto, p_auto = "device", "host"
-        g = g_auto if g == "auto" else g
-        p = p_auto if p == "auto" else p
+        # only the "auto" sides take the decision; a side the user set stays
+        if g == "auto":
+            g = g_auto
+        if p == "auto":
+            p = p_auto
     if g == "host" and model_dtype == "float16":
-        g = "device"  # the CPU kernel reads fp32 or bf16 gradients: fp16 is widened first
+        # the CPU kernel reads fp32 or bf16 gradients: fp16 is widened first
+        g = "device"
         notes.append("fp16 gradients are widened to fp32 on the device (the CPU kernel reads "
                      "fp32 or bf16)")
     if weights == "flow" and p != "host":
+        # the blocks stream from the host's low-precision copy, which the host cast writes
         p = "host"
         notes.append("weight-flow: weights are cast on the host (the host's low-precision copy "
                      "streams in)")
@@ -274,13 +256,15 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str,
     if place != "auto":
         return place, ()
     if config.grad_accum_steps == 1:
-        return "device", ()  # nothing accumulates
+        # nothing accumulates
+        return "device", ()
     if decided is not None:
         if decided not in choices_of("grad_accum_on", decided=True):
             raise ValueError(f"resolve_schedule: grad_accum={decided!r}; pass 'device' or 'host'")
         return decided, ()
     if device_type == "cpu":
-        return "device", ()  # one memory pool: the rule's answer (plan.grad_accum)
+        # one memory pool: the rule's answer (plan.grad_accum)
+        return "device", ()
     return "device", ("grad_accum_on='auto' not decided (plan.grad_accum.choose_grad_accum "
                       "decides it): accumulating on the device",)
 
@@ -291,6 +275,7 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
     ``config.weights`` is "auto" (the engine decides it at the first batch, the planner by
     ``plan.choose_weights``); otherwise ``config.weights``. ``grad_accum``: the decided place
     when ``config.grad_accum_on`` is "auto" (``plan.grad_accum.choose_grad_accum``)."""
+    # the caller's decision of "auto" wins; otherwise the config's own policy
     policy = config.weights if weights is None else weights
     if policy not in choices_of("weights", decided=True):
         raise ValueError(f"resolve_schedule: weights={policy!r}; decide 'auto' first "
@@ -305,10 +290,16 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
                                 local_ranks=facts.local_ranks,
                                 reserved=runtime_threads(facts.device_type),
                                 explicit=config.cpu_threads)
-    units = None if facts.blocks is None else plan_units(
-        facts.params, facts.blocks, bucket_bytes=config.bucket_bytes, weights=policy)
-    members = facts.units if facts.units is not None else (
-        None if units is None else [u.param_indices for u in units.units])
+    units = None
+    if facts.blocks is not None:
+        # FSDP2: the units the engine wraps with fully_shard (plan/fsdp_units.py)
+        units = plan_units(facts.params, facts.blocks, bucket_bytes=config.bucket_bytes,
+                           weights=policy)
+    # the units as the engine built them when given, else as planned here
+    members: Sequence[Sequence[int]] | None = facts.units
+    if members is None and units is not None:
+        members = [u.param_indices for u in units.units]
+    # buckets never straddle a unit: each unit's reduce-scatter completes its own buckets
     if facts.engine.buckets_per_unit and members is not None and facts.dp > 1:
         plan = unit_buckets(facts.params, members, bucket_bytes=config.bucket_bytes,
                             ratio=ratio, merge_small=facts.engine.merge_small_buckets)
@@ -318,6 +309,7 @@ def resolve_schedule(config: OffloadConfig, facts: ScheduleFacts, *,
     g, p, cast_notes = resolve_casting(
         config.grad_cast, config.param_cast, model_dtype=facts.model_dtype,
         device_type=facts.device_type, weights=policy, profile=facts.profile, threads=threads,
+        # a bucket's parameters, as fp32 sizes them
         bucket_params=config.bucket_bytes / 4, moments=config.optimizer_state_dtype)
     notes += cast_notes
     accum, accum_notes = resolve_grad_accum(config, facts.device_type, grad_accum)

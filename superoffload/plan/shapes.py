@@ -119,15 +119,24 @@ class ModelShape:
                              f"{self.experts_per_token}: use 0 and 0 (dense) or 1 <= "
                              "experts_per_token <= experts")
         if self.ranks_per_host > self.dp * self.dp_replicate:
+            ranks = f"dp={self.dp}"
+            if self.dp_replicate > 1:
+                # name the replicate factor only when it is part of the product
+                ranks += f" x dp_replicate={self.dp_replicate}"
             raise ValueError(
-                f"ModelShape.ranks_per_host={self.ranks_per_host} exceeds dp={self.dp}"
-                + (f" x dp_replicate={self.dp_replicate}" if self.dp_replicate > 1 else "")
-                + ": a host cannot hold more data-parallel ranks than there are"
+                f"ModelShape.ranks_per_host={self.ranks_per_host} exceeds {ranks}: a host "
+                "cannot hold more data-parallel ranks than there are"
             )
 
     # ------------------------------------------------------------------ parameters
     @property
+    def dtype_bytes(self) -> float:
+        """Bytes of one element in the model's dtype: 4 for float32, 2 for the 16-bit ones."""
+        return 4.0 if self.dtype == "float32" else 2.0
+
+    @property
     def ffn(self) -> int:
+        # GPT-2's MLP width when the config does not give one
         return self.ffn_hidden if self.ffn_hidden is not None else 4 * self.hidden
 
     @property
@@ -156,8 +165,12 @@ class ModelShape:
     @property
     def head_params(self) -> int:
         """Final norm plus the LM head's own weight (0 when tied to the embedding)."""
+        # LayerNorm (weight and bias) in the biased GPT-2 family, RMSNorm (weight) otherwise
         norm = (2 if self.bias else 1) * self.hidden
-        return norm + (0 if self.tied_embeddings else self.vocab * self.hidden)
+        if self.tied_embeddings:
+            # the head is the embedding's weight, counted once in embedding_params
+            return norm
+        return norm + self.vocab * self.hidden
 
     @property
     def params(self) -> int:
@@ -173,8 +186,11 @@ class ModelShape:
             return np.bincount(layer, weights=numel, minlength=self.layers + 2).astype(
                 np.int64).tolist()
         if self.other_params_override is not None:
+            # Only the total outside the blocks is known: give the head its final norm (2h)
+            # and the embedding the rest, so the layer sums match the override.
             emb = self.other_params_override - 2 * self.hidden
-            return [max(emb, 0), *[self.block_params] * self.layers, min(2 * self.hidden, self.other_params_override)]
+            head = min(2 * self.hidden, self.other_params_override)
+            return [max(emb, 0), *[self.block_params] * self.layers, head]
         return [self.embedding_params, *[self.block_params] * self.layers, self.head_params]
 
     # ------------------------------------------------------------------ parameter list
@@ -191,6 +207,7 @@ class ModelShape:
             return len(self.param_table)
         if self.block_params_override is not None or self.other_params_override is not None:
             return self.layers + 2
+        # wte [+ wpe], the blocks, ln_f (weight [+ bias]), lm_head unless tied (param_layout)
         return (1 + int(self.learned_positions) + len(self._block_pattern()) * self.layers
                 + (2 if self.bias else 1) + int(not self.tied_embeddings))
 
@@ -209,9 +226,13 @@ class ModelShape:
         if self.block_params_override is not None or self.other_params_override is not None:
             numel = np.asarray(self.layer_params(), dtype=np.int64)
             return np.arange(top + 1, dtype=np.int64), numel
-        pre = [self.vocab * self.hidden] + ([self.seq * self.hidden] if self.learned_positions else [])
-        post = [self.hidden] * (2 if self.bias else 1) + (
-            [] if self.tied_embeddings else [self.vocab * self.hidden])
+        pre = [self.vocab * self.hidden]
+        if self.learned_positions:
+            pre.append(self.seq * self.hidden)
+        post = [self.hidden] * (2 if self.bias else 1)
+        if not self.tied_embeddings:
+            # a tied head is the embedding, registered once
+            post.append(self.vocab * self.hidden)
         block = np.asarray(self._block_pattern(), dtype=np.int64)
         numel = np.concatenate([np.asarray(pre, np.int64), np.tile(block, self.layers),
                                 np.asarray(post, np.int64)])
@@ -231,6 +252,7 @@ class ModelShape:
         (embeddings, final norm, head): what the FSDP2 units are cut from
         (plan/fsdp_units.py)."""
         layer, _ = self.param_layout()
+        # param_layout's layer 0 is the embedding and layers + 1 the head: both outside
         return tuple(int(k) - 1 if 1 <= k <= self.layers else -1 for k in layer.tolist())
 
     # ------------------------------------------------------------------ FLOPs
@@ -242,15 +264,18 @@ class ModelShape:
     def layer_forward_flops(self) -> list[float]:
         """Forward FLOPs per layer per iteration, forward order; the head is the V x h matmul."""
         t = self.tokens
+        # 2 FLOPs per multiply-add over the active parameters: an MoE token skips idle experts
         block = t * (2.0 * self.active_block_params + formulas.attention_flops_per_token(self))
+        # the embedding is a gather (no FLOPs); the head's matmul is counted even when tied
         return [0.0, *[block] * self.layers, t * 2.0 * self.vocab * self.hidden]
 
     def layer_forward_bytes(self) -> list[float]:
         """Element-wise (non-GEMM) bytes per layer, forward, in the model's dtype
         (plan/formulas.py); backward moves twice as many, a recompute once more."""
-        t, size = self.tokens, 4.0 if self.dtype == "float32" else 2.0
+        t, size = self.tokens, self.dtype_bytes
         block = t * size * formulas.nongemm_elements_per_token(self)
         edge = t * size * formulas.edge_nongemm_elements_per_token(self)
+        # the edge traffic split evenly between the embedding and the head layers
         return [edge / 2, *[block] * self.layers, edge / 2]
 
     def layer_forward_ops(self) -> list[float]:
@@ -263,13 +288,15 @@ class ModelShape:
         fwd = self.layer_forward_flops()
         rec = 1.0 if self.activation_checkpointing else 0.0
         out = [2.0 * f for f in fwd]
+        # only the blocks are checkpointed: the embedding and head are not recomputed
         for i in range(1, self.layers + 1):
             out[i] += rec * fwd[i]
         return out
 
     @property
     def model_flops(self) -> float:
-        """Useful FLOPs per iteration (forward + backward, no recompute): ~6 N tokens + attention."""
+        """Useful FLOPs per iteration (forward + backward, no recompute): ~6 N tokens +
+        attention."""
         return 3.0 * sum(self.layer_forward_flops())
 
     @property
@@ -290,7 +317,8 @@ class ModelShape:
         else:
             block = tokens * formulas.activation_bytes_per_token(self)
         emb, head = formulas.edge_activation_bytes_per_token(self)
-        positions = 8.0 * s if self.learned_positions else 0.0  # the position ids
+        # learned positions keep their int64 ids (8 B each), shared by the micro-batch
+        positions = 8.0 * s if self.learned_positions else 0.0
         return [tokens * emb + positions, *[block] * self.layers, tokens * head]
 
     def saved_activation_bytes(self) -> float:
@@ -313,6 +341,7 @@ class ModelShape:
         """Peak activation memory on the device: what autograd keeps plus the larger of the
         loss's transient gradients and one recomputed block (a bound; plan/memory.py places
         each at its moment of backward)."""
+        # The loss transient lives at the start of backward, the recompute later: never both.
         return self.saved_activation_bytes() + max(self.loss_transient_bytes(),
                                                    self.recompute_bytes())
 

@@ -1,5 +1,5 @@
 """The lanes of one simulated iteration: the engine's bucket table on the device, link, host
-and device-optimizer lanes (DESIGN.md §3, §5; the model: plan/simulate.py's docstring).
+and device-optimizer lanes (DESIGN.md §3, §5; the model: plan/simulator.py's docstring).
 
 Legend: ``numel`` elements of a bucket, ``shard`` this rank's part of it (data parallel:
 ceil(numel / dp), FSDP2's dim-0 shards), ``*_dur`` seconds per bucket, ``*_free`` when a lane
@@ -21,7 +21,7 @@ import numpy as np
 
 from superoffload.plan import compute, cost, parallel, sim_fsdp, sim_storage
 from superoffload.plan.hardware import ADAM_BYTES_PER_PARAM, HardwareProfile
-from superoffload.plan.memory_host import file_home_numel, homes_of, host_side
+from superoffload.plan.memory_host import file_home_numel, host_side, planned_homes
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
 from superoffload.plan.sim_walk import Layout, TierReads, layer_walk, layout
@@ -40,6 +40,8 @@ def fifo_order(ready: np.ndarray, dur: np.ndarray, free_s: float) -> tuple[np.nd
     if len(ready) == 0:
         return ready.copy(), ready.copy()
     c = np.cumsum(dur)
+    # c - dur is C_{j-1}: the work queued ahead of job j, so ready_j - C_{j-1} is the lane's
+    # earliest start that lets job j begin on time.
     end = c + np.maximum(np.maximum.accumulate(ready - (c - dur)), free_s)
     return end - dur, end
 
@@ -55,12 +57,16 @@ def deadline_order(ready: np.ndarray, dur: np.ndarray,
     r, d = ready.tolist(), dur.tolist()
     start, end = [0.0] * n, [0.0] * n
     t, k = float(free_s), 0
+    # Non-decreasing arrivals (ties included) admit the stack shortcut below; the heap is the
+    # general case.
     if n < 2 or bool(np.all(np.diff(ready) >= 0)):
         # arrivals in index order (the D2H lane is FIFO by bucket id): the highest ready
         # index is the latest arrival, so the heap is a stack
         stack: list[int] = []
         for _ in range(n):
             if not stack and r[k] > t:
+                # Idle lane: jump to the next arrival (non-preemptive, never waits for a later
+                # higher-priority job).
                 t = r[k]
             while k < n and r[k] <= t:
                 stack.append(k)
@@ -70,7 +76,9 @@ def deadline_order(ready: np.ndarray, dur: np.ndarray,
             t += d[j]
             end[j] = t
         return np.asarray(start), np.asarray(end)
+    # Ties in ready time admit the lower index first, as the stack path does.
     arrival = sorted(range(n), key=lambda i: (r[i], i))
+    # Negated ids: heapq is a min-heap and EDF wants the highest id.
     heap: list[int] = []
     for _ in range(n):
         if not heap and r[arrival[k]] > t:
@@ -91,6 +99,8 @@ def ddp_collectives(shape: ModelShape, prof: HardwareProfile, plan: Resolved, la
     parallel: plain PyTorch replicates the model and all-reduces every gradient (DDP, fp32)
     before the step; zeros at dp=1."""
     n = shape.dp * shape.dp_replicate
+    # fp32 gradients of the device-resident parameters (all of them in the "gpu" schedule);
+    # the validation's reduction carries only its scalars (8 B): latency, not bandwidth.
     return (parallel.all_reduce_time_s(4.0 * (float(lay.p.sum()) - lay.off), n, prof),
             parallel.all_reduce_time_s(8.0, n, prof))
 
@@ -103,16 +113,19 @@ def in_arrival_order(order: Order, ready: np.ndarray, dur: np.ndarray,
     """``order`` over jobs arriving at ``ready``: FIFO serves them as they arrive (the engine
     launches a bucket when its gradients are complete, which under FSDP2 need not follow the
     bucket ids); EDF picks by bucket id itself."""
+    # EDF sorts by arrival itself; FIFO only needs a permutation when arrivals are out of
+    # bucket order.
     if order is deadline_order or len(ready) < 2 or bool(np.all(np.diff(ready) >= 0)):
         return order(ready, dur, free_s)
+    # stable: equal arrival times keep bucket order, as the engine's queue does
     sent = np.argsort(ready, kind="stable")
     start, end = np.empty(len(ready)), np.empty(len(ready))
     start[sent], end[sent] = order(ready[sent], dur[sent], free_s)
     return start, end
 
 
-def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
-        clipped_iter: int | None, lay: Layout | None = None) -> tuple[list[float], list]:
+def run_timeline(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
+                 clipped_iter: int | None, lay: Layout | None = None) -> tuple[list[float], list]:
     """Simulate `n_iter` iterations; return the backward-end times and the span chunks.
     `lay`: ``layout(shape, plan)`` when the caller has it already. With data parallel the
     compute walk is FSDP2's (plan/sim_fsdp.py) and every bucket lane works on this rank's
@@ -122,48 +135,77 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     p, off, numel, nb = lay.p, lay.off, lay.numel, len(lay.numel)
     fwd_t, bwd_t = compute.layer_times(shape, prof)
     tail = float(p.sum()) - off
+    # Weight flow only matters when some parameters live on the host (off > 0).
     flow = plan.weights == "flow" and off > 0
     low = plan.model_dtype != "float32"
     w_bytes = 2.0 if low else 4.0
     dp = shape.dp
-    fl = sim_fsdp.fsdp_layout(shape, prof, plan, nb) if plan.units is not None else None
-    shard = np.ceil(numel / dp) if dp > 1 else numel  # this rank's slice of each bucket
+    fl = None
+    if plan.units is not None:
+        # FSDP2 units: the compute walk and the collectives come from plan/sim_fsdp.py.
+        fl = sim_fsdp.fsdp_layout(shape, prof, plan, nb)
+    if dp > 1:
+        # This rank's slice of each bucket, rounded up: the last rank's shard is padded.
+        shard = np.ceil(numel / dp)
+    else:
+        shard = numel
     step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel, flow=flow,
                           moments=plan.optimizer_state_dtype)
     g_bytes, p_bytes = step.g_bytes, step.p_bytes
     d2h_dur = cost.link_time_s_array(shard * g_bytes, prof, "d2h")
     h2d_dur = cost.link_time_s_array(shard * p_bytes, prof, "h2d")
-    if fl is not None and fl.bucket_on_host.any():  # weight-flow shards live on the host
+    if fl is not None and fl.bucket_on_host.any():
+        # Weight-flow shards live on the host: their "link" copies are host memory copies.
         d2h_dur = np.where(fl.bucket_on_host, sim_fsdp.host_copy_s(shard * g_bytes, prof),
                            d2h_dur)
         h2d_dur = np.where(fl.bucket_on_host, sim_fsdp.host_copy_s(shard * p_bytes, prof),
                            h2d_dur)
     if plan.engine.d2h_stats_first and nb:
+        # The stats kernels and the host round trip ahead of each copy (D2H_STATS_LAUNCHES).
         d2h_dur = d2h_dur + (D2H_STATS_LAUNCHES + 2) * prof.device_launch_s
     adam_dur = cost.host_step_s(shard, prof, plan.threads, plan.kernel, step)
     jobs, tier_reads = _tier(shape, prof, plan, lay)
-    if jobs is not None and jobs.tier.any():  # the tier's DMA crosses the host bus too
+    if jobs is not None and jobs.tier.any():
+        # The tier's DMA crosses the host bus too, slowing the bus-bound Adam of its buckets.
         for b in np.flatnonzero(jobs.tier):
             io_step = replace(step, bus_bytes=step.bus_bytes + float(jobs.io_bus_bytes[b]))
             adam_dur[b] = cost.host_step_s(shard[b], prof, plan.threads, plan.kernel, io_step)
     cpu_dur = prof.cpu_call_s + adam_dur
     dcast = prof.device_launch_s + shard / (prof.device_cast_gelems * 1e9)
-    pre_d2h = dcast if plan.grad_cast == "device" and low else np.zeros(nb)
-    post_h2d = dcast if plan.param_cast == "device" and low else np.zeros(nb)
+    # A device-side cast (§4.4) runs on the compute stream before the D2H / after the H2D;
+    # fp32 models have nothing to cast.
+    if plan.grad_cast == "device" and low:
+        pre_d2h = dcast
+    else:
+        pre_d2h = np.zeros(nb)
+    if plan.param_cast == "device" and low:
+        post_h2d = dcast
+    else:
+        post_h2d = np.zeros(nb)
     tail_ar = val_ar = 0.0
     if fl is not None:
         val_ar = fl.validation_s
-        tail = tail / dp  # FSDP2: the tail is stepped over this rank's shards
+        # FSDP2: the tail is stepped over this rank's shards
+        tail = tail / dp
     elif dp > 1:
         tail_ar, val_ar = ddp_collectives(shape, prof, plan, lay)
+    # Weight flow fetches a layer's host weights before its forward (FSDP2 gathers instead).
     fetched = lay.has_off & flow & (p > 0) & (fl is None)
     dstep = cost.device_adam_time_s(tail, prof, tail_step=plan.engine.tail_step,
                                     buckets=lay.n_tail_buckets) + tail_ar
+    # The validation (§4.3): the norm / non-finite reduction and its check, two launches.
     validate = 2 * prof.device_launch_s + val_ar
-    order: Order = deadline_order if plan.engine.step_order == "deadline" else fifo_order
-    lanes = sim_storage.LaneState() if jobs is not None else None
+    order: Order = fifo_order
+    if plan.engine.step_order == "deadline":
+        # Step the bucket the next forward needs first (deadline_order's docstring).
+        order = deadline_order
+    lanes = None
+    if jobs is not None:
+        # a storage lane only when some bucket's state lives on the tier
+        lanes = sim_storage.LaneState()
     if lanes is not None and tier_reads is not None:
-        tier_reads = replace(tier_reads, lane=lanes.lane)  # one lane for reads and writes
+        # One storage lane for reads and writes: the drive serves both.
+        tier_reads = replace(tier_reads, lane=lanes.lane)
 
     chunks: list = []
     bwd_ends: list[float] = []
@@ -189,26 +231,38 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
         if nb:
             copy_end = None
             if jobs is not None and lanes is not None:
+                # STV (§4.3) steps without waiting for the validation; otherwise the CPU
+                # steps are gated on it.
+                gate = 0.0 if plan.speculate else v_end
                 ph = sim_storage.bucket_phase(
                     jobs, lanes, grad_at=grad_ready + pre_d2h, d2h_dur=d2h_dur,
                     cpu_dur=cpu_dur, h2d_dur=h2d_dur, deadline=order is deadline_order,
-                    gate=0.0 if plan.speculate else v_end, read_from=start, d2h_free=d2h_free,
-                    cpu_free=cpu_free)
+                    gate=gate, read_from=start, d2h_free=d2h_free, cpu_free=cpu_free)
                 ds, de, cs, ce, copy_end = ph.ds, ph.de, ph.cs, ph.ce, ph.copy_end
                 cpu_ready = cs.copy()
                 chunks.extend(sim_storage.chunks(ph, it))
             else:
                 # the D2H lane copies buckets as their gradients complete
                 ds, de = in_arrival_order(fifo_order, grad_ready + pre_d2h, d2h_dur, d2h_free)
-                cpu_ready = de if plan.speculate else np.maximum(de, v_end)
+                if plan.speculate:
+                    # STV (§4.3): a bucket is stepped as soon as its gradients are on the host.
+                    cpu_ready = de
+                else:
+                    # Without speculation every step waits for the global validation.
+                    cpu_ready = np.maximum(de, v_end)
                 cs, ce = in_arrival_order(order, cpu_ready, cpu_dur, cpu_free)
             d2h_free = float(de.max())
             h2d_ready = ce.copy()
             if clipped_iter == it and plan.speculate:
-                spec = cs < v_end  # buckets stepped speculatively before validation
+                # buckets stepped speculatively before validation: the clipped iteration
+                # rolls them back and replays them (§4.3)
+                spec = cs < v_end
                 if spec.any():
+                    # the rollback starts once both the verdict and the last step are in
                     rb_s = max(float(ce[spec].max()), v_end)
-                    on_tier = jobs.tier if jobs is not None else np.zeros(nb, dtype=bool)
+                    on_tier = np.zeros(nb, dtype=bool)
+                    if jobs is not None:
+                        on_tier = jobs.tier
                     # a tier bucket's rollback is the version switch not made: nothing undone
                     undo = float(np.sum(adam_dur[spec & ~on_tier]))
                     redo = float(np.sum(adam_dur[spec]))
@@ -226,17 +280,24 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                     h2d_ready[spec] = done
                     rest = ~spec
                     if rest.any():
+                        # buckets not yet stepped wait for the verdict and the replay
                         cs[rest], ce[rest] = in_arrival_order(
                             order, np.maximum(cpu_ready[rest], v_end), cpu_dur[rest], done)
                         h2d_ready[rest] = ce[rest]
+            # a replay (h2d_ready) can end after the last regular step
             cpu_free = max(float(ce.max()), float(h2d_ready.max()))
-            nbytes_cpu = (shard * ADAM_BYTES_PER_PARAM).astype(np.int64)  # as the engine records
+            # as the engine records its CPU-step spans
+            nbytes_cpu = (shard * ADAM_BYTES_PER_PARAM).astype(np.int64)
             chunks.append((ev.LANE_D2H, ev.KIND_D2H, ds, de, it, buckets,
                            (shard * g_bytes).astype(np.int64)))
             chunks.append((ev.LANE_CPU, ev.KIND_CPU_STEP, cs, ce, it, buckets, nbytes_cpu))
             if flow and fl is None:
                 # the CPU wrote the host copy the next fetch reads (to its home on the tier)
-                ready_next = h2d_ready if copy_end is None else np.maximum(h2d_ready, copy_end)
+                if copy_end is None:
+                    ready_next = h2d_ready
+                else:
+                    # a tier bucket's copy is readable only once it reached the file
+                    ready_next = np.maximum(h2d_ready, copy_end)
             else:
                 # H2D in the order the steps finish (FIFO: bucket order; EDF: need order)
                 sent = np.argsort(h2d_ready, kind="stable")
@@ -247,12 +308,14 @@ def run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
                                (shard * p_bytes).astype(np.int64)))
                 ready_next = he + post_h2d
         if tail > 0:
+            # the device tail steps after the validation, on one device-optimizer lane
             s0 = max(v_end, dopt_free)
             dopt_free = s0 + dstep
             chunks.append((ev.LANE_DEVICE_OPT, ev.KIND_DEVICE_STEP, [s0], [dopt_free], it, None,
                            int(tail * ADAM_BYTES_PER_PARAM)))
             tail_ready = dopt_free
-            compute_free = max(compute_free, dopt_free)  # the step runs on the device's SMs
+            # the step runs on the device's SMs: the next forward waits for it
+            compute_free = max(compute_free, dopt_free)
     return bwd_ends, chunks
 
 
@@ -262,16 +325,19 @@ def _tier(shape: ModelShape, prof: HardwareProfile, plan: Resolved, lay: Layout
     per layer (plan/sim_storage.py); (None, None) when nothing is on the tier."""
     if not plan.storage or plan.system != "superoffload":
         return None, None
+    # only FSDP2 shards host state across ranks; DDP replicates it
     dp = shape.dp if plan.units is not None else 1
     side = host_side(shape, plan, dp)
     jobs = sim_storage.tier_jobs(side, plan, prof, len(lay.numel))
-    homes = homes_of(plan)
+    homes = planned_homes(plan)
     if jobs is None:
         return None, None
     per_layer = file_home_numel(shape, plan, side.tier, dp)
-    reads = (TierReads(per_layer * homes.stream, sim_storage.StorageLane(),
-                       sim_storage.rates_bps(prof, plan)[0])
-             if homes is not None and per_layer.any() else None)
+    reads = None
+    if homes is not None and per_layer.any():
+        # weight flow reads each layer's homes from the file before its fetch
+        reads = TierReads(per_layer * homes.stream, sim_storage.StorageLane(),
+                          sim_storage.rates_bps(prof, plan)[0])
     return jobs, reads
 
 
@@ -298,7 +364,12 @@ def accumulation_micro_step_s(shape: ModelShape, prof: HardwareProfile, plan: Re
         return compute_s
     step = cost.host_step(prof, plan.grad_cast, plan.param_cast, plan.kernel,
                           moments=plan.optimizer_state_dtype)
-    shard = np.ceil(lay.numel / shape.dp) if shape.dp > 1 else lay.numel
+    if shape.dp > 1:
+        shard = np.ceil(lay.numel / shape.dp)
+    else:
+        shard = lay.numel
     d2h_s = float(np.sum(cost.link_time_s_array(shard * step.g_bytes, prof, "d2h")))
+    # bus bytes per element: the DMA write and the read of the copy (2 x g_bytes), the fp32
+    # accumulation buffer read and written (8)
     add_s = float(np.sum(shard)) * (2.0 * step.g_bytes + 8.0) / cost.host_bus_bps(prof)
     return max(compute_s, d2h_s, add_s)

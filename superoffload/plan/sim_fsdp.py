@@ -102,18 +102,25 @@ def fsdp_layout(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
     unit_of_param = plan.units.unit_of()
     unit_of_layer = np.zeros(top + 1, dtype=np.int64)
     for i, k in enumerate(layer.tolist()):
+        # the root unit (index 0, plan/fsdp_units.py) holds whatever no block unit does
         unit_of_layer[k] = unit_of_param.get(i, 0)
     nu = len(units)
     layers_of = [np.flatnonzero(unit_of_layer == u) for u in range(nu)]
     first = np.asarray([ls.min() if len(ls) else 0 for ls in layers_of])
-    w = 4.0 if shape.dtype == "float32" else 2.0
+    w = shape.dtype_bytes
     size = np.asarray([u.numel for u in units], float) * w
     on_host = np.asarray([u.on_host for u in units])
-    cuda = prof.device_type == "cuda"
-    shard_copy = cost.link_time_s_array(size / n, prof, "h2d") if cuda else np.zeros(nu)
+    if prof.device_type == "cuda":
+        # a host-resident shard crosses the link before its all-gather and after its
+        # reduce-scatter; on the CPU backend the "device" is the host: no copy
+        shard_copy = cost.link_time_s_array(size / n, prof, "h2d")
+        back = cost.link_time_s_array(size / n, prof, "d2h")
+    else:
+        shard_copy, back = np.zeros(nu), np.zeros(nu)
     ag = parallel.ring_time_s(size, n, prof) + np.where(on_host, shard_copy, 0.0)
-    back = cost.link_time_s_array(size / n, prof, "d2h") if cuda else np.zeros(nu)
-    rs = (parallel.ring_time_s(size, n, prof)  # HSDP: the reduced shard across replicas
+    # HSDP: the reduce-scatter inside a replica, then the reduced shard all-reduced across
+    # replicas (a ring all-reduce: twice the steps)
+    rs = (parallel.ring_time_s(size, n, prof)
           + parallel.ring_time_s(size / n, r, prof, steps_factor=2)
           + np.where(on_host, back, 0.0))
     host_ids = {b.id for b in plan.bucket_plan.host_buckets}
@@ -121,14 +128,20 @@ def fsdp_layout(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
                   for i in b.param_indices if i in unit_of_param}
     unit_buckets = tuple(np.asarray(sorted(b for b in u.buckets if b in host_ids), np.int64)
                          for u in units)
-    if plan.whole_model_bucket:  # the ablation without buckets: one host bucket
+    if plan.whole_model_bucket:
+        # the ablation without buckets: one host bucket
         unit_buckets = tuple(np.zeros(min(len(b), 1), np.int64) for b in unit_buckets)
     pairs = [(int(b), u) for u, bs in enumerate(unit_buckets) for b in bs]
     pair_b = np.asarray([b for b, _ in pairs], np.int64)
     pair_u = np.asarray([u for _, u in pairs], np.int64)
     in_device_unit = np.zeros(n_host_buckets, bool)
+    # a bucket with a parameter in a device-resident unit crosses the link: not host-only
     np.logical_or.at(in_device_unit, pair_b, ~on_host[pair_u])
     val_bytes = 8.0 * (VALIDATION_HEAD + len(numel))
+    lookahead = 1
+    if plan.weights == "flow":
+        # weight flow prefetches prefetch_depth units ahead; FSDP2's default is one
+        lookahead = max(1, plan.prefetch_depth)
     return FsdpLayout(
         unit_of_layer=unit_of_layer, first_layer=first,
         top_layer=np.asarray([ls.max() if len(ls) else 0 for ls in layers_of]),
@@ -139,7 +152,7 @@ def fsdp_layout(shape: ModelShape, prof: HardwareProfile, plan: Resolved,
         bucket_on_host=~in_device_unit,
         validation_s=parallel.all_reduce_time_s(val_bytes, n * r, prof),
         blocking=parallel.collective_backend(prof) == "gloo",
-        lookahead=max(1, plan.prefetch_depth) if plan.weights == "flow" else 1)
+        lookahead=lookahead)
 
 
 def walk(fl: FsdpLayout, fwd_t: list[float], bwd_t: list[float], it: int, t: float,
@@ -150,6 +163,7 @@ def walk(fl: FsdpLayout, fwd_t: list[float], bwd_t: list[float], it: int, t: flo
     free time, span chunks). ``ready_next``: when each host bucket's publish lands."""
     n_layers = len(fwd_t)
     nu = len(fl.first_layer)
+    # a unit's gather waits for the latest publish of its host buckets (none: no wait)
     need = np.asarray([float(ready_next[bs].max()) if len(bs) else 0.0
                        for bs in fl.unit_buckets])
     c_start = np.empty(2 * n_layers)
@@ -161,9 +175,11 @@ def walk(fl: FsdpLayout, fwd_t: list[float], bwd_t: list[float], it: int, t: flo
     def collective(ready: float, issue: float, dur: float) -> float:
         """End of one collective issued at ``issue`` that may start once ``ready``."""
         nonlocal t, comm
-        if fl.blocking:  # gloo: the training thread runs it
+        if fl.blocking:
+            # gloo: the training thread runs it
             end = max(t, ready) + dur
-        else:  # NCCL: FSDP2's communication stream, one collective at a time
+        else:
+            # NCCL: FSDP2's communication stream, one collective at a time
             end = max(comm, ready, issue) + dur
             comm = end
         return end
@@ -179,9 +195,15 @@ def walk(fl: FsdpLayout, fwd_t: list[float], bwd_t: list[float], it: int, t: flo
     unit_starts: list[float] = []
     for li in range(n_layers):
         u = fl.unit_of_layer[li]
-        if fl.first_layer[u] == li:  # the unit's pre-forward: wait for publishes, gather
+        if fl.first_layer[u] == li:
+            # the unit's pre-forward: wait for publishes, gather
             k = len(unit_starts)
-            issue = unit_starts[k - fl.lookahead] if k >= fl.lookahead else t0
+            # FSDP2 issues a unit's all-gather when the unit `lookahead` before it starts;
+            # the first ones at the start of forward
+            issue = t0
+            if k >= fl.lookahead:
+                issue = unit_starts[k - fl.lookahead]
+            # a unit holding device-stepped parameters also waits for the tail step
             ready = max(need[u], tail_ready if fl.has_tail[u] else 0.0)
             wait_until(collective(ready, issue, float(fl.all_gather_s[u])))
             unit_starts.append(t)
@@ -192,18 +214,22 @@ def walk(fl: FsdpLayout, fwd_t: list[float], bwd_t: list[float], it: int, t: flo
     prev_start = t
     for j, li in enumerate(reversed(range(n_layers))):
         u = fl.unit_of_layer[li]
-        if fl.regather[u] and fl.top_layer[u] == li:  # weight-flow: gathered again
+        if fl.regather[u] and fl.top_layer[u] == li:
+            # resharded after forward (weight flow): gathered again, issued when the
+            # previous layer's backward began
             wait_until(collective(t, prev_start, float(fl.all_gather_s[u])))
         prev_start = t
         c_start[n_layers + j] = t
         t += bwd_t[li]
         c_end[n_layers + j] = t
-        if fl.low_layer[u] == li:  # the unit's post-backward: reduce-scatter
+        if fl.low_layer[u] == li:
+            # the unit's post-backward: reduce-scatter
             end = collective(t, t, float(fl.reduce_s[u]))
             if fl.blocking:
                 wait_until(end)
             reduced[u] = end
-    bwd_end = max(t, comm)  # FSDP2's final callback waits for the reduce-scatters
+    # FSDP2's final callback waits for the reduce-scatters
+    bwd_end = max(t, comm)
     wait_until(bwd_end)
     grad_ready = np.zeros(len(fl.bucket_on_host))
     np.maximum.at(grad_ready, fl.pair_bucket, reduced[fl.pair_unit])
@@ -219,7 +245,11 @@ def micro_step_collective_s(fl: FsdpLayout, compute_s: float, reduces: bool) -> 
     """Seconds one accumulating micro-step adds to its compute: its all-gathers (and
     reduce-scatters when every micro-step reduces) -- all of it on gloo, what compute cannot
     hide on NCCL."""
+    # a resharded unit is gathered for forward and again for backward
     gathers = np.where(fl.regather, 2.0, 1.0)
-    comm = float(np.sum(fl.all_gather_s * gathers)) + (float(np.sum(fl.reduce_s)) if reduces
-                                                        else 0.0)
-    return comm if fl.blocking else max(0.0, comm - compute_s)
+    reduce_s = float(np.sum(fl.reduce_s)) if reduces else 0.0
+    comm = float(np.sum(fl.all_gather_s * gathers)) + reduce_s
+    if fl.blocking:
+        # gloo runs on the training thread: nothing overlaps compute
+        return comm
+    return max(0.0, comm - compute_s)

@@ -97,10 +97,13 @@ def tier_jobs(side: HostSide, plan: Resolved, prof: HardwareProfile, nb: int
         for r in tier.regions:
             if r.bucket < nb:
                 on[r.bucket] = True
-                # speculated: read the state, write state + gradient; not speculated: the
-                # gradient written at launch, state + gradient read for the step, state written
-                rb[r.bucket] = r.state_bytes * (1 if plan.speculate else 2) + (
-                    0 if plan.speculate else r.grad_bytes)
+                if plan.speculate:
+                    # speculated: read the state, write state + gradient
+                    rb[r.bucket] = r.state_bytes
+                else:
+                    # not speculated: the gradient written at launch, state + gradient read for
+                    # the step after the verdict, state written
+                    rb[r.bucket] = r.state_bytes * 2 + r.grad_bytes
                 wb[r.bucket] = r.state_bytes + r.grad_bytes
                 replay[r.bucket] = r.state_bytes + r.grad_bytes
                 filed[r.bucket] = r.home_offset is not None

@@ -17,7 +17,7 @@ MAX_SIMULATION_BYTES = 1 << 30
 N_RUNS = 2
 """Simulated runs per call: the steady state and one clipped iteration."""
 N_ITER = 4
-"""Iterations per run (plan/simulate.py)."""
+"""Iterations per run (plan/simulator.py)."""
 BYTES_PER_TENSOR = 1200
 """Per parameter tensor: its ParamSpec, bucket membership and per-parameter arrays, and a
 bucket's arrays and span chunks over N_RUNS x N_ITER iterations (measured ~700 B, doubled)."""

@@ -56,6 +56,7 @@ def keeps_copies(rollback: str, speculation: str) -> bool:
 
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to ``ALIGN``."""
+    # ceil division by floor-dividing the negation: exact on integers of any size
     return -(-int(nbytes) // ALIGN) * ALIGN
 
 
@@ -190,6 +191,7 @@ class TierPlan:
     def write_bytes(self, *, spill: bool) -> int:
         """Bytes one step writes: each state once, plus the gradients when they spill
         (clipping may replay, or a bucket is stepped after validation)."""
+        # a gradient stepped from its slot right away never reaches the file
         return sum(r.state_bytes + (r.grad_bytes if spill else 0) for r in self.regions)
 
 
@@ -205,9 +207,7 @@ def plan_tier(host_buckets: Sequence[Bucket], element: ElementBytes, *, storage:
 
     Without ``storage`` every bucket is resident; with it and no budget every bucket is on the
     tier. With a budget the pool is reserved first and the buckets backward finishes last
-    stay resident while they fit: their steps end the iteration, where a read that did not
-    finish in time would stall the next forward, while the first ones' reads overlap the
-    forward and the start of backward. A budget that cannot hold what must stay in memory is a
+    stay resident while they fit. A budget that cannot hold what must stay in memory is a
     ``TierError`` naming what it needs. ``homes``: weight-flow's homes of the tier buckets
     (None: in host memory, ``element.home`` B per element); in the file they cost the staging
     buffers instead (module docstring)."""
@@ -216,11 +216,13 @@ def plan_tier(host_buckets: Sequence[Bucket], element: ElementBytes, *, storage:
         check_homes(homes.place, storage=storage)
     # weight-flow on a tier: homes may go to the file ("" otherwise)
     place = homes.place if storage and homes is not None else ""
+    # "auto" tries memory first; an fp32 model's home (0 B here) is its master, in the file
     if place in ("", "host") or (place == "auto" and element.home):
         try:
             plan = _homes_in_memory(ordered, element, storage=storage,
                                     budget_bytes=budget_bytes, buffer_count=buffer_count)
         except TierError:
+            # only "auto" may fall back to homes in the file
             if place in ("", "host"):
                 raise
         else:
@@ -264,6 +266,7 @@ def _homes_in_memory(ordered: Sequence[Bucket], element: ElementBytes, *, storag
     pool = min(buffer_count, len(ordered)) * slot_bytes
     resident: list[int] = []
     if budget_bytes is not None:
+        # the pool and the homes are needed whatever stays resident: reserved first
         left = budget_bytes - pool - home
         if left < 0:
             raise TierError(
@@ -273,7 +276,10 @@ def _homes_in_memory(ordered: Sequence[Bucket], element: ElementBytes, *, storag
                 f"bucket's working set){' plus the weight-flow homes' if home else ''}; lower "
                 "storage_buffer_count or bucket_bytes, or raise the budget"
                 f"{_FILE_HINT if home else ''}")
-        for b in reversed(ordered):  # the last ones backward finishes stay while they fit
+        # the last ones backward finishes stay while they fit: their steps end the iteration,
+        # where a late read would stall the next forward; the first ones' reads overlap the
+        # forward and the start of backward
+        for b in reversed(ordered):
             if resident_cost[b.id] > left:
                 break
             resident.append(b.id)
@@ -289,6 +295,7 @@ def _homes_in_file(ordered: Sequence[Bucket], element: ElementBytes, budget_byte
     """The rule with weight-flow's homes in the file: every tier bucket's ("storage", or an
     fp32 model's), or ("auto", the homes not fitting in memory) the fewest, in the order
     backward finishes the buckets -- their blocks are the last, fetched first in backward."""
+    # an fp32 model's homes are its masters: in the file whatever weight_homes says
     every = homes.place == "storage" or not element.home
     slot_bytes = _slot_layout(ordered, element, filed=True).nbytes
     count = min(buffer_count, len(ordered))
@@ -297,9 +304,11 @@ def _homes_in_file(ordered: Sequence[Bucket], element: ElementBytes, budget_byte
     filed = [b.id for b in ordered]
     if budget_bytes is not None:
         left = budget_bytes - count * slot_bytes - homes.buffers * stage
-        if not every:  # "auto": start from every home in memory, move the fewest
+        if not every:
+            # "auto": start from every home in memory, move the fewest
             left -= sum(b.numel for b in ordered) * element.home
             filed = []
+            # the first ones backward finishes (the last blocks, fetched first) move first
             for b in ordered:
                 if left >= 0:
                     break
@@ -313,11 +322,13 @@ def _homes_in_file(ordered: Sequence[Bucket], element: ElementBytes, budget_byte
                 f"plus weight-flow's staging buffers: {homes.buffers} x {stage:,} bytes "
                 "(prefetch_depth + 1 x the largest bucket's weights); lower "
                 "storage_buffer_count, bucket_bytes or prefetch_depth, or raise the budget")
-        for b in reversed(ordered) if every else ():  # as in memory: the last ones stay
-            if b.numel * element.resident > left:
-                break
-            resident.append(b.id)
-            left -= b.numel * element.resident
+        if every:
+            # as in memory: the last ones backward finishes stay while they fit
+            for b in reversed(ordered):
+                if b.numel * element.resident > left:
+                    break
+                resident.append(b.id)
+                left -= b.numel * element.resident
     tier = tuple(b.id for b in ordered if b.id not in resident)
     if not tier:
         return _plan((), tuple(b.id for b in ordered), ordered, element, 0)
@@ -335,11 +346,13 @@ def aligned_span(offset: int, nbytes: int) -> tuple[int, int, int]:
     """The aligned read covering bytes [offset, offset + nbytes) of a file: (start, length,
     skip), ``skip`` the bytes from ``start`` to ``offset``; ``length`` <= aligned(nbytes) +
     ALIGN (what ``_stage_bytes`` allows)."""
+    # O_DIRECT reads whole blocks: round the start down and the end up, and skip the head
     start = offset // ALIGN * ALIGN
     return start, aligned(offset + nbytes) - start, offset - start
 
 
 def _slot_layout(buckets: Sequence[Bucket], element: ElementBytes, *, filed: bool) -> SlotLayout:
+    # one slot fits any tier bucket: sized by the largest
     numel = max((b.numel for b in buckets), default=0)
     grad_offset = aligned(numel * (element.state_with_home if filed else element.state))
     lp_offset = grad_offset + aligned(numel * element.grad)
@@ -360,20 +373,26 @@ def _plan(tier: tuple[int, ...], resident: tuple[int, ...], ordered: Sequence[Bu
         home = b.id in filed
         state = aligned(b.numel * (element.state_with_home if home else element.state))
         grad = aligned(b.numel * element.grad)
-        # the copy follows v; an fp32 model's home is its master, at the start
-        home_offset = (b.numel * element.state if element.lp else 0) if home else None
+        home_offset = None
+        if home:
+            # the copy follows v; an fp32 model's home is its master, at the start
+            home_offset = b.numel * element.state if element.lp else 0
         regions.append(Region(b.id, b.numel, (offset, offset + state), state,
                               offset + 2 * state, grad, home_offset))
         offset += 2 * state + grad
-    stage = (homes.buffers, _stage_bytes([by_id[i] for i in filed], homes.stream)) \
-        if filed and homes is not None else (0, 0)
+    stage = (0, 0)
+    if filed and homes is not None:
+        # homes in the file are read through staging buffers (Homes.buffers)
+        stage = (homes.buffers, _stage_bytes([by_id[i] for i in filed], homes.stream))
+    resident_numel = sum(by_id[i].numel for i in resident)
     parts = {
-        "resident_state": sum(by_id[i].numel for i in resident) * element.state,
-        "grad_buffers": sum(by_id[i].numel for i in resident) * element.grad,
-        "lp_copies": sum(by_id[i].numel for i in resident) * element.lp,
-        "rollback_snapshot": (sum(by_id[i].numel for i in resident) * element.state
-                              if element.snapshot else 0),
+        "resident_state": resident_numel * element.state,
+        "grad_buffers": resident_numel * element.grad,
+        "lp_copies": resident_numel * element.lp,
+        # tier buckets roll back by switching versions: only resident ones keep a snapshot
+        "rollback_snapshot": resident_numel * element.state if element.snapshot else 0,
         "storage_pool": slots * slot.nbytes,
+        # a resident bucket's home is its copy or master, counted above: only tier ones here
         "weight_flow_homes": sum(b.numel for b in tier_buckets if b.id not in filed)
         * element.home,
         "weight_stage_buffers": stage[0] * stage[1],

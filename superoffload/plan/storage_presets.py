@@ -5,7 +5,7 @@ A tier is the ``HardwareProfile.storage_*`` figures (plan/hardware.py) with thei
 An array of N drives striped together (RAID 0, or one file per drive) reads and writes N times
 one drive's sequential rate and holds N times its capacity: the spec sheets' figures, peaks
 of a sequential workload at a deep queue, which the engine's large aligned requests are
-(docs/storage.md). ``plan.measure.measure_storage_tier`` replaces them with what the
+(docs/storage.md). ``plan.measure_storage.measure_storage_tier`` replaces them with what the
 project's own I/O engine measures on a folder of the machine at hand.
 
 Drives:
@@ -80,17 +80,17 @@ def nvme(drives: int, gen: str, *, why: str = "") -> dict[str, Any]:
     }
 
 
-NAMES = tuple(f"nvme-{gen}x{n}" for gen in DRIVES for n in (1, 2, 4, 8))
+STORAGE_NAMES = tuple(f"nvme-{gen}x{n}" for gen in DRIVES for n in (1, 2, 4, 8))
 """Tiers a command line may name (``--storage``): nvme-gen4x4 is four Gen4 drives."""
 
 
 def by_name(name: str) -> dict[str, Any]:
-    """The tier ``name`` names (``NAMES``), or "none" (no tier: every figure 0)."""
+    """The tier ``name`` names (``STORAGE_NAMES``), or "none" (no tier: every figure 0)."""
     if name == "none":
         return {"storage_read_gbps": 0.0, "storage_write_gbps": 0.0, "storage_bytes": 0.0,
                 "storage_queue_depth": 0, "storage_name": "", "sources": ()}
-    if name not in NAMES:
-        raise ValueError(f"storage tier {name!r}: use one of none, {', '.join(NAMES)}, or "
+    if name not in STORAGE_NAMES:
+        raise ValueError(f"storage tier {name!r}: use one of none, {', '.join(STORAGE_NAMES)}, or "
                          "measure:FOLDER (measure a folder with the project's I/O engine)")
     gen, n = name[len("nvme-"):].split("x")
     return nvme(int(n), gen)

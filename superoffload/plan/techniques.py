@@ -29,7 +29,6 @@ on top. The "zero-offload" system is the peer users run, DeepSpeed ZeRO-2 with
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -51,23 +50,6 @@ System = Literal["superoffload", "zero-offload", "gpu"]
 """What a simulation models: SuperOffload (the engine), DeepSpeed ZeRO-2 with offload_optimizer
 (plan/deepspeed.py), or plain PyTorch with everything on the GPU."""
 SYSTEMS: tuple[System, ...] = get_args(System)
-
-
-def system_of(system: str | None, schedule: str | None, where: str,
-              default: str | None = None) -> str:
-    """The system a caller asked for: ``system``, or the old keyword ``schedule`` with a
-    DeprecationWarning (``where`` names the function for the note); ``default`` when neither."""
-    if schedule is not None:
-        if system is not None:
-            raise TypeError(f"{where}: give system= only (schedule= is its old name)")
-        warnings.warn(f"{where}(schedule=...) is now {where}(system=...)", DeprecationWarning,
-                      stacklevel=3)
-        return schedule
-    if system is None:
-        if default is None:
-            raise TypeError(f"{where}: missing the system (one of {', '.join(SYSTEMS)})")
-        return default
-    return system
 
 
 # Clipping frequency the paper reports for BLOOM-176B pre-training: 93 of ~79,000 steps (FACTS.md).
@@ -95,7 +77,8 @@ class Techniques:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rollback_rate <= 1.0:
-            raise ValueError(f"Techniques.rollback_rate={self.rollback_rate}: use a fraction in [0, 1]")
+            raise ValueError(f"Techniques.rollback_rate={self.rollback_rate}: use a fraction in "
+                             "[0, 1]")
         if self.casting not in get_args(Casting):
             raise ValueError(f"Techniques.casting={self.casting!r}: use "
                              f"{' or '.join(repr(c) for c in get_args(Casting))}")
@@ -122,7 +105,7 @@ the parameters' buckets as ``plan_buckets`` cuts them without merging (the varia
 row of FACTS.md was fitted with: profiles_measured.ACHIEVED_TFLOPS). Nothing is offloaded, so
 step order and D2H launch order do not apply."""
 __all__ = ["PAPER_CLIP_RATE", "SYSTEMS", "ZERO_OFFLOAD", "Casting", "System", "Techniques",
-           "resolve", "system_of"]
+           "resolve"]
 
 
 def resolve(shape: ModelShape, prof: HardwareProfile, system: str,
@@ -171,24 +154,34 @@ def resolve(shape: ModelShape, prof: HardwareProfile, system: str,
         # the rule book's "auto" asks the cost model for our kernel; an ablation with another
         # kernel asks it for that kernel (which fuses fewer casts)
         threads = cost.cpu_threads(prof, cfg.cpu_threads, cfg.cpu_cores_frac)
+        # bucket_bytes / 4: a bucket's parameters, as fp32 sizes them
         g, p, why = cost.choose_casting(prof, tech.kernel, threads, cfg.bucket_bytes / 4,
                                         cfg.optimizer_state_dtype)
-        changes.update(grad_cast=g if cfg.grad_cast == "auto" else cfg.grad_cast,
-                       param_cast=p if cfg.param_cast == "auto" else cfg.param_cast)
+        # only the sides the user left on "auto" are decided; a set side stays as set
+        if cfg.grad_cast != "auto":
+            g = cfg.grad_cast
+        if cfg.param_cast != "auto":
+            p = cfg.param_cast
+        changes.update(grad_cast=g, param_cast=p)
         reasons.append(why)
-    engine = tech.engine or engine_for(cfg)  # the engine's own rule (runtime/engine.py)
+    # the engine's own rule (runtime/engine.py)
+    engine = tech.engine or engine_for(cfg)
     if system == "gpu":
-        engine = ENGINE_FUSED  # plain PyTorch: torch.optim.AdamW(fused=True)
-    fsdp = shape.dp > 1 and system == "superoffload"  # FsdpOffloadEngine's units
+        # plain PyTorch: torch.optim.AdamW(fused=True)
+        engine = ENGINE_FUSED
+    # FsdpOffloadEngine's units: only our schedule runs FSDP2 with data parallel
+    fsdp = shape.dp > 1 and system == "superoffload"
+    blocks = shape.block_of_params() if fsdp else None
+    # prof is already this rank's share of the host (parallel.rank_profile), hence local_ranks=1
     facts = ScheduleFacts(params=shape.param_specs(), model_dtype=shape.dtype,
                           device_type=prof.device_type, dp=shape.dp,
                           usable_cores=prof.cpu_cores, local_ranks=1, profile=prof,
-                          engine=engine, blocks=shape.block_of_params() if fsdp else None)
-    # prof is already this rank's share of the host (parallel.rank_profile), hence local_ranks=1
+                          engine=engine, blocks=blocks)
     if accum is not None and cfg.grad_accum_on == "auto":
         reasons.append(accum.reason)
-    rules = resolve_schedule(cfg.replace(**changes) if changes else cfg, facts, weights=weights,
-                             grad_accum=None if accum is None else accum.place)
+    decided = cfg.replace(**changes) if changes else cfg
+    place = None if accum is None else accum.place
+    rules = resolve_schedule(decided, facts, weights=weights, grad_accum=place)
     reasons.extend(rules.notes)
     if cfg.speculation == "adaptive":
         speculate = tech.stv and tech.rollback_rate < cfg.adaptive_threshold
@@ -211,6 +204,7 @@ def resolve(shape: ModelShape, prof: HardwareProfile, system: str,
         prefetch_depth=cfg.prefetch_depth,
         snapshot_rollback=cfg.rollback == "snapshot",
         pre_step_copies=keeps_copies(cfg.rollback, cfg.speculation) and bool(speculate),
+        # plain PyTorch's AdamW keeps fp32 moments whatever the config says
         optimizer_state_dtype="fp32" if system == "gpu" else cfg.optimizer_state_dtype,
         bucket_plan=rules.bucket_plan,
         engine=rules.engine,

@@ -4,11 +4,11 @@ storage traffic; docs/planner.md, "The storage tier").
 
 ``tier_config`` is the ``OffloadConfig`` change the tuner, ``plan`` and ``capacity`` try when
 the tier is allowed: a ``storage_path`` (a placeholder: the planner needs no folder, the user
-names one) and a host memory budget of what this job's GPU may use of the host (its share,
-less the headroom the fit check keeps), so the buckets that fit stay in memory and the rest
-go to the tier (plan/storage.py's rule); on one memory pool, no budget. ``tier_cost`` adds up the tier's traffic of one
-optimizer step -- what plan/sim_storage.py's lane carries -- and the tokens per step whose
-forward and backward take as long: with fewer, the step waits for the drives.
+names one) and a host memory budget of what this job's GPU may use of the host (its share, less
+the headroom the fit check keeps), so the buckets that fit stay in memory and the rest go to the
+tier (plan/storage.py's rule); on one memory pool, no budget. ``tier_cost`` adds up the tier's
+traffic of one optimizer step -- what plan/sim_storage.py's lane carries -- and the tokens per
+step whose forward and backward take as long: with fewer, the step waits for the drives.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from superoffload.plan import compute
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.memory import HOST_HEADROOM
-from superoffload.plan.memory_host import homes_of, host_side
+from superoffload.plan.memory_host import host_side, planned_homes
 from superoffload.plan.parallel import rank_profile
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
@@ -35,7 +35,10 @@ def tier_config(shape: ModelShape, prof: HardwareProfile) -> dict[str, Any]:
     memory pool (``shared_memory``) the device draws on the same memory, so no budget would
     leave it its share: every offloaded bucket goes to the tier."""
     share = rank_profile(prof, shape.ranks_per_host)
-    budget = None if prof.shared_memory else int(share.host_memory_bytes * HOST_HEADROOM)
+    budget = None
+    if not prof.shared_memory:
+        # this rank's share less the fit check's headroom, so a plan that fits stays fitting
+        budget = int(share.host_memory_bytes * HOST_HEADROOM)
     return {"storage_path": STORAGE_PLACEHOLDER, "host_memory_budget_bytes": budget}
 
 
@@ -72,9 +75,12 @@ def tier_cost(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> TierC
         grad = sum(r.grad_bytes for r in tier.regions)
         # speculation: state read, state + gradient written; without it the state is read
         # again with the gradient for the step after the verdict (plan/sim_storage.py)
-        read = state if plan.speculate else 2 * state + grad
+        if plan.speculate:
+            read = state
+        else:
+            read = 2 * state + grad
         write = state + grad
-    homes = homes_of(plan)
+    homes = planned_homes(plan)
     if tier is not None and homes is not None:
         # homes in the file (inside the state, so written with it): every fetch reads them,
         # before forward and again before backward

@@ -27,14 +27,17 @@ def repeat(fn: Callable[[], Any], trials: int, sync: Callable[[], None] = lambda
     seconds now; tests pass a simulated one)."""
     if trials < 1:
         raise ValueError(f"repeat: trials={trials}: use a whole number >= 1")
+    # the warm-up pays first-call costs (allocation, page faults, kernel selection) untimed
     fn()
     sync()
     times = []
     for _ in range(trials):
         t0 = clock()
         fn()
+        # device work is asynchronous: the time counts only once it has finished
         sync()
         times.append(clock() - t0)
+    # the median, not the best: a figure the engine meets on a typical call
     return statistics.median(times), relative_spread(times)
 
 
@@ -60,6 +63,7 @@ def busy_flags(spreads: Mapping[str, float], load: float | None = None,
     cores = usable_cores() if cores is None else cores
     noisy = {k: v for k, v in spreads.items() if v > SPREAD_WARN}
     reasons = []
+    # more runnable threads than cores: the probes shared the CPU with something else
     if load is not None and load > cores:
         reasons.append(f"load average {load:.1f} on {cores} usable cores")
     if noisy:

@@ -1,7 +1,7 @@
 """The weight-policy choice: weight-stationary or weight-flow (paper §4.5). Pure.
 
 A pure function of (model shape, hardware profile, config, device-memory cap): it asks the
-planner's simulator (plan/simulate.py) for both policies and the cost model for the
+planner's simulator (plan/simulator.py) for both policies and the cost model for the
 weight-flow efficiency ``compute / (compute + exposed transfer)`` (plan/cost.py). Compute
 grows with micro-batch x sequence x parameters, a block's fetch only with its parameters,
 so long sequences hide the fetch and their activations crowd device memory. The rule:
@@ -14,7 +14,7 @@ so long sequences hide the fetch and their activations crowd device memory. The 
    resident bf16 weights + gradients of stationary); stationary otherwise (same speed, no
    per-block traffic, nothing to go wrong).
 
-The engine's ``weights="auto"`` calls this (runtime/weights.py), and so does the planner's
+The engine's ``weights="auto"`` calls this (runtime/weight_policy.py), and so does the planner's
 ``techniques.resolve`` for a simulated "auto"; what weight-flow implies (every bucket
 offloaded, weights cast on the host, also under data parallel) is the rule book's
 (plan/schedule.py).

@@ -68,14 +68,16 @@ class ABTrial:
         self._done = threading.Event()
         self._last_end: float | None = None
         self._last_iteration = -1
-        self._phase = 0  # 0: A1, 1: B1, 2: A2, ... (2 * pairs phases)
+        # 0: A1, 1: B1, 2: A2, ... (2 * pairs phases)
+        self._phase = 0
         self._skip = settle
         self._first = -1
 
     # ----------------------------------------------------------------- control
     def start(self) -> ABTrial:
         """Listen from the next step on (the old settings are in force: A comes first)."""
-        self.engine.config.replace(**self.new)  # a bad value fails here, in the caller
+        # a bad value fails here, in the caller
+        self.engine.config.replace(**self.new)
         current = _RUNNING.get(id(self.engine))
         if current is not None and current is not self:
             current.cancel("replaced by a newer Apply")
@@ -94,7 +96,9 @@ class ABTrial:
         """"pair 2 of 6, new settings" while it runs."""
         with self._lock:
             if self._done.is_set():
-                return "done" if self.error is None else f"failed: {self.error}"
+                if self.error is not None:
+                    return f"failed: {self.error}"
+                return "done"
             arm = "old" if self._phase % 2 == 0 else "new"
             return f"pair {self._phase // 2 + 1} of {self.pairs}, {arm} settings"
 
@@ -129,17 +133,22 @@ class ABTrial:
         iteration = int(getattr(self.engine, "iteration", self._last_iteration + 1))
         with self._lock:
             if self._done.is_set() or iteration == self._last_iteration:
-                return  # finished, or a gradient-accumulation micro-step (no iteration ended)
+                # finished, or a gradient-accumulation micro-step (no iteration ended)
+                return
             previous, self._last_end = self._last_end, now
             self._last_iteration = iteration
             if previous is None:
-                return  # the iteration in flight at start() began before the trial
+                # the iteration in flight at start() began before the trial
+                return
             if self._skip:
                 self._skip -= 1
                 return
             if self._first < 0:
                 self._first = iteration - 1
-            blocks = self.a_blocks if self._phase % 2 == 0 else self.b_blocks
+            # phases alternate A1, B1, A2, ...: an even phase runs the old settings
+            blocks = self.b_blocks
+            if self._phase % 2 == 0:
+                blocks = self.a_blocks
             if len(blocks) <= self._phase // 2:
                 blocks.append([])
             blocks[self._phase // 2].append(now - previous)
@@ -148,7 +157,10 @@ class ABTrial:
             self._phase += 1
             self._skip = self.settle
             finished = self._phase == 2 * self.pairs
-            settings = self.old if self._phase % 2 == 0 else self.new
+            # the next phase's settings, applied after the lock is released
+            settings = self.new
+            if self._phase % 2 == 0:
+                settings = self.old
         if finished:
             self._conclude(iteration - 1)
         else:

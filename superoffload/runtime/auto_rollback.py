@@ -18,13 +18,13 @@ since the replay only adds c^2 t >= 0 to b2 v) moves, in units of that update, b
 
     B(rho) = u (6 + rho / 2 + kappa sqrt(rho)) (1 + u rho),   kappa = (1-b1)/b1 sqrt(b2 / (1-b2))
 
-(|m| <= sqrt(v) taken as the scale of m; the last factor covers the curvature of 1/sqrt(v)
-once u rho is no longer small: measured within 0.2% of the bound at rho = 1e6). The bound depends on the clip coefficient only
-through the worst case c -> 0 (a skipped step, or a replay with a tiny coefficient), which
-is what the engine must assume: it decides *before* the speculative step, when c is not
-known yet. An element whose v and m are both exactly 0 is restored exactly (v' = t and
-m' = (1-b1) g are then the very products the inverse subtracts), except in L2 mode, where the
-inverse rebuilds g from the restored p.
+(|m| <= sqrt(v) taken as the scale of m; the last factor covers the curvature of 1/sqrt(v) once u
+rho is no longer small: measured within 0.2% of the bound at rho = 1e6). The bound depends on the
+clip coefficient only through the worst case c -> 0 (a skipped step, or a replay with a tiny
+coefficient), which is what the engine must assume: it decides *before* the speculative step, when c
+is not known yet. An element whose v and m are both exactly 0 is restored exactly (v' = t and m' =
+(1-b1) g are then the very products the inverse subtracts), except in L2 mode, where the inverse
+rebuilds g from the restored p.
 
 ``rollback="auto"`` (the default) therefore, per speculated bucket:
 
@@ -58,7 +58,7 @@ from superoffload.kernels import AdamHyper
 from superoffload.runtime.state_overflow import Call
 
 if TYPE_CHECKING:
-    from superoffload.runtime.state import BucketBuffers
+    from superoffload.runtime.engine_state import BucketBuffers
 
 UNIT_ROUNDOFF = 2.0**-24
 INVERSE_TOLERANCE = 1e-6
@@ -67,14 +67,16 @@ DENSE_FRACTION = 0.125
 """Above this share of a bucket's elements beyond the limit, whole parameters are kept (a copy
 is cheaper than gathering and scattering most of them; the first steps, when v holds one or
 two gradients)."""
-_CHUNK = 1 << 18  # elements per check: the temporaries stay in L2
+# elements per check: the temporaries stay in L2
+_CHUNK = 1 << 18
 
 
 def inverse_bound(rho: float, beta1: float, beta2: float) -> float:
     """B(rho): the inverse rollback's error in units of the next update (module docstring)."""
     kappa = (1 - beta1) / beta1 * math.sqrt(beta2 / (1 - beta2))
     if UNIT_ROUNDOFF * (4 + rho) >= 0.5:
-        return math.inf  # v is lost to the rounding of v' = b2 v + t: nothing to bound
+        # v is lost to the rounding of v' = b2 v + t: nothing to bound
+        return math.inf
     return UNIT_ROUNDOFF * (6 + rho / 2 + kappa * math.sqrt(rho)) * (1 + UNIT_ROUNDOFF * rho)
 
 
@@ -87,7 +89,8 @@ def rho_limit(beta1: float, beta2: float, tolerance: float = INVERSE_TOLERANCE) 
     room = tolerance / UNIT_ROUNDOFF - 6
     if room <= 0:
         return 0.0
-    root = -kappa + math.sqrt(kappa * kappa + 2 * room)  # x^2/2 + kappa x - room = 0
+    # x^2/2 + kappa x - room = 0
+    root = -kappa + math.sqrt(kappa * kappa + 2 * room)
     return root * root
 
 
@@ -109,9 +112,10 @@ def check_rollback_mode(rollback: str, speculation: str, hypers: Sequence[AdamHy
 
             raise ConfigError(
                 f"OffloadConfig.rollback='inverse' cannot undo a speculative step of param group "
-                f"{k} (betas=({h.beta1:g}, {h.beta2:g}), lr*weight_decay={h.lr * h.weight_decay:g}):"
-                " the inverse divides by b1, b2 and 1 - lr*wd. Use rollback='auto' (the default: "
-                "such buckets are stepped after validation) or rollback='snapshot'")
+                f"{k} (betas=({h.beta1:g}, {h.beta2:g}), "
+                f"lr*weight_decay={h.lr * h.weight_decay:g}): the inverse divides by b1, b2 and "
+                "1 - lr*wd. Use rollback='auto' (the default: such buckets are stepped after "
+                "validation) or rollback='snapshot'")
 
 
 Run = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -183,7 +187,8 @@ class Rescue:
                     dst.copy_(src)
                 else:
                     dst.index_copy_(0, idx, src)
-            if lpt is not None:  # the low-precision copy the inverse wrote from the wrong p
+            # the low-precision copy the inverse wrote from the wrong p
+            if lpt is not None:
                 if idx is None:
                     lpt.copy_(p)
                 else:
@@ -229,11 +234,16 @@ def risky(grad: torch.Tensor, param: torch.Tensor, exp_avg: torch.Tensor,
         else:
             scale2 = grad_scale * grad_scale
         v = v_flat[lo:hi]
-        margin = torch.addcmul(v, g, g, value=-scale2 / c) if c > 0 else -torch.ones_like(v)
+        if c > 0:
+            margin = torch.addcmul(v, g, g, value=-scale2 / c)
+        else:
+            # no room at all: every element counts as beyond the bound
+            margin = -torch.ones_like(v)
         if float(margin.min()) >= 0.0:
             continue
         bad = margin < 0
-        if not l2:  # m = v = 0: the inverse subtracts the very products the step added
+        # m = v = 0: the inverse subtracts the very products the step added
+        if not l2:
             bad &= (v != 0) | (m_flat[lo:hi] != 0)
         idx = bad.nonzero().view(-1)
         if idx.numel():
@@ -269,12 +279,14 @@ class AutoRollback:
         total = 0
         for call in calls:
             limit = rho_limit(call.hyper.beta1, call.hyper.beta2)
-            scale = -grad_scale if call.hyper.maximize else grad_scale  # the kernel's g
+            # the kernel's g: maximize steps along +grad, so its sign flips
+            scale = -grad_scale if call.hyper.maximize else grad_scale
             for run in flat_runs(buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host,
                                  buf.lp_host, call.members):
                 total += run[0].numel()
                 if not prechecked_risky(run, call.hyper, scale, limit, self.threads):
-                    continue  # the common case: one read of g and v in C, nothing beyond
+                    # the common case: one read of g and v in C, nothing beyond
+                    continue
                 idx = risky(run[3], run[0], run[1], run[2], hyper=call.hyper,
                             grad_scale=scale, limit=limit)
                 if idx is not None:

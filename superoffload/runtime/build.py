@@ -2,7 +2,7 @@
 
 When the engine starts, after a load, a re-plan (``reconfigure`` of a "replan" field, a
 weight policy switch, ``add_param_group``): resolve where offloaded gradients accumulate
-(``resolve_grad_accum``), the schedule (``plan.schedule.resolve_schedule``, the rule the
+(``decide_grad_accum``), the schedule (``plan.schedule.resolve_schedule``, the rule the
 planner predicts with), the casting, and let the transport allocate every bucket from
 placement-free states. Between iterations only (the lanes drained); never on the step.
 """
@@ -15,17 +15,18 @@ from typing import Any, Protocol
 import torch
 
 from superoffload.config import ConfigError, OffloadConfig
-from superoffload.plan.schedule import Schedule, ScheduleFacts, resolve_schedule
+from superoffload.plan.schedule import Schedule, ScheduleFacts, engine_for, resolve_schedule
 from superoffload.plan.storage import keeps_copies
 from superoffload.runtime.casting import CastPolicy, cast_policy
 from superoffload.runtime.contract import Contract
 from superoffload.runtime.devices import DeviceOps
+from superoffload.runtime.engine_state import EngineState, InitialStates, ParamState
 from superoffload.runtime.host_memory import return_freed_memory
-from superoffload.runtime.state import EngineState, InitialStates, ParamState
 from superoffload.runtime.tier_open import Storage
 from superoffload.runtime.transport import Transport
-from superoffload.runtime.weights import WeightPolicyController
+from superoffload.runtime.weight_policy import WeightPolicyController
 from superoffload.telemetry.recorder import Recorder
+from superoffload.threads import usable_cores
 
 
 class Builder(Protocol):
@@ -57,9 +58,9 @@ class Builder(Protocol):
         ...
 
 
-def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Transport,
-                       shape: Callable[[], Any], profile: Callable[[], Any],
-                       weights: str) -> tuple[str, str]:
+def decide_grad_accum(config: OffloadConfig, device_type: str, transport: Transport,
+                      shape: Callable[[], Any], profile: Callable[[], Any],
+                      weights: str) -> tuple[str, str]:
     """(where offloaded gradients accumulate, why "auto" chose it or ""): "device" or
     "host". Without accumulation, or on a CPU-only machine (one memory: nothing to save),
     "device"; on a GPU the planner's cost model decides (``plan.grad_accum``), asked with
@@ -68,7 +69,8 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Trans
     place, why = config.grad_accum_on, ""
     if config.grad_accum_steps == 1:
         return "device", ""
-    if config.storage_path is not None:  # the tier exists to keep host sums out of memory
+    # the tier exists to keep host sums out of memory
+    if config.storage_path is not None:
         if place == "host":
             raise ConfigError(
                 "OffloadConfig.grad_accum_on='host' keeps every offloaded bucket's fp32 "
@@ -84,8 +86,11 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Trans
             choice = choose_grad_accum(shape(), rank_profile(profile(), transport.local_ranks),
                                        config.replace(weights=weights))
             place, why = choice.place, choice.reason
+            # the planner's choice, overruled: a transport that sums on the device (FSDP2's
+            # reduce-scatter) has no host buffer to accumulate into
             if place == "host" and not transport.accumulates_on_host:
-                place, why = "device", f"{why}; but the {transport.name!r} transport sums on the device"
+                place = "device"
+                why = f"{why}; but the {transport.name!r} transport sums on the device"
     if place == "host" and not transport.accumulates_on_host:
         raise ConfigError(
             f"OffloadConfig.grad_accum_on='host' is not supported by the {transport.name!r} "
@@ -94,14 +99,30 @@ def resolve_grad_accum(config: OffloadConfig, device_type: str, transport: Trans
 
 
 
+def facts_of(engine: Any) -> ScheduleFacts:
+    """What the engine's schedule is resolved from: its parameters, dtype, device, the ranks
+    over which gradients are summed, the cores, and the hardware profile only when "auto"
+    casting asks the cost model (on a GPU). The planner's rule: it predicts this engine."""
+    cfg, device = engine.config, engine.device_ops.device
+    auto_cast = "auto" in (cfg.grad_cast, cfg.param_cast) \
+        and engine.state.model_dtype != torch.float32
+    return ScheduleFacts(
+        params=engine.state.param_specs(), model_dtype=engine.state.dtype_name,
+        device_type=device.type, dp=engine.transport.grad_divisor,
+        usable_cores=usable_cores(), local_ranks=engine.transport.local_ranks,
+        profile=engine.weights.profile() if device.type == "cuda" and auto_cast else None,
+        engine=engine_for(cfg))
+
+
 def build(engine: Builder, states: Mapping[int, ParamState], facts: ScheduleFacts) -> None:
     """Resolve the schedule on ``facts`` and (re)allocate every bucket from placement-free
     ``states``."""
     st, cfg = engine.state, engine.config
     weights = engine.weights
-    place, why = resolve_grad_accum(cfg, engine.device_ops.device.type, engine.transport,
-                                    weights.shape_for_planning, weights.profile, weights.active)
-    if why:  # "auto": the planner's cost model decided
+    place, why = decide_grad_accum(cfg, engine.device_ops.device.type, engine.transport,
+                                   weights.shape_for_planning, weights.profile, weights.active)
+    # "auto": the planner's cost model decided
+    if why:
         engine.telemetry.note(engine.iteration, f"grad_accum_on='auto': {place} ({why})")
     schedule = resolve_schedule(cfg, facts, weights=weights.active, grad_accum=place)
     engine.accum_on_host = place == "host"
@@ -111,15 +132,21 @@ def build(engine: Builder, states: Mapping[int, ParamState], facts: ScheduleFact
     st.bucket_of = {i: b.id for b in schedule.bucket_plan.buckets for i in b.param_indices}
     budgeted = cfg.storage_path is not None or cfg.host_memory_budget_bytes is not None
     if cfg.host_memory_budget_bytes is not None:
-        return_freed_memory()  # what the engine frees leaves the process (host_memory.py)
+        # what the engine frees leaves the process (host_memory.py)
+        return_freed_memory()
+    moments = torch.float32
+    if cfg.optimizer_state_dtype == "bf16":
+        moments = torch.bfloat16
     st.buffers = engine.transport.build(
         schedule.bucket_plan, states, cast, flow=schedule.weights == "flow",
         snapshot=keeps_copies(cfg.rollback, cfg.speculation),  # what a budget must hold
-        moments=torch.bfloat16 if cfg.optimizer_state_dtype == "bf16" else torch.float32,
-        storage=Storage.of(cfg) if budgeted else None)
-    for i in st.trainable:  # fresh states are made when read: no need to make them here
-        st.steps[i] = 0 if isinstance(states, InitialStates) else states[i].step
-    engine.contract.rebase(st.trainable)  # storages may have moved (a weight policy switch)
+        moments=moments, storage=Storage.of(cfg) if budgeted else None)
+    # InitialStates makes fresh states only when read: their step is 0, no need to make them
+    initial = isinstance(states, InitialStates)
+    for i in st.trainable:
+        st.steps[i] = 0 if initial else states[i].step
+    # storages may have moved (a weight policy switch)
+    engine.contract.rebase(st.trainable)
     engine.forget_iteration()
     for note in schedule.notes:
         engine.telemetry.note(engine.iteration, note)

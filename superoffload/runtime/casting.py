@@ -37,7 +37,11 @@ class CastPolicy:
 
     @property
     def grad_host_dtype(self) -> torch.dtype:
-        return self.model_dtype if self.grad_on_host and not self.accum_on_host else torch.float32
+        # cast by the CPU kernel: the gradient lands in the model dtype; a host sum is fp32
+        # whatever crosses, and a cast on the device sends fp32
+        if self.grad_on_host and not self.accum_on_host:
+            return self.model_dtype
+        return torch.float32
 
     @property
     def low_precision(self) -> bool:

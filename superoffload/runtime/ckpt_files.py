@@ -49,7 +49,8 @@ from superoffload.runtime.ckpt_size import FileSize, check_room, write_error
 
 SEAL_KEY = "integrity"
 
-_serial = itertools.count()  # next() on a count is atomic under the GIL
+# next() on a count is atomic under the GIL
+_serial = itertools.count()
 _writing: set[str] = set()
 """Temporaries this process is writing now (``clean_orphans`` leaves them alone)."""
 _writing_lock = threading.Lock()
@@ -120,7 +121,8 @@ def seal(payload: dict[str, Any]) -> dict[str, Any]:
 def check_seal(payload: Mapping[str, Any], file: str) -> None:
     want = payload.get(SEAL_KEY)
     if want is None:
-        return  # written before checksums existed: nothing to check
+        # written before checksums existed: nothing to check
+        return
     h = hashlib.sha256()
     _canonical({k: v for k, v in payload.items() if k != SEAL_KEY}, h)
     if h.hexdigest() != want:
@@ -195,17 +197,23 @@ def write_atomic(payload: dict[str, Any], final: str, *,
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException as exc:
-            cause = writer.error if writer is not None and writer.error is not None else exc
+            # torch.save turns a failed write into its own error: the OSError the writer kept
+            # is the cause to name
+            cause = exc
+            if writer is not None and writer.error is not None:
+                cause = writer.error
             named = write_error(cause, final, size)
             if named is not None:
                 raise named from exc
-            if cause is not exc:  # what torch.save turned into "unexpected pos"
+            # what torch.save turned into "unexpected pos"
+            if cause is not exc:
                 raise cause from exc
             raise
         digest = FileDigest(writer.h.hexdigest(), writer.n)
         if before_replace is not None:
             before_replace(digest)
-        os.replace(tmp, final)  # readers see the old file or the new one
+        # readers see the old file or the new one
+        os.replace(tmp, final)
     return digest
 
 
@@ -233,13 +241,16 @@ def _kind(mode: int) -> str:
 
 
 def _link_target(file: str) -> str:
-    return f", a link to {os.path.realpath(file)}" if os.path.islink(file) else ""
+    if os.path.islink(file):
+        return f", a link to {os.path.realpath(file)}"
+    return ""
 
 
 def read_regular(file: str, size: int) -> bytes:
     """The ``size`` bytes of regular file ``file`` (``regular_size``); a file swapped or
     grown since is refused, never read past ``size`` + 1 bytes."""
-    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
+    # a FIFO must not block
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
@@ -307,7 +318,8 @@ def check_digests(folder: str, digests: Mapping[str, str]) -> str | None:
     for name, want in digests.items():
         file = os.path.join(folder, name)
         try:
-            regular_size(file)  # a link to /dev/zero is never read
+            # a link to /dev/zero is never read
+            regular_size(file)
             got = file_sha256(file)
         except CheckpointCorrupt:
             return f"{name} is not a regular file"
@@ -339,10 +351,12 @@ def clean_orphans(final: str) -> list[str]:
         path = os.path.join(folder, entry)
         pid = entry[len(name) + len(".tmp-"):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
-            continue  # another live process is writing it now
+            # another live process is writing it now
+            continue
         with _writing_lock:
             if path in _writing:
-                continue  # another thread of this process is writing it now
+                # another thread of this process is writing it now
+                continue
         try:
             os.remove(path)
             removed.append(path)

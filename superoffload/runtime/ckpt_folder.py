@@ -39,7 +39,8 @@ def _make_folder(path: str) -> str | None:
         return None
     target = os.path.realpath(path) if os.path.islink(path) else path
     top = os.path.abspath(target)
-    while not os.path.lexists(os.path.dirname(top)):  # the root exists: this ends
+    # the filesystem root exists, so this loop ends
+    while not os.path.lexists(os.path.dirname(top)):
         top = os.path.dirname(top)
     try:
         if target is path:
@@ -48,7 +49,8 @@ def _make_folder(path: str) -> str | None:
             os.mkdir(target)  # be created on the disk beneath it)
     except FileExistsError:
         if os.path.isdir(path):
-            return None  # another process made it just now
+            # another process made it just now
+            return None
         raise FileExistsError(f"checkpoint folder {path} is a file (or a link to one), not a "
                               "folder: save the checkpoint elsewhere, or remove it") from None
     except OSError as exc:

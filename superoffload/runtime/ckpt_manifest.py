@@ -1,6 +1,6 @@
 """The checkpoint's manifest, ``meta.json``: which ``engine.pt`` it describes (SHA-256 and
 size) and the one that save replaces, and the reading of ``engine.pt`` it allows
-(runtime/checkpoint.py's module docstring: a file of another size, or not the one described,
+(runtime/engine_checkpoint.py's module docstring: a file of another size, or not the one described,
 is refused without being unpickled).
 """
 
@@ -22,7 +22,7 @@ from superoffload.runtime.ckpt_files import (
     regular_size,
 )
 
-FORMAT = "superoffload-engine/1"
+ENGINE_FORMAT = "superoffload-engine/1"
 FILENAME = "engine.pt"
 META = "meta.json"
 
@@ -38,7 +38,7 @@ def damaged(path: str) -> str | None:
         return f"{FILENAME} is missing"
     except CheckpointCorrupt:
         return f"{FILENAME} is not a regular file"
-    manifest = read_manifest(path)
+    manifest = read_meta(path)
     if manifest is None:
         return None
     if not manifest.by_size(size):
@@ -88,7 +88,7 @@ class Manifest:
         return " or ".join(f"{r.digest.nbytes:,} bytes" for r in self.records())
 
 
-def read_manifest(path: str) -> Manifest | None:
+def read_meta(path: str) -> Manifest | None:
     """``meta.json``'s records, or None (no meta.json, or one written before checksums)."""
     try:
         with open(os.path.join(path, META)) as f:
@@ -97,8 +97,11 @@ def read_manifest(path: str) -> Manifest | None:
         this = Recorded(FileDigest(str(entry["sha256"]), int(entry.get("bytes", -1))),
                         meta.get("iteration"))
         old = meta.get("replaces")
-        replaces = None if old is None else Recorded(
-            FileDigest(str(old["sha256"]), int(old["bytes"])), old.get("iteration"))
+        replaces = None
+        # the first save of a folder replaces nothing
+        if old is not None:
+            replaces = Recorded(
+                FileDigest(str(old["sha256"]), int(old["bytes"])), old.get("iteration"))
     except (OSError, KeyError, ValueError, TypeError):
         return None
     return Manifest(this, replaces)
@@ -109,7 +112,7 @@ def read_checked(path: str) -> dict[str, Any]:
     describes (module docstring); without a manifest its sealed checksum alone decides."""
     file, meta = os.path.join(path, FILENAME), os.path.join(path, META)
     size = regular_size(file)
-    manifest = read_manifest(path)
+    manifest = read_meta(path)
     if manifest is None:
         return load_payload(read_regular(file, size), file)
     if not manifest.by_size(size):
@@ -122,13 +125,15 @@ def read_checked(path: str) -> dict[str, Any]:
     found = manifest.by_sha(sha)
     if found is manifest.this:
         return load_payload(data, file)
-    if found is not None:  # the save meta.json describes stopped before its rename
+    # the save meta.json describes stopped before its rename
+    if found is not None:
         warnings.warn(
             f"{meta} describes a save that did not finish ({manifest.this.describe()}): it "
             f"stopped before replacing {file}, which still holds the save before it "
             f"({found.describe()}); loading that one", RuntimeWarning, stacklevel=3)
         return load_payload(data, file)
-    payload = load_payload(data, file)  # a flipped byte fails its sealed checksum here
+    # a flipped byte fails its sealed checksum here
+    payload = load_payload(data, file)
     theirs = Recorded(FileDigest(sha, size), payload.get("iteration"))
     raise CheckpointCorrupt(
         f"{file} is not the file {meta} describes: {META} records {manifest.this.describe()}, "

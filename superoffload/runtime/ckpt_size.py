@@ -36,7 +36,8 @@ TENSOR_RECORD_BYTES = 512
 (tests/test_checkpoint_save_errors.py)."""
 ARCHIVE_BYTES = 4096
 """Archive bytes per file besides its records: measured about 1,300."""
-PICKLE_PROTOCOL = 2  # torch.save's default (torch.serialization.DEFAULT_PROTOCOL)
+# torch.save's default (torch.serialization.DEFAULT_PROTOCOL)
+PICKLE_PROTOCOL = 2
 
 
 class _Structure(pickle.Pickler):
@@ -50,7 +51,8 @@ class _Structure(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
             return None
-        storage = obj.untyped_storage()  # views share one; torch.save writes whole storages
+        # views share one; torch.save writes whole storages
+        storage = obj.untyped_storage()
         self.storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
         self.tensors += 1
         return self.tensors
@@ -115,7 +117,10 @@ def no_space(final: str, size: FileSize, cause: OSError | None = None) -> OSErro
         free = f"{shutil.disk_usage(folder).free:,} bytes free there"
     except OSError:
         free = "free space unknown"
-    how = f" ({cause.strerror or cause})" if cause is not None else ""
+    # the OS's own words, when the error came from a failed write rather than the estimate
+    how = ""
+    if cause is not None:
+        how = f" ({cause.strerror or cause})"
     needed = size.estimate_bytes
     return OSError(errno.ENOSPC, f"no space left on device{how}: writing {final} needs about "
                    f"{needed:,} bytes ({needed / 1e6:.1f} MB), {free}; free some space or save "
@@ -125,7 +130,10 @@ def no_space(final: str, size: FileSize, cause: OSError | None = None) -> OSErro
 def file_too_big(final: str, size: FileSize, limit: int | None,
                  cause: OSError | None = None) -> OSError:
     """The error of a save past the process's file-size limit (RLIMIT_FSIZE)."""
-    how = f" ({cause.strerror or cause})" if cause is not None else ""
+    # the OS's own words, when the error came from a failed write rather than the estimate
+    how = ""
+    if cause is not None:
+        how = f" ({cause.strerror or cause})"
     allowed = "a smaller size" if limit is None else f"{limit:,} bytes"
     needed = size.estimate_bytes
     return OSError(errno.EFBIG, f"file size limit exceeded{how}: writing {final} needs about "

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from superoffload.kernels import AdamHyper
+from superoffload.runtime.engine_state import EngineState
 from superoffload.runtime.errors import EngineError
-from superoffload.runtime.state import EngineState
 
 
 class ContractError(EngineError):
@@ -69,7 +69,7 @@ _owners: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[Any]]] = {}
 _owners_lock = threading.Lock()
 
 
-def claim(params: Sequence[torch.Tensor], engine: Any, names: Sequence[str]) -> None:
+def claim_params(params: Sequence[torch.Tensor], engine: Any, names: Sequence[str]) -> None:
     """Register ``engine`` as the owner of ``params``. A live engine already holding one is
     superseded: its iteration in progress is rolled back, it is closed (the model keeps its
     latest weights) and any later call on it raises ``EngineClosed`` naming the new engine --
@@ -118,10 +118,13 @@ def owner(param: torch.Tensor) -> Any | None:
     if entry is None or entry[0]() is not param:
         return None
     engine = entry[1]()
-    return engine if engine is not None and engine.alive else None
+    # a collected engine, or a closed or failed one, no longer owns the parameter
+    if engine is None or not engine.alive:
+        return None
+    return engine
 
 
-def release(params: Sequence[torch.Tensor], engine: Any) -> None:
+def release_params(params: Sequence[torch.Tensor], engine: Any) -> None:
     with _owners_lock:
         for p in params:
             entry = _owners.get(id(p))
@@ -137,7 +140,8 @@ class Contract:
         self._grads: dict[int, tuple[int, int, bool]] = {}
         """Parameter index -> (id of the gradient taken at launch, its version then, whether
         the engine freed it once moved)."""
-        self._lock = threading.Lock()  # launches may run on autograd's device threads
+        # launches may run on autograd's device threads
+        self._lock = threading.Lock()
         self.tainted: str | None = None
         """Why the model's weights are a mix the engine could not undo (a racing write to a
         parameter that is its own master); training refuses until weights are loaded."""
@@ -289,7 +293,8 @@ def first_difference(prints: Sequence[Mapping[str, Any]], ranks: Sequence[int]) 
         values = [fp.get(key) for fp in prints]
         if all(v == values[0] for v in values):
             continue
-        if key == "parameters":  # name the first parameter that differs
+        # name the first parameter that differs
+        if key == "parameters":
             for k in range(max(len(v or []) for v in values)):
                 items = [v[k] if v is not None and k < len(v) else None for v in values]
                 if any(x != items[0] for x in items):

@@ -34,8 +34,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from superoffload.runtime.devices import PendingStats
+from superoffload.runtime.engine_state import EngineState
 from superoffload.runtime.frozen import FrozenIteration
-from superoffload.runtime.state import EngineState
 from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import Transport
 
@@ -65,7 +65,8 @@ class Departures:
     def frees(self, b: int, frozen: FrozenIteration) -> bool:
         """Whether bucket ``b``'s device gradients are freed once they leave."""
         if self.state.buffers[b].on_device:
-            return False  # the tail steps on the device from them
+            # the tail steps on the device from them
+            return False
         return not frozen.config.keep_device_grads or any(
             i in frozen.streamed for i in self._members(b))
 
@@ -110,7 +111,8 @@ class Departures:
             fut = self.transport.launch(b, moving, frozen)
         if free:
             params = self.state.params
-            for i in moving:  # the copy task holds the tensors until it has run
+            # the copy task holds the tensors until it has run
+            for i in moving:
                 params[i].grad = None
             if fut is not None:
                 self.in_flight.append((b, fut))
@@ -125,7 +127,8 @@ class Departures:
                                     "(OffloadConfig.grad_buckets_in_flight)",
                                frozen.config.watchdog_s)
             if isinstance(result, PendingStats):
-                result.done.synchronize()  # the copy has landed on the host
+                # the copy has landed on the host
+                result.done.synchronize()
 
     def wait(self, future: Future[Any], what: str, watchdog_s: float) -> Any:
         """The bound's wait (the engine's: a lane failure surfaces as its error)."""

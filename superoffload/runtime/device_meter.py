@@ -132,7 +132,8 @@ class DeviceMeter:
         weights = {_local(p).untyped_storage().data_ptr() for p in self._params
                    if p.data.numel()}
         if isinstance(t, torch.nn.Parameter) or ptr in weights:
-            return t  # a weight (or a view of one): counted under weights
+            # a weight (or a view of one): counted under weights
+            return t
         nbytes = t.untyped_storage().nbytes()
         with self._lock:
             entry = self._storages.setdefault(ptr, [nbytes, 0])

@@ -58,6 +58,15 @@ class DeviceOps(Protocol):
 
     def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
 
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        """uint8 host memory of exactly ``nbytes`` for a long-lived pool (the storage tier's
+        slots), page-locked on CUDA; ``free_pinned`` gives it back."""
+        ...
+
+    def free_pinned(self, buffer: torch.Tensor) -> None:
+        """Give back a buffer of ``alloc_pinned`` (before it is freed)."""
+        ...
+
     def ready_token(self) -> Any:
         """Called in the thread producing gradients, when a bucket's last one is final."""
         ...
@@ -95,8 +104,9 @@ class DeviceOps(Protocol):
 
 def host_stats(grads: Sequence[torch.Tensor]) -> GradStats:
     """Local statistics with the kernel's fused pass (it reads fp32/bf16; fp16 is widened)."""
-    ok = [g if g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous() else g.float()
-          for g in grads]
+    # the C kernel reads contiguous fp32 or bf16 only: anything else goes through a copy
+    ok = [g if g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous()
+          else g.float() for g in grads]
     sum_sq, nonfinite = kernels.grad_stats_multi(ok)
     return GradStats(float(sum_sq), int(nonfinite))
 
@@ -126,8 +136,15 @@ class CpuDeviceOps:
     def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype)
 
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def free_pinned(self, buffer: torch.Tensor) -> None:
+        return None
+
     def ready_token(self) -> Any:
-        return None  # autograd on the CPU has finished the gradient when the hook fires
+        # autograd on the CPU has finished the gradient when the hook fires
+        return None
 
     def stream(self, kind: str) -> Any:
         return None
@@ -138,7 +155,8 @@ class CpuDeviceOps:
         stats = host_stats(grads)
         with torch.no_grad():
             for g, d in zip(grads, dst):
-                d.copy_(g)  # casts when the policy moves fp32 (device-side cast)
+                # casts when the policy moves fp32 (device-side cast)
+                d.copy_(g)
         return stats
 
     def d2h_add(self, grads: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
@@ -146,7 +164,8 @@ class CpuDeviceOps:
         with torch.no_grad():
             for g, d, a in zip(grads, dst, add):
                 if a:
-                    d.add_(g)  # widens a bf16/fp16 gradient into the fp32 sum
+                    # widens a bf16/fp16 gradient into the fp32 sum
+                    d.add_(g)
                 else:
                     d.copy_(g)
 
@@ -160,7 +179,8 @@ class CpuDeviceOps:
         return None
 
     def host_wait(self, token: Any) -> None:
-        return None  # the copy ran in the lane's thread
+        # the copy ran in the lane's thread
+        return None
 
     def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats:
         return host_stats(grads)
@@ -179,6 +199,8 @@ class CudaDeviceOps:
         self.pin_memory = pin_memory
         self.d2h_stream = torch.cuda.Stream(device=device)
         self.h2d_stream = torch.cuda.Stream(device=device)
+        self.registered: dict[int, torch.Tensor] = {}
+        """``alloc_pinned``'s buffers by address, page-locked with cudaHostRegister."""
 
     def alloc_host(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         # Pinned (page-locked) memory lets the copy engines DMA asynchronously.
@@ -187,6 +209,27 @@ class CudaDeviceOps:
 
     def alloc_device(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        # torch's pinned allocator rounds every allocation up to a power of two (up to 2x a
+        # storage-tier slot, which a host budget counts exactly): register plain memory
+        # instead, exactly its size; torch's pinning when registration is refused
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if not self.pin_memory:
+            return buffer
+        try:
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        except (RuntimeError, AttributeError):
+            return buffer.pin_memory()
+        self.registered[buffer.data_ptr()] = buffer
+        return buffer
+
+    def free_pinned(self, buffer: torch.Tensor) -> None:
+        held = self.registered.pop(buffer.data_ptr(), None)
+        # unregistered before torch may free (and reuse) the memory
+        if held is not None:
+            torch.cuda.cudart().cudaHostUnregister(held.data_ptr())
 
     def ready_token(self) -> Any:
         event = torch.cuda.Event()
@@ -206,9 +249,11 @@ class CudaDeviceOps:
         stream = self.d2h_stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             if ready is not None:
-                stream.wait_event(ready)  # after the kernels that produced the gradients
+                # after the kernels that produced the gradients
+                stream.wait_event(ready)
             for g, d in zip(grads, dst):
-                src = g if g.dtype == d.dtype else g.to(d.dtype)  # device-side cast
+                # device-side cast
+                src = g if g.dtype == d.dtype else g.to(d.dtype)
                 d.copy_(src, non_blocking=True)
                 # The gradient's memory belongs to the compute stream's allocator pool; keep it
                 # alive until this stream is done with it (zero_grad may free it meanwhile).
@@ -216,7 +261,8 @@ class CudaDeviceOps:
             stats_dev = stats_tensor(grads, self.device)
             stats_host = torch.empty(2, dtype=torch.float32, pin_memory=self.pin_memory)
             stats_host.copy_(stats_dev, non_blocking=True)
-            done = torch.cuda.Event(blocking=True)  # waiters sleep instead of spinning
+            # waiters sleep instead of spinning
+            done = torch.cuda.Event(blocking=True)
             done.record(stream)
         return PendingStats(done, stats_host)
 
@@ -233,7 +279,8 @@ class CudaDeviceOps:
             for g in grads:
                 host = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin_memory)
                 host.copy_(g, non_blocking=True)
-                g.record_stream(stream)  # the caller may free the gradient at once
+                # the caller may free the gradient at once
+                g.record_stream(stream)
                 staged.append(host)
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
@@ -267,7 +314,8 @@ class CudaDeviceOps:
 
     def host_wait(self, token: Any) -> None:
         if token is not None:
-            token.synchronize()  # the H2D stream's copy has read the pinned source
+            # the H2D stream's copy has read the pinned source
+            token.synchronize()
 
     def device_stats(self, grads: Sequence[torch.Tensor]) -> GradStats:
         stats = stats_tensor(grads, self.device).cpu()
@@ -284,7 +332,8 @@ def make_device_ops(device: str, *, pin_memory: bool) -> DeviceOps:
     if device == "cpu":
         return CpuDeviceOps()
     if not torch.cuda.is_available():
-        raise ValueError(f"OffloadConfig.device={device!r} but CUDA is not available; use 'cpu' or 'auto'")
+        raise ValueError(
+            f"OffloadConfig.device={device!r} but CUDA is not available; use 'cpu' or 'auto'")
     dev = torch.device(device)
     if dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

@@ -1,6 +1,6 @@
 """What weight-flow streams, and the task that fetches one block (paper §4.5).
 
-``find_blocks``/``block_params`` pick the streamed parameters; ``FetchTask`` is the frozen
+``find_blocks``/``streamed_params`` pick the streamed parameters; ``FetchTask`` is the frozen
 task the ``fetch`` lane runs (runtime/lanes.py): wait for the CPU step that last wrote the
 block's host copies, then one H2D copy of the block from the homes in host memory and, for
 homes in the storage tier's file, a read of the version in force into pinned staging buffers
@@ -40,11 +40,12 @@ def find_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
             "and this model has none; use weights='stationary'"
         )
     sizes = [len(m) for m in lists]
-    return list(lists[sizes.index(max(sizes))])  # the first of the longest, as from_module
+    # the first of the longest, as from_module
+    return list(lists[sizes.index(max(sizes))])
 
 
-def block_params(model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
-                 streamable: set[int]) -> list[list[torch.nn.Parameter]]:
+def streamed_params(model: torch.nn.Module, blocks: Sequence[torch.nn.Module],
+                    streamable: set[int]) -> list[list[torch.nn.Parameter]]:
     """Per block, the parameters that stream: owned only inside that one block and in
     ``streamable`` (trainable, planned). Shared or tied weights stay resident."""
     owner: dict[int, set[int]] = {}
@@ -105,7 +106,8 @@ class FetchTask:
                 # the buffer may reuse memory the compute stream still reads: order after it
                 stream.wait_event(self.ready)
             token = self.device_ops.h2d(self.src_host, self.dst_device)
-            if self.stored:  # the same H2D stream: the last copy's token covers the first
+            # the same H2D stream: the last copy's token covers the first
+            if self.stored:
                 assert self.tier is not None
                 token = copy_spans(self.tier, self.stored, self.device_ops, self.recorder,
                                    iteration=self.iteration)

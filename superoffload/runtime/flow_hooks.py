@@ -75,7 +75,10 @@ class _BackwardFetch(torch.autograd.Function):
 
 def wrap_output(output: Any, flow: Any, k: int) -> Any:
     if isinstance(output, torch.Tensor):
-        return _BackwardFetch.apply(output, flow, k) if output.requires_grad else None
+        # an output no gradient flows through has no backward to fetch the block for
+        if not output.requires_grad:
+            return None
+        return _BackwardFetch.apply(output, flow, k)
     if isinstance(output, tuple):
         for i, t in enumerate(output):
             if isinstance(t, torch.Tensor) and t.requires_grad:

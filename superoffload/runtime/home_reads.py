@@ -73,14 +73,16 @@ def copy_spans(tier: StateTier, todo: Sequence[HomeSpan], device_ops: DeviceOps,
     """Read every span of ``todo`` and copy its parameters to their device views; returns the
     last copy's token (``DeviceOps.wait`` orders the compute after it)."""
     free = list(range(len(tier.stage)))
-    copying: deque[tuple[int, Any]] = deque()  # (buffer, its copy's token)
+    # (buffer, its copy's token)
+    copying: deque[tuple[int, Any]] = deque()
     reading: deque[tuple[HomeSpan, int, Any, int, float, int]] = deque()
     waiting = deque(todo)
     token = None
 
     def issue() -> None:
         span = waiting.popleft()
-        if not free:  # the oldest copy must have read its buffer before the buffer is reused
+        # the oldest copy must have read its buffer before the buffer is reused
+        if not free:
             k, done = copying.popleft()
             device_ops.host_wait(done)
             free.append(k)
@@ -110,11 +112,13 @@ def copy_spans(tier: StateTier, todo: Sequence[HomeSpan], device_ops: DeviceOps,
             if waiting:
                 issue()
     except BaseException:
-        for _, _, request, _, _, _ in reading:  # the kernel writes into them until they end
+        # the kernel writes into them until they end
+        for _, _, request, _, _, _ in reading:
             with contextlib.suppress(Exception):
                 request.wait()
         raise
     finally:
-        for _, done in copying:  # the next fetch reuses every buffer
+        # the next fetch reuses every buffer
+        for _, done in copying:
             device_ops.host_wait(done)
     return token

@@ -1,8 +1,9 @@
 """The base of every hook the engine puts on a user's model (runtime/launch.py, publishes.py,
 flow_hooks.py, weight_writes.py), and ``in_backward``, which they ask.
 
-A hook runs eagerly under ``torch.compile`` (``eager``) and holds only weak references (a dropped engine is collected: runtime/lifetime.py) and is
-a module-level class, so the model stays picklable while an engine is attached:
+A hook runs eagerly under ``torch.compile`` (``eager``) and holds only weak references (a
+dropped engine is collected: runtime/lifetime.py) and is a module-level class, so the model
+stays picklable while an engine is attached:
 ``torch.save(model)`` / ``pickle.dumps(model)`` write an inert function in the hook's place
 (the engine, its threads and buffers do not travel with the model). A deep copy of
 the model shares the hook object, whose owner check then makes it do nothing on the copy.

@@ -37,7 +37,8 @@ def initialize(model: torch.nn.Module,
     elif not isinstance(config, OffloadConfig):
         raise TypeError(f"config: pass an OffloadConfig, a DeepSpeed-style dict or its JSON "
                         f"file's path, not {type(config).__name__}")
-    if data_parallel():  # under torchrun: the engine over FSDP2 (docs/distributed.md)
+    # under torchrun: the engine over FSDP2 (docs/distributed.md)
+    if data_parallel():
         from superoffload.distributed.fsdp import FsdpOffloadEngine
 
         return FsdpOffloadEngine(model, optimizer, config, telemetry, **kwargs)

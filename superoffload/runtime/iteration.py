@@ -13,11 +13,11 @@ from typing import Any
 
 from superoffload.runtime.auto_rollback import Rescue
 from superoffload.runtime.contract import Contract
+from superoffload.runtime.engine_state import EngineState
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import Lane
 from superoffload.runtime.publishes import Publishes
 from superoffload.runtime.skips import Cause
-from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, priority
 from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import GlobalStats, Transport

@@ -104,7 +104,8 @@ def _run_into(task: Task[Any], future: Future[Any], lane: str, on_error: ErrorSi
     if not future.set_running_or_notify_cancel():
         return
     if isinstance(future, TaskFuture):
-        future.started_s, future.after = time.monotonic(), ()  # deps are done: let them go
+        # deps are done: let them go
+        future.started_s, future.after = time.monotonic(), ()
     try:
         result = task.run()
     except BaseException as exc:  # propagate everything, incl. KeyboardInterrupt-like
@@ -134,7 +135,8 @@ def _when_done(deps: Sequence[Future[Any]], future: Future[Any],
             left[0] -= 1
             last = left[0] == 0
         if last:
-            _when_done(deps, future, go)  # all done now: re-check for a failure, then go
+            # all done now: re-check for a failure, then go
+            _when_done(deps, future, go)
 
     for d in pending:
         d.add_done_callback(one_done)
@@ -210,14 +212,16 @@ class ThreadLane:
                 return
             heapq.heappush(self._heap, (priority, next(self._seq), task, future))
             if isinstance(future, TaskFuture):
-                future.after = ()  # done: nothing to explain there any more
+                # done: nothing to explain there any more
+                future.after = ()
             self._cond.notify()
 
     def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._heap:
-                    self._cond.wait()  # blocks; no polling
+                    # blocks; no polling
+                    self._cond.wait()
                 _, _, task, future = heapq.heappop(self._heap)
             if task is _STOP:
                 return
@@ -272,14 +276,17 @@ class ThreadLane:
         return self._thread.is_alive()
 
 
-def describe(lane: Lane) -> str:
+def describe_lane(lane: Lane) -> str:
     """What a lane is busy with, e.g. "lane cpu_worker (stuck in StepTask of bucket 3 for
     2.0 s)" (watchdog messages); "lane d2h (idle)" when it runs nothing."""
     task = getattr(lane, "current", None)
     if task is None:
         return f"lane {lane.name} (idle)"
     since = getattr(lane, "current_since_s", None)
-    running = "" if since is None else f" for {time.monotonic() - since:.1f} s"
+    running = ""
+    # a lane that does not time its tasks (the inline one) reports no duration
+    if since is not None:
+        running = f" for {time.monotonic() - since:.1f} s"
     return f"lane {lane.name} (stuck in {task_label(task)}{running})"
 
 
@@ -299,7 +306,8 @@ def explain(future: Future[Any]) -> Lateness:
     is: running on a lane (for how long), or queued behind another task there."""
     labels: list[str] = []
     f: Future[Any] = future
-    for _ in range(32):  # dependency chains are a few tasks long; never loop forever
+    # dependency chains are a few tasks long; never loop forever
+    for _ in range(32):
         if not isinstance(f, TaskFuture) or f.done():
             break
         labels.append(f.label)
@@ -322,4 +330,7 @@ def explain(future: Future[Any]) -> Lateness:
 
 
 def make_lane(name: str, *, inline: bool, on_error: ErrorSink | None = None) -> Lane:
-    return InlineLane(name, on_error) if inline else ThreadLane(name, on_error)
+    # inline: tests run every task in the caller's thread, in submission order
+    if inline:
+        return InlineLane(name, on_error)
+    return ThreadLane(name, on_error)

@@ -64,7 +64,8 @@ class Launcher:
         """``engine.register_grad_transform``: applied to each gradient as its bucket launches."""
         self.in_engine_backward = False
         """``engine.backward`` is running: other backward passes are the user's own."""
-        self._lock = threading.Lock()  # hooks may fire on autograd's device threads
+        # hooks may fire on autograd's device threads
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ the iteration
     def begin(self, frozen: FrozenIteration) -> None:
@@ -93,7 +94,8 @@ class Launcher:
         it = self.current
         it.frozen, it.armed = frozen, True
         self.launch_remaining()
-        it.micro_step = frozen.config.grad_accum_steps  # armed, as after backward
+        # armed, as after backward
+        it.micro_step = frozen.config.grad_accum_steps
 
     def disarm(self) -> list[Flight]:
         """No bucket launches any more (an iteration taken apart): its launched buckets."""
@@ -114,7 +116,8 @@ class Launcher:
         self.iteration += 1
         self.current = Iteration(self.current.frozen)
         self.parts.contract.forget_grads()
-        self.departures.in_flight.clear()  # validation waited for every copy
+        # validation waited for every copy
+        self.departures.in_flight.clear()
         self.parts.in_flight.forget_done()
 
     # ------------------------------------------------------------------ the gradient hook
@@ -122,12 +125,14 @@ class Launcher:
         """Post-accumulate-grad hook of parameter ``index`` (tied: fires once, after all uses)."""
         it = self.current
         if not it.armed:
-            if not self.in_engine_backward:  # the user's loss.backward(): count the pass
+            # the user's loss.backward(): count the pass
+            if not self.in_engine_backward:
                 with self._lock:
                     it.plain[index] = it.plain.get(index, 0) + 1
             elif it.frozen.accum_on_host:  # an earlier micro-step: the bucket leaves to be summed
                 self._collect(index, it.moved, self._accumulate)
-            return  # device accumulation: gradients keep summing in .grad
+            # device accumulation: gradients keep summing in .grad
+            return
         self._collect(index, it.fired, self._ready)
 
     def _collect(self, index: int, fired_of: dict[int, set[int]],
@@ -143,7 +148,8 @@ class Launcher:
         """Host accumulation, an earlier micro-step: bucket ``b``'s gradients of this
         micro-step leave to join the host sums (runtime/departures.py)."""
         moving, frozen = self.departures.moving(b), self.current.frozen
-        if moving and self.departures.sums_on_host(b, frozen):  # kept: they sum in .grad
+        # kept: they sum in .grad
+        if moving and self.departures.sums_on_host(b, frozen):
             fut = self.departures.depart(b, moving, frozen, final=False)
             if fut is not None:
                 self.parts.in_flight.add(fut)
@@ -180,7 +186,8 @@ class Launcher:
         frozen, st, transport = it.frozen, parts.state, parts.transport
         buf = st.buffers[b]
         moving = dep.moving(b)
-        present = frozenset(moving) | dep.summed(b)  # host accumulation: earlier micro-steps
+        # host accumulation: earlier micro-steps
+        present = frozenset(moving) | dep.summed(b)
         if self.transforms:
             self.transform(moving)
         # an edit from now on would reach only some buckets
@@ -188,7 +195,9 @@ class Launcher:
         tier = transport.tier
         # a storage-tier bucket takes a pool slot first: its gradients land there, its read
         # ahead (or a read now) fills it with its state (runtime/tier.py)
-        loaded = tier.bind(b) if tier is not None and tier.holds(b) and present else None
+        loaded = None
+        if tier is not None and tier.holds(b) and present:
+            loaded = tier.bind(b)
         stats = dep.depart(b, moving, frozen, final=True)
         calls = make_calls(buf, present, st.group_of, st.steps, frozen.hypers)
         fl = Flight(b, buf.on_device, present, calls, stats)
@@ -210,11 +219,13 @@ class Launcher:
         if buf.on_device or not frozen.speculate or not (fl.present or transport.ordered_launch):
             return None
         cfg = frozen.config
-        groups = {st.group_of[i] for i in parts.bucket_params(b)}  # the same on every rank
+        # the same on every rank
+        groups = {st.group_of[i] for i in parts.bucket_params(b)}
         moments = buf.exp_avg[0].dtype if buf.exp_avg else torch.float32
         if loaded is None and not may_speculate([frozen.hypers[g] for g in sorted(groups)],
                                                 moments, cfg.rollback, cfg.max_grad_norm):
-            return None  # stepped once, after the verdict (runtime/stv.py)
+            # stepped once, after the verdict (runtime/stv.py)
+            return None
         if cfg.rollback == "snapshot" and loaded is None:
             buf.ensure_snapshot(self.device_ops.alloc_host)
         fl.spec_scale = 1.0 / (frozen.loss_scale * transport.grad_divisor)
@@ -230,7 +241,8 @@ class Launcher:
         return parts.publishes.publish(b, fl.calls, fl.spec, frozen).device
 
     def register_transform(self, fn: Any) -> RemovableHandle:
-        """``engine.register_grad_transform``: ``fn`` joins the transforms (handle: ``.remove()``)."""
+        """``engine.register_grad_transform``: ``fn`` joins the transforms (handle:
+        ``.remove()``)."""
         if not callable(fn):
             raise TypeError(f"register_grad_transform: {fn!r} is not callable")
         handle = RemovableHandle(self.transforms)

@@ -43,8 +43,13 @@ class LossScaler:
         `loss_scale="dynamic"`; a static fp16 scale from `static_loss_scale`; 1.0 otherwise."""
         fp16 = model_dtype == torch.float16
         dynamic = fp16 and config.loss_scale == "dynamic"
-        init = (2.0**config.initial_scale_power if dynamic
-                else config.static_loss_scale if fp16 else 1.0)
+        # bf16 and fp32 share fp32's exponent range: no scale needed
+        init = 1.0
+        if dynamic:
+            # DeepSpeed's initial_scale_power: start high, halve on overflow
+            init = 2.0**config.initial_scale_power
+        elif fp16:
+            init = config.static_loss_scale
         return cls(dynamic=dynamic, init_scale=init, scale_window=config.loss_scale_window,
                    hysteresis=config.hysteresis, min_scale=config.min_loss_scale)
 

@@ -1,22 +1,18 @@
-"""The engine's optimizer as a ``torch.optim.Optimizer`` (docs/conventions.md,
-"PyTorch's optimizer contract").
-
-NOTE: ``EngineOptimizer`` holds the param groups (lr, betas, eps, weight_decay, ...) and
-nothing else; the state lives in the engine's bucket buffers. Its ``step()`` and
-``zero_grad()`` call the engine's (``engine.step()`` is where the step is), so LR schedulers
-(which wrap ``optimizer.step``) work unchanged: a change of ``group["lr"]`` is read when the
-next step is launched, for host and device buckets alike.
+"""The param groups of the engine's optimizer (runtime/optimizer.py ``OffloadOptimizer``), as
+torch's optimizers take them (docs/conventions.md, "PyTorch's optimizer contract"): the
+hyper-parameters given to ``initialize`` normalised into groups, a group added later checked
+like one given at the start, and a ``torch.optim`` optimizer's state migrated in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from superoffload.kernels.hyper import DEFAULTS, AdamHyper, normalise_group, torch_flag_keys
-from superoffload.runtime.state import EngineState
+from superoffload.runtime.engine_state import EngineState
 
 
 def _check_group(group: Mapping[str, Any], where: str) -> None:
@@ -27,7 +23,8 @@ def _check_group(group: Mapping[str, Any], where: str) -> None:
         raise ValueError(
             f"optimizer{where}: unknown key(s) {unknown}; use {sorted(known - {'params'})}"
         )
-    AdamHyper.from_group(group, where=f"optimizer{where}")  # one set of rules (kernels/hyper.py)
+    # one set of rules (kernels/hyper.py)
+    AdamHyper.from_group(group, where=f"optimizer{where}")
 
 
 def param_groups_from(
@@ -112,58 +109,6 @@ def _as_list(params: Any) -> list[torch.nn.Parameter]:
     return list(params)
 
 
-class EngineOptimizer(torch.optim.Optimizer):
-    """Param groups only; ``step``/``zero_grad``/``state_dict`` call the engine's."""
-
-    def __init__(
-        self,
-        groups: Iterable[dict[str, Any]],
-        *,
-        step_fn: Callable[[], None],
-        zero_grad_fn: Callable[[bool], None],
-        state_fn: Callable[[], dict[str, Any]],
-        load_fn: Callable[[dict[str, Any]], None],
-        add_group_fn: Callable[[dict[str, Any]], None] | None = None,
-        defaults: Mapping[str, Any] | None = None,
-    ) -> None:
-        self._add_group_fn: Callable[[dict[str, Any]], None] | None = None  # torch's __init__
-        super().__init__(list(groups), dict(defaults or DEFAULTS))
-        self._add_group_fn = add_group_fn
-        self._step_fn = step_fn
-        self._zero_grad_fn = zero_grad_fn
-        self._state_fn = state_fn
-        self._load_fn = load_fn
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._step_fn()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zero_grad_fn(set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``: the engine gives the new parameters
-        buckets (a re-plan) and trains them from the next step (fresh moments)."""
-        if self._add_group_fn is None:  # the groups given at construction
-            super().add_param_group(param_group)
-        else:
-            self._add_group_fn(param_group)
-
-    def append_group(self, param_group: dict[str, Any]) -> None:
-        """The engine's part of ``add_param_group``: the group joins ``param_groups``."""
-        super().add_param_group(param_group)
-
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._state_fn()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        self._load_fn(state_dict)
-
-
 # ---------------------------------------------------------------------------- migrating a run
 def is_torch_state_dict(state_dict: Any) -> bool:
     """A ``torch.optim`` optimizer's ``state_dict()`` (``state`` keyed by parameter number,
@@ -203,7 +148,8 @@ def load_torch_state(engine: Any, state_dict: Mapping[str, Any]) -> None:
         for p, pid in zip(g["params"], s["params"]):
             entry = state_dict["state"].get(pid)
             if entry is None:
-                continue  # no step taken yet in torch: fresh moments, as torch would
+                # no step taken yet in torch: fresh moments, as torch would
+                continue
             i = st.index[id(p)]
             for key in ("exp_avg", "exp_avg_sq"):
                 if key not in entry or tuple(entry[key].shape) != tuple(p.shape):
@@ -216,9 +162,14 @@ def load_torch_state(engine: Any, state_dict: Mapping[str, Any]) -> None:
         engine.writes.adopt_written(where=" before load_state_dict")
         states = engine.export_states()
         for i, s in states.items():
-            m, v, step = moments.get(i, (torch.zeros_like(s.master), torch.zeros_like(s.master), 0))
-            states[i] = type(s)(s.master, m.detach().to("cpu", torch.float32).reshape(s.master.shape),
-                                v.detach().to("cpu", torch.float32).reshape(s.master.shape), step)
+            # a parameter torch never stepped starts from zero moments and step 0, as in torch
+            zeros = (torch.zeros_like(s.master), torch.zeros_like(s.master), 0)
+            m, v, step = moments.get(i, zeros)
+            # the engine keeps fp32 moments on the host, shaped as the master
+            shape = s.master.shape
+            m32 = m.detach().to("cpu", torch.float32).reshape(shape)
+            v32 = v.detach().to("cpu", torch.float32).reshape(shape)
+            states[i] = type(s)(s.master, m32, v32, step)
         engine.restore(states)
     for g, hyper in zip(groups, merged):
         g.update(hyper)

@@ -10,7 +10,7 @@ fetches wait for ``home_ready`` (runtime/weightflow.py).
 
 The root module's hooks (``forward_hooks``) open each forward: a failed lane surfaces before
 any work, a racing write is refused before any module runs, the forward span goes on the
-device's clock, and the weight policy controller (runtime/weights.py) is called only while it
+device's clock, and the weight policy controller (runtime/weight_policy.py) is called only while it
 has work (a batch shape to read, a switch to apply, weight-flow). The hooks hold everything
 weakly: a dropped engine is collected (runtime/lifetime.py removes them), and a deep copy of
 the model (whose hook tables are copied) does nothing on the copy.
@@ -27,9 +27,9 @@ import torch
 
 from superoffload.runtime.contract import Contract
 from superoffload.runtime.devices import DeviceOps
+from superoffload.runtime.engine_state import EngineState
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.hook_base import PicklableHook, eager
-from superoffload.runtime.state import EngineState
 from superoffload.runtime.steps import KernelCall, members_of, priority
 from superoffload.runtime.transfers import InFlight
 from superoffload.runtime.transport import Published, Transport
@@ -82,7 +82,8 @@ class Publishes:
             if self.contract.written([i for i in indices if bucket_of.get(i) == b],
                                      frozen.streamed):  # a write inside the forward itself
                 self.pending[b] = fut
-                self.discard_racing_writes()  # every bucket still in flight, then raise
+                # every bucket still in flight, then raise
+                self.discard_racing_writes()
             t0 = self.recorder.now()
             self.device_ops.wait(self.in_flight.wait(fut, f"{self.transport.name} publish of "
                                                        f"bucket {b}", frozen.config.watchdog_s))
@@ -96,8 +97,10 @@ class Publishes:
         ``step()`` is discarded (the published weights restored, so no mix of written and
         published buckets) and ``WeightsWrittenInFlight`` raised (runtime/weight_writes.py)."""
         bucket_of, pending, frozen = self.state.bucket_of, dict(self.pending), self.frozen
-        written = self.contract.written(self.state.trainable, frozen.streamed) \
-            if pending and frozen is not None else []
+        # nothing in flight: no write can have raced a publish
+        written = []
+        if pending and frozen is not None:
+            written = self.contract.written(self.state.trainable, frozen.streamed)
         racing = [i for i in written if bucket_of.get(i) in pending]
         for b, fut in pending.items():
             assert frozen is not None, "a pending publish records its iteration"
@@ -130,7 +133,7 @@ class Clock(Protocol):
 
 
 class ForwardWork(Protocol):
-    """What the root pre-hook reads of the weight policy controller (runtime/weights.py):
+    """What the root pre-hook reads of the weight policy controller (runtime/weight_policy.py):
     plain attributes, so a forward with nothing to do there calls nothing."""
 
     batch: tuple[int, int] | None
@@ -190,7 +193,8 @@ class Timeline(PicklableHook):
         publishes = self.pub()
         if publishes is None or module is not self.owner():
             return
-        if publishes.in_flight.failures.failed:  # the engine lets go of the model and raises
+        # the engine lets go of the model and raises
+        if publishes.in_flight.failures.failed:
             raise_if_failed = self.check()
             if raise_if_failed is not None:
                 raise_if_failed()

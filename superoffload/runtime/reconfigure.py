@@ -5,7 +5,7 @@ Which fields may change, and how, is declared once on ``OffloadConfig``'s fields
 thread (a widget's), stored, and applied by the training thread where the next iteration
 starts: "live" fields at once, "replan" fields after draining the lanes and rebuilding the
 buckets from the current state, "forward" fields (the weight policy) where the next
-forward starts (runtime/weights.py). Every applied change leaves a telemetry note.
+forward starts (runtime/weight_policy.py). Every applied change leaves a telemetry note.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from superoffload.config import FORWARD_FIELDS, REPLAN_FIELDS, ConfigError, OffloadConfig
 from superoffload.runtime.iteration import EngineStats
 from superoffload.runtime.stv import AdaptiveSTV
-from superoffload.runtime.weights import WeightPolicyController
+from superoffload.runtime.weight_policy import WeightPolicyController
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -59,17 +59,20 @@ class Reconfigurer:
         allowed = self.host.reconfigurable
         for key in changes:
             if key not in allowed:
-                where = (f"changeable: {', '.join(sorted(allowed))}" if allowed else
-                         "this engine changes nothing while training (data parallel: every "
+                where = ("this engine changes nothing while training (data parallel: every "
                          "rank would have to apply it at the same iteration); rebuild it")
+                if allowed:
+                    where = f"changeable: {', '.join(sorted(allowed))}"
                 raise ConfigError(f"reconfigure({key}=...): not changeable while training; {where}")
         with self._lock:
             merged = {**self.pending, **changes}
-            self.host.config.replace(**merged)  # validate in the caller's thread
+            # validate in the caller's thread
+            self.host.config.replace(**merged)
             weights = {k: merged.pop(k) for k in FORWARD_FIELDS & merged.keys()}
             self.pending = merged
         if weights:
-            self.host.weights.request(weights)  # applied where the next forward starts
+            # applied where the next forward starts
+            self.host.weights.request(weights)
 
     def apply_pending(self) -> None:
         """At an iteration boundary, in the training thread."""

@@ -39,7 +39,7 @@ from superoffload import kernels
 from superoffload.kernels import AdamHyper
 
 if TYPE_CHECKING:
-    from superoffload.runtime.state import BucketBuffers
+    from superoffload.runtime.engine_state import BucketBuffers
 
 
 class Call(Protocol):
@@ -59,7 +59,8 @@ ROUNDING_MARGIN = 2.0**-20
 """Relative room left for the roundings of v' = b2 v + ((1-b2) g) g (five of 2^-24 each)."""
 L2_WEIGHT_BOUND = 2.0**60
 """The premise on |p| in L2 mode, where wd * p is part of g."""
-CLIP_EPS = 1e-6  # clip_grad_norm_'s max_norm / (norm + 1e-6), runtime/stv.py
+# clip_grad_norm_'s max_norm / (norm + 1e-6), runtime/stv.py
+CLIP_EPS = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,8 @@ class StateOverflow:
 def may_overflow(sum_sq: float, scale: float, hypers: Iterable[AdamHyper]) -> bool:
     """Whether a step with gradients of squared norm ``sum_sq`` times ``scale`` could write a
     non-finite state under any of ``hypers`` (False: it cannot, given the premises above)."""
-    g_max = math.sqrt(sum_sq) * abs(scale) * (1.0 + ROUNDING_MARGIN)  # g = fl(grad * scale)
+    # g = fl(grad * scale)
+    g_max = math.sqrt(sum_sq) * abs(scale) * (1.0 + ROUNDING_MARGIN)
     for h in hypers:
         if h.eps == 0.0:
             return True
@@ -105,7 +107,9 @@ def trial(buf: BucketBuffers, calls: Sequence[Call], grads: Sequence[torch.Tenso
             p = [buf.master[i].detach().clone() for i in idx]
             m = [buf.exp_avg[i].clone() for i in idx]
             v = [buf.exp_avg_sq[i].clone() for i in idx]
-            g = [grads[i].float() if grads[i].dtype == torch.float16 else grads[i] for i in idx]
+            # the kernels read fp32 or bf16 gradients: fp16 ones are widened, as device_step does
+            g = [grads[i].float() if grads[i].dtype == torch.float16 else grads[i]
+                 for i in idx]
             h = call.hyper
             if on_cpu:
                 kernels.prepare_adam(p, None, m, v).step(

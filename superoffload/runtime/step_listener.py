@@ -26,7 +26,8 @@ class _Hook:
         self.callbacks: tuple[Callback, ...] = ()
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        for fn in self.callbacks:  # a tuple: replaced, never mutated
+        # a tuple: replaced, never mutated
+        for fn in self.callbacks:
             fn()
 
 

@@ -26,9 +26,9 @@ import torch
 from superoffload import kernels
 from superoffload.kernels import AdamHyper
 from superoffload.runtime.auto_rollback import AutoRollback, Rescue
+from superoffload.runtime.engine_state import BucketBuffers
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import Priority
-from superoffload.runtime.state import BucketBuffers
 from superoffload.runtime.state_overflow import StateOverflow, may_overflow, trial
 from superoffload.runtime.transfers import wait_for
 from superoffload.telemetry.events import (
@@ -75,19 +75,29 @@ def run_calls(
     docs/kernel.md, "Prepared calls") and then only its numbers are checked per step. A host
     bucket's gradient buffers are part of the prepared call; the tail on the CPU device ops
     passes its ``.grad`` tensors per call (they are new every iteration)."""
-    on_cpu = buffers.master[0].device.type == "cpu" if buffers.master else True
+    # an empty bucket has no tensor to ask: it takes the CPU path, which runs no call
+    on_cpu = True
+    if buffers.master:
+        on_cpu = buffers.master[0].device.type == "cpu"
     if rollback and not on_cpu:
         raise RuntimeError("device buckets are never speculated, so never rolled back")
-    fixed = grads is buffers.grad_host  # host buckets: the buffers never move
+    # host buckets: the gradient buffers never move, so the prepared call holds them; the
+    # tail passes its .grad tensors per call (new every iteration)
+    fixed = grads is buffers.grad_host
     for k, call in enumerate(calls):
         idx = call.members
         lp: list[torch.Tensor] | None = None
         if buffers.lp_host is not None:
             lp = [buffers.lp_host[i] for i in idx]
-        elif buffers.on_device and buffers.master[idx[0]].data_ptr() != buffers.params[idx[0]].data_ptr():
-            lp = [buffers.params[i].data for i in idx]  # tail bucket of a bf16 model
+        elif buffers.on_device:
+            # a tail bucket of a bf16 model: its fp32 master is not the parameter itself, so
+            # the step writes the parameter as the low-precision copy
+            first = idx[0]
+            if buffers.master[first].data_ptr() != buffers.params[first].data_ptr():
+                lp = [buffers.params[i].data for i in idx]
         h = call.hyper
-        if not on_cpu:  # a GPU tail bucket: torch's fused Adam (kernels/device_adam.py)
+        # a GPU tail bucket: torch's fused Adam (kernels/device_adam.py)
+        if not on_cpu:
             kernels.device_adam_multi(
                 [buffers.master[i] for i in idx], [grads[i] for i in idx],
                 [buffers.exp_avg[i] for i in idx], [buffers.exp_avg_sq[i] for i in idx],
@@ -98,13 +108,15 @@ def run_calls(
             continue
         key = (idx, fixed)
         prep = buffers.prepared.get(key)
-        if prep is None or prep.stale() is not None:  # first use, or a tensor was re-pointed
+        # first use, or a tensor was re-pointed (a tier slot, a re-plan): prepare again
+        if prep is None or prep.stale() is not None:
             prep = buffers.prepared[key] = kernels.prepare_adam(
                 [buffers.master[i] for i in idx],
                 [grads[i] for i in idx] if fixed else None,
                 [buffers.exp_avg[i] for i in idx], [buffers.exp_avg_sq[i] for i in idx],
                 params_lp=lp)
         run = prep.rollback if rollback else prep.step
+        # a seed per (bucket, step, call): the inverse replays the step's stochastic rounding
         run(h, step=call.step, grad_scale=grad_scale, threads=threads,
             sr_seed=sr_seed(seed, buffers.bucket.id, call.step, k),
             grads=None if fixed else [grads[i] for i in idx])
@@ -118,7 +130,9 @@ def make_calls(buffers: BucketBuffers, present: frozenset[int] | set[int],
     keyed: dict[tuple[int, int], list[int]] = defaultdict(list)
     for pos, index in enumerate(buffers.bucket.param_indices):
         if index in present:
+            # the step count the kernel's bias correction uses is the one after this step
             keyed[(group_of[index], steps[index] + 1)].append(pos)
+    # sorted: the calls' order fixes their seeds (sr_seed's k), the same from run to run
     return tuple(KernelCall(tuple(pos), step, hypers[g])
                  for (g, step), pos in sorted(keyed.items()))
 
@@ -131,7 +145,11 @@ def priority(b: int, frozen: FrozenIteration) -> Priority:
     """Worker / H2D priority of bucket ``b``: earliest deadline first -- the next forward
     needs the highest offloaded bucket id (the first layers) first, while backward produced
     it last (DESIGN.md §6); ``step_order="fifo"`` keeps gradient-ready order."""
-    order = -b if frozen.config.step_order == "deadline" else b
+    order = b
+    if frozen.config.step_order == "deadline":
+        # the highest bucket id is needed first by the next forward
+        order = -b
+    # an earlier iteration's work always goes first, whatever its deadline
     return (float(frozen.number), float(order))
 
 
@@ -174,21 +192,28 @@ class StepTask:
         rescue: Rescue | None = None
         if self.after is not None:
             stats = wait_for(self.after, self.watchdog_s, f"D2H of bucket {self.bucket}")
-            stats = stats.resolve()  # resolve: the copy landed
+            # resolve: the copy landed (CUDA: its event too), the statistics are final
+            stats = stats.resolve()
+            # the inverse cannot undo inf/nan: a bucket that would only be undone is skipped
             if stats.nonfinite and self.skip_nonfinite:
                 return False
+            # the cheap bound first; a trial on copies only where the state could overflow
             if may_overflow(stats.sum_sq, self.grad_scale, [c.hyper for c in self.calls]):
+                # never in a sane run; tried before anything is written, so nothing to undo
                 bad = trial(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
-                            threads=self.threads,  # never in a sane run
+                            threads=self.threads,
                             seeds=[sr_seed(self.seed, buf.bucket.id, c.step, k)
                                    for k, c in enumerate(self.calls)])
                 if bad:
                     return StateOverflow(bad)
             if self.auto_rollback is not None:
                 kept = self.auto_rollback.protect(buf, self.calls, self.grad_scale, stats.sum_sq)
+                # clipping is certain: settle steps it after the verdict
                 if kept is False:
-                    return False  # clipping is certain: settle steps it after the verdict
-                rescue = kept if isinstance(kept, Rescue) else None
+                    return False
+                # the rollback restores the kept elements (handed over through the result)
+                if isinstance(kept, Rescue):
+                    rescue = kept
         with torch.no_grad():
             if self.snapshot:
                 snap = buf.snapshot
@@ -198,10 +223,13 @@ class StepTask:
                     snap[i].copy_(buf.master[i])
                     snap[n + i].copy_(buf.exp_avg[i])
                     snap[2 * n + i].copy_(buf.exp_avg_sq[i])
+            # a replay whose speculative step never ran (declined) is the first step: it
+            # shows as a plain CPU step on the timeline
             replay = self.replay and (self.undone is None or bool(self.undone.result()))
             kind = KIND_REPLAY if replay else KIND_CPU_STEP
             with self.recorder.span(
                 LANE_CPU, kind, iteration=self.iteration, bucket=self.bucket,
+                # 28 B/param moved: p, m, v read and written (24) plus the fp32 gradient read
                 nbytes=28 * sum(buf.master[i].numel() for i in members_of(self.calls)),
             ):
                 run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
@@ -228,7 +256,9 @@ class RollbackTask:
     """``OffloadConfig.seed``: the stochastic rounding of bf16 moments (``sr_seed``)."""
 
     def run(self) -> bool:
-        stepped = wait_for(self.step_future, self.watchdog_s, f"CPU step of bucket {self.bucket}")
+        what = f"CPU step of bucket {self.bucket}"
+        stepped = wait_for(self.step_future, self.watchdog_s, what)
+        # skipped (non-finite), declined ("auto") or not taken (state overflow): nothing to undo
         if not stepped:
             return False
         buf = self.buffers
@@ -243,12 +273,14 @@ class RollbackTask:
                     buf.master[i].copy_(snap[i])
                     buf.exp_avg[i].copy_(snap[n + i])
                     buf.exp_avg_sq[i].copy_(snap[2 * n + i])
+                    # the host bf16 copy was written by the step too: restore it from master
                     if buf.lp_host is not None:
                         buf.lp_host[i].copy_(buf.master[i])
             else:
                 run_calls(buf, self.calls, buf.grad_host, grad_scale=self.grad_scale,
                           threads=self.threads, rollback=True, seed=self.seed)
-                if isinstance(stepped, Rescue):  # "auto": the elements beyond the bound
+                # "auto": the elements beyond the inverse's bound come back from their copy
+                if isinstance(stepped, Rescue):
                     stepped.restore()
         return True
 
@@ -263,15 +295,17 @@ def step_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...]
     a storage-tier bucket, undone by its versions (runtime/tier_steps.py), so neither
     "snapshot" nor "auto" keeps anything."""
     cfg = frozen.config
+    # only a speculative step may be undone; a tier bucket is undone by its versions
     guard = speculative and not versioned
+    auto_rollback = None
+    if guard and cfg.rollback == "auto":
+        auto_rollback = AutoRollback(cfg.max_grad_norm, frozen.threads)
     return StepTask(
         bucket=bucket, iteration=frozen.number, buffers=buffers, calls=calls, grad_scale=scale,
         threads=frozen.threads, after=after, skip_nonfinite=speculative,
         snapshot=guard and cfg.rollback == "snapshot", replay=replay, recorder=recorder,
         watchdog_s=cfg.watchdog_s, seed=cfg.seed,
-        auto_rollback=AutoRollback(cfg.max_grad_norm, frozen.threads)
-        if guard and cfg.rollback == "auto" else None,
-        undone=undone)
+        auto_rollback=auto_rollback, undone=undone)
 
 
 def rollback_task(bucket: int, buffers: BucketBuffers, calls: tuple[KernelCall, ...],
@@ -297,7 +331,7 @@ def device_step(
 ) -> None:
     """Step a GPU tail bucket on the device with the final clip/unscale factor (§4.2);
     ``grads`` per position of ``buffers`` (the transport's: local, or all-reduced)."""
-    # The kernels read fp32 or bf16 gradients; widen fp16 ones on the device.
+    # the kernels read fp32 or bf16 gradients; widen fp16 ones on the device
     grads = [g.float() if g.dtype == torch.float16 else g for g in grads]
     with torch.no_grad(), recorder.device_span(
         LANE_DEVICE_OPT, KIND_DEVICE_STEP, iteration=iteration, bucket=buffers.bucket.id,

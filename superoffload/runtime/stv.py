@@ -1,7 +1,8 @@
 """Speculation-then-validation: validate, decide, settle, close (paper §4.3; DESIGN.md §3).
 
 The CPU steps each offloaded bucket before the global gradient norm and the inf/nan verdict
-are known (runtime/launch.py). ``OffloadEngine.step`` then runs, in this order:
+are known (runtime/launch.py). ``OffloadOptimizer.step`` (runtime/optimizer.py) then runs, in
+this order:
 
 1. ``validate``: the tail buckets' and every host bucket's local statistics are summed and the
    transport reduces them over the ranks (FSDP2: one all-reduce; shards are disjoint, so the
@@ -79,17 +80,18 @@ class Verdict:
 def verdict(
     sum_sq_scaled: float, nonfinite: int, *, loss_scale: float, max_grad_norm: float | None
 ) -> Verdict:
-    """Decide the iteration from the summed local statistics.
-
-    Clip coefficient as ``torch.nn.utils.clip_grad_norm_``: max_norm / (norm + 1e-6), applied
-    only when it is < 1 (PyTorch docs, clip_grad_norm_).
-    """
+    """Decide the iteration from the summed local statistics."""
+    # finite gradients whose squares sum past the float range overflow too: either one skips
     if nonfinite or not math.isfinite(sum_sq_scaled):
         return Verdict(Action.SKIP, math.inf, 0.0)
+    # the stored gradient carries the loss scale (fp16); the norm is the unscaled one
     norm = math.sqrt(sum_sq_scaled) / loss_scale
     unscale = 1.0 / loss_scale
     if max_grad_norm:
+        # torch.nn.utils.clip_grad_norm_'s coefficient, its 1e-6 included (PyTorch docs), so
+        # a clipped run matches a plain torch loop to the last bit
         coef = max_grad_norm / (norm + 1e-6)
+        # as torch: applied only when it shrinks the gradient
         if coef < 1.0:
             return Verdict(Action.CLIP, norm, coef * unscale)
     return Verdict(Action.COMMIT, norm, unscale)
@@ -107,6 +109,7 @@ def validate(it: Iteration, parts: Parts) -> GlobalStats:
     rec, frozen, transport = parts.recorder, it.frozen, parts.transport
     t0 = rec.now()
     flights = flights_of(it)
+    # the GPU tail buckets' statistics come summed in one device reduction (no host sync each)
     local = transport.tail_stats([fl.bucket for fl in flights if fl.on_device])
     sum_sq, nonfinite = local.sum_sq, local.nonfinite
     clip = clip_threshold(it)
@@ -118,16 +121,19 @@ def validate(it: Iteration, parts: Parts) -> GlobalStats:
         if stats.nonfinite:
             parts.stats.nonfinite_buckets += 1
             it.skip_causes.append(cause(parts, skips.GRADIENT, fl.bucket))
-        else:  # a step that would write a non-finite state is a non-finite step too
+        else:
+            # a step that would write a non-finite state is a non-finite step too
             nonfinite += host_overflow(it, parts, fl, stats.sum_sq, clip)
         sum_sq += stats.sum_sq
         nonfinite += stats.nonfinite
     if not local.nonfinite:
         nonfinite += tail_overflow(it, parts, [fl for fl in flights if fl.on_device],
                                    local.sum_sq, clip)
-    else:  # which tail buckets (one reduction each, only on a non-finite step)
+    else:
+        # which tail buckets: one reduction each, paid only on a non-finite step
         it.skip_causes += [cause(parts, skips.GRADIENT, fl.bucket) for fl in flights
                            if fl.on_device and transport.tail_stats([fl.bucket]).nonfinite]
+    # the union over ranks of who got a gradient travels with the sums (settle's replays)
     present = frozenset().union(*(fl.present for fl in flights))
     glob = transport.reduce_stats(GradStats(sum_sq, nonfinite), present, checks(it, parts))
     rec.add(LANE_COMPUTE, KIND_VALIDATE, t0, rec.now(), iteration=frozen.number)
@@ -152,10 +158,12 @@ def checks(it: Iteration, parts: Parts) -> Checks:
 def enforce(it: Iteration, parts: Parts, glob: GlobalStats) -> None:
     if glob.edited:
         names = parts.contract.edited()
-        if not names:  # edited on another rank only
+        if not names:
+            # edited on another rank only: every rank raises, this one names the count
             names = [f"<on {glob.edited} other rank(s)>"]
         raise parts.contract.edit_error(names)
-    if not glob.agree:  # name the field: every rank saw the mismatch, so all join this
+    # name the field: every rank saw the mismatch, so all join this second collective
+    if not glob.agree:
         frozen = it.frozen
         parts.transport.agree({"param_groups": [hyper_tuple(h) for h in frozen.hypers],
                                "max_grad_norm": frozen.config.max_grad_norm})
@@ -168,11 +176,14 @@ def host_overflow(it: Iteration, parts: Parts, fl: Flight, sum_sq: float,
     would write, 0 in any sane run (``may_overflow`` says no). The speculative step tried
     before writing; a bucket not speculated is tried on copies (runtime/state_overflow.py)."""
     hypers, frozen = [c.hyper for c in fl.calls], it.frozen
+    # the stored gradient is loss-scaled and summed over the ranks: the kernel's own factor
     scale = 1.0 / (frozen.loss_scale * parts.transport.grad_divisor)
+    # the cheap bound first (state_overflow.py): a trial step only where it could overflow
     if not hypers or not may_overflow(sum_sq, scale, hypers) \
             or clipped_safely(sum_sq, scale, hypers, clip):
         return 0
-    if fl.spec is not None:  # it tried before writing anything (StepTask.run)
+    if fl.spec is not None:
+        # the speculative step tried before writing anything (StepTask.run): its answer stands
         result: Any = parts.in_flight.wait(fl.spec, f"speculative step of bucket {fl.bucket}",
                                            frozen.config.watchdog_s)
         bad = result.elements if isinstance(result, StateOverflow) else 0
@@ -180,9 +191,11 @@ def host_overflow(it: Iteration, parts: Parts, fl: Flight, sum_sq: float,
         tier, seed = parts.transport.tier, frozen.config.seed
         with contextlib.ExitStack() as held:
             buf = parts.state.buffers[fl.bucket]
-            if tier is not None and tier.holds(fl.bucket):  # read back for the trial
+            # a bucket the tier evicted is read back for the trial (gradient included)
+            if tier is not None and tier.holds(fl.bucket):
                 buf = held.enter_context(tier_access.loaded(tier, fl.bucket, write=False,
                                                                  grad=True))
+            # the seeds the real step will use, so stochastic rounding trials the same values
             bad = trial(buf, fl.calls, buf.grad_host, grad_scale=scale, threads=frozen.threads,
                         seeds=[sr_seed(seed, buf.bucket.id, c.step, k)
                                for k, c in enumerate(fl.calls)])
@@ -202,8 +215,9 @@ def tail_overflow(it: Iteration, parts: Parts, flights: Sequence[Flight], sum_sq
         if not fl.calls:
             continue
         buf = parts.state.buffers[fl.bucket]
+        # device_step's calls run with seed 0: the trial uses the same seeds
         bad = trial(buf, fl.calls, parts.transport.tail_grads(fl.bucket), grad_scale=scale,
-                    threads=None,  # device_step's calls run with seed 0
+                    threads=None,
                     seeds=[sr_seed(0, buf.bucket.id, c.step, k) for k, c in enumerate(fl.calls)])
         total += _report(it, parts, fl.bucket, bad) if bad else 0
     return total
@@ -229,13 +243,20 @@ def validate_early(it: Iteration, parts: Parts, max_norm: float | None) -> tuple
     statistics, every rank), keep the result for ``step()``, lower the iteration's threshold
     to ``max_norm`` (None: read only). Returns (total norm of the unscaled gradient,
     non-finite count)."""
-    if max_norm is not None:  # first: validation knows the step will be clipped
-        it.clip_norm = max_norm if it.clip_norm is None else min(it.clip_norm, max_norm)
+    # first: validation must know the step will be clipped (host_overflow's bound)
+    if max_norm is not None:
+        # clipping twice clips to the smaller norm
+        if it.clip_norm is None:
+            it.clip_norm = max_norm
+        else:
+            it.clip_norm = min(it.clip_norm, max_norm)
     if it.validated is None:
         it.validated = validate(it, parts)
     glob, n = it.validated, parts.transport.grad_divisor
     if glob.nonfinite or not math.isfinite(glob.sum_sq):
+        # an overflowed sum of finite values still counts one (torch's error must fire)
         return math.inf, max(glob.nonfinite, 1)
+    # gradients arrive summed over n ranks: the mean's square norm is sum_sq / n^2
     return math.sqrt(glob.sum_sq / n**2) / it.frozen.loss_scale, 0
 
 
@@ -245,8 +266,9 @@ def check_clip_args(max_norm: Any, norm_type: Any) -> float | None:
     if float(norm_type) != 2.0:
         raise ValueError(f"clip_grad_norm_(norm_type={norm_type!r}): the engine clips by the "
                          "global 2-norm (the one its speculation validates); use norm_type=2")
+    # nan > 0 is False: refused too; a bool is an int to isinstance, and no threshold
     if not (isinstance(max_norm, int | float) and not isinstance(max_norm, bool)
-            and max_norm > 0):  # nan > 0 is False: refused too
+            and max_norm > 0):
         raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): use a positive number "
                          "(inf reads the norm without clipping; OffloadConfig.max_grad_norm=None "
                          "disables clipping)")
@@ -274,25 +296,30 @@ def full_grad(it: Iteration, parts: Parts, index: int) -> torch.Tensor | None:
     if flight is None or index not in flight.present:
         return None
     frozen, transport = it.frozen, parts.transport
-    if flight.stats is not None:  # the move has landed (CUDA: its event too)
+    # wait until the move has landed (CUDA: its event too) before reading the host copy
+    if flight.stats is not None:
         parts.in_flight.wait(flight.stats, f"gradients of bucket {flight.bucket}",
                              frozen.config.watchdog_s).resolve()
     g = transport.full_grad(index)
     if g is None:
         return None
-    return g.detach().to(torch.float32, copy=True).div_(frozen.loss_scale * transport.grad_divisor)
+    # a copy: the caller may edit it without touching the buffer the step reads
+    grad = g.detach().to(torch.float32, copy=True)
+    return grad.div_(frozen.loss_scale * transport.grad_divisor)
 
 
 # ---------------------------------------------------------------------------- 2. decide
 def clip_threshold(it: Iteration) -> float | None:
     """The iteration's clipping threshold: the configured one and ``clip_grad_norm_``'s, the
     smaller (clipping twice clips to the smaller norm)."""
+    # 0 and None both mean "no clipping", as OffloadConfig.max_grad_norm documents
     given = [x for x in (it.frozen.config.max_grad_norm, it.clip_norm) if x]
     return min(given) if given else None
 
 
 def decide(it: Iteration, parts: Parts, glob: GlobalStats) -> Verdict:
     n = parts.transport.grad_divisor
+    # summed over n ranks: divide the squared norm by n^2 (the module docstring)
     return verdict(glob.sum_sq / n**2, glob.nonfinite, loss_scale=it.frozen.loss_scale,
                    max_grad_norm=clip_threshold(it))
 
@@ -301,6 +328,7 @@ def decide(it: Iteration, parts: Parts, glob: GlobalStats) -> Verdict:
 def settle(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts) -> None:
     """Act on the verdict per bucket (the module docstring, item 3)."""
     st, frozen, transport = parts.state, it.frozen, parts.transport
+    # the kernel's factor carries the 1/N of the rank sum along with clip / loss scale
     scale = v.grad_scale / transport.grad_divisor
     collective, tier = transport.ordered_launch, transport.tier
     # forward-need order: the highest bucket ids (first layers) first, tail steps included
@@ -308,37 +336,51 @@ def settle(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts) -> None:
         buf = st.buffers[fl.bucket]
         union = glob.present & frozenset(parts.bucket_params(fl.bucket))
         if fl.on_device:
+            # a tail step on the device: torch.optim skips parameters with no gradient anywhere
             if v.action is not Action.SKIP and union:
                 calls = make_calls(buf, union, st.group_of, st.steps, frozen.hypers)
                 device_step(buf, calls, transport.tail_grads(fl.bucket), grad_scale=scale,
                             threads=None, recorder=parts.recorder, iteration=frozen.number)
             continue
-        if tier is not None and tier.holds(fl.bucket):  # undone by versions, not inverses
+        # a tiered bucket is undone by versions, not by inverse steps (docs/storage.md)
+        if tier is not None and tier.holds(fl.bucket):
             tier_steps.settle(tier, fl, commit=v.action is Action.COMMIT and union == fl.present,
                               skip=v.action is Action.SKIP, union=union, glob=glob,
                               frozen=frozen, parts=parts, scale=scale, collective=collective)
             continue
+        # another rank's gradient for a parameter this rank lacks: step again with the union,
+        # as DDP averages a gradient unused on one rank
         mismatch = union != fl.present
         undone = None
         if fl.spec is not None and (v.action is not Action.COMMIT or mismatch):
             undone = rollback(fl, frozen, parts)
             if v.action is Action.SKIP:
-                parts.publishes.publish(fl.bucket, fl.calls, undone, frozen)  # restored weights
+                # the forward must see the restored weights
+                parts.publishes.publish(fl.bucket, fl.calls, undone, frozen)
         if v.action is Action.SKIP:
             continue
         if not (fl.spec is None or v.action is Action.CLIP or mismatch):
             if fl.spec is not None and union & glob.partial:
-                parts.publishes.publish(fl.bucket, fl.calls, fl.spec, frozen)  # as replaying ranks
+                # a collective publish: this rank joins the ranks that replay this bucket
+                parts.publishes.publish(fl.bucket, fl.calls, fl.spec, frozen)
             continue
-        calls = make_calls(buf, union, st.group_of, st.steps, frozen.hypers) if mismatch else fl.calls
+        calls = fl.calls
+        if mismatch:
+            calls = make_calls(buf, union, st.group_of, st.steps, frozen.hypers)
+        # FSDP2's ordered launch: every rank joins each bucket's collective, with a step or not
         if not calls and not collective:
             continue
         replay = fl.spec is not None
+        # the replay runs after its rollback on the same worker (the restored state)
+        after: tuple[Future[Any], ...] = ()
+        if undone is not None:
+            after = (undone,)
         step = parts.submit(step_task(fl.bucket, buf, calls, frozen, parts.recorder, scale=scale,
                                       after=None, speculative=False, replay=replay,
                                       undone=undone),
-                            fl.bucket, frozen, after=() if undone is None else (undone,))
-        if replay:  # counted only when the speculative step had run and was undone
+                            fl.bucket, frozen, after=after)
+        # counted only when the speculative step had run and was undone
+        if replay:
             step.add_done_callback(parts.stats.counter("replays", when=undone))
         parts.publishes.publish(fl.bucket, calls, step, frozen)
 
@@ -362,7 +404,8 @@ def abort(flights: Sequence[Flight], frozen: FrozenIteration, parts: Parts) -> N
     for fl in flights:
         if fl.spec is None:
             continue
-        if tier is not None and tier.holds(fl.bucket):  # its version in force stays
+        # a tiered bucket: dropping the new version leaves the one in force
+        if tier is not None and tier.holds(fl.bucket):
             tier.discard(fl.bucket)
             tier_steps.republish(tier, fl, frozen, parts)
             continue
@@ -376,18 +419,22 @@ def close_iteration(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts, 
     """Step counts, loss scaler, counters, adaptive STV, telemetry scalars and notes; every
     rank holds the same verdict, so an overflow skips the step everywhere."""
     rec, stats, frozen = parts.recorder, parts.stats, it.frozen
-    n, loss_scale = frozen.number, frozen.loss_scale  # the scale the iteration ran with
+    # the scale the iteration ran with (the scaler changes it below)
+    n, loss_scale = frozen.number, frozen.loss_scale
     skipped = v.action is Action.SKIP
-    if not skipped:  # every parameter with a gradient somewhere took one step
+    # every parameter with a gradient somewhere took one step (torch counts per parameter)
+    if not skipped:
         steps = parts.state.steps
         for i in sorted(glob.present):
             steps[i] += 1
-    explained = scaler.update(skipped)  # fp16's dynamic scale finding its level
+    # True when fp16's dynamic scale explains the skip (it is still finding its level)
+    explained = scaler.update(skipped)
     if skipped:
         stats.skipped_steps += 1
         divisor = parts.transport.grad_divisor
-        where = (f"on some rank: step skipped on all {divisor} ranks" if divisor > 1
-                 else ": step skipped")
+        where = ": step skipped"
+        if divisor > 1:
+            where = f"on some rank: step skipped on all {divisor} ranks"
         rec.note(n, f"overflow: non-finite gradient{where}; loss scale {loss_scale:g} -> "
                     f"{scaler.loss_scale:g}")
     if v.action is Action.CLIP:
@@ -401,14 +448,17 @@ def close_iteration(it: Iteration, v: Verdict, glob: GlobalStats, parts: Parts, 
         rec.note(n, note)
     stats.speculation_enabled = adaptive.enabled
     stats.iterations += 1
-    if it.losses:  # the only host sync for the loss: after the step, not inside backward
+    # the only host sync for the loss: after the step, not inside backward
+    if it.losses:
         rec.scalar("loss", n, float(sum(float(x) for x in it.losses) / len(it.losses)))
     rec.scalar("grad_norm", n, v.grad_norm)
     rec.scalar("loss_scale", n, loss_scale)
     schedule = parts.state.schedule
-    rec.scalar("ratio", n, schedule.ratio if schedule is not None else 0.0)  # effective ratio
+    # the effective offload ratio (0 without a schedule)
+    rec.scalar("ratio", n, schedule.ratio if schedule is not None else 0.0)
     rec.scalar("speculating", n, 1.0 if frozen.speculate else 0.0)
-    rec.scalar("skipped", n, 1.0 if skipped else 0.0)  # the dashboard marks skipped steps
+    # the dashboard marks skipped steps from this scalar
+    rec.scalar("skipped", n, 1.0 if skipped else 0.0)
     rec.scalar("skip_streak", n, float(stats.skip_streak))
 
 
@@ -417,8 +467,8 @@ class AdaptiveSTV:
     """Speculate unless clipping fires often (warm-up), then resume when it calms down.
 
     Over the last ``window`` iterations: speculation switches off when the share of clipped
-    iterations exceeds ``threshold`` and back on when it falls to ``threshold / 2`` or below
-    (hysteresis, so it does not flap). The paper reports clipping in 0.12% of BLOOM-176B's
+    iterations exceeds ``threshold`` and back on when it falls to ``threshold / 2`` or below.
+    The paper reports clipping in 0.12% of BLOOM-176B's
     steps, mostly early; a replay costs a second CPU step, so a clipping-heavy phase is
     cheaper without speculation.
     """
@@ -453,6 +503,7 @@ class AdaptiveSTV:
             self.enabled = False
             return (f"adaptive STV: speculation off, clipping fired in {clipped_count} of the "
                     f"last {n} iterations (> {self.threshold:.0%})")
+        # hysteresis: back on only at half the threshold, so it does not flap at the edge
         if not self.enabled and rate <= self.threshold / 2:
             self.enabled = True
             return (f"adaptive STV: speculation back on, clipping fired in {clipped_count} of "
@@ -463,6 +514,9 @@ class AdaptiveSTV:
         return {"enabled": self.enabled, "history": [bool(h) for h in self.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # A fixed mode wins over the saved switch; "adaptive" resumes where it was.
-        self.enabled = bool(state["enabled"]) if self.mode == "adaptive" else self.mode == "on"
+        # a fixed mode wins over the saved switch; "adaptive" resumes where it was
+        if self.mode == "adaptive":
+            self.enabled = bool(state["enabled"])
+        else:
+            self.enabled = self.mode == "on"
         self.history = deque((bool(h) for h in state["history"]), maxlen=self.window)

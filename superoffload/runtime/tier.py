@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from superoffload.plan.storage import Region, TierPlan
+from superoffload.runtime.engine_state import BucketBuffers, split_views
 from superoffload.runtime.errors import EngineError, WatchdogTimeout
 from superoffload.runtime.lanes import Lane
-from superoffload.runtime.state import BucketBuffers, split_views
 from superoffload.runtime.tier_tasks import Slot, TierRead, TierRelease, TierWrite
 from superoffload.telemetry.events import (
     KIND_TIER_READ,
@@ -117,6 +117,9 @@ class StateTier:
         self.path = str(getattr(file, "path", ""))
         self.lock_fd: int | None = None
         """An exclusive ``flock`` on the file while the engine runs (runtime/tier_open.py)."""
+        self.pinned: list[torch.Tensor] = []
+        """The allocations the pool was cut from, given back by ``close`` (``free_pinned``)."""
+        self.free_pinned: Callable[[torch.Tensor], None] = lambda _: None
         self.moment_dtype, self.grad_dtype = moment_dtype, grad_dtype
         self.lp_dtype = lp_dtype
         self.books = {r.bucket: _Book(r) for r in plan.regions}
@@ -136,15 +139,19 @@ class StateTier:
         """The first failed write or release: a bucket waiting for a slot raises it."""
         self.stage = list(stage)
         """Weight-flow's pinned staging buffers for homes in the file (``TierPlan.stage``)."""
-        for b, book in self.books.items():  # built while every weight is in place
+        # built while every weight is in place (weight-flow releases them later)
+        for b, book in self.books.items():
             book.shapes = [p.shape for p in buffers[b].params]
             book.starts = [0, *itertools.accumulate(s.numel() for s in book.shapes)][:-1]
             if flow and book.region.home_offset is None:
                 # the kernel writes the copy straight into the home (plan/storage.py)
                 assert lp_dtype is not None, "weight-flow homes in memory are the host copy"
                 numel = book.region.numel
-                home = alloc_host(numel, lp_dtype) if alloc_host is not None else \
-                    torch.empty(numel, dtype=lp_dtype)  # the engine's allocator pins on CUDA
+                # the engine's allocator pins on CUDA, so the publish's H2D copy is async
+                if alloc_host is not None:
+                    home = alloc_host(numel, lp_dtype)
+                else:
+                    home = torch.empty(numel, dtype=lp_dtype)
                 book.home = split_views(home, book.shapes)
                 buffers[b].lp_host = book.home
 
@@ -179,6 +186,7 @@ class StateTier:
             self.iteration = iteration
             for book in self.books.values():
                 book.grad_spilled = False
+            # a bucket still bound from the last iteration is read again by its own bind
             bound = {s.owner for s in self.slots if s.owner is not None}
             self.order = [b for b in self.plan.tier if b not in bound]
         self._fill()
@@ -193,6 +201,7 @@ class StateTier:
                 if slot is None:
                     return
                 b = self.order.pop(0)
+                # assigned under the lock, read outside it: a read may wait for a write
                 self._assign(b, slot, launched=False)
             self._submit_read(b, slot, grad=False, cast_lp=False)
 
@@ -208,12 +217,14 @@ class StateTier:
         buf = self.buffers[b]
         buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host = master, m, v, g
         if self.lp_dtype is not None:
+            # a weight-flow home in memory is the copy the kernel writes; else the slot's
             buf.lp_host = book.home if book.home is not None else lp
         buf.prepared = book.prepared[slot.index]
 
     def _views(self, b: int, slot: Slot) -> tuple[list[torch.Tensor], ...]:
         region, shapes = self.books[b].region, self.books[b].shapes
         n, mem, layout = region.numel, slot.memory, self.plan.slot
+        # element sizes of the configured dtypes: the slot layout of plan/storage.py
         mb = torch.empty((), dtype=self.moment_dtype).element_size()
         gb = torch.empty((), dtype=self.grad_dtype).element_size()
 
@@ -225,14 +236,18 @@ class StateTier:
             # a home in the file is part of the state (after v); else the slot's own copy
             at = layout.lp_offset if region.home_offset is None else region.home_offset
             lp = part(at, n, self.lp_dtype, 2)
+        # master (fp32), exp_avg, exp_avg_sq back to back as plan/storage.py lays them out
         return (part(0, n, torch.float32, 4), part(4 * n, n, self.moment_dtype, mb),
                 part((4 + mb) * n, n, self.moment_dtype, mb),
                 part(layout.grad_offset, n, self.grad_dtype, gb), lp)
 
     def _submit_read(self, b: int, slot: Slot, *, grad: bool, cast_lp: bool) -> Future[Any]:
         last = self.books[b].last_write
-        fut = self.read_lane.submit(TierRead(b, self, slot, grad, cast_lp),
-                                    after=() if last is None else (last,))
+        # every read of a bucket is ordered after its last write (the module docstring)
+        after: tuple[Future[Any], ...] = ()
+        if last is not None:
+            after = (last,)
+        fut = self.read_lane.submit(TierRead(b, self, slot, grad, cast_lp), after=after)
         slot.loaded = fut
         return fut
 
@@ -246,13 +261,16 @@ class StateTier:
         book = self.books[b]
         with self._cond:
             slot = book.slot
-            if slot is not None and slot.launched:  # its launch's write-back still runs
+            # its launch's write-back still runs: the next read must see what it writes
+            if slot is not None and slot.launched:
                 self._wait_released(b)
                 slot = book.slot
+            # read ahead: its state is (being) read already; the gradient or a cast is not
             if slot is not None and slot.loaded is not None and not (grad or cast_lp):
-                slot.launched = True  # read ahead: its state is (being) read already
+                slot.launched = True
                 return slot.loaded if read else None
-            if slot is not None:  # read ahead without the gradient: read again below
+            # read ahead without the gradient: keep the slot, read again below
+            if slot is not None:
                 slot.launched = True
             else:
                 if b in self.order:
@@ -270,6 +288,7 @@ class StateTier:
                 self.raise_failed()
                 raise StorageTierError(f"storage tier: bucket {b}'s write-back failed: "
                                        f"{self.error}") from self.error
+            # a hung write must surface as an error, never as a silent stall
             if self.recorder.now() - t0 > self.watchdog_s:
                 raise WatchdogTimeout(
                     f"storage tier: bucket {b}'s write-back did not end within "
@@ -286,12 +305,16 @@ class StateTier:
             free = next((s for s in self.slots if s.owner is None), None)
             if free is None:
                 ahead = [s for s in self.slots if not s.launched and s.owner is not None]
-                if ahead:  # the read ahead farthest from being needed gives way
-                    free = max(ahead, key=lambda s: self.plan.tier.index(s.owner))  # type: ignore[arg-type]
+                if ahead:
+                    # the read ahead farthest from being needed gives way (launched work
+                    # never does: its write-back owns the slot)
+                    order = self.plan.tier
+                    free = max(ahead, key=lambda s: order.index(s.owner))  # type: ignore[arg-type]
                     self._unassign(free, requeue=True)
             if free is not None:
                 self._assign(b, free, launched=True)
-                if waited:  # backward (or the step) waited on the disk: on the timeline
+                # backward (or the step) waited on the disk: it goes on the timeline
+                if waited:
                     self.stall_s += waited
                     self.recorder.add(LANE_COMPUTE, KIND_WAIT, t0, self.recorder.now(),
                                       iteration=self.iteration, bucket=b)
@@ -307,6 +330,7 @@ class StateTier:
                     f"storage tier: bucket {b} waited {waited:.0f} s for a free buffer "
                     f"(OffloadConfig.storage_buffer_count={len(self.slots)}); every buffer's "
                     f"write-back is late: lanes {self.write_lane.name}, {self.read_lane.name}")
+            # woken by a release; the timeout re-checks the watchdog and a failed write
             self._cond.wait(timeout=min(1.0, self.watchdog_s))
             waited = self.recorder.now() - t0
 
@@ -315,13 +339,15 @@ class StateTier:
         assert b is not None
         pending = slot.loaded
         if pending is not None and not pending.done():
-            # a read in flight into this slot: let it land before the slot changes hands
+            # a read in flight into this slot: let it land before the slot changes hands,
+            # without the lock (the read lane's task takes it when it counts its bytes)
             self._cond.release()
             try:
                 pending.result(timeout=self.watchdog_s)
             finally:
                 self._cond.acquire()
         self._unbind(b, slot)
+        # it was the next needed: back to the front of the read-ahead order
         if requeue:
             self.order.insert(0, b)
 
@@ -331,7 +357,8 @@ class StateTier:
         slot.owner, slot.launched, slot.loaded = None, False, None
         buf.master, buf.exp_avg, buf.exp_avg_sq, buf.grad_host = [], [], [], []
         if self.lp_dtype is not None and book.home is None:
-            buf.lp_host = []  # not None: "no copy" would change what the kernel writes
+            # empty, not None: "no copy" would change what the kernel writes
+            buf.lp_host = []
 
     # ------------------------------------------------------------------ after the work
     def finish(self, b: int, *, after: Sequence[Future[Any]], step: Future[Any] | None,
@@ -345,7 +372,10 @@ class StateTier:
         book = self.books[b]
         slot = book.slot
         assert slot is not None, f"bucket {b} finishes without a slot"
-        deps = list(after) + ([] if slot.loaded is None else [slot.loaded])
+        # the write copies the slot: after the read into it, or it would write stale bytes
+        deps = list(after)
+        if slot.loaded is not None:
+            deps.append(slot.loaded)
         if d2h is not None:
             deps.append(d2h)
         write = self.write_lane.submit(TierWrite(b, self, slot, step, state, grad, d2h),
@@ -356,11 +386,16 @@ class StateTier:
                 book.speculative = write
             else:
                 book.forced = write
+        # the version flips in force only when the write has ended (a failed one changes none)
         if not speculative:
             write.add_done_callback(self._in_force(b))
-        done = self.write_lane.submit(TierRelease(b, self, slot, published),
-                                      after=[write] + ([] if published is None else [published]))
-        self.track(done)  # the engine's synchronize() waits for it
+        # the slot is free once written and once the publish's device copy has read it
+        release_after = [write]
+        if published is not None:
+            release_after.append(published)
+        done = self.write_lane.submit(TierRelease(b, self, slot, published), after=release_after)
+        # the engine's synchronize() waits for it
+        self.track(done)
         done.add_done_callback(self._note_failure)
         return done
 
@@ -375,6 +410,7 @@ class StateTier:
 
     def _in_force(self, b: int) -> Callable[[Future[Any]], None]:
         def apply(fut: Future[Any]) -> None:
+            # a write of no state returns None: the version in force stays
             if fut.exception() is None and fut.result() is not None:
                 with self._cond:
                     self.books[b].version = fut.result()
@@ -399,9 +435,11 @@ class StateTier:
     def release(self, b: int, slot: Slot, published: Future[Any] | None) -> None:
         """The write of ``b`` ended and its publish was enqueued: once the device copy has
         read the slot (``landed``), the slot is free for the next bucket."""
+        # a failed publish copied nothing: nothing to wait for before reusing the slot
         if published is not None and published.exception() is None:
             self.landed(published.result())
         with self._cond:
+            # the slot may already have changed hands (drop_read_ahead, close)
             if slot.owner == b:
                 self._unbind(b, slot)
             self._cond.notify_all()
@@ -421,6 +459,7 @@ class StateTier:
     def read_into(self, b: int, slot: Slot, *, grad: bool, cast_lp: bool) -> None:
         book = self.books[b]
         region = book.region
+        # the version in force as the training thread left it; read under the lock
         with self._cond:
             version = book.version
         nbytes = region.state_bytes + (region.grad_bytes if grad else 0)
@@ -429,6 +468,7 @@ class StateTier:
             reqs = [self.io.read(self.file, region.state_offsets[version],
                                  slot.memory[:region.state_bytes])]
             if grad:
+                # begin() clears the flag: a gradient of the last iteration is stale
                 if not book.grad_spilled:
                     raise StorageTierError(
                         f"storage tier: bucket {b}'s gradient was not kept in "
@@ -445,11 +485,13 @@ class StateTier:
             target = book.home if book.home is not None else lp
             with torch.no_grad():
                 for d, s in zip(target, master):
-                    d.copy_(s)  # round to nearest even, as the kernel's fused copy
+                    # round to nearest even, as the kernel's fused copy
+                    d.copy_(s)
 
     def write_from(self, b: int, slot: Slot, *, state: bool, grad: bool) -> int | None:
         book = self.books[b]
         region = book.region
+        # always the version not in force: a rollback is the switch not made (bit-exact)
         with self._cond:
             version = 1 - book.version
         nbytes = (region.state_bytes if state else 0) + (region.grad_bytes if grad else 0)
@@ -493,8 +535,10 @@ class StateTier:
                     f"storage tier: bucket {b}'s write did not end within OffloadConfig."
                     f"watchdog_s={self.watchdog_s:g} s before a weight fetch read it: lane "
                     f"{self.write_lane.name}") from None
+            # a failed write changed nothing: the version in force stays
             written = forced.result() if failed is None else None
         with self._cond:
+            # the done-callback may not have flipped ``version`` yet: the write's own answer
             return self.books[b].version if written is None else written
 
     def count_read(self, nbytes: int) -> None:
@@ -507,8 +551,9 @@ class StateTier:
         """Host bytes the tier holds: its pool, the staging buffers, the homes in memory."""
         homes = sum(t.numel() * t.element_size() for book in self.books.values()
                     for t in book.home or [])
-        return sum(t.numel() for t in self.stage) + sum(s.memory.numel() for s in self.slots) \
-            + homes
+        # the stage and the slots are byte tensors: numel() counts bytes
+        stage_bytes = sum(t.numel() for t in self.stage)
+        return stage_bytes + sum(s.memory.numel() for s in self.slots) + homes
 
     # ------------------------------------------------------------------ outside a step
     def wait_written(self, b: int) -> None:
@@ -536,7 +581,8 @@ class StateTier:
         with self._cond:
             if self.closed:
                 return
-        with contextlib.suppress(Exception):  # a failed lane is the engine's to report
+        # a failed lane is the engine's to report, not close's
+        with contextlib.suppress(Exception):
             self.drop_read_ahead()
             self.wait_idle()
         with self._cond:
@@ -550,3 +596,7 @@ class StateTier:
             with contextlib.suppress(OSError):
                 os.close(self.lock_fd)
             self.lock_fd = None
+        # the slots are free: no I/O or copy reads them any more
+        for block in self.pinned:
+            self.free_pinned(block)
+        self.pinned = []

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from superoffload.runtime.state import BucketBuffers, ParamState
+from superoffload.runtime.engine_state import BucketBuffers, ParamState
 from superoffload.runtime.tier import StateTier, StorageTierError
 
 

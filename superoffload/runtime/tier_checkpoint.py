@@ -2,7 +2,7 @@
 into a file of the checkpoint, streamed bucket by bucket (memory bounded by one pool slot), and
 read back as views of that file (docs/storage.md, "Checkpoints").
 
-``engine.pt`` (runtime/checkpoint.py) holds everything else and, under ``"tier"``, this
+``engine.pt`` (runtime/engine_checkpoint.py) holds everything else and, under ``"tier"``, this
 file's name, size and SHA-256 and where each parameter's state lies in it. The file is
 placement-free like ``engine.pt``'s own states -- per parameter its fp32 master, then both
 moments in fp32 -- so the checkpoint loads under another bucket size, ratio, budget, or with
@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from superoffload.runtime.ckpt_files import CheckpointCorrupt
-from superoffload.runtime.state import ParamState
+from superoffload.runtime.ckpt_files import CheckpointCorrupt, file_sha256
+from superoffload.runtime.engine_state import ParamState
 from superoffload.runtime.tier import StateTier
 from superoffload.runtime.tier_access import loaded
 
-PREFIX = "tier-state-"
+STATE_FILE_PREFIX = "tier-state-"
 
 
 def save_tier(tier: StateTier, folder: str, iteration: int, names: Sequence[str],
@@ -38,7 +38,7 @@ def save_tier(tier: StateTier, folder: str, iteration: int, names: Sequence[str]
     """Copy every tier bucket's state in force into a new file in ``folder``; returns the
     entry ``engine.pt`` records (file, bytes, sha256, per parameter: offset, numel, step).
     The engine is synchronized (no step in flight)."""
-    name = f"{PREFIX}{iteration:08d}-{uuid.uuid4().hex[:8]}.bin"
+    name = f"{STATE_FILE_PREFIX}{iteration:08d}-{uuid.uuid4().hex[:8]}.bin"
     path = os.path.join(folder, name)
     tmp = path + ".partial"
     h, offset, params = hashlib.sha256(), 0, {}
@@ -93,7 +93,8 @@ def mapped_states(folder: str, entry: Mapping[str, Any]) -> dict[str, ParamState
     out: dict[str, ParamState] = {}
     if size == 0:
         return out
-    whole = np.memmap(path, dtype=np.float32, mode="c")  # copy-on-write: the file stays as is
+    # copy-on-write: the file stays as is
+    whole = np.memmap(path, dtype=np.float32, mode="c")
     for name, p in entry["params"].items():
         start, n = int(p["offset"]) // 4, int(p["numel"])
         shape = [int(d) for d in p["shape"]]
@@ -103,17 +104,9 @@ def mapped_states(folder: str, entry: Mapping[str, Any]) -> dict[str, ParamState
     return out
 
 
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def prune(folder: str, keep: Sequence[str]) -> None:
     """Delete the tier-state files in ``folder`` not in ``keep`` (module docstring)."""
     for entry in os.scandir(folder):
-        if entry.name.startswith(PREFIX) and entry.name not in keep:
+        if entry.name.startswith(STATE_FILE_PREFIX) and entry.name not in keep:
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)

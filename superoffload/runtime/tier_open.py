@@ -33,8 +33,8 @@ from superoffload.plan.storage import (
     plan_tier,
 )
 from superoffload.runtime.casting import CastPolicy
+from superoffload.runtime.engine_state import BucketBuffers, ParamState
 from superoffload.runtime.lanes import Lane
-from superoffload.runtime.state import BucketBuffers, ParamState
 from superoffload.runtime.tier import StateTier
 from superoffload.runtime.tier_access import fill
 from superoffload.telemetry.recorder import Recorder
@@ -71,8 +71,12 @@ class Storage:
 
 def element_bytes(cast: CastPolicy, moments: torch.dtype, *, snapshot: bool,
                   flow: bool) -> ElementBytes:
-    """Bytes per element of an offloaded bucket as the buffers are allocated (state.py)."""
-    lp = cast.model_dtype.itemsize if cast.low_precision and cast.param_on_host else 0
+    """Bytes per element of an offloaded bucket as the buffers are allocated
+    (engine_state.py)."""
+    # a host low-precision copy is part of the state only when the cast runs on the host
+    lp = 0
+    if cast.low_precision and cast.param_on_host:
+        lp = cast.model_dtype.itemsize
     return ElementBytes(moment=moments.itemsize, grad=cast.grad_host_dtype.itemsize, lp=lp,
                         snapshot=snapshot, home=lp if flow else 0)
 
@@ -103,7 +107,9 @@ def place(plan: BucketPlan, numel: Mapping[int, int], storage: Storage,
 def open_tier(tier: TierPlan, buffers: Sequence[BucketBuffers],
               states_of: Callable[[int], list[ParamState]], *, storage: Storage,
               cast: CastPolicy,
-              moments: torch.dtype, flow: bool, alloc_host: object, lanes: tuple[Lane, Lane],
+              moments: torch.dtype, flow: bool, alloc_host: object,
+              pinned: tuple[Callable[[int], torch.Tensor], Callable[[torch.Tensor], None]],
+              lanes: tuple[Lane, Lane],
               landed: object, recorder: Recorder, rank: int,
               track: object, raise_failed: object) -> StateTier:
     """The file allocated in full, the pool, the states written (bucket by bucket: memory
@@ -129,20 +135,27 @@ def open_tier(tier: TierPlan, buffers: Sequence[BucketBuffers],
         io.close()
         raise
     lock = os.open(path, os.O_RDONLY)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # ours: remove_stale leaves it alone
-    pool = aligned_pool(tier.slots, tier.slot.nbytes,
-                        lambda n: alloc_host(n, torch.uint8))  # type: ignore[operator]
-    stage = aligned_pool(tier.stage[0], tier.stage[1],  # weight-flow's reads of homes
-                         lambda n: alloc_host(n, torch.uint8))  # type: ignore[operator]
-    lp_dtype = cast.model_dtype if cast.low_precision and cast.param_on_host else None
+    # ours: remove_stale leaves it alone
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    alloc, free = pinned
+    # given back when the tier closes (pinned on CUDA)
+    raw: list[torch.Tensor] = []
+    pool = aligned_pool(tier.slots, tier.slot.nbytes, alloc, raw)
+    # weight-flow's home reads
+    stage = aligned_pool(tier.stage[0], tier.stage[1], alloc, raw)
+    lp_dtype = None
+    if cast.low_precision and cast.param_on_host:
+        lp_dtype = cast.model_dtype
     store = StateTier(tier, buffers, io=io, file=file, slots=pool, read_lane=lanes[0],
-                      write_lane=lanes[1], recorder=recorder, landed=landed,  # type: ignore[arg-type]
+                      write_lane=lanes[1], recorder=recorder,
+                      landed=landed,  # type: ignore[arg-type]
                       watchdog_s=storage.watchdog_s, track=track,  # type: ignore[arg-type]
                       raise_failed=raise_failed,  # type: ignore[arg-type]
                       moment_dtype=moments,
                       grad_dtype=cast.grad_host_dtype, lp_dtype=lp_dtype, flow=flow,
                       stage=stage, alloc_host=alloc_host)  # type: ignore[arg-type]
     store.path, store.lock_fd = str(path), lock  # close() deletes the file, drops the lock
+    store.pinned, store.free_pinned = raw, free  # and gives the pool back
     for b in tier.tier:
         fill(store, b, states_of(b))
     store.wait_idle()
@@ -160,7 +173,8 @@ def remove_stale(folder: Path) -> list[str]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            continue  # a live run holds it
+            # a live run holds it
+            continue
         finally:
             os.close(fd)
         size = path.stat().st_size
@@ -173,12 +187,14 @@ def remove_stale(folder: Path) -> list[str]:
     return removed
 
 
-def aligned_pool(count: int, nbytes: int, alloc: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
-    """``count`` buffers of ``nbytes``, each starting on an ``ALIGN`` boundary (``alloc``
-    gives uint8 tensors; the engine's pins them on CUDA)."""
-    out = []
-    for _ in range(count):
-        raw = alloc(nbytes + ALIGN)
-        skip = (-raw.data_ptr()) % ALIGN
-        out.append(raw[skip:skip + nbytes])
-    return out
+def aligned_pool(count: int, nbytes: int, alloc: Callable[[int], torch.Tensor],
+                 raw: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``count`` buffers of ``nbytes``, each starting on an ``ALIGN`` boundary, cut from one
+    allocation of ``alloc`` (uint8; DeviceOps.alloc_pinned pins it on CUDA), appended to
+    ``raw`` to be given back."""
+    if count == 0 or nbytes == 0:
+        return []
+    block = alloc(count * nbytes + ALIGN)
+    raw.append(block)
+    skip = (-block.data_ptr()) % ALIGN
+    return [block[skip + k * nbytes:skip + (k + 1) * nbytes] for k in range(count)]

@@ -42,18 +42,23 @@ def settle(tier: StateTier, fl: Flight, *, commit: bool, skip: bool, union: froz
     b, st = fl.bucket, parts.state
     if fl.spec is not None and commit:
         tier.commit(b)
-        if union & glob.partial:  # ranks that replay publish again: so do these
+        # ranks that replay publish again: so do these
+        if union & glob.partial:
             republish(tier, fl, frozen, parts)
         return
-    if fl.spec is not None:  # the rollback: the speculative version is never read
+    # the rollback: the speculative version is never read
+    if fl.spec is not None:
         tier.discard(b)
         fl.spec.add_done_callback(parts.stats.counter("rollbacks"))
         if skip:
-            republish(tier, fl, frozen, parts)  # the device holds the speculative weights
+            # the device holds the speculative weights
+            republish(tier, fl, frozen, parts)
     if skip:
         return
-    calls = fl.calls if union == fl.present else make_calls(
-        st.buffers[b], union, st.group_of, st.steps, frozen.hypers)
+    calls = fl.calls
+    # another rank's gradient for a parameter this rank lacks: step with the union
+    if union != fl.present:
+        calls = make_calls(st.buffers[b], union, st.group_of, st.steps, frozen.hypers)
     if not calls and not collective:
         return
     loaded = tier.bind(b, grad=True)
@@ -62,7 +67,8 @@ def settle(tier: StateTier, fl: Flight, *, commit: bool, skip: bool, union: froz
                                   after=None, speculative=False, replay=fl.spec is not None,
                                   undone=fl.spec, versioned=True),
                         b, frozen, after=(loaded,))
-    if fl.spec is not None:  # counted only when the speculative step had run
+    # counted only when the speculative step had run
+    if fl.spec is not None:
         step.add_done_callback(parts.stats.counter("replays", when=fl.spec))
     pub = parts.publishes.publish(b, calls, step, frozen)
     tier.finish(b, after=(step,), step=step, state=True, grad=False, published=pub.device,

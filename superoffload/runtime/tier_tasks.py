@@ -70,7 +70,8 @@ class TierWrite:
         if self.d2h is not None:
             stats = self.d2h.result()
             if stats is not None:
-                stats.resolve()  # CUDA: the copy into the slot has landed
+                # CUDA: the copy into the slot has landed
+                stats.resolve()
         ran = True if self.step is None else self.step.result()
         return self.tier.write_from(self.bucket, self.slot, state=self.state and bool(ran),
                                     grad=self.grad)

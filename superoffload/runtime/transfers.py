@@ -22,7 +22,7 @@ import torch
 
 from superoffload.runtime.devices import DeviceOps, GradStats, PendingStats, host_stats
 from superoffload.runtime.errors import FailureBox, WatchdogTimeout
-from superoffload.runtime.lanes import Lane, describe, explain
+from superoffload.runtime.lanes import Lane, describe_lane, explain
 from superoffload.telemetry.events import KIND_D2H, KIND_H2D, LANE_D2H, LANE_H2D
 from superoffload.telemetry.recorder import Recorder
 
@@ -77,7 +77,7 @@ class InFlight:
             wait_for(barrier, watchdog_s, "synchronize")
         except Exception as exc:
             self.failures.raise_if_failed()
-            raise type(exc)(f"{describe(lane)}: {exc}") from exc
+            raise type(exc)(f"{describe_lane(lane)}: {exc}") from exc
 
     def wait_all(self, watchdog_s: float) -> None:
         """Every future added here is done (after the lanes ran a barrier: chained tasks are
@@ -104,7 +104,7 @@ def _hint(lane: Lane | None) -> str:
 def transfer_hint(lanes: Sequence[Lane]) -> str:
     """The transfer lanes' part of a watchdog message: blames the device only when a copy
     is what is running (``LocalTransport.stall_hint``)."""
-    names = ", ".join(describe(lane) for lane in lanes)
+    names = ", ".join(describe_lane(lane) for lane in lanes)
     if any(_is_copy(getattr(lane, "current", None)) for lane in lanes):
         return (f"transfer lanes: {names}; a copy that never ends means a hung device (check "
                 "nvidia-smi) or an overloaded host (raise OffloadConfig.watchdog_s if the copy "

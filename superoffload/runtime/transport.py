@@ -11,7 +11,9 @@ The iteration core (runtime/launch.py, runtime/stv.py) is one schedule (DESIGN.m
 A transport allocates the buckets (it knows where each piece lives), starts a bucket's
 gradient movement and returns the bucket's local validation statistics as a future,
 reduces the statistics of all ranks to global ones, publishes a stepped bucket's weights,
-and says where weight-flow's host copy of each parameter lives. It owns its two lanes.
+and says where weight-flow's host copy of each parameter lives. Both transports hold what
+they share rather than inherit it: their buffers (runtime/bucket_store.py) and their two
+lanes with the tasks they run (runtime/copy_lanes.py).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from superoffload.plan.buckets import BucketPlan
 from superoffload.runtime.casting import CastPolicy
 from superoffload.runtime.contract import hashes_agree
 from superoffload.runtime.devices import DeviceOps, GradStats
+from superoffload.runtime.engine_state import BucketBuffers, EngineState, ParamState
 from superoffload.runtime.frozen import FrozenIteration
 from superoffload.runtime.lanes import ErrorSink, Lane, Priority
-from superoffload.runtime.state import BucketBuffers, EngineState, ParamState
 from superoffload.runtime.tier import StateTier
 from superoffload.runtime.tier_open import Storage
 from superoffload.runtime.transfers import InFlight

@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from superoffload.runtime.contract import Contract, ContractError
+from superoffload.runtime.engine_state import EngineState
 from superoffload.runtime.hook_base import PicklableHook
 from superoffload.runtime.launch import Launcher
-from superoffload.runtime.state import EngineState
 from superoffload.runtime.transport import Transport
-from superoffload.runtime.weights import WeightPolicyController
+from superoffload.runtime.weight_policy import WeightPolicyController
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -71,7 +71,8 @@ class WeightWrites:
                 "model.load_state_dict(...), which makes them resident first")
         publishes = self.launcher.parts.publishes
         if any(self.state.bucket_of.get(i) in publishes.pending for i in written):
-            publishes.discard_racing_writes()  # raises
+            # a write that raced a publish in flight: discarded, and this raises, naming it
+            publishes.discard_racing_writes()
         self.transport.adopt(written)
         self.contract.rebase(written)
         self.recorder.note(self.launcher.iteration, (
@@ -90,12 +91,14 @@ class WeightWrites:
                 model.register_state_dict_post_hook(_SavePost(ref))]
 
     def before_load(self) -> None:
-        self.synchronize()  # no publish in flight: the load cannot race a copy lane
+        # no publish in flight: the load cannot race a copy lane
+        self.synchronize()
         self._open_resident()
 
     def after_load(self) -> None:
         try:
-            self.contract.tainted = None  # consistent weights again: the user's choice
+            # consistent weights again: the user's choice
+            self.contract.tainted = None
             self.adopt_written(where=" by load_state_dict")
         finally:
             self._close_resident()
@@ -114,13 +117,15 @@ class WeightWrites:
         self.contract.tainted = None
 
     def before_save(self) -> None:
-        self.synchronize()  # the weights step() published, not those still in flight
+        # the weights step() published, not those still in flight
+        self.synchronize()
         self._open_resident()
 
     def after_save(self, state_dict: dict[str, Any], prefix: str) -> None:
         if self._resident is None:
             return
-        try:  # full weights that outlive the resident blocks (their buffers are reused)
+        # full weights that outlive the resident blocks (their buffers are reused)
+        try:
             streamed = self.weights.streamed()
             names = {prefix + self.state.names[i] for i in streamed}
             for key in list(state_dict):
@@ -131,7 +136,8 @@ class WeightWrites:
 
     def _open_resident(self) -> None:
         if self.weights.flow is not None and self._resident is None:
-            ctx = self.weights.resident()  # re-entrant: inside resident_weights() a no-op
+            # re-entrant: inside resident_weights() a no-op
+            ctx = self.weights.resident()
             ctx.__enter__()
             self._resident = ctx
 

@@ -21,9 +21,8 @@ whatever buffer is current):
   post-accumulate-grad hook; AccumulateGrad needs the full-shape parameter) and the
   backward has moved below it;
 * activation-checkpoint recompute re-enters the forward hooks inside backward
-  (``hook_base.in_backward()``): the pre-hook acts as the backward entry of
-  ``k`` (with reentrant checkpointing the forward ran under no_grad, so there is no output
-  node and this is the only one), the post-hook does nothing.
+  (``hook_base.in_backward()``): the pre-hook acts as the backward entry of ``k`` (``on_pre``
+  says why), the post-hook does nothing.
 
 A fetch is a frozen task on its own lane (the ``fetch`` thread, driving the device ops' H2D
 stream on CUDA) and waits for the CPU step (or rollback/replay) that last wrote the block's
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from superoffload.runtime.fetch import FetchTask, block_params, find_blocks
+from superoffload.runtime.fetch import FetchTask, find_blocks, streamed_params
 from superoffload.runtime.flow_hooks import grad_hook, post_hook, pre_hook, wrap_output
 from superoffload.runtime.home_reads import HomeSpan, copy_spans, spans
 from superoffload.runtime.hook_base import in_backward
@@ -95,7 +94,7 @@ class WeightFlow:
         blocks = find_blocks(model)
         streamable = {id(st.params[i]) for i in st.trainable if i in st.bucket_of}
         self.blocks = blocks
-        self.params = block_params(model, blocks, streamable)
+        self.params = streamed_params(model, blocks, streamable)
         self.indices = [[st.index[id(p)] for p in ps] for ps in self.params]
         self._streamed = {id(p) for ps in self.params for p in ps}
         self.streamed_indices: frozenset[int] = frozenset(i for ids in self.indices for i in ids)
@@ -223,8 +222,9 @@ class WeightFlow:
             tier=self._tier() if stored else None,
         )
         with torch.no_grad():
+            # pointed before the copy lands: nobody reads block k before ensure(k) waits for it
             for p, v in zip(self.params[k], views):
-                p.data = v  # nobody reads block k before ensure(k) waits for the copy
+                p.data = v
         nbytes = self.numel[k] * flat.element_size()
         self.resident[k] = _Resident(flat, self.lane.submit(task), nbytes)
         self.resident_bytes += nbytes
@@ -232,8 +232,9 @@ class WeightFlow:
         st.fetches += 1
         if len(st.fetch_order) < st.max_fetch_order:
             st.fetch_order.append((kind, k))
+        # materialize() exceeds the bound on purpose (checkpoints, switching): no peak counted
         if kind == "m":
-            return  # materialize() exceeds the bound on purpose (checkpoints, switching)
+            return
         st.peak_resident_blocks = max(st.peak_resident_blocks, len(self.resident))
         st.peak_resident_bytes = max(st.peak_resident_bytes, self.resident_bytes)
         st.peak_held_bytes = max(st.peak_held_bytes, self.held_bytes)
@@ -270,7 +271,8 @@ class WeightFlow:
         if fits:
             i = min(fits, key=lambda j: self._pool[j].numel())  # best fit
             return self._pool.pop(i)[:numel]
-        if self._pool:  # none fits: give one back so at most depth + 1 buffers exist
+        # none fits: give one back so at most depth + 1 buffers exist
+        if self._pool:
             self._pool.pop(0)
         return self.device_ops.alloc_device(numel, self.dtype)
 
@@ -298,8 +300,9 @@ class WeightFlow:
             self.device_ops.wait(self.parts.in_flight.wait(
                 res.future, f"fetch of block {k}", self.launcher.current.frozen.config.watchdog_s))
             self.resident_bytes -= res.nbytes
+            # at most depth + 1 buffers exist at any time: one more is dropped, not pooled
             if len(self.resident) + len(self._pool) < self.depth + 1:
-                self._pool.append(_base(res.flat))  # at most depth + 1 buffers exist at any time
+                self._pool.append(_base(res.flat))
         if res is not None or force:
             with torch.no_grad():
                 for p in self.params[k]:
@@ -374,7 +377,10 @@ class WeightFlow:
     def _keep_from(self) -> int:
         """Blocks from here on stay resident after forward: backward needs them first."""
         streamed = [k for k, n in enumerate(self.numel) if n]
-        return streamed[max(0, len(streamed) - self.depth - 1)] if streamed else 0
+        if not streamed:
+            return 0
+        # the last depth + 1 streamed blocks: backward starts at the end, prefetching depth
+        return streamed[max(0, len(streamed) - self.depth - 1)]
 
     def on_grad(self, k: int, pid: int) -> None:
         """A streamed parameter of block k accumulated its gradient."""

@@ -8,9 +8,9 @@ Public API:
         .backend; .open(path, size_bytes, *, create=True) -> TierFile
         .read(file, offset_bytes, tensor) / .write(...) -> IoRequest   # .wait(), .done()
         .fsync(file); .close_file(file); .counters() -> IoCounters; .close()
-    StorageError (an OSError: file, offset, errno), StorageWarning      # storage/errors.py
+    StorageError (an OSError: file, offset, errno), StorageWarning      # storage/io_errors.py
     measure_storage(folder, *, size_bytes, block_bytes, queue_depth)
-        -> StorageMeasurement                                          # storage/measure.py
+        -> StorageMeasurement                                          # storage/folder_speed.py
 
 Importing this package loads torch and nothing else: the compiled engine loads, and the
 submitter threads start, when an ``AioEngine`` is made.
@@ -18,9 +18,9 @@ submitter threads start, when an ``AioEngine`` is made.
 
 from superoffload.storage.aio import AioEngine, IoCounters
 from superoffload.storage.aligned import aligned_empty
-from superoffload.storage.errors import StorageError, StorageWarning
 from superoffload.storage.files import TierFile
-from superoffload.storage.measure import StorageMeasurement, measure_storage
+from superoffload.storage.folder_speed import StorageMeasurement, measure_storage
+from superoffload.storage.io_errors import StorageError, StorageWarning
 from superoffload.storage.request import IoRequest
 
 __all__ = [

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from superoffload.storage.errors import StorageError
 from superoffload.storage.files import DIRECT_MODES, DirectVerdicts, TierFile, open_tier_file
+from superoffload.storage.io_errors import StorageError
 from superoffload.storage.request import IoRequest, Part
 from superoffload.storage.ring import ALIGN_BYTES, BACKENDS, RingOp, open_ring
 from superoffload.storage.submitter import Submitter
@@ -97,7 +97,8 @@ class AioEngine:
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_s = 0.0
-        self._moved = {True: [0, 0], False: [0, 0]}  # is_write -> [bytes, requests]
+        # is_write -> [bytes, requests]
+        self._moved = {True: [0, 0], False: [0, 0]}
         self._submitters: list[Submitter] = []
         try:
             for i in range(thread_count):
@@ -182,7 +183,8 @@ class AioEngine:
                              f"{nbytes} bytes must lie within the file's {file.size_bytes} "
                              f"bytes ({file.path})")
         self._check_file(file)
-        file.check()  # deleted or truncated: fail before anything moves
+        # deleted or truncated: fail before anything moves
+        file.check()
         parts = split_request(nbytes, self.block_bytes, len(self._submitters))
         request = IoRequest(file, offset_bytes, tensor, is_write=is_write, parts=len(parts),
                             on_finish=self._finished)
@@ -203,7 +205,9 @@ class AioEngine:
             try:
                 submitter.put(Part(request, op))
             except StorageError as exc:
-                request.part_finished(op, exc)  # and the parts not yet put:
+                # this part failed, and so do the parts not yet put: the request must count
+                # every part finished or its waiter never wakes
+                request.part_finished(op, exc)
                 for _ in parts[i + 1:]:
                     request.part_finished(op, exc)
                 break
@@ -226,8 +230,10 @@ class AioEngine:
 
     def counters(self) -> IoCounters:
         with self._lock:
-            busy = self._busy_s + (time.monotonic() - self._busy_since
-                                   if self._in_flight else 0.0)
+            busy = self._busy_s
+            # the busy stretch still open counts up to now, so a poll mid-transfer sees it
+            if self._in_flight:
+                busy += time.monotonic() - self._busy_since
             return IoCounters(bytes_read=self._moved[False][0],
                               bytes_written=self._moved[True][0], reads=self._moved[False][1],
                               writes=self._moved[True][1], busy_s=busy)
@@ -261,7 +267,8 @@ class AioEngine:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         unseen = self._shutdown()
-        if unseen is not None and exc is None:  # never mask the exception leaving the block
+        # never mask the exception leaving the block
+        if unseen is not None and exc is None:
             raise unseen
 
     def _check_open(self) -> None:

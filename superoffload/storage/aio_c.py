@@ -16,22 +16,23 @@ from superoffload.storage.ring import BackendUnavailable, RingCompletion, RingOp
 
 try:
     from superoffload.storage._aio_cffi import ffi, lib  # type: ignore[import-not-found]
-except ImportError as exc:  # missing build: the engine falls back to threads
+except ImportError as exc:
+    # missing build: the engine falls back to threads
     raise ImportError(f"superoffload's C I/O engine is not built ({exc}); build it with "
                       "`pip install -e .` (or `make install`)") from exc
 
 # Must equal SO_AIO_ABI_VERSION in cext/so_aio.h.
-EXPECTED_ABI_VERSION = 1
+EXPECTED_AIO_ABI_VERSION = 1
 
 
 class StaleBuildError(ImportError):
     """The compiled module was built from a different cext/ than this wrapper expects."""
 
 
-if lib.so_aio_abi_version() != EXPECTED_ABI_VERSION:
+if lib.so_aio_abi_version() != EXPECTED_AIO_ABI_VERSION:
     raise StaleBuildError(
         f"superoffload.storage._aio_cffi has ABI version {lib.so_aio_abi_version()}, the "
-        f"wrapper expects {EXPECTED_ABI_VERSION}: the build is stale. Rebuild it with "
+        f"wrapper expects {EXPECTED_AIO_ABI_VERSION}: the build is stale. Rebuild it with "
         "`pip install -e .` (or `make install`).")
 
 _CODES = {"io_uring": lib.SO_AIO_IO_URING, "libaio": lib.SO_AIO_LIBAIO}
@@ -114,4 +115,5 @@ class CRing:
 
     def close(self) -> None:
         ctx, self._ctx = self._ctx, ffi.NULL
-        lib.so_aio_destroy(ctx)  # waits for the blocks in flight; NULL is a no-op
+        # waits for the blocks in flight; NULL is a no-op
+        lib.so_aio_destroy(ctx)

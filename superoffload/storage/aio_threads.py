@@ -31,7 +31,10 @@ def block_length(offset_bytes: int, left_bytes: int, block_bytes: int,
     if offset_bytes % align_bytes:
         return min(left_bytes, align_bytes - offset_bytes % align_bytes)
     length = min(left_bytes, block_bytes)
-    return length - length % align_bytes if length > align_bytes else length
+    # a whole number of aligned units stays O_DIRECT-able; a shorter tail is its own block
+    if length > align_bytes:
+        return length - length % align_bytes
+    return length
 
 
 def use_direct(op: RingOp, offset_bytes: int, addr: int, length: int, align_bytes: int) -> bool:
@@ -48,8 +51,10 @@ def transfer(op: RingOp, offset_bytes: int, addr: int, length: int,
     done = 0
     while done < length:
         here, at = addr + done, offset_bytes + done
-        fd = op.fd_direct if use_direct(op, at, here, length - done, align_bytes) \
-            else op.fd_buffered
+        fd = op.fd_buffered
+        # O_DIRECT refuses (EINVAL) an unaligned offset, address or length: those go buffered
+        if use_direct(op, at, here, length - done, align_bytes):
+            fd = op.fd_direct
         view = (ctypes.c_char * (length - done)).from_address(here)
         try:
             n = os.pwritev(fd, [view], at) if op.is_write else os.preadv(fd, [view], at)
@@ -103,7 +108,8 @@ class ThreadRing:
         self.max_requests = max_requests
         self.block_bytes = block_bytes
         self.align_bytes = align_bytes
-        self._requests: dict[int, _Request] = {}  # in submission order: the round robin's
+        # in submission order: the round robin's
+        self._requests: dict[int, _Request] = {}
         self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._in_flight = 0
         self._last_tag = -1
@@ -136,7 +142,8 @@ class ThreadRing:
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)  # the blocks in flight still write into buffers
+            # the blocks in flight still write into buffers
+            self._pool.shutdown(wait=True)
             self._pool = None
 
     def _fill(self) -> None:
@@ -167,7 +174,8 @@ class ThreadRing:
         def report(f: object, tag: int = op.tag, at: int = offset) -> None:
             try:
                 done, code, eof = future.result()
-            except BaseException as exc:  # a bug in transfer: fail the block, never hang
+            except BaseException as exc:
+                # a bug in transfer: fail the block, never hang
                 done, code, eof = 0, getattr(exc, "errno", None) or errno.EIO, False
             self._events.put(_BlockDone(tag, at, done, code, eof))
 

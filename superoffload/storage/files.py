@@ -17,7 +17,7 @@ import os
 import warnings
 from pathlib import Path
 
-from superoffload.storage.errors import StorageError, StorageWarning
+from superoffload.storage.io_errors import StorageError, StorageWarning
 from superoffload.storage.ring import ALIGN_BYTES
 
 DIRECT_MODES = ("auto", "on", "off")
@@ -130,7 +130,8 @@ def _probe_direct(path: Path) -> str | None:
     except OSError as exc:
         return f"opening with O_DIRECT: {exc.strerror} [{errno.errorcode.get(exc.errno or 0)}]"
     try:
-        with mmap.mmap(-1, ALIGN_BYTES) as page:  # page-aligned, as O_DIRECT requires
+        # page-aligned, as O_DIRECT requires
+        with mmap.mmap(-1, ALIGN_BYTES) as page:
             os.preadv(fd, [page], 0)
     except OSError as exc:
         return f"an O_DIRECT read: {exc.strerror} [{errno.errorcode.get(exc.errno or 0)}]"

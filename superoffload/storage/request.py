@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from superoffload.storage.errors import StorageError
 from superoffload.storage.files import TierFile
+from superoffload.storage.io_errors import StorageError
 from superoffload.storage.ring import RingCompletion, RingOp
 
 
@@ -80,9 +80,11 @@ class IoRequest:
         with self._lock:
             if isinstance(outcome, RingCompletion):
                 self.done_bytes += outcome.done_bytes
-            if error is not None and (self.error is None
-                                      or (error.offset_bytes or 0) < (self.error.offset_bytes or 0)):
-                self.error = error  # the failure nearest the start of the request
+            if error is not None and (
+                    self.error is None
+                    or (error.offset_bytes or 0) < (self.error.offset_bytes or 0)):
+                # the failure nearest the start of the request
+                self.error = error
             self._parts_left -= 1
             last = self._parts_left == 0
         if last:
@@ -91,7 +93,8 @@ class IoRequest:
     def _finish(self) -> None:
         if self.error is None:
             try:
-                self.file.check()  # deleted or truncated while it ran
+                # deleted or truncated while it ran
+                self.file.check()
             except StorageError as exc:
                 self.error = exc
         self.tensor = None
@@ -117,17 +120,21 @@ class IoRequest:
                                 path=self.file.path, offset_bytes=outcome.error_offset)
         if outcome.end_of_file:
             try:
-                self.file.check()  # say "deleted" or "truncated" when that is why
+                # say "deleted" or "truncated" when that is why
+                self.file.check()
             except StorageError as exc:
                 return StorageError(exc.errno or errno.EIO, f"{where}: {exc.strerror}",
                                     path=self.file.path, offset_bytes=outcome.error_offset)
-            ended = "read met the end of the file" if not self.is_write else \
-                "write transferred nothing"
+            ended = "read met the end of the file"
+            # transfers retry short counts, so only a 0-byte transfer gets here
+            if self.is_write:
+                ended = "write transferred nothing"
             return StorageError(errno.EIO, f"{where}: the {ended} at offset "
                                 f"{outcome.error_offset} (the file is shorter than the "
                                 "engine allocated it)", path=self.file.path,
                                 offset_bytes=outcome.error_offset)
-        if outcome.done_bytes != op.nbytes:  # a ring that lost bytes must not pass silently
+        # a ring that lost bytes must not pass silently
+        if outcome.done_bytes != op.nbytes:
             return StorageError(errno.EIO, f"{where}: the ring moved {outcome.done_bytes} of "
                                 f"the {op.nbytes} bytes at offset {op.offset_bytes} and "
                                 "reported no error", path=self.file.path,

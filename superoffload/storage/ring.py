@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
-from superoffload.storage.errors import StorageWarning
+from superoffload.storage.io_errors import StorageWarning
 
 BACKENDS = ("io_uring", "libaio", "threads")
 """Every backend, the fastest first: the order "auto" tries them in."""

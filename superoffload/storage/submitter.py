@@ -17,7 +17,7 @@ import itertools
 import threading
 from collections import deque
 
-from superoffload.storage.errors import StorageError
+from superoffload.storage.io_errors import StorageError
 from superoffload.storage.request import Part
 from superoffload.storage.ring import Ring
 
@@ -36,7 +36,8 @@ class Submitter:
         self._thread.start()
 
     def next_tag(self) -> int:
-        return next(self._tags)  # itertools.count is atomic under the GIL
+        # itertools.count is atomic under the GIL
+        return next(self._tags)
 
     def put(self, part: Part) -> None:
         with self._cond:
@@ -81,7 +82,8 @@ class Submitter:
                 for done in self.ring.run(-1):
                     finished = self._in_ring.pop(done.tag)
                     finished.request.part_finished(finished.op, done)
-        except BaseException as exc:  # fail everything held, raised in the callers' threads
+        except BaseException as exc:
+            # fail everything held, raised in the callers' threads
             # first: the kernel may still be writing into their buffers; the first failure
             # is the one to report
             with contextlib.suppress(BaseException):

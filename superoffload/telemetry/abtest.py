@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_CONFIDENCE = 0.90
-"""The interval's target coverage (the achieved one is reported; it is at least this when
-there are enough pairs, MIN_PAIRS for 90%)."""
-MIN_PAIRS = 5
-"""Pairs needed for a 90% sign-test interval (2 x 0.5^5 = 6.25% outside)."""
+"""The interval's target coverage (the achieved one is reported; it is at least this from 5
+pairs on: 2 x 0.5^5 = 6.25% outside)."""
 RESULT_PREFIX = "A/B measured:"
 """How a result line (``ABResult.line()``, also a telemetry note) starts."""
 
@@ -126,7 +124,8 @@ def median_interval(values: Sequence[float], confidence: float = DEFAULT_CONFIDE
     alpha = 1.0 - confidence
     j = 1
     while j + 1 <= n // 2 and binomial_cdf(j, n) <= alpha / 2:
-        j += 1  # P(B <= j) <= alpha/2 means the j+1-th order statistic still covers
+        # P(B <= j) <= alpha/2 means the j+1-th order statistic still covers
+        j += 1
     return xs[j - 1], xs[n - j], 1.0 - 2.0 * binomial_cdf(j - 1, n)
 
 

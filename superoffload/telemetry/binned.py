@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-COLUMNS = ("x", "mean", "min", "max", "first", "last", "n")
+BIN_FIELDS = ("x", "mean", "min", "max", "first", "last", "n")
 """What `Binned.arrays()` returns per bin, in this order."""
 
 
@@ -89,7 +89,7 @@ class Bin:
         return self.total / self.weight if self.weight > 0 else math.nan
 
     def row(self) -> tuple[float, ...]:
-        """The bin's `COLUMNS`."""
+        """The bin's `BIN_FIELDS`."""
         ok = self.finite > 0
         return ((self.first + self.last) / 2, self.mean, self.lo if ok else math.nan,
                 self.hi if ok else math.nan, float(self.first), float(self.last), float(self.n))
@@ -109,7 +109,7 @@ class Binned:
     _keys: list[int] = field(default_factory=list, repr=False)
     """The bin indices of the last `arrays()`, ascending (its rows, in order)."""
     _rows: np.ndarray | None = field(default=None, repr=False)
-    """The last `arrays()` as one (bins, len(COLUMNS)) block; None: rebuild it all."""
+    """The last `arrays()` as one (bins, len(BIN_FIELDS)) block; None: rebuild it all."""
     _dirty: float = field(default=math.inf, repr=False)
     """The lowest bin index changed since the last `arrays()`."""
     _span: tuple[int, int] | None = field(default=None, repr=False)
@@ -171,7 +171,8 @@ class Binned:
                 into.merge(b)
         self.bins = merged
         self.stride *= 2
-        self._rows = None  # every row moved: rebuild them all once
+        # every row moved: rebuild them all once
+        self._rows = None
 
     def __len__(self) -> int:
         return len(self.bins)
@@ -201,15 +202,15 @@ class Binned:
             # change, and no bin goes away without a doubling (which rebuilds every row)
             cut = min(bisect.bisect_left(keys, self._dirty), len(self._keys))
         fresh = np.array([self.bins[k].row() for k in keys[cut:]], dtype=float)
-        fresh = fresh.reshape(len(keys) - cut, len(COLUMNS))
-        kept = self._rows[:cut] if self._rows is not None else np.empty((0, len(COLUMNS)))
+        fresh = fresh.reshape(len(keys) - cut, len(BIN_FIELDS))
+        kept = self._rows[:cut] if self._rows is not None else np.empty((0, len(BIN_FIELDS)))
         self._rows = np.concatenate([kept, fresh]) if cut else fresh
         self._keys, self._dirty = keys, math.inf
         return self._columns()
 
     def _columns(self) -> dict[str, np.ndarray]:
         assert self._rows is not None
-        return {name: self._rows[:, k].copy() for k, name in enumerate(COLUMNS)}
+        return {name: self._rows[:, k].copy() for k, name in enumerate(BIN_FIELDS)}
 
     def extreme(self, which: str = "max") -> tuple[int, float] | None:
         """(iteration, value) of the run's maximum (or "min"): kept exactly at any stride."""

@@ -2,12 +2,12 @@
 
     text = metrics_csv(iteration_metrics(spans), scalars={"loss": [(0, 5.5), ...]})
 
-Columns: `iteration`, `iterations` (how many the row stands for: 1, or a bin's count),
-`time_s` (seconds since the first iteration started, the dashboard's wall-clock axis), every
+Columns: `iteration`, `iterations` (how many the row stands for: 1, or a bin's count), `time_s`
+(seconds since the first iteration started, the dashboard's wall-clock axis), every
 per-iteration metric of `telemetry.vocabulary` under its name (the unit is the name's: `_ms`,
-`_gbps_`, `_pct`), then each scalar named in `scalars` ("loss", "ratio", ...; empty where
-that iteration has none). One row per iteration for every iteration given; the start of a run longer than
-the recorder's buffer comes from its archive (telemetry/archive.py), one row per bin, its
+`_gbps_`, `_pct`), then each scalar named in `scalars` ("loss", "ratio", ...; empty where that
+iteration has none). One row per iteration for every iteration given; the start of a run longer
+than the recorder's buffer comes from its archive (telemetry/archive.py), one row per bin, its
 figures pooled (each bin's weighted mean is its pooled figure, `telemetry.window`) and its
 scalars averaged: the whole run at any length, the start binned, never dropped.
 """

@@ -46,7 +46,7 @@ KIND_WAIT = "wait"
 KIND_WEIGHT_FETCH = "weight_fetch"
 KIND_TIER_READ = "tier_read"
 KIND_TIER_WRITE = "tier_write"
-KINDS: tuple[str, ...] = (
+SPAN_KINDS: tuple[str, ...] = (
     KIND_FORWARD,
     KIND_BACKWARD,
     KIND_D2H,
@@ -77,7 +77,7 @@ class Span:
     lane: str
     """One of LANES."""
     kind: str
-    """One of KINDS."""
+    """One of SPAN_KINDS."""
     start_s: float
     """Start, seconds since the timeline's origin."""
     end_s: float

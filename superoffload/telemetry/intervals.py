@@ -53,7 +53,8 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     j = 0
     for start, end in union(a):
         while j < len(ub) and ub[j][1] <= start:
-            j += 1  # b intervals wholly before this one (and before every later one)
+            # b intervals wholly before this one (and before every later one)
+            j += 1
         cur = start
         k = j
         while k < len(ub) and ub[k][0] < end:
@@ -96,7 +97,8 @@ class Disjoint:
         """The intervals' parts inside `window`, sorted (O(log n + parts))."""
         lo, hi = window
         i, j = self._touching(window)
-        out = [(max(s, lo), min(e, hi)) for s, e in self.items[i:j]]  # a slice: O(j - i)
+        # a slice: O(j - i)
+        out = [(max(s, lo), min(e, hi)) for s, e in self.items[i:j]]
         return [iv for iv in out if iv[1] > iv[0]]
 
     def length_in(self, window: Interval) -> float:
@@ -106,8 +108,10 @@ class Disjoint:
         if j <= i or hi <= lo:
             return 0.0
         total = self.prefix[j] - self.prefix[i]
-        total -= max(0.0, lo - self.starts[i])    # the first interval starts before lo
-        total -= max(0.0, self.ends[j - 1] - hi)  # the last one ends after hi
+        # the first interval starts before lo
+        total -= max(0.0, lo - self.starts[i])
+        # the last one ends after hi
+        total -= max(0.0, self.ends[j - 1] - hi)
         return max(total, 0.0)
 
     def overlap(self, intervals: Iterable[Interval]) -> float:

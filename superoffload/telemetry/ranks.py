@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from superoffload.telemetry.events import KINDS, LANES, Span
+from superoffload.telemetry.events import LANES, SPAN_KINDS, Span
 from superoffload.telemetry.metrics import (
     IterationMetrics,
     Summary,
@@ -83,8 +83,8 @@ def span_from_dict(data: Mapping[str, Any]) -> Span:
         raise ValueError(f"span_from_dict: unknown key(s) {unknown}; known: {sorted(names)}")
     if data.get("lane") not in LANES:
         raise ValueError(f"span_from_dict: lane={data.get('lane')!r} is not one of {LANES}")
-    if data.get("kind") not in KINDS:
-        raise ValueError(f"span_from_dict: kind={data.get('kind')!r} is not one of {KINDS}")
+    if data.get("kind") not in SPAN_KINDS:
+        raise ValueError(f"span_from_dict: kind={data.get('kind')!r} is not one of {SPAN_KINDS}")
     return Span(
         lane=str(data["lane"]), kind=str(data["kind"]), start_s=float(data["start_s"]),
         end_s=float(data["end_s"]), iteration=int(data["iteration"]),

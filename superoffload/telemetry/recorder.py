@@ -136,7 +136,8 @@ class Recorder:
             seq = next(self._seq)
             self._last_seq = seq
             if len(self._spans) == self.max_events:
-                self._evicted.append(self._spans[0][1])  # the append below drops it
+                # the append below drops it
+                self._evicted.append(self._spans[0][1])
             self._spans.append((seq, span))
             waiting = len(self._evicted)
         if waiting >= ARCHIVE_BATCH:
@@ -169,7 +170,9 @@ class Recorder:
         try:
             yield
         finally:
-            self.add(lane, kind, start, self.now(), iteration=iteration, bucket=bucket, nbytes=nbytes)
+            # in `finally`: a body that raises still leaves its span (the time it took counts)
+            self.add(lane, kind, start, self.now(), iteration=iteration, bucket=bucket,
+                     nbytes=nbytes)
 
     def mark(self, stream: Any = None) -> Any:
         """A point on the device timeline (see the module docstring)."""
@@ -181,7 +184,8 @@ class Recorder:
         if not self.enabled:
             return
         t0, t1 = self.clock.seconds(start), self.clock.seconds(end)
-        if t0 is not None and t1 is not None:  # already reached (always, on the host clock)
+        # already reached (always, on the host clock)
+        if t0 is not None and t1 is not None:
             self.record(Span(lane, kind, t0, max(t0, t1), iteration, bucket, nbytes, self.rank))
             return
         with self._lock:
@@ -225,7 +229,8 @@ class Recorder:
         sc = Scalar(name, iteration, float(value), self.now())
         with self._lock:
             if len(self._scalars) == self.max_events:
-                old = self._scalars[0][1]  # leaves the buffer: binned, not lost
+                # leaves the buffer: binned, not lost
+                old = self._scalars[0][1]
                 self.archive.add_scalars([(old.name, old.iteration, old.value)])
             seq = next(self._scalar_seq)
             self._last_scalar_seq = seq
@@ -360,7 +365,8 @@ class Recorder:
         """`whole_run()` and the sequence number of its newest span, read at once: a reader
         continues with `spans_since(seq)`, nothing missed or read twice."""
         self.flush()
-        with self._archiving:  # no batch half-way between the archive and the rest
+        # no batch half-way between the archive and the rest
+        with self._archiving:
             self._archive_step()
             with self._lock:
                 archive = self.archive.snapshot()

@@ -1,6 +1,6 @@
 """Runs kept on disk, to compare them with one another and with a live one.
 
-    save_run(engine.telemetry, "runs/ratio-0.5")   # spans.jsonl, scalars.jsonl, notes.jsonl, run.json
+    save_run(engine.telemetry, "runs/ratio-0.5")   # spans, scalars, notes (.jsonl), run.json
     run = load_run("runs/ratio-0.5")               # or a `superoffload train` output folder
     list_runs("runs")                              # the folders under runs/ that hold a run
 
@@ -30,7 +30,7 @@ from superoffload.telemetry.metrics import IterationMetrics, iteration_metrics
 from superoffload.telemetry.ranks import by_rank, load_spans, save_spans
 from superoffload.telemetry.recorder import Recorder
 
-FORMAT = "superoffload-run-1"
+RUN_FOLDER_FORMAT = "superoffload-run-1"
 """`run.json`'s "format": what `load_run` reads."""
 RESULT_FILE = "result.json"
 """What `superoffload train` writes in its output folder."""
@@ -55,7 +55,8 @@ class SavedRun:
     def segment(self, first: int, last: int, name: str) -> SavedRun:
         """The iterations `first`..`last` (inclusive) as a run of their own."""
         keep = [m for m in self.metrics if first <= m.iteration <= last]
-        scalars = {k: [(i, v) for i, v in vs if first <= i <= last] for k, vs in self.scalars.items()}
+        scalars = {k: [(i, v) for i, v in vs if first <= i <= last]
+                   for k, vs in self.scalars.items()}
         return SavedRun(name, keep, scalars, [(i, t) for i, t in self.notes if first <= i <= last])
 
 
@@ -97,9 +98,9 @@ def save_run(source: Any, folder: str | Path, *, name: str | None = None,
     _write_lines(out / "scalars.jsonl", ({"name": s.name, "iteration": s.iteration,
                                           "value": s.value, "time_s": s.time_s}
                                          for s in recorder.scalars()))
-    _write_lines(out / "notes.jsonl", ({"iteration": n.iteration, "text": n.text, "time_s": n.time_s}
-                                       for n in recorder.notes()))
-    info = {"format": FORMAT, "name": name or out.name, **(meta or {})}
+    _write_lines(out / "notes.jsonl", ({"iteration": n.iteration, "text": n.text,
+                                        "time_s": n.time_s} for n in recorder.notes()))
+    info = {"format": RUN_FOLDER_FORMAT, "name": name or out.name, **(meta or {})}
     (out / "run.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
     return out
 
@@ -111,7 +112,8 @@ def _write_lines(path: Path, rows: Iterable[dict[str, Any]]) -> None:
 def _read_lines(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = path.read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def load_run(folder: str | Path, *, name: str | None = None) -> SavedRun:
@@ -119,14 +121,17 @@ def load_run(folder: str | Path, *, name: str | None = None) -> SavedRun:
     path = Path(folder)
     if (path / "run.json").exists():
         info = json.loads((path / "run.json").read_text(encoding="utf-8"))
-        if info.get("format") != FORMAT:
-            raise ValueError(f"{path / 'run.json'}: format {info.get('format')!r}, expected {FORMAT!r}")
+        if info.get("format") != RUN_FOLDER_FORMAT:
+            raise ValueError(f"{path / 'run.json'}: format {info.get('format')!r}, "
+                             f"expected {RUN_FOLDER_FORMAT!r}")
         scalars: dict[str, list[tuple[int, float]]] = {}
         for row in _read_lines(path / "scalars.jsonl"):
-            scalars.setdefault(str(row["name"]), []).append((int(row["iteration"]), float(row["value"])))
+            point = (int(row["iteration"]), float(row["value"]))
+            scalars.setdefault(str(row["name"]), []).append(point)
         notes = [(int(r["iteration"]), str(r["text"])) for r in _read_lines(path / "notes.jsonl")]
-        run = run_from_spans(load_spans(path / "spans.jsonl"), name or str(info.get("name") or path.name),
-                             scalars=scalars, notes=notes)
+        label = name or str(info.get("name") or path.name)
+        run = run_from_spans(load_spans(path / "spans.jsonl"), label, scalars=scalars,
+                             notes=notes)
         return dataclasses.replace(run, path=path)
     if (path / RESULT_FILE).exists():
         data = json.loads((path / RESULT_FILE).read_text(encoding="utf-8"))
@@ -138,8 +143,10 @@ def load_run(folder: str | Path, *, name: str | None = None) -> SavedRun:
 
 def _record(row: dict[str, Any], known: set[str]) -> IterationMetrics:
     values = {k: v for k, v in row.items() if k in known}
-    if "cpu_hidden_s" not in values:  # written before the field existed: from the share
-        values["cpu_hidden_s"] = float(values.get("cpu_overlap_frac", 0.0)) * float(values.get("cpu_step_s", 0.0))
+    # a run written before cpu_hidden_s existed: the hidden seconds follow from the share
+    if "cpu_hidden_s" not in values:
+        share = float(values.get("cpu_overlap_frac", 0.0))
+        values["cpu_hidden_s"] = share * float(values.get("cpu_step_s", 0.0))
     return IterationMetrics(**values)
 
 

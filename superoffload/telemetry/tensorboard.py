@@ -30,7 +30,7 @@ from superoffload.telemetry import vocabulary as vocab
 from superoffload.telemetry.events import Span
 from superoffload.telemetry.recorder import Recorder
 
-INSTALL_HINT = "pip install tensorboard"
+_INSTALL_HINT = "pip install tensorboard"
 FILE_SUFFIX = ".superoffload"
 """The suffix of the event files this module writes (`SummaryWriter(filename_suffix=...)`):
 how it recognises its own file to replace."""
@@ -69,7 +69,8 @@ def scalar_rows(source: Recorder | Sequence[Span], *, tokens_per_iteration: int 
         values.update(vocab.link_use_values(m.d2h_gbps_wall, m.h2d_gbps_wall,
                                             d2h_peak_gbps=d2h_peak, h2d_peak_gbps=h2d_peak))
         for name, value in values.items():
-            if math.isfinite(value):  # no rate for a direction that moved nothing
+            # no rate for a direction that moved nothing
+            if math.isfinite(value):
                 rows.append((vocab.METRICS[name].tag, m.iteration, value))
     return rows
 
@@ -83,7 +84,7 @@ def write_tensorboard_scalars(source: Recorder | Sequence[Span], logdir: str | P
     one this function wrote there before); returns the file's path. Raises ImportError
     (with the install command) when tensorboard is not installed."""
     if not tensorboard_available():
-        raise ImportError(f"TensorBoard scalars need the tensorboard package: {INSTALL_HINT}")
+        raise ImportError(f"TensorBoard scalars need the tensorboard package: {_INSTALL_HINT}")
     from torch.utils.tensorboard import SummaryWriter
 
     out = Path(logdir)
@@ -98,7 +99,8 @@ def write_tensorboard_scalars(source: Recorder | Sequence[Span], logdir: str | P
             writer.add_scalar(tag, value, global_step=step)
     finally:
         writer.close()
-    for old in before:  # the new file is complete: the previous export goes
+    # the new file is complete: the previous export goes
+    for old in before:
         old.unlink(missing_ok=True)
     (new,) = set(ours(out)) - before
     return new

@@ -67,7 +67,8 @@ FLOW_CAT = "bucket"
 """Category of the bucket flows (flow ids are unique within a category)."""
 ITERATION_TID = 0
 _FLOW_KINDS = (KIND_D2H, KIND_CPU_STEP, KIND_ROLLBACK, KIND_REPLAY, KIND_H2D)
-_MIN_DUR_US = 0.001  # a zero-length span still needs a body for a flow to bind to
+# a zero-length span still needs a body for a flow to bind to
+_MIN_DUR_US = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,8 @@ class PreparedTrace:
         return out
 
 
-def sample_iterations(iterations: Iterable[int], *, every: int = 1, last: int | None = None) -> set[int]:
+def sample_iterations(iterations: Iterable[int], *, every: int = 1,
+                      last: int | None = None) -> set[int]:
     """The iterations a sampled trace keeps: of the last `last` (None: all), every `every`-th
     counted from the first kept one."""
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -169,7 +171,8 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
         events.append(_meta(rank, None, "process_sort_index", {"sort_index": rank}))
         events.append(_meta(rank, ITERATION_TID, "thread_name", {"name": "iterations"}))
         events.append(_meta(rank, ITERATION_TID, "thread_sort_index", {"sort_index": 0}))
-    slices: dict[int, dict[str, Any]] = {}  # id(span) -> its X event (flows bind to it)
+    # id(span) -> its X event (flows bind to it)
+    slices: dict[int, dict[str, Any]] = {}
     for rank in ranks:
         mine = [s for s in spans if s.rank == rank]
         # one pass of the metrics per rank: the iteration slices and the counters share it
@@ -178,7 +181,8 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
         for lane in lanes_in(mine):
             tracks = assign_tracks([s for s in mine if s.lane == lane])
             for depth, track in enumerate(tracks):
-                tid = 1 + LANES.index(lane) + 100 * depth  # a lane keeps its place in any run
+                # a lane keeps its place in any run
+                tid = 1 + LANES.index(lane) + 100 * depth
                 name = LANE_LABELS[lane] + (f" ({depth + 1})" if depth else "")
                 events.append(_meta(rank, tid, "thread_name", {"name": name}))
                 events.append(_meta(rank, tid, "thread_sort_index", {"sort_index": tid}))
@@ -196,7 +200,8 @@ def chrome_trace(spans: Sequence[Span], *, scalars: Sequence[Scalar] = (),
                            "ts": _us(sc.time_s), "args": {name: value}})
     for n in notes:
         events.append({"ph": "i", "s": "g", "name": n.text, "cat": "note", "pid": ranks[0],
-                       "tid": ITERATION_TID, "ts": _us(n.time_s), "args": {"iteration": n.iteration}})
+                       "tid": ITERATION_TID, "ts": _us(n.time_s),
+                       "args": {"iteration": n.iteration}})
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -209,7 +214,8 @@ def assign_tracks(spans: Iterable[Span]) -> list[list[Span]]:
     """Spread one lane's spans over tracks so that on each track every two spans are either
     disjoint or nested (what a trace viewer can draw); the first track takes all it can."""
     tracks: list[list[Span]] = []
-    stacks: list[list[float]] = []  # per track: ends of the slices still open
+    # per track: ends of the slices still open
+    stacks: list[list[float]] = []
     for s in sorted(spans, key=lambda x: (x.start_s, -x.end_s)):
         for track, stack in zip(tracks, stacks):
             while stack and stack[-1] <= s.start_s:
@@ -349,7 +355,8 @@ def check_chrome_trace(data: Any) -> list[str]:
             tracks.setdefault((ev["pid"], ev.get("tid")), []).append((ev["ts"], ev["ts"] + dur))
         elif ph in ("s", "t", "f"):
             flows.setdefault((str(ev.get("cat")), ev.get("id")), []).append(ev)
-        elif ph == "C" and not all(isinstance(v, (int, float)) for v in ev.get("args", {}).values()):
+        elif ph == "C" and not all(isinstance(v, (int, float))
+                                   for v in ev.get("args", {}).values()):
             problems.append(f"event {k}: counter args must be numbers")
     for key, slices in tracks.items():
         stack: list[float] = []

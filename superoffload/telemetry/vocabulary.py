@@ -67,7 +67,8 @@ def format_value(value: float, unit: str) -> str:
         return "-"
     if unit == "%":
         if value < 0.1:
-            return f"{value:.2g} %"  # a CPU-only "link" is used a fraction of a percent
+            # a CPU-only "link" is used a fraction of a percent
+            return f"{value:.2g} %"
         return f"{value:.1f} %" if value < 10 else f"{value:.0f} %"
     if unit == "count":
         return f"{int(value)}"
@@ -144,7 +145,8 @@ _TABLE = (
     Metric("device_idle_pct", "device idle", "%", "overlap",
            "share of the window the device neither computed nor stepped (waits count as idle)"),
     # training
-    Metric("loss", "loss", "nats", "train", "the engine's mean loss of the iteration's micro-batches"),
+    Metric("loss", "loss", "nats", "train",
+           "the engine's mean loss of the iteration's micro-batches"),
     Metric("grad_norm", "grad norm", "", "train", "global gradient norm before clipping"),
     Metric("loss_scale", "loss scale", "", "train", "fp16 dynamic loss scale in force"),
     Metric("lr", "learning rate", "", "train", "learning rate of the first parameter group"),
@@ -159,8 +161,10 @@ _TABLE = (
     Metric("rollbacks", "bucket rollbacks", "count", "stv",
            "buckets rolled back after validation (per iteration in series, run total in logs)"),
     Metric("replays", "replays", "count", "stv",
-           "buckets replayed with the clipped gradient (per iteration in series, run total in logs)"),
-    Metric("clipped_steps", "clipped steps", "count", "stv", "optimizer steps that clipped (run total)"),
+           "buckets replayed with the clipped gradient "
+           "(per iteration in series, run total in logs)"),
+    Metric("clipped_steps", "clipped steps", "count", "stv",
+           "optimizer steps that clipped (run total)"),
     Metric("skipped_steps", "skipped steps", "count", "stv",
            "steps skipped on a non-finite gradient (run total)"),
     Metric("window_iterations", "iterations pooled", "count", "time",
@@ -256,6 +260,6 @@ def summary_values(s: Summary) -> dict[str, float]:
     }
 
 
-def describe(values: Mapping[str, Any], names: tuple[str, ...] | list[str]) -> str:
+def describe_values(values: Mapping[str, Any], names: tuple[str, ...] | list[str]) -> str:
     """"iteration time 33 ms · D2H while moving 2 GB/s" for the `names` present in `values`."""
     return " · ".join(METRICS[n].show(float(values[n])) for n in names if n in values)

@@ -33,7 +33,7 @@ GB = 1e9
 """Bytes in a GB (rates are decimal GB/s everywhere)."""
 
 
-class IterationMetrics(Protocol):
+class PooledMetrics(Protocol):
     """What a window pools of one iteration (`telemetry.metrics.IterationMetrics` has it;
     declared here so this module depends on nothing of ours)."""
 
@@ -76,7 +76,7 @@ RECENT_ITERATIONS = 20
 """The window a live view pools: the last 20 complete iterations (the dashboard's status
 line, the CLI's progress bar). Long enough that a bimodal per-iteration share settles."""
 
-WEIGHTS: dict[str, Callable[[IterationMetrics], float]] = {
+WEIGHTS: dict[str, Callable[[PooledMetrics], float]] = {
     "iteration_ms": lambda m: 1.0,
     "engine_ms": lambda m: 1.0,
     "outside_engine_ms": lambda m: 1.0,
@@ -120,7 +120,7 @@ def _div(num: float, den: float) -> float:
     return num / den if den > 0 else math.nan
 
 
-def window_values(ms: Sequence[IterationMetrics], *, tokens: float | None = None,
+def window_values(ms: Sequence[PooledMetrics], *, tokens: float | None = None,
                   flops_per_iteration: float | None = None, d2h_reference_gbps: float | None = None,
                   h2d_reference_gbps: float | None = None) -> dict[str, float]:
     """The pooled figures of the iterations `ms` in the vocabulary's names and units (module
@@ -158,7 +158,7 @@ def window_values(ms: Sequence[IterationMetrics], *, tokens: float | None = None
     return out
 
 
-def window_of(ms: Sequence[IterationMetrics], **kw: float | None) -> Window:
+def window_of(ms: Sequence[PooledMetrics], **kw: float | None) -> Window:
     """`window_values(ms, **kw)` with the window's first and last iteration."""
     if not ms:
         return Window(-1, -1, 0, window_values(ms, **kw))

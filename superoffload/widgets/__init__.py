@@ -2,20 +2,20 @@
 
     from superoffload.widgets import LiveDashboard, OffloadTuner, BackgroundTrainer
 
-A folder per view: `dashboard/` (`LiveDashboard`: the engine's timeline, link GB/s while
-moving, overlap, iteration time against the planner's prediction, loss and memory, live or of
-a finished or simulated run, with smoothing, a wall-clock axis, panels to hide, runs to
-compare (`BEFORE_AFTER`: this run around its last change), a Save button and CSV export; and
-the HTML report), `tuner/` (`OffloadTuner`: the planner's prediction for every setting,
-applied to a running engine) and `shared/` (the notebook plumbing both use:
-`BackgroundTrainer`, which runs training off the cell so the widgets stay interactive, one
-run per engine; output slots frozen into static snapshots; the live figure widget).
-`notebook_ci()` tells a notebook to take its short CI path; `prepare_page()` starts loading the
-live figure's plotly.js in the page (the first view of ours shown does it too). Every live view is replaced in
-place by a static snapshot when its run ends, when the kernel shuts down (`freeze_all`) and,
-from the page, when it restarts, so a saved notebook reopens without "model not found";
-`placeholder(text)` holds a view's place while it is being prepared. Everything degrades to
-text or static HTML outside a notebook.
+A folder per view: `dashboard/` (`LiveDashboard`: the engine's timeline, link GB/s while moving,
+overlap, iteration time against the planner's prediction, loss and memory, live or of a finished
+or simulated run, with smoothing, a wall-clock axis, panels to hide, runs to compare
+(`BEFORE_AFTER`: this run around its last change), a Save button and CSV export; and the HTML
+report), `tuner/` (`OffloadTuner`: the planner's prediction for every setting, applied to a
+running engine) and `shared/` (the notebook plumbing both use: `BackgroundTrainer`, which runs
+training off the cell so the widgets stay interactive, one run per engine; output slots frozen
+into static snapshots; the live figure widget). `notebook_ci()` tells a notebook to take its
+short CI path; `prepare_page()` starts loading the live figure's plotly.js in the page (the
+first view of ours shown does it too). Every live view is replaced in place by a static snapshot
+when its run ends, when the kernel shuts down (`freeze_all`) and, from the page, when it
+restarts, so a saved notebook reopens without "model not found"; `placeholder(text)` holds a
+view's place while it is being prepared. Everything degrades to text or static HTML outside a
+notebook.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ parameter's fp32 master and moments as DTensors of its layout, "state/<name>/mas
 the model's buffers and frozen parameters, "model/<key>"), one sealed file per rank
 (``rank00000-of-00002.pt``: its RNG states; rank 0's also ``extra`` and the LR scheduler)
 and ``manifest.json`` (format, world size, every file's SHA-256, step counts and
-runtime/checkpoint.py's ``common_payload``). A save removes the old manifest first; rank 0
+runtime/engine_checkpoint.py's ``common_payload``). A save removes the old manifest first; rank 0
 writes the new one after every rank's files are in place (the digests' all-gather is the
 barrier), so a manifest means a complete checkpoint, and a flipped byte or a file from
 another save is refused naming it. Any world size and mesh loads it (DCP reshards); RNG states
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from superoffload.distributed.fsdp import legacy
 from superoffload.distributed.process_group import collective_guard
 from superoffload.kernels.optimizer_batches import is_dtensor
-from superoffload.runtime import checkpoint as single
+from superoffload.runtime import engine_checkpoint as single
 from superoffload.runtime.ckpt_files import (
     CheckpointCorrupt,
     check_digests,
@@ -43,15 +43,15 @@ from superoffload.runtime.ckpt_files import (
     write_atomic,
     write_text_atomic,
 )
-from superoffload.runtime.state import ParamState
+from superoffload.runtime.engine_state import ParamState
 
-FORMAT = "superoffload-fsdp/1"
+FSDP_FORMAT = "superoffload-fsdp/1"
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 MANIFEST = legacy.MANIFEST
 
 
 class FsdpCheckpointable(single.Checkpointable, Protocol):
-    """What this format needs of the engine (engine.py implements it)."""
+    """What this format needs of the engine (fsdp_engine.py implements it)."""
 
     telemetry: Any
 
@@ -100,8 +100,8 @@ def _state(tensors: dict[str, Any], name: str, step: int) -> ParamState:
     return ParamState(get[0], get[1], get[2], step)
 
 
-def save(engine: FsdpCheckpointable, path: str, *, extra: Any = None,
-         lr_scheduler: Any = None) -> str:
+def save_sharded(engine: FsdpCheckpointable, path: str, *, extra: Any = None,
+                 lr_scheduler: Any = None) -> str:
     """Write the checkpoint (see the module docstring). Collective; returns ``path``."""
     import torch.distributed.checkpoint as dcp
 
@@ -109,16 +109,19 @@ def save(engine: FsdpCheckpointable, path: str, *, extra: Any = None,
     rank, world = engine.rank, engine.world_size
     os.makedirs(path, exist_ok=True)
     if rank == 0 and os.path.exists(os.path.join(path, MANIFEST)):
-        os.remove(os.path.join(path, MANIFEST))  # until the new one: not a complete checkpoint
+        # until the new manifest is written the folder is not a complete checkpoint: a crash
+        # mid-save must not leave the old manifest naming new, partial shards
+        os.remove(os.path.join(path, MANIFEST))
     st = engine.state
     tensors = _dcp_state(engine, engine.export_states(), _model_rest(engine))
     error: Exception | None = None
     digests: dict[str, str] = {}
     try:
-        with collective_guard("DCP save"):  # one copy of a replicated tensor: rank 0's
+        # one copy of a replicated tensor: rank 0's
+        with collective_guard("DCP save"):
             dcp.save(tensors, checkpoint_id=path,
                      planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
-        payload: dict[str, Any] = {"format": FORMAT, "rank": rank, "world_size": world,
+        payload: dict[str, Any] = {"format": FSDP_FORMAT, "rank": rank, "world_size": world,
                                    "rng": single.rng_state(), "buffers": _own_rest(engine)}
         if rank == 0:
             payload["extra"] = extra
@@ -139,7 +142,7 @@ def save(engine: FsdpCheckpointable, path: str, *, extra: Any = None,
     if rank == 0:
         files = {k: v for d in gathered for k, v in d.items()}
         files[".metadata"] = file_sha256(os.path.join(path, ".metadata"))
-        manifest = {"format": FORMAT, "world_size": world, "files": sorted(files),
+        manifest = {"format": FSDP_FORMAT, "world_size": world, "files": sorted(files),
                     "sha256": files, **single.common_payload(engine),
                     "steps": {st.names[i]: st.steps[i] for i in st.trainable},
                     "export": how_to_export()}
@@ -153,8 +156,11 @@ def _verify(path: str, manifest: dict[str, Any]) -> None:
     """Every file the manifest names has the SHA-256 it recorded (DCP's files carry no
     checksum of their own: a flipped byte would load silently)."""
     digests = manifest.get("sha256")
-    reason = ("its manifest records no checksums" if not isinstance(digests, dict) else
-              check_digests(path, digests))
+    # a manifest with no checksums cannot vouch for its files: refused, not trusted
+    if not isinstance(digests, dict):
+        reason: str | None = "its manifest records no checksums"
+    else:
+        reason = check_digests(path, digests)
     if reason is not None:
         raise CheckpointCorrupt(f"checkpoint {path}: {reason}: it is corrupt, or a file comes "
                                 "from another save (a save killed midway leaves a mix); load "
@@ -164,9 +170,9 @@ def _verify(path: str, manifest: dict[str, Any]) -> None:
 def read_manifest(path: str) -> dict[str, Any]:
     """The checkpoint's manifest, of this format or the former ZeRO one (else refused)."""
     manifest = legacy.read_manifest(path)
-    if manifest is not None and manifest.get("format") not in (FORMAT, legacy.FORMAT):
+    if manifest is not None and manifest.get("format") not in (FSDP_FORMAT, legacy.FORMAT):
         raise single.CheckpointMismatch(f"{path}: format {manifest.get('format')!r}, expected "
-                                        f"{FORMAT!r}")
+                                        f"{FSDP_FORMAT!r}")
     if manifest is None:
         if os.path.exists(os.path.join(path, single.FILENAME)):
             raise FileNotFoundError(
@@ -178,7 +184,7 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def load(engine: FsdpCheckpointable, path: str, *, lr_scheduler: Any = None) -> Any:
+def load_sharded(engine: FsdpCheckpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     """Restore a checkpoint written on any world size (or by the former ZeRO engine: it is
     converted). Collective; returns ``extra``."""
     engine.synchronize()
@@ -190,7 +196,8 @@ def load(engine: FsdpCheckpointable, path: str, *, lr_scheduler: Any = None) -> 
     import torch.distributed.checkpoint as dcp
 
     st = engine.state
-    current = engine.export_states()  # DTensors of this run's layout: DCP fills them in place
+    # DTensors of this run's layout: DCP fills them in place
+    current = engine.export_states()
     rest = {k: v.detach().clone() for k, v in _model_rest(engine).items()}
     targets = _dcp_state(engine, current, rest)
     with collective_guard("DCP load"):
@@ -200,11 +207,15 @@ def load(engine: FsdpCheckpointable, path: str, *, lr_scheduler: Any = None) -> 
     n = manifest["world_size"]
     first = read_verified(os.path.join(path, rank_file(0, n)))
     mine = None
-    if n == engine.world_size:  # same layout: each rank resumes its RNG and its buffers
-        mine = first if engine.rank == 0 else read_verified(
-            os.path.join(path, rank_file(engine.rank, n)))
+    # same layout: each rank resumes its RNG and its buffers
+    if n == engine.world_size:
+        # rank 0's file was read (and verified) already
+        mine = first
+        if engine.rank != 0:
+            mine = read_verified(os.path.join(path, rank_file(engine.rank, n)))
         single.set_rng_state(mine["rng"])
-    own = mine.get("buffers", {}) if mine is not None else {}  # none: saved before they were
+    # none: saved before they were
+    own = mine.get("buffers", {}) if mine is not None else {}
     _copy_model_rest(engine, {k: own.get(k, targets[f"model/{k}"]) for k in rest})
     single.restore_common(engine, manifest)
     _load_scheduler(lr_scheduler, first.get("lr_scheduler"))
@@ -227,7 +238,8 @@ def consolidate(path: str) -> legacy.ConsolidatedState:
     tensors = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
                for k, md in reader.read_metadata().state_dict_metadata.items()
                if isinstance(md, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+    # "assuming the intent is to load in a single process": yes
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=reader, no_dist=True)
     states = {name: _state(tensors, name, int(step)) for name, step in manifest["steps"].items()}
@@ -267,8 +279,8 @@ def _copy_model_rest(engine: FsdpCheckpointable, values: dict[str, torch.Tensor]
         for k, v in values.items():
             t = current[k]
             if is_dtensor(t) and not is_dtensor(v):
-                v = distribute_tensor(v.to(t.dtype), t.device_mesh, t.placements,  # type: ignore[attr-defined]
-                                      src_data_rank=None)
+                mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+                v = distribute_tensor(v.to(t.dtype), mesh, placements, src_data_rank=None)
             if is_dtensor(t):
                 t.to_local().copy_(v.to_local())  # type: ignore[attr-defined]
             else:

@@ -4,7 +4,7 @@ A block unit with ``CPUOffloadPolicy`` keeps its shards on the host -- where the
 step publishes -- all-gathers them at the unit's forward (and again for backward) and frees
 the unsharded weights after it, prefetching the next units (``set_modules_to_forward_prefetch``
 = ``prefetch_depth``): single-process weight-flow's schedule (runtime/weightflow.py) at unit
-granularity. ``FsdpFlow`` stands in for ``WeightFlow`` in runtime/weights.py: it sets the
+granularity. ``FsdpFlow`` stands in for ``WeightFlow`` in runtime/weight_policy.py: it sets the
 prefetch, counts each block's materializations (``stats.fetches``) and streams nothing itself.
 """
 
@@ -49,32 +49,34 @@ class _Count(PicklableHook):
 
 class FsdpFlow:
     """The engine's weight-flow object under the FSDP2 transport (see the module docstring).
-    ``blocks``: the block units, forward order; ``transport``: sets FSDP2's prefetch."""
+    ``blocks``: the block units, forward order; ``hooks``: sets FSDP2's prefetch and the
+    publish waits that follow it (hooks.py ``UnitHooks``)."""
 
     streamed_indices: frozenset[int] = frozenset()
     held_bytes = 0
     iteration_peak_bytes = 0
 
-    def __init__(self, blocks: Sequence[Any], transport: Any, depth: int) -> None:
+    def __init__(self, blocks: Sequence[Any], hooks: Any, depth: int) -> None:
         self.blocks = list(blocks)
-        self.transport = transport
+        self.hooks = hooks
         self.depth = depth
         self.params = [list(b.parameters()) for b in self.blocks]
         self.stats = FlowStats()
         self.handles: list[Any] = []
 
     def attach(self) -> None:
-        self.transport.set_prefetch(self.blocks, self.depth)
+        self.hooks.set_prefetch(self.blocks, self.depth)
         self.handles = [b.register_forward_pre_hook(_Count(self)) for b in self.blocks]
 
     def detach(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
-        with contextlib.suppress(Exception):  # the transport may be closed already
-            self.transport.set_prefetch(self.blocks, 0)
+        # the engine may be closed already
+        with contextlib.suppress(Exception):
+            self.hooks.set_prefetch(self.blocks, 0)
 
-    # what runtime/weights.py calls of a WeightFlow: FSDP2 does it already
+    # what runtime/weight_policy.py calls of a WeightFlow: FSDP2 does it already
     def begin_forward(self) -> None:
         return None
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from superoffload.runtime import checkpoint as single
+from superoffload.runtime import engine_checkpoint as single
 from superoffload.runtime.ckpt_files import read_verified
-from superoffload.runtime.state import ParamState
+from superoffload.runtime.engine_state import ParamState
 
 FORMAT = "superoffload-zero/1"
 MANIFEST = "manifest.json"
@@ -75,8 +75,9 @@ def consolidate(path: str, manifest: dict[str, Any]) -> ConsolidatedState:
         if covered != torch.Size(shape).numel():
             raise single.CheckpointMismatch(f"parameter {pname!r}: {covered} of "
                                             f"{torch.Size(shape).numel()} elements found")
-        master, exp_avg, exp_avg_sq = (torch.cat([t[k] for t in parts]).view(shape)  # type: ignore[misc]
-                                       for k in (1, 2, 3))
+        master, exp_avg, exp_avg_sq = (
+            torch.cat([t[k] for t in parts]).view(shape)  # type: ignore[misc]
+            for k in (1, 2, 3))
         states[pname] = ParamState(master, exp_avg, exp_avg_sq, int(manifest["steps"][pname]))
     first = files[0]
     return ConsolidatedState(manifest, states, first["model_rest"], [f["rng"] for f in files],

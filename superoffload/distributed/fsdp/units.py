@@ -41,7 +41,8 @@ def fsdp_units(model: torch.nn.Module) -> list[Unit]:
 
     modules: list[Any] = [m for m in model.modules() if isinstance(m, FSDPModule)]
     groups: dict[int, list[Any]] = {}
-    for m in modules:  # the one place this package reads FSDP2's state object: its identity
+    # the one place this package reads FSDP2's state object: its identity
+    for m in modules:
         groups.setdefault(id(m._get_fsdp_state()), []).append(m)
     out = []
     for members in groups.values():
@@ -93,7 +94,9 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, bucket_bytes: int, blocks_
     root. Weight-flow (``blocks_on_host``): one unit per block, its shards on the host."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    broadcast_model(model, group, dist.get_process_group_ranks(group)[0] if group else 0)
+    # the group's first rank is the source: every rank starts from its weights (as DDP does)
+    source = dist.get_process_group_ranks(group)[0] if group else 0
+    broadcast_model(model, group, source)
     mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     blocks = block_modules(model)
     units = block_units([sum(p.numel() for p in b.parameters()) for b in blocks],
@@ -104,8 +107,14 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, bucket_bytes: int, blocks_
         for (k,) in units.groups:
             fully_shard(blocks[k], mesh=mesh, mp_policy=mp, offload_policy=host)
     else:
-        for ks in units.groups:  # one all-gather per iteration
+        # one all-gather per iteration
+        for ks in units.groups:
             members = [blocks[k] for k in ks]
-            fully_shard(members if len(members) > 1 else members[0], mesh=mesh, mp_policy=mp,
+            # a single block is sharded as itself (the module becomes its FSDP unit); a group of
+            # blocks as one unit over the list
+            unit: Any = members[0]
+            if len(members) > 1:
+                unit = members
+            fully_shard(unit, mesh=mesh, mp_policy=mp,
                         reshard_after_forward=units.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp)

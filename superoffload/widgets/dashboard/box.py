@@ -92,7 +92,8 @@ class LiveBox:
             self.plot.show_figure(fig)
         now = time.monotonic()
         if self.initialized and self.fallback_on:
-            self.fallback_on = False  # the live figure spoke at last: the page hid the copy
+            # the live figure spoke at last: the page hid the copy
+            self.fallback_on = False
             self.fallback.outputs = ()
         elif fallback_due(now_s=now, shown_s=self.shown_s, initialized=self.initialized,
                           has_data=has_data, last_s=self._fallback_s):

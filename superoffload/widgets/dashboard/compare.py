@@ -27,7 +27,7 @@ from superoffload.telemetry.metrics import IterationMetrics
 from superoffload.telemetry.recorder import Recorder
 from superoffload.telemetry.runfile import SavedRun, load_run, run_from_recorder, run_from_spans
 from superoffload.telemetry.window import WEIGHTS
-from superoffload.widgets.dashboard.state import ABTrial, DashboardState
+from superoffload.widgets.dashboard.state import DashboardState, TrialNotes
 from superoffload.widgets.dashboard.traces import MAX_OVERLAYS, OVERLAY_METRICS
 
 BEFORE_AFTER = "before/after the last change"
@@ -78,7 +78,7 @@ def overlay_of(run: SavedRun, *, max_points: int = 600) -> Overlay:
     return Overlay(run.name, out)
 
 
-def change_window(state_reconfigures: Sequence[tuple[int, str]], trials: Sequence[ABTrial],
+def change_window(state_reconfigures: Sequence[tuple[int, str]], trials: Sequence[TrialNotes],
                   complete_through: int, first_iteration: int = 0
                   ) -> tuple[tuple[int, int], tuple[int, int], str] | None:
     """((first, last) before, (first, last) after, what changed) around the newest change:

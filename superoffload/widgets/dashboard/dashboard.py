@@ -98,7 +98,7 @@ class LiveDashboard:
         self.refreshes = 0
         self.gaps = GapWatch()
         """The prediction-gap warning, held steady (`expected.GapWatch`)."""
-        self._main = snap.Slot("dashboard")
+        self._main = snap.OutputSlot("dashboard")
         self._feed = Feed(self.recorder) if self.recorder is not None else None
         self._lock = threading.RLock()
         self._runs_listed = time.monotonic()
@@ -153,7 +153,8 @@ class LiveDashboard:
             self.refreshes += 1
         if self.toolbar is not None and time.monotonic() - self._runs_listed >= RUNS_EVERY_S:
             self._runs_listed = time.monotonic()
-            self.toolbar.refresh_runs()  # a run saved meanwhile, elsewhere: in the menu now
+            # a run saved meanwhile, elsewhere: in the menu now
+            self.toolbar.refresh_runs()
         return new
 
     def _lanes_busy(self) -> bool:

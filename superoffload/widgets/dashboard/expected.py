@@ -120,7 +120,8 @@ class GapWatch:
         """The warning to show now (None: none)."""
         e = max(expected, key=lambda x: x.from_iteration) if expected else None
         key = (e.from_iteration, e.iteration_s) if e is not None else None
-        if key != self._prediction:  # a new prediction: judged afresh
+        # a new prediction: judged afresh
+        if key != self._prediction:
             self._prediction, self.shown = key, None
         gap = prediction_gap(iterations, engine_ms, expected)
         if gap is not None:

@@ -31,7 +31,8 @@ class Feed:
     def read(self, state: DashboardState, *, final: bool = False) -> bool:
         """Add what arrived since the last call to `state`; True when anything did."""
         rec = self.recorder
-        if self._span_seq < 0:  # the first read: the run so far, its binned start too
+        # the first read: the run so far, its binned start too
+        if self._span_seq < 0:
             archive, spans, self._span_seq = rec.whole_run_seq()
             state.add_archive(archive)
         else:
@@ -50,6 +51,7 @@ class Feed:
         self.spans_read += len(spans)
         sampled = state.host_mem_gb.last_iteration
         if state.complete_through > (-1 if sampled is None else sampled):
-            host, device = memory_bytes(rec)  # one sample per complete iteration
+            # one sample per complete iteration
+            host, device = memory_bytes(rec)
             state.add_memory(state.complete_through, host, device)
         return bool(spans) or bool(by_name)

@@ -50,7 +50,8 @@ def legend_px(overlays: int = 0) -> int:
 
 def build_figure(*, title: str = "superoffload") -> dict[str, Any]:
     """The measured layout's figure dict (`widgets/shared/plotjson.py`), every trace in place and
-    empty (a live view sends it to the browser with `widgets/shared/liveplot.LivePlot`)."""
+    empty (a live view sends it to the browser with the LivePlot widget,
+    `widgets/shared/liveplot.live_plot_class`)."""
     fig: dict[str, Any] = {"data": [make_trace(s) for s in SPECS], "layout": {
         "title": {"text": title, "x": 0.0, "xanchor": "left", "y": 1.0, "yanchor": "top",
                   "yref": "container", "pad": {"t": 4}, "font": {"size": 13}},
@@ -100,15 +101,18 @@ def _apply_grid(fig: dict[str, Any], panels: list[str], x_title: str, overlays: 
             xprops["title"]["text"] = x_title if key in grid.bottom_row else ""
             xprops["nticks"] = 6
             if key != "speed":
-                xprops["matches"] = "x2"  # one x axis for every panel below
+                # one x axis for every panel below
+                xprops["matches"] = "x2"
             yprops["rangemode"] = "tozero"
             yprops["separatethousands"] = True
             yprops["exponentformat"] = "none"
         if key == "percent":
             yprops["range"] = [0, 105]
-        if key == "link":  # rates far below the reference (a CPU "link") stay readable beside it
+        # rates far below the reference (a CPU "link") stay readable beside it
+        if key == "link":
             yprops["type"] = "log"
-            yprops["dtick"] = 1  # a label per power of ten
+            # a label per power of ten
+            yprops["dtick"] = 1
             yprops.pop("rangemode")
             yprops.pop("exponentformat")
         layout[xa] = xprops
@@ -143,7 +147,8 @@ def write_state(fig: dict[str, Any], state: DashboardState, title: str, *,
     for key, props in updates.items():
         trace = fig["data"][TRACE[key]]
         if same(trace, props):
-            continue  # nothing new: send nothing to the browser
+            # nothing new: send nothing to the browser
+            continue
         changed = True
         trace.update(props)
     if layout["title"]["text"] != title:
@@ -154,7 +159,8 @@ def write_state(fig: dict[str, Any], state: DashboardState, title: str, *,
         changed = True
         axis["tickvals"] = list(range(timeline.rows))
         axis["ticktext"] = timeline.labels
-        axis["range"] = [timeline.rows - 0.5, -1.0]  # reversed: compute on top; room for "it N"
+        # reversed: compute on top; room for "it N"
+        axis["range"] = [timeline.rows - 0.5, -1.0]
         axis["zeroline"] = False
     first = min(timeline.boundaries, default=None)
     titles = {"timeline": f"timeline · ms since iteration {first} started" if first is not None
@@ -168,7 +174,8 @@ def write_state(fig: dict[str, Any], state: DashboardState, title: str, *,
         changed = True
     old = layout["yaxis2"].get("range")
     if top is not None and (old is None or abs(old[1] - top) > 0.1 * top):
-        layout["yaxis2"]["range"] = [0, top]  # a step only when it moves by > 10 %
+        # a step only when it moves by > 10 %
+        layout["yaxis2"]["range"] = [0, top]
         changed = True
     decades = log_decades([arrays[k] for k in ("d2h_gbps_busy_min", "d2h_gbps_busy_max",
                                                "h2d_gbps_busy_min", "h2d_gbps_busy_max")],

@@ -250,7 +250,8 @@ def legend_lines(entries: Sequence[str], width_px: float) -> int:
 def legends_fit(layout: dict[str, Panel], domains: dict[str, Domain], width_px: float) -> list[str]:
     """Panels whose legend would not fit on one line at figure width `width_px` (the
     browser test checks the rendered boxes; this catches a too-long name without one)."""
-    plot_px = width_px - 80  # left/right margins
+    # left/right margins
+    plot_px = width_px - 80
     return [k for k, d in domains.items()
             if legend_width_px(layout[k].legend) > (d.x[1] - d.x[0]) * plot_px]
 

@@ -3,11 +3,11 @@ overlap figures mean there (docs/jupyter.md, "What the figures mean on your mach
 
 The same numbers read differently per machine: on a Superchip (GH200, GB200) gradients and
 weights cross NVLink-C2C (several hundred GB/s per direction on a GH200: the "gh200" preset,
-docs/DESIGN.md §1), so the copies rarely limit and the question is whether the Grace CPU's Adam step hides under the GPU's backward;
-on a PCIe host (~55 GB/s per direction) the copies themselves can be what the GPU waits for;
-on a CPU-only machine there is no link (a "transfer" is a memory copy) and the model and the
-"CPU" optimizer share the same cores, so a ratio only moves work between threads and says
-nothing about a GPU machine. Pure: a profile in, words out.
+docs/DESIGN.md §1), so the copies rarely limit and the question is whether the Grace CPU's Adam
+step hides under the GPU's backward; on a PCIe host (~55 GB/s per direction) the copies
+themselves can be what the GPU waits for; on a CPU-only machine there is no link (a "transfer"
+is a memory copy) and the model and the "CPU" optimizer share the same cores, so a ratio only
+moves work between threads and says nothing about a GPU machine. Pure: a profile in, words out.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from superoffload.widgets.dashboard import layout as L
-from superoffload.widgets.dashboard.state import ABTrial, DashboardState
+from superoffload.widgets.dashboard.state import DashboardState, TrialNotes
 from superoffload.widgets.dashboard.timeline import TimelineView
 from superoffload.widgets.dashboard.traces import rgba
 
@@ -20,7 +20,7 @@ XMap = Callable[[float], float]
 
 def panel_annotations(grid: L.Grid, panels: Sequence[str], titles: dict[str, str],
                       marks: Sequence[tuple[int, str]], *, x_of: XMap, waiting: bool = False,
-                      trials: Sequence[ABTrial] = ()) -> list[dict[str, Any]]:
+                      trials: Sequence[TrialNotes] = ()) -> list[dict[str, Any]]:
     """Panel titles above each panel; a label per reconfiguration (the newest three) at the
     bottom of the iteration-time panel beside its dashed line, on an opaque box (a spike
     never crosses it: the line is above the axis' zero); "waiting for the first complete
@@ -41,7 +41,8 @@ def panel_annotations(grid: L.Grid, panels: Sequence[str], titles: dict[str, str
             out.append({"text": text, "showarrow": False, "xref": "x2",
                         "yref": "y2 domain", "x": x_of(at), "y": 0.02, "xanchor": "left",
                         "yanchor": "bottom", "font": {"size": 10, "color": color},
-                        "bgcolor": "#FFFFFF", "bordercolor": color, "borderwidth": 1, "borderpad": 2})
+                        "bgcolor": "#FFFFFF", "bordercolor": color, "borderwidth": 1,
+                        "borderpad": 2})
     if waiting and "timeline" in panels:
         out.append({"text": WAITING, "showarrow": False, "xref": "x domain", "yref": "y domain",
                     "x": 0.5, "y": 0.5, "font": {"size": 14, "color": "#555555"},

@@ -86,7 +86,8 @@ def timeline_updates(view: TimelineView) -> dict[str, dict[str, Any]]:
     starts = spaced_labels(view.boundaries, view.x_range_ms)
     up["boundary_text"] = {"x": np.array(list(starts.values()), dtype=float),
                            "y": np.full(len(starts), -0.68), "text": [f"it {i}" for i in starts]}
-    for key, m in (("rollback", view.rollbacks), ("replay", view.replays), ("skipped", view.skipped)):
+    marks = (("rollback", view.rollbacks), ("replay", view.replays), ("skipped", view.skipped))
+    for key, m in marks:
         up[key] = {"x": m.x_ms, "y": m.y, "text": m.text}
     return up
 
@@ -104,7 +105,9 @@ def trace_updates(view: TimelineView, state: DashboardState, a: dict[str, np.nda
         if f"{key}:band" in TRACE:
             up[f"{key}:band"] = band(x, a[f"{key}_min"], a[f"{key}_max"])
     pred = a["predicted_ms"]
-    up["predicted_ms"] = {"x": x, "y": pred, "customdata": custom(a["first"], a["last"], pred, pred, pred)}
+    # a prediction has no spread: its hover's min, max and mean are the prediction itself
+    up["predicted_ms"] = {"x": x, "y": pred,
+                          "customdata": custom(a["first"], a["last"], pred, pred, pred)}
     strip = top or 1.0
     skipped = in_bins(state.skipped, a["first"], a["last"])
     for key, counts, label in (("rollback", a["rollbacks_max"], "bucket rollbacks"),
@@ -123,7 +126,8 @@ def trace_updates(view: TimelineView, state: DashboardState, a: dict[str, np.nda
     loss = state.loss_series()
     lx = xs.of(loss["x"])
     up["loss"] = {"x": lx, "y": ema(loss["mean"], w) if w else loss["mean"],
-                  "customdata": custom(loss["first"], loss["last"], loss["min"], loss["max"], loss["mean"])}
+                  "customdata": custom(loss["first"], loss["last"], loss["min"], loss["max"],
+                                       loss["mean"])}
     up["loss:band"] = band(lx, loss["min"], loss["max"])
     host, device = state.memory_series()
     up["host_mem_gb"] = {"x": xs.of(host["x"]), "y": host["mean"],
@@ -182,7 +186,8 @@ def same(trace: dict[str, Any], props: dict[str, Any]) -> bool:
     return "text" not in props or list(trace.get("text") or ()) == list(props["text"])
 
 
-def log_decades(arrays: list[np.ndarray], also: tuple[float | None, ...] = ()) -> list[float] | None:
+def log_decades(arrays: list[np.ndarray],
+                also: tuple[float | None, ...] = ()) -> list[float] | None:
     """A log axis' range in whole powers of ten around every finite positive value: a rate
     that barely changes stays a flat line with labelled ticks, instead of autoscaling its
     last digits into steps across an axis without a single label."""

@@ -75,14 +75,16 @@ class Predictor:
             if notes > self._notes and self.expected:
                 start = state.reconfigures[-1][0]
             self._notes = notes
-            if key == self._key:  # the note of a change already predicted: move its step
+            # the note of a change already predicted: move its step
+            if key == self._key:
                 last = self.expected.pop()
                 seconds, tflops = last.iteration_s, last.tflops
             else:
                 seconds, tflops = predicted_step(self.shape, self.profile.profile, config,
                                                  self.micro_batches)
             self.expected = [e for e in self.expected if e.from_iteration < start]
-            self.expected.append(Expected(start, seconds, tflops, calibrated=self.profile.calibrated))
+            self.expected.append(Expected(start, seconds, tflops,
+                                          calibrated=self.profile.calibrated))
             self._key = key
 
     def _start_calibrator(self, after: int | None, measured_here: bool) -> Any:
@@ -91,7 +93,8 @@ class Predictor:
         if (not after or self.engine is None or self.shape is None or self.profile is None
                 or not measured_here or not step_listener.supported(self.engine)):
             return None
-        # after the run's warm-up, shared with a tuner on the same run (widgets/shared/calibration.py)
+        # after the run's warm-up, shared with a tuner on the same run
+        # (widgets/shared/calibration.py)
         calibrator = after_warm_up(self.engine, self.step_shape(), self.profile.profile,
                                    after=after)
         calibrator.on_calibrated(self.use_calibration)

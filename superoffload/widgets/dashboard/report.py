@@ -110,7 +110,8 @@ def write_html_report(
     inline_js: embed plotly.js (the file opens alone, offline); False: write it beside.
     """
     if timeline_iterations < 1:
-        raise ValueError(f"write_html_report: timeline_iterations={timeline_iterations} must be >= 1")
+        raise ValueError(f"write_html_report: timeline_iterations={timeline_iterations} "
+                         "must be >= 1")
     spans, series, recorded, archive = _gather(source, scalars)
     texts = [f"iteration {i}: {t}" for i, t in recorded] + list(notes or [])
     out = Path(path)
@@ -164,7 +165,8 @@ def _fmt(value: Any) -> str:
 
 
 def _kv_table(rows: Mapping[str, Any]) -> str:
-    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>" for k, v in rows.items())
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td>{_fmt(v)}</td></tr>"
+                    for k, v in rows.items())
     return f"<table>{cells}</table>"
 
 
@@ -178,8 +180,8 @@ def _summary(summary: Summary | None, series: Mapping[str, list[tuple[int, float
              "keeps the spans of the newest ones; the charts show them all)" if older
              else f"{summary.iterations} iterations")
     lines = [f"{count}; {summary.window_label()} pooled (after the "
-             "warm-up; totals over totals): " + vocab.describe(values, SUMMARY[:2]),
-             vocab.describe(values, SUMMARY[2:])]
+             "warm-up; totals over totals): " + vocab.describe_values(values, SUMMARY[:2]),
+             vocab.describe_values(values, SUMMARY[2:])]
     loss = series.get("loss")
     if loss:
         lines.append(f"loss {loss[0][1]:.4g} (iteration {loss[0][0]}) -> {loss[-1][1]:.4g} "
@@ -213,7 +215,8 @@ def _tables_last(summary: Summary | None, extra: Mapping[str, Any],
         rows = "".join(f"<tr><td>{r}</td>" + "".join(f"<td>{_fmt(values[n])}</td>" for n in names)
                        + "</tr>" for r, values in per_rank.items())
         parts.append(f"<h2>Per rank, pooled</h2><p>Each rank's own iterations (the charts and "
-                     f"the summary are rank {min(ranks)}'s).</p><table><tr>{head}</tr>{rows}</table>")
+                     f"the summary are rank {min(ranks)}'s).</p>"
+                     f"<table><tr>{head}</tr>{rows}</table>")
     return "".join(parts)
 
 
@@ -226,7 +229,8 @@ def _iteration_tables(per_iter: list[IterationMetrics],
     out = f"<h2>Iterations</h2><table><tr>{head}</tr>{rows}</table>"
     for name, values in series.items():
         cells = "".join(f"<tr><td>{i}</td><td>{_fmt(v)}</td></tr>" for i, v in values)
-        out += f"<h2>{html.escape(name)}</h2><table><tr><th>iteration</th><th>value</th></tr>{cells}</table>"
+        head = "<tr><th>iteration</th><th>value</th></tr>"
+        out += f"<h2>{html.escape(name)}</h2><table>{head}{cells}</table>"
     return out
 
 
@@ -260,9 +264,11 @@ def _bandwidth(spans: list[Span]) -> Any:
     for rank, rank_spans in groups.items():
         for lane in ("d2h", "h2d"):
             t, gbps = bandwidth_series(rank_spans, lane)
+            # D2H solid, H2D dashed: the two directions stay apart where their lines cross
+            dash = "solid" if lane == "d2h" else "dash"
+            line = {"shape": "hv", "color": L.METRIC_COLORS[lane], "dash": dash}
             fig.add_trace(go.Scatter(name=lane_label(lane.upper(), rank, multi), x=t, y=gbps,
-                                     mode="lines", line={"shape": "hv", "color": L.METRIC_COLORS[lane],
-                                                         "dash": "solid" if lane == "d2h" else "dash"}))
+                                     mode="lines", line=line))
     fig.update_layout(title="link traffic over time (each transfer's bytes spread over its span)",
                       xaxis_title="s since the recording started", yaxis_title="GB/s",
                       height=320, **_STYLE_LAYOUT)
@@ -275,8 +281,9 @@ def _series_chart(name: str, values: list[tuple[int, float]]) -> Any:
     to, factor = vocab.ENGINE_SCALARS.get(name, (name, 1.0))
     metric = vocab.METRICS.get(to)
     label = metric.title if metric is not None else name
-    fig = go.Figure(go.Scatter(name=label, x=[i for i, _ in values], y=[v * factor for _, v in values],
-                               mode="lines", line={"color": "#1B1B1B"}))
+    fig = go.Figure(go.Scatter(name=label, x=[i for i, _ in values],
+                               y=[v * factor for _, v in values], mode="lines",
+                               line={"color": "#1B1B1B"}))
     fig.update_layout(title=f"{label} · {metric.definition}" if metric is not None else label,
                       xaxis_title="iteration", yaxis_title=label, height=280, **_STYLE_LAYOUT)
     return fig

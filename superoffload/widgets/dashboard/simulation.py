@@ -24,6 +24,7 @@ from superoffload.telemetry import intervals, metrics
 from superoffload.telemetry.events import LANE_COMPUTE, LANE_LABELS, Span, lanes_in
 from superoffload.widgets.dashboard import layout as L
 from superoffload.widgets.dashboard.timeline import spaced_labels, timeline_view, vlines
+from superoffload.widgets.shared.profile import rank_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,8 @@ def sim_figures(result: Any, profile: Any = None) -> SimFigures:
     from superoffload.plan.memory import DEVICE_HEADROOM, HOST_HEADROOM
 
     profile = profile if profile is not None else _preset(getattr(result, "profile", ""))
+    # the simulated memory is one rank's: its capacity is that rank's share of the host
+    profile = rank_share(profile, getattr(result, "shape", None))
     window = tuple(getattr(result, "window", (0.0, 0.0)))
     if not window[1] > window[0]:
         ends = [s.end_s for s in result.timeline]
@@ -77,7 +80,8 @@ def sim_figures(result: Any, profile: Any = None) -> SimFigures:
     spans = window_spans(list(result.timeline), w)
     device = metrics.device_busy(spans)
     busy, exposed = {}, {}
-    for lane in lanes_in(spans):  # the lanes this schedule uses (no storage row without it)
+    # the lanes this schedule uses (no storage row without it)
+    for lane in lanes_in(spans):
         own = intervals.clip([(s.start_s, s.end_s) for s in spans if s.lane == lane], w)
         busy[lane] = intervals.length(own) * 1e3
         exposed[lane] = (0.0 if lane == LANE_COMPUTE
@@ -89,11 +93,17 @@ def sim_figures(result: Any, profile: Any = None) -> SimFigures:
         for s in spans:
             if s.lane == lane and s.nbytes and s.end_s > s.start_s:
                 inside = min(s.end_s, w[1]) - max(s.start_s, w[0])
-                moved += s.nbytes * inside / (s.end_s - s.start_s)  # the window's share
+                # the window's share
+                moved += s.nbytes * inside / (s.end_s - s.start_s)
         busy_s = busy.get(lane, 0.0) / 1e3
         peak = getattr(profile, f"{lane}_gbps", None)
-        link[lane] = LinkFigure(gbps_busy=moved / busy_s / 1e9 if busy_s > 0 and moved else math.nan,
-                                busy_pct=100 * busy_s / length_s if length_s > 0 else math.nan,
+        # the rate while moving (bytes over busy time, not over the window): a lane that
+        # moved nothing has no rate (NaN), which is not a rate of 0 GB/s
+        gbps_busy = math.nan
+        if busy_s > 0 and moved:
+            gbps_busy = moved / busy_s / 1e9
+        busy_pct = 100 * busy_s / length_s if length_s > 0 else math.nan
+        link[lane] = LinkFigure(gbps_busy=gbps_busy, busy_pct=busy_pct,
                                 peak_gbps=float(peak) if peak else None)
     mem = getattr(result, "memory", {}) or {}
     bars = []
@@ -102,7 +112,9 @@ def sim_figures(result: Any, profile: Any = None) -> SimFigures:
         needed = mem.get(side) if isinstance(mem, dict) else getattr(mem, side, None)
         cap = getattr(profile, cap_name, None)
         if isinstance(needed, (int, float)):
-            bars.append(MemoryBar(side, float(needed) / 1e9, float(cap) * headroom / 1e9 if cap else None))
+            # usable = capacity x the planner's headroom (plan/memory.py), what its fit uses
+            usable_gb = float(cap) * headroom / 1e9 if cap else None
+            bars.append(MemoryBar(side, float(needed) / 1e9, usable_gb))
     problems = list(getattr(result, "problems", []) or [])
     return SimFigures(window=w, spans=spans, busy_ms=busy, exposed_ms=exposed, link=link,
                       memory=bars, problems=problems, title=sim_title(result))
@@ -112,7 +124,10 @@ def sim_title(result: Any) -> str:
     parts = ["simulated"]
     iteration_s = getattr(result, "iteration_s", None)
     if isinstance(iteration_s, (int, float)):
-        parts.append(f"{iteration_s * 1e3:.1f} ms/iteration" if iteration_s < 1 else f"{iteration_s:.3f} s/iteration")
+        if iteration_s < 1:
+            parts.append(f"{iteration_s * 1e3:.1f} ms/iteration")
+        else:
+            parts.append(f"{iteration_s:.3f} s/iteration")
     tflops = getattr(result, "tflops", None)
     if isinstance(tflops, (int, float)):
         parts.append(f"{tflops:.3g} TFLOP/s")
@@ -126,7 +141,8 @@ def _preset(name: str) -> Any:
 
     try:
         return plan.profiles.get(name)
-    except ValueError:  # a what-if profile: no preset to read peaks and capacities from
+    except ValueError:
+        # a what-if profile: no preset to read peaks and capacities from
         return None
 
 
@@ -135,7 +151,9 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
     import plotly.graph_objects as go
 
     panels = sim_panels(figs)
-    grid = L.grid(panels, full_width=("timeline", "memory"), heights={"memory": 36 * len(figs.memory) + 40})
+    # the memory panel grows with its bars (36 px each) plus its axis and legend
+    grid = L.grid(panels, full_width=("timeline", "memory"),
+                  heights={"memory": 36 * len(figs.memory) + 40})
     fig = go.Figure()
     view = timeline_view(figs.spans, origin_s=figs.window[0])
     for lane in view.rows_lanes:
@@ -171,7 +189,8 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
                              legend="legend3", showlegend=False, hoverinfo="text",
                              hovertext=[f"{lane.upper()} while moving {f.gbps_busy:.3g} GB/s, "
                                         f"busy {f.busy_pct:.2g} % of the window"]))
-        if f.peak_gbps:  # each direction's own peak, in its own colour, one legend entry each
+        # each direction's own peak, in its own colour, one legend entry each
+        if f.peak_gbps:
             fig.add_trace(go.Scatter(x=[categories[lane]], y=[f.peak_gbps], mode="markers",
                                      name=f"{lane.upper()} peak", xaxis="x3", yaxis="y3",
                                      legend="legend3", hoverinfo="text",
@@ -191,7 +210,8 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
                              name="usable capacity", xaxis="x4", yaxis="y4", legend="legend4",
                              marker={"symbol": "line-ns-open", "size": 28, "color": "#333333",
                                      "line": {"width": 3}},
-                             hovertext=[f"{s}: {c:.3g} GB usable" for s, c in caps], hoverinfo="text"))
+                             hovertext=[f"{s}: {c:.3g} GB usable" for s, c in caps],
+                             hoverinfo="text"))
     px = 1.0 / grid.height_px
     annotations = []
     titles = {"timeline": "timeline of the steady-state iteration · ms since the window started"}
@@ -202,25 +222,33 @@ def build_sim_figure(figs: SimFigures, *, title: str | None = None) -> Any:
             fig.layout[f"xaxis{suffix}"] = {"visible": False}
             fig.layout[f"yaxis{suffix}"] = {"visible": False}
             continue
-        fig.layout[f"xaxis{suffix}"] = {"domain": list(dom.x), "anchor": f"y{suffix}", "automargin": True}
-        fig.layout[f"yaxis{suffix}"] = {"domain": list(dom.y), "anchor": f"x{suffix}", "automargin": True}
+        fig.layout[f"xaxis{suffix}"] = {"domain": list(dom.x), "anchor": f"y{suffix}",
+                                        "automargin": True}
+        fig.layout[f"yaxis{suffix}"] = {"domain": list(dom.y), "anchor": f"x{suffix}",
+                                        "automargin": True}
+        # the legend sits just above its panel (4 px) and the panel's title above it (28 px)
         fig.layout["legend" + suffix] = {"orientation": "h", "x": dom.x[0], "xanchor": "left",
-                                         "y": dom.y[1] + 4 * px, "yanchor": "bottom", "font": {"size": 11}}
-        annotations.append({"text": f"<b>{titles.get(key, panel.title)}</b>", "showarrow": False, "xref": "paper",
-                            "yref": "paper", "x": dom.x[0], "y": dom.y[1] + 28 * px,
+                                         "y": dom.y[1] + 4 * px, "yanchor": "bottom",
+                                         "font": {"size": 11}}
+        annotations.append({"text": f"<b>{titles.get(key, panel.title)}</b>", "showarrow": False,
+                            "xref": "paper", "yref": "paper", "x": dom.x[0],
+                            "y": dom.y[1] + 28 * px,
                             "xanchor": "left", "yanchor": "bottom"})
     if figs.problems:
-        annotations.append({"text": "<b>DOES NOT FIT</b>: " + "; ".join(figs.problems), "showarrow": False,
-                            "xref": "paper", "yref": "paper", "x": 1.0, "y": 1.0 + 8 * px,
+        annotations.append({"text": "<b>DOES NOT FIT</b>: " + "; ".join(figs.problems),
+                            "showarrow": False, "xref": "paper", "yref": "paper", "x": 1.0,
+                            "y": 1.0 + 8 * px,
                             "xanchor": "right", "yanchor": "bottom",
                             "font": {"color": L.EVENT_COLORS["not_fit"], "size": 12}})
     fig.update_layout(
         title={"text": title or figs.title, "x": 0.0, "xanchor": "left", "font": {"size": 14}},
-        autosize=True, height=grid.height_px, font={"family": "Arial, Helvetica, sans-serif", "size": 12},
+        autosize=True, height=grid.height_px,
+        font={"family": "Arial, Helvetica, sans-serif", "size": 12},
         margin={"l": 64, "r": 16, "t": L.TOP_PX + (18 if figs.problems else 0), "b": 50},
         annotations=annotations, barmode="group", plot_bgcolor="#FAFAFA", showlegend=True)
-    fig.update_yaxes(selector={"anchor": "x"}, tickvals=list(range(view.rows)), ticktext=view.labels,
-                     range=[view.rows - 0.5, -0.7], zeroline=False)
+    # the timeline's rows top-down (reversed range), with room above the first for its labels
+    fig.update_yaxes(selector={"anchor": "x"}, tickvals=list(range(view.rows)),
+                     ticktext=view.labels, range=[view.rows - 0.5, -0.7], zeroline=False)
     fig.layout.yaxis3.title = {"text": "GB/s"}
     fig.layout.yaxis3.rangemode = "tozero"
     fig.layout.xaxis4.title = {"text": "GB"}

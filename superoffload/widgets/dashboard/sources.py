@@ -38,10 +38,15 @@ def workload(shape: Any, choice: ProfileChoice | None, micro_batches: int = 1) -
     """Tokens and FLOPs of one optimizer step (`micro_batches` forward/backward passes of
     `shape`: the engine's grad_accum_steps), the link's peaks, the profile's name."""
     prof = choice.profile if choice is not None else None
+    tokens = flops = None
+    if shape is not None:
+        # one optimizer step is `micro_batches` passes: the measured iteration counts them all
+        tokens = int(shape.tokens) * micro_batches
+        flops = float(shape.executed_flops) * micro_batches
     return Workload(
-        tokens_per_iteration=int(shape.tokens) * micro_batches if shape is not None else None,
-        flops_per_iteration=float(shape.executed_flops) * micro_batches if shape is not None else None,
-        d2h_peak_gbps=getattr(prof, "d2h_gbps", None), h2d_peak_gbps=getattr(prof, "h2d_gbps", None),
+        tokens_per_iteration=tokens, flops_per_iteration=flops,
+        d2h_peak_gbps=getattr(prof, "d2h_gbps", None),
+        h2d_peak_gbps=getattr(prof, "h2d_gbps", None),
         profile_name=choice.name if choice is not None else "",
         profile_note=choice.note if choice is not None else "", micro_batches=micro_batches,
         link_rate_kind=link_rate_kind(choice), link=link_of(prof))
@@ -57,7 +62,8 @@ def link_rate_kind(choice: ProfileChoice | None) -> str:
     return "measured" if choice.of_this_machine else "peak"
 
 
-def predicted_step(shape: Any, profile: Any, config: Any, micro_batches: int = 1) -> tuple[float, float]:
+def predicted_step(shape: Any, profile: Any, config: Any,
+                   micro_batches: int = 1) -> tuple[float, float]:
     """(seconds, executed TFLOP/s) the planner predicts for ONE optimizer step of
     `micro_batches` micro-batches, so it compares with a measured iteration (like with like).
     The planner times one micro-batch per step; with accumulation each extra micro-batch adds
@@ -68,7 +74,8 @@ def predicted_step(shape: Any, profile: Any, config: Any, micro_batches: int = 1
     res = plan.simulate(shape, profile, system="superoffload", config=config)
     seconds, tflops = float(res.iteration_s), float(res.tflops)
     if micro_batches > 1:
-        compute_s = seconds * _compute_share(res)  # one micro-batch's forward + backward
+        # one micro-batch's forward + backward
+        compute_s = seconds * _compute_share(res)
         seconds += (micro_batches - 1) * compute_s
         tflops = float(shape.executed_flops) * micro_batches / seconds / 1e12
     return seconds, tflops
@@ -109,7 +116,8 @@ def process_rss_bytes() -> float | None:
 def cuda_allocated_bytes() -> float | None:
     import sys
 
-    torch = sys.modules.get("torch")  # never import torch just to draw
+    # never import torch just to draw
+    torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return float(torch.cuda.memory_allocated())

@@ -1,24 +1,26 @@
 """Pure state behind the dashboard: spans, scalars and notes in, per-iteration points out.
 
 No plotly, no ipywidgets, no threads: `DashboardState` is fed snapshots from a telemetry
-recorder (or a list of spans) and keeps what the views draw; everything drawn is testable
-here. Per-iteration numbers come from `superoffload.telemetry.metrics`, named and scaled by
-`telemetry.vocabulary` (views never re-derive them), and only over COMPLETE iterations: an iteration's CPU tail and its H2D copies may land
-while the next iteration runs, so iteration i gets its point once iteration i + 2 has started
-(its weights were all needed by then) or when the run is over (`final=True`).
+recorder (or a list of spans) and keeps what the views draw; everything drawn is testable here.
+Per-iteration numbers come from `superoffload.telemetry.metrics`, named and scaled by
+`telemetry.vocabulary` (views never re-derive them), and only over COMPLETE iterations: an
+iteration's CPU tail and its H2D copies may land while the next iteration runs, so iteration i
+gets its point once iteration i + 2 has started (its weights were all needed by then) or when
+the run is over (`final=True`).
 
-A long run keeps its whole history: each per-iteration series is a `telemetry.binned.Binned` (even
-bins whose stride doubles when full, each with its minimum and maximum), so iteration 0 and
-a one-iteration spike are still there after 100,000 iterations.
+A long run keeps its whole history: each per-iteration series is a `telemetry.binned.Binned`
+(even bins whose stride doubles when full, each with its minimum and maximum), so iteration 0
+and a one-iteration spike are still there after 100,000 iterations.
 
 Several data-parallel ranks (spans with different `rank`): per-iteration series are kept per
 rank (`history_by_rank`), the timeline gets one group of lane rows per rank, and the plotted
 series is the lowest rank's.
 
 Events kept beside the points: reconfigurations (the engine's "reconfigure applied: ..." and
-"weights: ..." notes, at the iteration from which they hold), A/B trials of a change (their
-"A/B ..." notes; the switches inside one are part of it, not reconfigurations), skipped steps (notes that say
-"step skipped", or a "skipped" scalar), rollbacks and replays (span kinds, counted apart).
+"weights: ..." notes, at the iteration from which they hold), A/B trials of a change (their "A/B
+..." notes; the switches inside one are part of it, not reconfigurations), skipped steps (notes
+that say "step skipped", or a "skipped" scalar), rollbacks and replays (span kinds, counted
+apart).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from superoffload.telemetry.events import KIND_REPLAY, KIND_ROLLBACK, Span
 from superoffload.telemetry.window import RECENT_ITERATIONS, WEIGHTS, Window, window_of
 
 RECONFIGURE_PREFIXES = ("reconfigure applied", "weights:")
-"""Engine notes that mark a change of settings (runtime/engine.py, runtime/weights.py)."""
+"""Engine notes that mark a change of settings (runtime/engine.py, runtime/weight_policy.py)."""
 AB_PREFIX = "A/B"
 """Notes of an interleaved A/B start with it (runtime/ab_trial.py NOTE_PREFIX)."""
 AB_STARTED = "A/B started"
@@ -78,7 +80,7 @@ def _history(max_points: int) -> dict[str, Binned]:
 
 
 @dataclass
-class ABTrial:
+class TrialNotes:
     """An interleaved A/B of a settings change (runtime/ab_trial.py) as the notes
     tell it: from its start note to its result (or cancel) note; the switches between the
     old and new settings inside it are not separate reconfigurations."""
@@ -115,7 +117,7 @@ class DashboardState:
     host_mem_gb: Binned = field(default_factory=Binned)
     device_mem_gb: Binned = field(default_factory=Binned)
     reconfigures: list[tuple[int, str]] = field(default_factory=list)
-    ab_trials: list[ABTrial] = field(default_factory=list)
+    ab_trials: list[TrialNotes] = field(default_factory=list)
     skipped: set[int] = field(default_factory=set)
     total_rollbacks: int = 0
     total_replays: int = 0
@@ -160,7 +162,8 @@ class DashboardState:
                     if self.complete_through < p.iteration <= through:
                         self.add_point(p, rank=rank)
             self.complete_through = through
-        keep_from = newest - self.window_iterations - 3  # the window, plus late spans' owners
+        # the window, plus late spans' owners
+        keep_from = newest - self.window_iterations - 3
         for i in [i for i in self.spans_by_iteration if i < keep_from]:
             del self.spans_by_iteration[i]
 
@@ -223,10 +226,13 @@ class DashboardState:
         """The notes recorded since the last call, oldest first."""
         for iteration, text in notes:
             it = int(iteration)
-            trial = self.ab_trials[-1] if self.ab_trials and self.ab_trials[-1].end is None else None
+            # the switches of an A/B trial still open belong to it, not to the reconfigurations
+            trial = None
+            if self.ab_trials and self.ab_trials[-1].end is None:
+                trial = self.ab_trials[-1]
             if text.startswith(AB_STARTED):
                 what = text[len(AB_STARTED):].strip(" :").split(",")[0]
-                self.ab_trials.append(ABTrial(it, what))
+                self.ab_trials.append(TrialNotes(it, what))
             elif text.startswith(AB_PREFIX) and trial is not None:
                 trial.end, trial.result = it, text
             elif text.startswith(RECONFIGURE_PREFIXES):
@@ -238,7 +244,8 @@ class DashboardState:
                 self.skipped.add(it)
         self._notes_seen += len(notes)
 
-    def add_memory(self, iteration: int, host_bytes: float | None, device_bytes: float | None) -> None:
+    def add_memory(self, iteration: int, host_bytes: float | None,
+                   device_bytes: float | None) -> None:
         """One memory sample, at the newest iteration (bytes; None when unknown)."""
         self.host_mem_gb.add(iteration, math.nan if host_bytes is None else host_bytes / 1e9)
         self.device_mem_gb.add(iteration, math.nan if device_bytes is None else device_bytes / 1e9)
@@ -280,7 +287,8 @@ class DashboardState:
                 out[name] = out[f"{name}_min"] = out[f"{name}_max"] = empty
             return out
         arrays = {name: series.arrays() for name, series in self.history_by_rank[rank].items()}
-        grid = arrays["iteration_ms"]  # every metric has the same bins (add_point)
+        # every metric has the same bins (add_point)
+        grid = arrays["iteration_ms"]
         out = {"iteration": grid["x"], "first": grid["first"], "last": grid["last"], "n": grid["n"],
                TIME_KEY: arrays[TIME_KEY]["mean"]}
         for name in vocab.PER_ITERATION:
@@ -333,7 +341,10 @@ class DashboardState:
 
     def ratio_in_force(self) -> tuple[float, int] | None:
         """(ratio, first iteration it has held for), from the engine's "ratio" scalar."""
-        return (self.ratio_changes[-1][1], self.ratio_changes[-1][0]) if self.ratio_changes else None
+        if not self.ratio_changes:
+            return None
+        first, ratio = self.ratio_changes[-1]
+        return ratio, first
 
     def available(self) -> frozenset[str]:
         """Measured panels that have data: "speed", "link", "percent", "loss", "memory"."""

@@ -88,7 +88,8 @@ def measured_arrays(state: DashboardState, work: Workload,
         for key, per_iteration, scale in (("tokens_per_s", work.tokens_per_iteration, 1.0),
                                           ("tflops", work.flops_per_iteration, 1e-12)):
             for suffix, source in (("", ""), ("_min", "_max"), ("_max", "_min")):
-                seconds = out[f"iteration_ms{source}"] / 1e3  # the fastest bin has the most
+                # the fastest bin has the most
+                seconds = out[f"iteration_ms{source}"] / 1e3
                 out[f"{key}{suffix}"] = (per_iteration * scale / seconds if per_iteration
                                          else np.full(len(seconds), np.nan))
     out["predicted_ms"] = predicted_at(expected, out["iteration"])
@@ -186,7 +187,8 @@ def _measured_lines(state: DashboardState, work: Workload, expected: Sequence[Ex
     M = METRICS
     win = state.recent_window()
     values = dict(win.values)
-    if win.iterations:  # tokens and FLOPs per iteration over the mean iteration time: pooled too
+    # tokens and FLOPs per iteration over the mean iteration time: pooled too
+    if win.iterations:
         values.update(vocab.workload_values(values["iteration_ms"],
                                             tokens_per_iteration=work.tokens_per_iteration,
                                             flops_per_iteration=work.flops_per_iteration))
@@ -230,8 +232,9 @@ def _prediction_line(values: dict[str, float], work: Workload, e: Expected | Non
         pred.append(M["tflops"].show(e.tflops))
         steps = f" for {work.micro_batches} micro-batches" if work.micro_batches > 1 else ""
         how = "calibrated" if e.calibrated else "not calibrated"
-        text += (f" | predicted{steps}: {' · '.join(pred)} on profile {work.profile_name}"
-                 f" ({how}{'; ' + work.profile_note if work.profile_note else ''})")
+        if work.profile_note:
+            how += "; " + work.profile_note
+        text += f" | predicted{steps}: {' · '.join(pred)} on profile {work.profile_name} ({how})"
     return text
 
 
@@ -247,8 +250,10 @@ def _link_line(values: dict[str, float], work: Workload) -> str:
         part = (f"{METRICS[f'{d}_link_use_pct'].show(use)} of the planner's {plain(ref)} GB/s "
                 f"({work.link_rate_name})")
         if busy > ref:
-            part += (f"; moving at {busy / ref:.3g}x that rate"
-                     + (" (a fit, not a bound)" if work.link_rate_kind == "fitted" else ""))
+            part += f"; moving at {busy / ref:.3g}x that rate"
+        # a fitted rate is no bound: a measured rate above it says the fit is low, not a fault
+        if busy > ref and work.link_rate_kind == "fitted":
+            part += " (a fit, not a bound)"
         parts.append(part)
     return " · ".join(parts)
 
@@ -262,7 +267,7 @@ def rank_lines(state: DashboardState) -> list[str]:
     for rank in sorted(state.history_by_rank):
         win = state.recent_window(rank)
         if win.iterations:
-            out.append(f"rank {rank}, {win.label()} pooled: " + vocab.describe(win.values, (
+            out.append(f"rank {rank}, {win.label()} pooled: " + vocab.describe_values(win.values, (
                 "iteration_ms", "d2h_gbps_busy", "h2d_gbps_busy", "cpu_step_hidden_pct",
                 "device_idle_pct")))
     return out

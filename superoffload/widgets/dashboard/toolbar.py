@@ -111,7 +111,8 @@ class Toolbar:
             self.smoothing.value = self.dash.view.smoothing
             self.x_axis.value = self.dash.view.x_axis
             self._list_runs()
-            self.compare.value = PICK  # a menu of actions: it rests on its first entry
+            # a menu of actions: it rests on its first entry
+            self.compare.value = PICK
             labels = self.dash.comparison.labels()
             self.message.value = html.escape("comparing: " + ", ".join(labels)) if labels else ""
         finally:
@@ -137,7 +138,8 @@ class Toolbar:
         try:
             fn(*args, **kw)
             self.message.value = ""
-        except (ValueError, TypeError, OSError) as exc:  # no cell to raise into: say it here
+        except (ValueError, TypeError, OSError) as exc:
+            # no cell to raise into: say it here
             self.message.value = f"<span style='color:#C00000'>{html.escape(str(exc))}</span>"
         self.sync()
 

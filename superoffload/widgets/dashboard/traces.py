@@ -55,7 +55,8 @@ def _specs() -> list[TraceSpec]:
     out = [TraceSpec(f"lane:{lane}", "timeline", LANE_LABELS[lane], "span", L.LANE_COLORS[lane],
                      legend=False) for lane in LANES]
     out += [
-        TraceSpec("boundary", "timeline", "iteration start", "vline", L.REFERENCE_COLOR, legend=False),
+        TraceSpec("boundary", "timeline", "iteration start", "vline", L.REFERENCE_COLOR,
+                  legend=False),
         TraceSpec("boundary_text", "timeline", "iteration", "text", "#555555", legend=False),
         # events: listed once in the legend, by their iteration-time markers (same legend
         # group: one click hides both)
@@ -80,14 +81,18 @@ def _specs() -> list[TraceSpec]:
         ("device_mem_gb", "memory", "device memory", "line", mc["device_mem"], False),
     )
     for key, panel, name, kind, color, band in lines:
-        if band:  # behind its line: drawn first
+        # behind its line: drawn first
+        if band:
             out.append(TraceSpec(f"{key}:band", panel, name, "band", color, legend=False,
                                  metric=key, group=key))
         out.append(TraceSpec(key, panel, name, kind, color, metric=key, group=key))
     out += [
-        TraceSpec("predicted_ms", "speed", "predicted", "dash", mc["predicted"], metric="iteration_ms"),
-        TraceSpec("d2h_peak", "link", "planner's D2H", "peak", mc["d2h_peak"], metric="d2h_gbps_busy"),
-        TraceSpec("h2d_peak", "link", "planner's H2D", "peak", mc["h2d_peak"], metric="h2d_gbps_busy"),
+        TraceSpec("predicted_ms", "speed", "predicted", "dash", mc["predicted"],
+                  metric="iteration_ms"),
+        TraceSpec("d2h_peak", "link", "planner's D2H", "peak", mc["d2h_peak"],
+                  metric="d2h_gbps_busy"),
+        TraceSpec("h2d_peak", "link", "planner's H2D", "peak", mc["h2d_peak"],
+                  metric="h2d_gbps_busy"),
         TraceSpec("speed_rollback", "speed", "rollback", "marker", ev["rollback"], "x-thin-open",
                   group="rollback"),
         TraceSpec("speed_replay", "speed", "replay", "marker", ev["replay"], "diamond-open",
@@ -96,7 +101,8 @@ def _specs() -> list[TraceSpec]:
                   group="skipped"),
     ]
     line_color = {key: color for key, _, _, _, color, _ in lines}
-    for k, dash in enumerate(L.RUN_DASHES):  # compared runs: empty until one is loaded
+    # compared runs: empty until one is loaded
+    for k, dash in enumerate(L.RUN_DASHES):
         for j, (metric, panel) in enumerate(OVERLAY_METRICS):
             out.append(TraceSpec(f"run{k}:{metric}", panel, f"run {k + 1}", "run",
                                  line_color[metric], symbol=dash, legend=j == 0, metric=metric,

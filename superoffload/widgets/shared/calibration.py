@@ -1,6 +1,6 @@
 """Calibrate the planner on a run after its warm-up, once per engine for every view.
 
-The planner is fitted to the engine's own iterations (runtime/autocal.py, docs/planner.md,
+The planner is fitted to the engine's own iterations (runtime/calibrator.py, docs/planner.md,
 "Calibration on this machine"). Fitted too early it learns the warm-up: the first iterations
 of a run pay thread start, allocation and cold caches, and on a busy host they last dozens of
 iterations (a fit on them predicted 106 ms for a run that settled at 41-48 ms). So the
@@ -75,11 +75,12 @@ class AfterWarmUp:
             self._times.append(latest.value)
             if warmed_up(self._times):
                 self._open()
-        except Exception:  # a view's calibration must never break training
+        except Exception:
+            # a view's calibration must never break training
             self._open()
 
     def _open(self) -> None:
-        from superoffload.runtime.autocal import AutoCalibrator
+        from superoffload.runtime.calibrator import AutoCalibrator
 
         if self._leave is not None:
             self._leave()
@@ -138,7 +139,8 @@ def after_warm_up(engine: Any, shape: Any, profile: Any, *, after: int) -> After
     with _shared_lock:
         try:
             table = _shared.setdefault(engine, {})
-        except TypeError:  # an engine without weak references: not shared
+        except TypeError:
+            # an engine without weak references: not shared
             return AfterWarmUp(engine, shape, profile, after=after).start()
         found = table.get(key)
         if found is None:

@@ -33,7 +33,8 @@ class Inline:
         fut: Future[Any] = Future()
         try:
             fut.set_result(job())
-        except BaseException as exc:  # delivered through the Future, as a thread would
+        except BaseException as exc:
+            # delivered through the Future, as a thread would
             fut.set_exception(exc)
         return fut
 
@@ -61,7 +62,8 @@ class LatestOnly:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
             if self._pending is not None:
-                self._pending[1].cancel()  # superseded before it started
+                # superseded before it started
+                self._pending[1].cancel()
             self._pending = (job, fut)
             self._last_submit = time.monotonic()
             if self._thread is None:

@@ -76,7 +76,8 @@ def _get_ipython() -> Any:
         return None
     try:
         return mod.get_ipython()
-    except Exception:  # IPython half-imported or shutting down
+    except Exception:
+        # IPython half-imported or shutting down
         return None
 
 
@@ -97,10 +98,12 @@ def on_kernel_shutdown(fn: Callable[[], object]) -> bool:
 
         def do_shutdown(*args: Any, **kwargs: Any) -> Any:
             for hook in list(hooked):
-                with contextlib.suppress(Exception):  # the shutdown itself must go on
+                # the shutdown itself must go on
+                with contextlib.suppress(Exception):
                     hook()
             with contextlib.suppress(Exception):
-                sys.stdout.flush()  # waits until IOPub sent what the hooks displayed
+                # waits until IOPub sent what the hooks displayed
+                sys.stdout.flush()
             return original(*args, **kwargs)
 
         do_shutdown.superoffload_hooks = hooked  # type: ignore[attr-defined]
@@ -122,7 +125,8 @@ def capture_output_parent() -> Any:
         return None
     try:
         return ipython.get_parent()
-    except Exception:  # an IPython without get_parent: nothing to route
+    except Exception:
+        # an IPython without get_parent: nothing to route
         return None
 
 
@@ -131,7 +135,8 @@ def bind_thread_output(parent: Any) -> None:
     ipython = _get_ipython()
     if parent is None or ipython is None:
         return
-    setter = getattr(ipython, "set_thread_parent", None)  # ipykernel >= 7: this thread only
+    # ipykernel >= 7: this thread only
+    setter = getattr(ipython, "set_thread_parent", None)
     if setter is not None:
         setter(parent)
     elif hasattr(ipython, "set_parent"):

@@ -209,6 +209,17 @@ function render({ model, el }) {
   let visible = false;
   let timer = 0, timerDue = Infinity;
   const count = (key) => { el.dataset[key] = String(Number(el.dataset[key] || 0) + 1); };
+  // for tests, where the first data's time goes (ms since the epoch, each step's first
+  // time): the view "rendered"; that data waiting "hidden" (off screen) or for "plotly", or
+  // "shown" on screen; its draw "drawing" and "drawn" (the browser test prints these)
+  const timeline = {};
+  const reached = (step) => {
+    if (step in timeline || el.dataset.firstDrawnMs) return;
+    timeline[step] = Date.now();
+    el.dataset.timeline = JSON.stringify(timeline);
+  };
+  const dataCame = () => PAGE.firstData.has(model.get("token"));
+  reached("rendered");
 
   function freshDiv() {
     const d = document.createElement("div");
@@ -246,13 +257,18 @@ function render({ model, el }) {
     const r = el.getBoundingClientRect();
     visible = r.width > 0 && r.bottom > -VISIBLE_MARGIN_PX &&
               r.top < window.innerHeight + VISIBLE_MARGIN_PX;
+    if (visible && dataCame()) reached("shown");
     return visible;
   }
 
   function pump() {
     if (!dirty) return;
-    if (!onScreen()) { el.dataset.pending = "hidden"; return; }
-    if (!Plotly) { el.dataset.pending = "plotly"; return; }  // loading: drawn when it is
+    if (!onScreen()) { el.dataset.pending = "hidden"; if (dataCame()) reached("hidden"); return; }
+    if (!Plotly) {  // loading: drawn when it is
+      el.dataset.pending = "plotly";
+      if (dataCame()) reached("plotly");
+      return;
+    }
     if (inFlight) {
       const waited = performance.now() - inFlight.started;
       if (waited < DRAW_TIMEOUT_MS) { schedule(DRAW_TIMEOUT_MS - waited + 20); return; }
@@ -268,6 +284,7 @@ function render({ model, el }) {
     delete el.dataset.pending;
     const fig = unpack(model.get("figure"));
     const mine = { started: performance.now(), div: div };
+    if (hasData(fig)) reached("drawing");
     inFlight = mine;
     let drawn;
     try {
@@ -281,6 +298,7 @@ function render({ model, el }) {
       count("draws");
       el.dataset.drawMs = String(Math.round(performance.now() - mine.started));
       if (hasData(fig) && !el.dataset.firstDrawnMs) {
+        reached("drawn");
         // seconds from the first data to its first draw: what the browser test measures
         // from the later of the data's arrival and this view's start: a view shown after
         // its data came (the dashboard in the last cell) cannot draw before it exists
@@ -321,8 +339,12 @@ function render({ model, el }) {
   }
 
   function figureChanged() {
+    // drawn in this very task when nothing is drawing or waiting (a timer's task would queue
+    // behind every message a busy page has yet to read: seconds on a throttled page); a
+    // figure that comes while one is drawing waits for it, and the newest is drawn next
     dirty = true;
-    schedule(0);
+    if (!inFlight && !timer) pump();
+    else schedule(0);
   }
   model.on("change:figure", figureChanged);
   model.on("change:config", figureChanged);
@@ -335,8 +357,9 @@ function render({ model, el }) {
       .catch(() => {}), 2000);
   }
 
-  plotly(model).then((p) => { Plotly = p; hooks.plotly = p; schedule(0); },
-                     (e) => { el.dataset.drawError = "plotly.js: " + String(e && e.message || e); });
+  plotly(model).then(
+    (p) => { Plotly = p; hooks.plotly = p; if (!inFlight) pump(); },
+    (e) => { el.dataset.drawError = "plotly.js: " + String(e && e.message || e); });
 
   const seen = new IntersectionObserver((entries) => {
     if (entries[entries.length - 1].isIntersecting) schedule(0);

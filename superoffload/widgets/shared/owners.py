@@ -25,13 +25,15 @@ _lock = threading.Lock()
 def _ref(key: Any) -> Any:
     try:
         return weakref.ref(key)
-    except TypeError:  # no weak references to it: held (a key is what a run trains: long-lived)
+    except TypeError:
+        # no weak references to it: held (a key is what a run trains: long-lived)
         return lambda: key
 
 
 def _get(kind: str, key: Any) -> Any:
     entry = _owners.get((kind, id(key)))
-    if entry is None or entry[0]() is not key:  # gone, and its id reused
+    # gone, and its id reused
+    if entry is None or entry[0]() is not key:
         return None
     return entry[1]
 

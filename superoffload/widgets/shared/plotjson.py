@@ -44,7 +44,8 @@ def pack(fig: Any, *, dtype: str = "f4") -> dict[str, Any]:
 
     try:
         text = json.dumps(fig, default=encode, allow_nan=False, separators=(",", ":"))
-    except ValueError:  # a NaN or an infinity outside the arrays: null, as plotly reads it
+    except ValueError:
+        # a NaN or an infinity outside the arrays: null, as plotly reads it
         arrays.clear()
         text = json.dumps(_finite(fig), default=encode, allow_nan=False,
                           separators=(",", ":"))

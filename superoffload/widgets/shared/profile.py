@@ -6,7 +6,7 @@ seconds the first time, then read from its cache file): a preset for another mac
 teaches nothing. Every view says which profile it uses (`ProfileChoice.note`) and whether it
 is calibrated to a run of the engine (`ProfileChoice.calibrated`): the tuner
 calibrates this machine's profile by itself after the first iterations of the engine it is
-attached to (runtime/autocal.py) and switches to it.
+attached to (runtime/calibrator.py) and switches to it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from superoffload.plan.tune import format_count  # one formatter (plan/tune.py)
+# one formatter (plan/tuning.py)
+from superoffload.plan.tuning import format_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,20 @@ def resolve_profile(profile: Any = None) -> ProfileChoice:
                     f"({', '.join(plan.profiles.names())}) or a plan.HardwareProfile")
 
 
+def rank_share(profile: Any, shape: Any) -> Any:
+    """What one rank of `shape` has of `profile`'s host (`plan.parallel.rank_profile`): the
+    capacities a prediction's per-rank memory is measured against. Anything that is not a
+    `plan.HardwareProfile` (a test's stand-in) is returned as it is."""
+    from superoffload.plan.hardware import HardwareProfile
+    from superoffload.plan.parallel import rank_profile
+
+    if not isinstance(profile, HardwareProfile):
+        return profile
+    # plan.simulate sizes memory per rank, splitting the host by its ranks or its GPUs
+    # (plan.parallel.host_share): the node's whole host memory would overstate the room
+    return rank_profile(profile, int(getattr(shape, "ranks_per_host", 1)))
+
+
 def to_shape(shape_or_model: Any, *, seq: int | None = None, micro_batch: int = 1) -> Any:
     """A `plan.ModelShape` from a shape or an `nn.Module` (then `seq` is needed, or read from
     the model's config)."""
@@ -89,7 +104,7 @@ def to_shape(shape_or_model: Any, *, seq: int | None = None, micro_batch: int = 
     raise TypeError(f"{type(shape_or_model).__name__}: pass a plan.ModelShape or an nn.Module")
 
 
-def describe(shape: Any, choice: ProfileChoice) -> str:
+def describe_choice(shape: Any, choice: ProfileChoice) -> str:
     """"121K params, seq 64 x batch 8 · profile local-vm (measured on this machine ...)"."""
     params = getattr(shape, "params", None)
     size = f"{format_count(float(params))} params" if isinstance(params, (int, float)) else "model"

@@ -73,7 +73,8 @@ class Refresher:
                 took = time.thread_time() - t0
                 self.cpu_s.append(took)
                 self._stop.wait(max(1.0 / self.hz, SHARE * took))
-        except BaseException as exc:  # surface in the cell that started us, then stop
+        except BaseException as exc:
+            # surface in the cell that started us, then stop
             self.error = exc
             print(f"{self.name} stopped: {exc!r}")
 

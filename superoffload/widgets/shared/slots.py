@@ -97,7 +97,7 @@ def widget_bundle(widget: Any, lines: Sequence[str]) -> dict[str, Any]:
     return bundle
 
 
-class Slot:
+class OutputSlot:
     """One output place in the notebook, rewritable from any thread (`update_display`)."""
 
     def __init__(self, name: str) -> None:
@@ -142,11 +142,11 @@ class Slot:
             update_display(bundle, raw=True, display_id=self.display_id)
 
 
-def placeholder(text: str) -> Slot:
+def placeholder(text: str) -> OutputSlot:
     """Show `text` in the running cell now (e.g. "measuring this machine ..." where a view
     will appear after a slow step); `.clear()` it when the view is shown. Outside a notebook
     the text is printed."""
-    slot = Slot("placeholder")
+    slot = OutputSlot("placeholder")
     if _env.in_notebook():
         slot.show(text_bundle([text]))
     else:
@@ -163,7 +163,7 @@ EXIT_NOTE = "(frozen here when the kernel shut down)"
 exiting = False
 """True once `freeze_all` ran: the snapshots say the kernel went, not the run's end."""
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
-_slots: weakref.WeakSet[Slot] = weakref.WeakSet()
+_slots: weakref.WeakSet[OutputSlot] = weakref.WeakSet()
 _live_lock = threading.Lock()
 _hooked = False
 
@@ -174,8 +174,10 @@ def register(view: Freezable) -> None:
     with _live_lock:
         _live.add(view)
         if not _hooked:
-            _env.on_kernel_shutdown(freeze_all)  # a shutdown asked by the front-end
-            atexit.register(freeze_all)  # any other exit of the process
+            # a shutdown asked by the front-end
+            _env.on_kernel_shutdown(freeze_all)
+            # any other exit of the process
+            atexit.register(freeze_all)
             _hooked = True
 
 
@@ -195,9 +197,11 @@ def freeze_all() -> int:
     # the cheap ones first (a line of text each), a dashboard's figure last
     views.sort(key=lambda v: not isinstance(v, LiveOutput))
     for view in views:
-        with contextlib.suppress(Exception):  # at exit, one broken view must not hide the rest
+        # at exit, one broken view must not hide the rest
+        with contextlib.suppress(Exception):
             view.freeze()
-    for slot in list(_slots):  # snapshots sent while no page showed the notebook, again
+    # snapshots sent while no page showed the notebook, again
+    for slot in list(_slots):
         with contextlib.suppress(Exception):
             slot.resend()
     return len(views)
@@ -209,7 +213,7 @@ class LiveOutput:
 
     def __init__(self, name: str, widget: Any, lines: Callable[[], list[str]], *,
                  css_class: str = "so-snapshot") -> None:
-        self.slot = Slot(name)
+        self.slot = OutputSlot(name)
         self.widget = widget
         self.lines = lines
         self.css_class = css_class

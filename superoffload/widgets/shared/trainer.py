@@ -11,16 +11,16 @@ output by the parent message of the current request; see `_env.bind_thread_outpu
     trainer.stop()                # or the Stop button under the progress line
     result = trainer.wait()       # re-raises an exception from the thread
 
-`steps=N` stops after N steps, `max_s` after that many seconds, neither: when stopped. The
-run's state (running, finished, stopped, failed) is shown on the progress line and handed
-to the dashboard and the tuner (`set_run_state`). One run per engine (widgets/shared/owners.py):
+`steps=N` stops after N steps, `max_s` after that many seconds, neither: when stopped. The run's
+state (running, finished, stopped, failed) is shown on the progress line and handed to the
+dashboard and the tuner (`set_run_state`). One run per engine (widgets/shared/owners.py):
 starting a trainer on an engine another trainer is training (a re-run cell) stops that one
 first, after its current step, and says so; its views are frozen, except those the new run
-shares (the tuner). `trainer.show_status()` shows a second live
-status line (e.g. in a check cell at the bottom, where Run All leaves the view). When the run
-ends, the progress line and every status line are replaced in place by static text of the
-final state (`slots.LiveOutput`), so a saved notebook keeps it. `engine_step_fn(engine, model, batches)`
-builds the usual step function.
+shares (the tuner). `trainer.show_status()` shows a second live status line (e.g. in a check
+cell at the bottom, where Run All leaves the view). When the run ends, the progress line and
+every status line are replaced in place by static text of the final state (`slots.LiveOutput`),
+so a saved notebook keeps it. `engine_step_fn(engine, model, batches)` builds the usual step
+function.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ class BackgroundTrainer:
                  print_every: int = 0, name: str = "superoffload-train") -> None:
         if not callable(step_fn):
             raise TypeError(f"step_fn={step_fn!r} must be callable as step_fn(iteration) -> loss")
-        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        # bool is an int to Python: steps=True would train one step by accident
+        whole = isinstance(steps, int) and not isinstance(steps, bool)
+        if steps is not None and (not whole or steps < 1):
             raise ValueError(f"steps={steps!r} must be a whole number >= 1 (None: until stopped)")
         if max_s is not None and not max_s > 0:
             raise ValueError(f"max_s={max_s!r} must be > 0 seconds (None: no time limit)")
@@ -101,7 +103,8 @@ class BackgroundTrainer:
         self.replaced_by: BackgroundTrainer | None = None
         """The run that took this one's engine over (a re-run cell), if one did."""
         self.key: Any = owners.run_key(step_fn, dashboard, tuner)
-        """What this run trains (widgets/shared/owners.py): its engine, or its dashboard's recorder."""
+        """What this run trains (widgets/shared/owners.py): its engine, or its dashboard's
+        recorder."""
         self.progress: Any = self._make_progress()
         self.live_label: Any = self._make_live_label()
 
@@ -116,7 +119,9 @@ class BackgroundTrainer:
         self._set_state(RunState.RUNNING)
         if self.dashboard is not None and getattr(self.dashboard, "recorder", None) is not None:
             self.dashboard.start()
-        self._thread = threading.Thread(target=self._run, args=(parent,), name=self.name, daemon=True)
+        # a daemon: a kernel that exits mid-run is not held by the training thread
+        self._thread = threading.Thread(target=self._run, args=(parent,), name=self.name,
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -160,7 +165,8 @@ class BackgroundTrainer:
                 self._show_progress()
                 if self.print_every and i % self.print_every == 0:
                     print(f"step {i} loss {self.losses[-1] if self.losses else math.nan:.4f}")
-        except BaseException as exc:  # kept for wait(), shown in the starting cell
+        except BaseException as exc:
+            # kept for wait(), shown in the starting cell
             self.error = exc
             print(f"{self.name} failed at step {self.steps_done}: {exc!r}")
         finally:
@@ -172,7 +178,8 @@ class BackgroundTrainer:
             self._done.set()
             with self._progressed:
                 self._progressed.notify_all()
-            self.freeze()  # the saved notebook keeps the final state, not a dead widget
+            # the saved notebook keeps the final state, not a dead widget
+            self.freeze()
 
     def _set_state(self, state: RunState) -> None:
         self.state = state
@@ -180,12 +187,14 @@ class BackgroundTrainer:
         new = self.replaced_by
         for view in (self.dashboard, self.tuner):
             if state.ended and new is not None and view in (new.dashboard, new.tuner):
-                continue  # the run that took over shows it now: it is not ended
+                # the run that took over shows it now: it is not ended
+                continue
             setter = getattr(view, "set_run_state", None)
             if setter is not None:
                 try:
                     setter(state)
-                except Exception as exc:  # a view must never kill the run
+                except Exception as exc:
+                    # a view must never kill the run
                     print(f"{self.name}: {type(view).__name__}.set_run_state failed: {exc!r}")
 
     def stop(self, *, wait: bool = True, timeout_s: float = 60.0) -> None:
@@ -215,7 +224,8 @@ class BackgroundTrainer:
             reached = self._progressed.wait_for(
                 lambda: self.steps_done >= steps or self._done.is_set(), timeout_s)
         if not reached:
-            raise TimeoutError(f"{self.name} did only {self.steps_done} of {steps} steps in {timeout_s} s")
+            raise TimeoutError(f"{self.name} did only {self.steps_done} of {steps} steps in "
+                               f"{timeout_s} s")
         return self.steps_done
 
     @property
@@ -225,7 +235,10 @@ class BackgroundTrainer:
     # ----------------------------------------------------------------- display
     def status(self) -> str:
         """One plain-text line: state, steps, time, last loss."""
-        elapsed = (time.perf_counter() - self._t0 if self.running else self._wall_s) if self._t0 else 0.0
+        # a run still going counts to now; an ended one keeps the wall time it stopped at
+        elapsed = 0.0
+        if self._t0:
+            elapsed = time.perf_counter() - self._t0 if self.running else self._wall_s
         limit = []
         if self.steps is not None:
             limit.append(f"of {self.steps}")
@@ -262,7 +275,8 @@ class BackgroundTrainer:
         self._show(self.live_label, "trainer-status")
 
     def _show(self, widget: Any, name: str) -> None:
-        out = snap.LiveOutput(name, widget, lambda: [self.status()], css_class=f"so-{name}-snapshot")
+        out = snap.LiveOutput(name, widget, lambda: [self.status()],
+                              css_class=f"so-{name}-snapshot")
         out.show()
         self._outputs.append(out)
         if self.state.ended:
@@ -299,7 +313,8 @@ class BackgroundTrainer:
             return
         now = time.perf_counter()
         if not force and now - self._shown_at < 0.5:
-            return  # at most 2 updates a second: each one is a message to the browser
+            # at most 2 updates a second: each one is a message to the browser
+            return
         self._shown_at = now
         bar, label, button = self.progress.children
         if self.steps is not None:
@@ -311,7 +326,8 @@ class BackgroundTrainer:
             self.live_label.value = html.escape(label.value)
         if self.state.ended:
             bar.value = 1.0 if self.state is RunState.FINISHED else bar.value
-            bar.bar_style = {"failed": "danger", "stopped": "warning"}.get(self.state.value, "success")
+            style = {"failed": "danger", "stopped": "warning"}.get(self.state.value, "success")
+            bar.bar_style = style
             button.disabled = True
             button.description = self.state.value
 
@@ -336,5 +352,6 @@ def engine_step_fn(engine: Any, model: Any, batches: Any) -> Callable[[int], flo
         engine.zero_grad()
         return float(loss.detach())
 
-    step.engine = engine  # type: ignore[attr-defined]  # what the run trains (widgets/shared/owners.py)
+    # what the run trains (widgets/shared/owners.py)
+    step.engine = engine  # type: ignore[attr-defined]
     return step

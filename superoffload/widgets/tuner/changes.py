@@ -92,7 +92,8 @@ def curve_svg(curve: list[tuple[float, float | None]], current: float, *, width:
         return ""
     ts = [t for _, t in pts]
     lo, hi = min(ts), max(ts)
-    span = hi - lo if hi > lo else max(hi, 1e-12) * 0.01  # a flat line is drawn flat
+    # a flat line is drawn flat
+    span = hi - lo if hi > lo else max(hi, 1e-12) * 0.01
 
     def xy(r: float, t: float) -> tuple[float, float]:
         return 4 + r * (width - 8), height - 14 - (t - lo) / span * (height - 24)

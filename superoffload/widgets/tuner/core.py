@@ -1,7 +1,7 @@
 """The tuner's pure core: settings in, the planner's prediction and the engine changes out.
 
 No widgets here: `OffloadTuner` (tuner.py) is a view that calls these off the UI thread.
-The numbers all come from `superoffload.plan.simulate` (docs/planner.md). Which fields have
+The numbers all come from `superoffload.plan.simulator` (docs/planner.md). Which fields have
 a control and which the engine takes live are declared once, in `superoffload.config`
 (`TUNED_FIELDS`, `RECONFIGURABLE`); an engine says what IT can take as
 `engine.reconfigurable` (empty for one that cannot reconfigure while training).
@@ -14,17 +14,19 @@ from typing import Any
 
 from superoffload import config as config_module
 from superoffload.config import OffloadConfig
+from superoffload.widgets.shared.profile import rank_share
 
 DISPLAY_ORDER = ("ratio", "bucket_bytes", "grad_cast", "param_cast", "weights", "speculation",
                  "cpu_threads")
 """Controls top to bottom (the fields come from config.TUNED_FIELDS)."""
-TUNED_FIELDS: tuple[str, ...] = tuple(
+CONTROL_FIELDS: tuple[str, ...] = tuple(
     sorted(config_module.TUNED_FIELDS,
            key=lambda n: DISPLAY_ORDER.index(n) if n in DISPLAY_ORDER else len(DISPLAY_ORDER)))
 """OffloadConfig fields the tuner's controls set, in display order."""
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    name: config_module.choices_of(name) for name in TUNED_FIELDS if name in config_module.CHOICES}
+DROPDOWNS: dict[str, tuple[str, ...]] = {
+    name: config_module.choices_of(name) for name in CONTROL_FIELDS
+    if name in config_module.CHOICES}
 """A dropdown per tuned choice field, its options the field's ``Literal`` (config.py)."""
 LABELS = {
     "ratio": "ratio (CPU share of the optimizer)",
@@ -37,9 +39,9 @@ LABELS = {
 }
 """Control label per field (the tuner's rows, its static page)."""
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+_KiB = 1 << 10
+_MiB = 1 << 20
+_GiB = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +92,12 @@ def predict(shape: Any, profile: Any, config: OffloadConfig, *, baseline_s: floa
 
     res = plan.simulate(shape, profile, system="superoffload", config=config)
     state = calibration_state(profile)
-    device, host = memory_bytes(res.memory)
-    dev_cap = getattr(profile, "device_memory_bytes", None)
-    host_cap = getattr(profile, "host_memory_bytes", None)
+    device, host = predicted_memory_bytes(res.memory)
+    # res.memory is one rank's: so is the room it is shown against (a node's whole host
+    # memory would make an 8-GPU server's rank look 8x roomier than the planner judged it)
+    share = rank_share(profile, shape)
+    dev_cap = getattr(share, "device_memory_bytes", None)
+    host_cap = getattr(share, "host_memory_bytes", None)
     return Prediction(
         iteration_s=float(res.iteration_s), tflops=float(res.tflops), device_bytes=device,
         host_bytes=host, fits=_fits(res),
@@ -155,7 +160,7 @@ def baseline_why(ours: Any, zero: Any, profile: Any) -> str:
     return text
 
 
-def memory_bytes(memory: Any) -> tuple[float | None, float | None]:
+def predicted_memory_bytes(memory: Any) -> tuple[float | None, float | None]:
     """(device, host) bytes from a simulation's memory report."""
     return (_number(memory, ("device_bytes", "device_total_bytes", "device")),
             _number(memory, ("host_bytes", "host_total_bytes", "host")))
@@ -188,7 +193,8 @@ def engine_changes(current: OffloadConfig, wanted: OffloadConfig,
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(changes `engine.reconfigure` takes, changes that need a restart) among the tuned
     fields whose value differs."""
-    diff = {n: getattr(wanted, n) for n in TUNED_FIELDS if getattr(wanted, n) != getattr(current, n)}
+    diff = {n: getattr(wanted, n) for n in CONTROL_FIELDS
+            if getattr(wanted, n) != getattr(current, n)}
     live = {n: v for n, v in diff.items() if n in allowed}
     restart = {n: v for n, v in diff.items() if n not in allowed}
     return live, restart
@@ -201,7 +207,8 @@ def apply_block_reason(engine: Any, allowed: frozenset[str], closed: bool) -> st
     if closed:
         return "the engine is closed: nothing can take new settings"
     if not allowed:
-        return f"{type(engine).__name__} cannot reconfigure while training: restart it with the settings"
+        return (f"{type(engine).__name__} cannot reconfigure while training: restart it with "
+                "the settings")
     return None
 
 
@@ -221,7 +228,7 @@ def bucket_options(current_bytes: int) -> list[tuple[str, int]]:
 
 
 def format_bytes(nbytes: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    for unit, size in (("GiB", _GiB), ("MiB", _MiB), ("KiB", _KiB)):
         if nbytes >= size:
             value = nbytes / size
             return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
@@ -239,13 +246,20 @@ def prediction_rows(pred: Prediction) -> list[tuple[str, str, bool | None]]:
                             ("host memory", pred.host_bytes, pred.host_capacity_bytes)):
         if used is None:
             continue
-        ok = None if cap is None else used <= cap
-        text = format_gb(used) + (f" of {format_gb(cap)} usable" if cap is not None else "")
-        rows.append((side, text + (" · DOES NOT FIT" if ok is False else ""), ok))
+        text, ok = format_gb(used), None
+        # no capacity known (a what-if profile without one): the use alone, judged neither way
+        if cap is not None:
+            text, ok = f"{text} of {format_gb(cap)} usable", used <= cap
+        if ok is False:
+            text += " · DOES NOT FIT"
+        rows.append((side, text, ok))
     speedup = pred.speedup_vs_baseline
     if speedup is not None:
-        rows.append(("vs ZeRO-Offload", f"{speedup:.2f}x faster" if speedup >= 1 else
-                     f"{1 / speedup:.2f}x slower", None))
+        # a slowdown reads as "Nx slower", never as "0.6x faster"
+        versus = f"{speedup:.2f}x faster"
+        if speedup < 1:
+            versus = f"{1 / speedup:.2f}x slower"
+        rows.append(("vs ZeRO-Offload", versus, None))
         if pred.baseline_why:
             rows.append(("why", pred.baseline_why, None))
     if pred.effective_ratio is not None:
@@ -253,7 +267,8 @@ def prediction_rows(pred: Prediction) -> list[tuple[str, str, bool | None]]:
     rows.append(("calibrated", "yes: fitted to a run of the engine" if pred.calibrated else
                  "no: expect it within 2x until the engine has run (docs/planner.md)", None))
     if pred.fits is False:
-        rows.append(("DOES NOT FIT", "; ".join(pred.problems) or "the planner says it does not fit", False))
+        why = "; ".join(pred.problems) or "the planner says it does not fit"
+        rows.append(("DOES NOT FIT", why, False))
     return rows
 
 

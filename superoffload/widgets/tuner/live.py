@@ -1,6 +1,6 @@
 """What the tuner does with a live engine: Apply measured as an interleaved A/B
 (runtime/ab_trial.py) beside the planner's predicted change, and the planner calibrated by
-itself after the engine's first iterations (runtime/autocal.py). Functions over the tuner's
+itself after the engine's first iterations (runtime/calibrator.py). Functions over the tuner's
 public state; the tuner calls them."""
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def start_calibrator(tuner: Any, after: int | None, measured_here: bool) -> Any:
         return None
     if not (measured_here or tuner.choice.of_this_machine):
         return None
-    # after the run's warm-up, shared with a dashboard on the same run (widgets/shared/calibration.py)
+    # after the run's warm-up, shared with a dashboard on the same run
+    # (widgets/shared/calibration.py)
     calibrator = after_warm_up(engine, tuner.shape, tuner.profile, after=after)
     calibrator.on_calibrated(tuner.use_calibration)
     return calibrator
@@ -67,8 +68,9 @@ def calibration_lines(tuner: Any) -> list[str]:
                 f"profile to {after} steady iterations (the engine is at iteration {at}); this "
                 "line updates then"]
     return [report.line(),
-            f"before: predicted {report.before_s * 1e3:.2f} ms vs measured {report.measured_s * 1e3:.2f} ms "
-            f"({report.error_before:+.0%}); after: {report.after_s * 1e3:.2f} ms ({report.error_after:+.0%})"]
+            f"before: predicted {report.before_s * 1e3:.2f} ms vs measured "
+            f"{report.measured_s * 1e3:.2f} ms ({report.error_before:+.0%}); "
+            f"after: {report.after_s * 1e3:.2f} ms ({report.error_after:+.0%})"]
 
 
 def show_calibration(tuner: Any) -> None:

@@ -9,17 +9,19 @@ from typing import Any
 
 from superoffload.widgets.shared import env as _env
 from superoffload.widgets.shared.plotjson import to_html
-from superoffload.widgets.shared.profile import describe
+from superoffload.widgets.shared.profile import describe_choice
 from superoffload.widgets.tuner.core import LABELS
 
 
 def write_page(tuner: Any, path: Path) -> Path:
     """Write `tuner`'s page to `path` (an OffloadTuner); returns the path."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = "".join(f"<tr><th>{html.escape(LABELS.get(k, k))}</th><td>{html.escape(str(v))}</td></tr>"
-                   for k, v in tuner.values.items())
-    body = (f"<h2>offload tuner</h2><p>{html.escape(describe(tuner.shape, tuner.choice))}</p>"
-            f"<table>{rows}</table>{tuner.render_prediction(tuner.prediction, tuner.prediction_line)}"
+    rows = "".join(f"<tr><th>{html.escape(LABELS.get(k, k))}</th>"
+                   f"<td>{html.escape(str(v))}</td></tr>" for k, v in tuner.values.items())
+    described = html.escape(describe_choice(tuner.shape, tuner.choice))
+    prediction = tuner.render_prediction(tuner.prediction, tuner.prediction_line)
+    body = (f"<h2>offload tuner</h2><p>{described}</p>"
+            f"<table>{rows}</table>{prediction}"
             f"<p>{html.escape(tuner.status_line)}</p>")
     if _env.plotly_available():
         from superoffload import plan

@@ -5,14 +5,17 @@
     tuner                                                              # shows the controls
 
 Every control change re-runs `plan.simulate` off the kernel's main thread, once the
-controls have been still for `debounce_s` (a held arrow key sends dozens of values; only
-the last is predicted), and rewrites the prediction table. The profile is this machine's
-measured one unless another is given, and the title says which. With an engine attached,
-"Apply to engine" sends the changed fields to `engine.reconfigure(...)` (in force from the
-next iteration); it is disabled when nothing can take the change (no engine, an engine
+controls have been still for `debounce_s`, and rewrites the prediction table. The profile is
+this machine's measured one unless another is given, and the title says which. With an engine
+attached, "Apply to engine" sends the changed fields to `engine.reconfigure(...)` (in force from
+the next iteration); it is disabled when nothing can take the change (no engine, an engine
 that cannot reconfigure, nothing changed). One tuner per display: when the run ends (or the
 kernel exits) its controls are replaced IN PLACE by a static snapshot of the settings, the
 prediction and the status, so a saved notebook shows the tuner once, readable.
+
+Past 400 lines: one controller, whose methods are the notebook API (set, apply, measure,
+display); its pure parts (core.py, changes.py), its view (controls.py) and its live A/B and
+calibration (live.py) are modules of their own already.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import html
 import itertools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +33,17 @@ from superoffload.telemetry.abtest import combine, lengthen, resolves
 from superoffload.widgets.shared import env as _env
 from superoffload.widgets.shared import slots as snap
 from superoffload.widgets.shared.debounce import Executor, Inline, LatestOnly
-from superoffload.widgets.shared.profile import ProfileChoice, describe, resolve_profile, to_shape
+from superoffload.widgets.shared.profile import (
+    ProfileChoice,
+    describe_choice,
+    resolve_profile,
+    to_shape,
+)
 from superoffload.widgets.shared.runstate import RunState
 from superoffload.widgets.tuner import controls, live
 from superoffload.widgets.tuner.changes import change_rows, ratio_curve
 from superoffload.widgets.tuner.core import (
-    TUNED_FIELDS,
+    CONTROL_FIELDS,
     Prediction,
     apply_block_reason,
     baseline_result,
@@ -45,6 +54,10 @@ from superoffload.widgets.tuner.core import (
     reconfigurable_fields,
     setting_notes,
 )
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in values.items())
 
 
 class OffloadTuner:
@@ -64,18 +77,20 @@ class OffloadTuner:
             raise TypeError(f"config={base!r} must be a superoffload.OffloadConfig")
         self.base_config = base.replace()  # a validated copy the controls start from
         self.preview = preview
-        self.values: dict[str, Any] = {name: getattr(self.base_config, name) for name in TUNED_FIELDS}
+        self.values: dict[str, Any] = {name: getattr(self.base_config, name)
+                                       for name in CONTROL_FIELDS}
         self._derived_threads = self.values["cpu_threads"] is None
         if self._derived_threads:  # the slider needs a number: what cpu_cores_frac gives here
-            self.values["cpu_threads"] = self._default_threads()
+            cores = int(getattr(self.profile, "cpu_cores", os.cpu_count() or 1))
+            self.values["cpu_threads"] = max(1, round(cores * self.base_config.cpu_cores_frac))
         self._shown_default_threads = self.values["cpu_threads"]
         self.baseline = baseline_result(self.shape, self.profile) if compare_baseline else None
         """The ZeRO-Offload simulation the prediction is compared with (None: not compared)."""
-        self.baseline_s = float(self.baseline.iteration_s) if self.baseline is not None else None
         self.prediction: Prediction | None = None
         self.prediction_line = ""
         self.run_state: RunState | None = None
-        self.status_line = "no engine attached (what-if mode)" if engine is None else "not applied yet"
+        self.status_line = ("no engine attached (what-if mode)" if engine is None
+                            else "not applied yet")
         self.applied: list[dict[str, Any]] = []
         self.measure_apply = measure_apply
         """Apply measures the change as an interleaved A/B (runtime/ab_trial.py) when the
@@ -100,14 +115,18 @@ class OffloadTuner:
         self.live_outputs: list[snap.LiveOutput] = []
         """Where the controls are shown; each is frozen in place into the snapshot when the
         run ends or the kernel exits (a reopened notebook shows it, not "model not found")."""
-        # the widgets `controls.build` makes (None without ipywidgets)
+        # the widgets `controls.build_controls` makes (None without ipywidgets)
         self.notes_html: Any = None
         self.prediction_html: Any = None
         self.apply_button: Any = None
         self.measure_button: Any = None
         self.status_html: Any = None
-        self.widget: Any = controls.build(self) if _env.has_module("ipywidgets") else None
-        self.executor: Executor = LatestOnly(debounce_s) if self.widget is not None and debounce_s > 0 else Inline()
+        self.widget: Any = controls.build_controls(self) if _env.has_module("ipywidgets") else None
+        # Debounced only behind a widget: a held arrow key sends dozens of values and only the
+        # last is worth predicting; without one (scripts, tests) each prediction is inline.
+        self.executor: Executor = Inline()
+        if self.widget is not None and debounce_s > 0:
+            self.executor = LatestOnly(debounce_s)
         self._show(*self._predict(self.config))
         self.calibrator: Any = live.start_calibrator(self, calibrate_after, profile is None)
         """The AutoCalibrator on the attached engine (None: none); when it has run the tuner
@@ -119,25 +138,32 @@ class OffloadTuner:
         self.profile = report.profile
         if self.baseline is not None:  # like with like: ZeRO-Offload on the same profile
             self.baseline = baseline_result(self.shape, self.profile)
-            self.baseline_s = float(self.baseline.iteration_s) if self.baseline is not None else None
         self._show(*self._predict(self.config))
 
     # ----------------------------------------------------------------- state
     @property
+    def baseline_s(self) -> float | None:
+        """The baseline's seconds per iteration (None: not compared)."""
+        return None if self.baseline is None else float(self.baseline.iteration_s)
+
+    @property
     def config(self) -> OffloadConfig:
         """The OffloadConfig the controls describe now."""
         values = dict(self.values)
+        # a slider left at the derived default keeps deriving it from cpu_cores_frac (None)
         if self._derived_threads and values["cpu_threads"] == self._shown_default_threads:
-            values["cpu_threads"] = None  # untouched: keep deriving it from cpu_cores_frac
+            values["cpu_threads"] = None
         return self.base_config.replace(**values)
 
     def set(self, **values: Any) -> Prediction:
         """Set controls by field name (as a user would); returns the new prediction (computed
         in this thread, so the caller reads it at once)."""
-        unknown = sorted(set(values) - set(TUNED_FIELDS))
+        unknown = sorted(set(values) - set(CONTROL_FIELDS))
         if unknown:
-            raise ValueError(f"OffloadTuner.set: unknown control(s) {unknown}; known: {list(TUNED_FIELDS)}")
+            raise ValueError(f"OffloadTuner.set: unknown control(s) {unknown}; known: "
+                             f"{list(CONTROL_FIELDS)}")
         self.base_config.replace(**{**self.values, **values})  # validate before touching anything
+        # quiet: no observer queues a prediction per field; one is made below, in this thread
         self._quiet = True
         try:
             for name, value in values.items():
@@ -145,6 +171,7 @@ class OffloadTuner:
                 control = self.controls.get(name)
                 if control is None:
                     continue
+                # a dropdown rejects a value it does not list: add it to the bucket choices
                 if name == "bucket_bytes" and value not in dict(control.options).values():
                     merged = set(bucket_options(value)) | {tuple(o) for o in control.options}
                     control.options = sorted(merged, key=lambda o: o[1])
@@ -174,14 +201,16 @@ class OffloadTuner:
         current = self.engine.config
         if self.trial is not None and not self.trial.done:
             current = current.replace(**self.trial.new)  # what the A/B leaves in force
+        # forget what the engine has taken; what it has not yet taken still counts as sent
         self._sent = {k: v for k, v in self._sent.items() if getattr(current, k) != v}
         target = current.replace(**self._sent) if self._sent else current
         return engine_changes(target, self.config, reconfigurable_fields(self.engine))
 
     def apply_blocked(self) -> str | None:
         """Why Apply is disabled now (None: enabled)."""
-        reason = apply_block_reason(self.engine, reconfigurable_fields(self.engine) if self.engine
-                                    is not None else frozenset(), bool(getattr(self.engine, "closed", False)))
+        fields = frozenset() if self.engine is None else reconfigurable_fields(self.engine)
+        closed = bool(getattr(self.engine, "closed", False))
+        reason = apply_block_reason(self.engine, fields, closed)
         if reason is None and not self._live_changes()[0]:
             return "nothing to apply: the controls match the engine's settings"
         return reason
@@ -193,10 +222,11 @@ class OffloadTuner:
         whose result (median change, confidence interval, "within noise", the planner's
         predicted change) lands in `ab_results`, the status line and the run's telemetry."""
         if self.engine is None:
-            raise ValueError("OffloadTuner.apply: no engine attached; pass engine=... to OffloadTuner")
+            raise ValueError("OffloadTuner.apply: no engine attached; "
+                             "pass engine=... to OffloadTuner")
         changes, restart = self._live_changes()
         iteration = getattr(self.engine, "iteration", "?")
-        later = "; needs a restart: " + ", ".join(f"{k}={v}" for k, v in restart.items()) if restart else ""
+        later = "; needs a restart: " + _pairs(restart) if restart else ""
         measure = self.measure_apply if measure is None else measure
         if not changes:
             self.status_line = f"nothing to apply at iteration {iteration}{later}"
@@ -213,11 +243,11 @@ class OffloadTuner:
                 raise
             self.applied.append(dict(changes))
             self._sent.update(changes)
-            shown = ", ".join(f"{k}={v}" for k, v in changes.items())
-            when = ("training is not running: it takes effect at the next iteration trained"
-                    if self.run_state is not None and self.run_state is not RunState.RUNNING
-                    else "in force from the next iteration")
-            self.status_line = f"applied {shown} at iteration {iteration} ({when}){later}"
+            when = "in force from the next iteration"
+            # a paused or ended run has no next iteration yet: the change waits for one
+            if self.run_state is not None and self.run_state is not RunState.RUNNING:
+                when = "training is not running: it takes effect at the next iteration trained"
+            self.status_line = f"applied {_pairs(changes)} at iteration {iteration} ({when}){later}"
             if self.trial is not None and not self.trial.done and self.trial.new == changes:
                 self.status_line += (f"; measuring it as an A/B: old and new settings "
                                      f"alternate, {self.ab_pairs} pairs of {self.ab_block} "
@@ -234,8 +264,10 @@ class OffloadTuner:
         self.measured = combine([self.measured, trial.result]) if extends else trial.result
         self._extending = False
         more, why = lengthen(self.measured)
-        self.status_line = f"measured: {self.measured.line()}" + (f"; {why}" if not resolves(
-            self.measured) else "")
+        self.status_line = f"measured: {self.measured.line()}"
+        # say how much longer only while the interval cannot tell the change from none
+        if not resolves(self.measured):
+            self.status_line += f"; {why}"
         if self.widget is not None:
             self.measure_button.disabled = more == 0
             self.measure_button.tooltip = why
@@ -255,7 +287,8 @@ class OffloadTuner:
             return None
         self._extending = True
         self.trial = live.extend_trial(self, self.measured, more)
-        self.status_line = f"measuring longer: {more} more pairs of {self.measured.block} iterations"
+        block = self.measured.block
+        self.status_line = f"measuring longer: {more} more pairs of {block} iterations"
         if self.widget is not None:
             self.measure_button.disabled = True
         self._show_status()
@@ -282,7 +315,7 @@ class OffloadTuner:
             return None, self.prediction_line, None, None
         pred = predict(self.shape, self.profile, config, baseline=self.baseline)
         in_force = self.engine.config if self.engine is not None else self.base_config
-        compared = (change_rows(self.shape, self.profile, in_force, config, TUNED_FIELDS),
+        compared = (change_rows(self.shape, self.profile, in_force, config, CONTROL_FIELDS),
                     ratio_curve(self.shape, self.profile, config))
         sim = None
         if self.preview is not None:
@@ -301,9 +334,9 @@ class OffloadTuner:
         try:
             config = self.config
         except ValueError as exc:
-            self.prediction_line = f"invalid setting: {exc}"
-            self._show(None, self.prediction_line, None)
+            self._show(None, f"invalid setting: {exc}", None)
             return
+        # numbered so that only the newest setting's answer is shown (`_on_prediction`)
         seq = self._latest = next(self._seq)
         if self.widget is not None:
             self.prediction_html.add_class("so-tuner-pending")
@@ -315,8 +348,7 @@ class OffloadTuner:
             return  # a newer setting is on its way
         exc = future.exception()
         if exc is not None:
-            self.prediction_line = f"the planner failed on this setting: {exc}"
-            self._show(None, self.prediction_line, None)
+            self._show(None, f"the planner failed on this setting: {exc}", None)
             return
         self._show(*future.result())
 
@@ -335,18 +367,12 @@ class OffloadTuner:
         self._show_status()
 
     # ----------------------------------------------------------------- widgets
-    def _default_threads(self) -> int:
-        import os
-
-        cores = int(getattr(self.profile, "cpu_cores", os.cpu_count() or 1))
-        return max(1, round(cores * self.base_config.cpu_cores_frac))
-
     def render_prediction(self, pred: Prediction | None, line: str) -> str:
         """The prediction table as HTML (`controls.prediction_html`)."""
         return controls.prediction_html(self, pred, line)
 
     def apply_from_button(self) -> None:
-        # A button callback has no cell to raise into: the status line carries the error.
+        # a button callback has no cell to raise into: the status line carries the error
         with contextlib.suppress(ValueError, TypeError):
             self.apply()
 
@@ -358,14 +384,15 @@ class OffloadTuner:
         self.apply_button.tooltip = blocked or "engine.reconfigure(...) with the changed settings"
         run = f"training {self.run_state.value} · " if self.run_state is not None else ""
         text = run + self.status_line
-        if blocked is not None and self.engine is not None and self.status_line == "not applied yet":
+        # before the first Apply, why Apply is disabled says more than "not applied yet"
+        untouched = self.status_line == "not applied yet"
+        if blocked is not None and self.engine is not None and untouched:
             text = run + blocked
         self.status_html.value = html.escape(text)
 
     def _snapshot_lines(self) -> list[str]:
-        settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
-        return ["offload tuner (static snapshot)", describe(self.shape, self.choice), settings,
-                self.prediction_line, self.status_line]
+        return ["offload tuner (static snapshot)", describe_choice(self.shape, self.choice),
+                _pairs(self.values), self.prediction_line, self.status_line]
 
     # ----------------------------------------------------------------- output
     def _ipython_display_(self) -> None:
@@ -375,16 +402,19 @@ class OffloadTuner:
         """Show the controls in a notebook; print the settings and prediction elsewhere."""
         if self.widget is None or not _env.in_notebook():
             print(self.summary())
-            reason = "not in a notebook" if self.widget is not None else f"ipywidgets missing ({_env.INSTALL_HINT})"
-            print(f"[superoffload] tuner controls need a notebook: {reason}; tuner.set(ratio=...) works here")
+            reason = f"ipywidgets missing ({_env.INSTALL_HINT})"
+            if self.widget is not None:
+                reason = "not in a notebook"
+            print(f"[superoffload] tuner controls need a notebook: {reason}; "
+                  "tuner.set(ratio=...) works here")
             return
-        out = snap.LiveOutput("tuner", self.widget, self._snapshot_lines, css_class="so-tuner-snapshot")
+        out = snap.LiveOutput("tuner", self.widget, self._snapshot_lines,
+                              css_class="so-tuner-snapshot")
         out.show()  # the only output of this display: frozen in place when the run ends
         self.live_outputs.append(out)
 
     def summary(self) -> str:
-        settings = ", ".join(f"{k}={v}" for k, v in self.values.items())
-        return f"{describe(self.shape, self.choice)}\n{settings}\n{self.prediction_line}"
+        return "\n".join(self._snapshot_lines()[1:4])
 
     def to_html(self, path: str | Path) -> Path:
         """A static page with the settings, the prediction and the simulated timeline."""

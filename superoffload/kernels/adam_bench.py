@@ -39,11 +39,16 @@ import superoffload.kernels as K
 
 FP32, MIXED, FLOOR = "fp32", "bf16 params + fp32 masters", "memory floor"
 # bytes moved per parameter by each method (reads + writes)
-FP32_BYTES = 28  # p, g, m, v read (16) + p, m, v written (12)
-MIXED_BYTES = 28  # p 4+4, bf16 g 2, m 4+4, v 4+4, bf16 copy 2
-BF16_MOMENT_BYTES = 20  # p 4+4, bf16 g 2, bf16 m 2+2, bf16 v 2+2, bf16 copy 2
-PIPELINE_BYTES = 6 + FP32_BYTES + 6  # widen g (2 + 4), the fp32 step, copy back (4 + 2)
-TRIAD_BYTES = 12  # STREAM's count for a = b + s*c: read b, c, write a (4 each)
+# p, g, m, v read (16) + p, m, v written (12)
+FP32_BYTES = 28
+# p 4+4, bf16 g 2, m 4+4, v 4+4, bf16 copy 2
+MIXED_BYTES = 28
+# p 4+4, bf16 g 2, bf16 m 2+2, bf16 v 2+2, bf16 copy 2
+BF16_MOMENT_BYTES = 20
+# widen g (2 + 4), the fp32 step, copy back (4 + 2)
+PIPELINE_BYTES = 6 + FP32_BYTES + 6
+# STREAM's count for a = b + s*c: read b, c, write a (4 each)
+TRIAD_BYTES = 12
 TORCH_FUSED = {FP32: "torch AdamW(fused=True)", MIXED: "torch fused: widen, step, copy back"}
 DEEPSPEED = {FP32: "DeepSpeed CPUAdam", MIXED: "DeepSpeed CPUAdam: widen, step, copy back"}
 PROBE = "in-place probe (Adam's 28 B/param)"
@@ -83,14 +88,17 @@ def transformer_sizes(numel: int, layers: int = 16) -> list[int]:
     per_layer = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
     sizes = per_layer * layers + [1024 * d, d, d]
     rest = numel - sum(sizes)
-    if rest <= 0:  # tiny numel: fall back to equal chunks
-        return [numel // 196 + (1 if i < numel % 196 else 0) for i in range(196)]
-    return [*sizes, rest]  # the token embedding takes what is left
+    # tiny numel: fall back to equal chunks
+    if rest <= 0:
+        # the first numel % 196 chunks take one element more, so they sum to numel
+        return [numel // 196 + (i < numel % 196) for i in range(196)]
+    # the token embedding takes what is left
+    return [*sizes, rest]
 
 
 def rotated(items: list, round_index: int) -> list:
     """`items` rotated left by `round_index` (the order of one round)."""
-    k = round_index % len(items) if items else 0
+    k = round_index % max(1, len(items))
     return items[k:] + items[:k]
 
 
@@ -110,8 +118,10 @@ class _State:
         self.v16 = [torch.full((n,), 1e-6, dtype=torch.bfloat16) for n in sizes]
         for p, g in zip(self.p, self.g):
             p.grad = g
-        self.p_data = [p.detach() for p in self.p]  # copy_back's sources, made once
-        total = sum(sizes)  # the triad's three arrays: as large as the state, so in DRAM
+        # copy_back's sources, made once
+        self.p_data = [p.detach() for p in self.p]
+        # the triad's three arrays: as large as the state, so in DRAM
+        total = sum(sizes)
         self.triad = [torch.zeros(total), torch.full((total,), 1e-3), torch.full((total,), 2e-3)]
         self.step = 1
 
@@ -135,7 +145,10 @@ def _deepspeed_optimizer(state: _State) -> torch.optim.Optimizer | None:
     importable or its CPU op cannot be JIT-built (the reason is printed)."""
     # build DeepSpeed's op once, into the project's git-ignored cache (FACTS.md)
     repo = Path(__file__).resolve().parents[2]
-    root = repo if (repo / "pyproject.toml").exists() else Path.cwd()
+    root = repo
+    # an installed (not editable) package has no checkout around it: cache under the cwd
+    if not (repo / "pyproject.toml").exists():
+        root = Path.cwd()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(root / ".cache" / "torch_extensions"))
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
@@ -155,7 +168,8 @@ def _methods(state: _State, threads: int, with_deepspeed: bool) -> list[Method]:
     def ours() -> None:
         K.adam_step_multi(state.p, state.g, state.m, state.v, step=state.step, **hp)
 
-    def ours_mixed() -> None:  # bf16 grads in, fp32 master stepped, bf16 parameter out
+    # bf16 grads in, fp32 master stepped, bf16 parameter out
+    def ours_mixed() -> None:
         K.adam_step_multi(state.p, state.g16, state.m, state.v, step=state.step,
                           params_lp=state.lp, **hp)
 
@@ -192,6 +206,7 @@ def _methods(state: _State, threads: int, with_deepspeed: bool) -> list[Method]:
 
         methods.append(Method(FLOOR, PROBE, FP32_BYTES, lambda: bandwidth_probe(
             state.p, state.g, state.m, state.v, threads=threads)))
+    # a DeepSpeed build is minutes on a cold cache: only when the caller asks for the peer
     ds = _deepspeed_optimizer(state) if with_deepspeed else None
     if ds is not None:
         methods.insert(4, Method(FP32, DEEPSPEED[FP32], FP32_BYTES, lambda: ds.step()))
@@ -225,7 +240,10 @@ def run_layout(layout: str, sizes: list[int], threads: int, repeats: int,
 
 
 def _ratio(r: Result, base: Result | None) -> str:
-    return f"{r.params_per_s / base.params_per_s:.2f}x" if base is not None else "n/a"
+    # no peer in this case (DeepSpeed not importable, or no fused torch counterpart)
+    if base is None:
+        return "n/a"
+    return f"{r.params_per_s / base.params_per_s:.2f}x"
 
 
 def format_table(results: list[Result], threads: int) -> str:
@@ -239,8 +257,12 @@ def format_table(results: list[Result], threads: int) -> str:
         by_layout.setdefault(r.layout, {})[r.method] = r
     for layout, rows in by_layout.items():
         probe, triad = rows.get(PROBE), rows[TRIAD]
-        floor = (f"in-place {probe.gbps:.1f} GB/s = {probe.params_per_s / 1e6:,.0f} M params/s "
-                 f"at 28 B/param; " if probe else "in-place probe: needs the compiled kernel; ")
+        # the in-place probe is a C routine: the torch fallback has no floor of its own
+        floor = "in-place probe: needs the compiled kernel; "
+        if probe:
+            # 28 B/param: 16 read + 12 written per fp32 step (DESIGN.md §4)
+            floor = (f"in-place {probe.gbps:.1f} GB/s = {probe.params_per_s / 1e6:,.0f} M "
+                     "params/s at 28 B/param; ")
         lines.append(f"memory floor, {layout}: {floor}STREAM triad {triad.gbps:.1f} GB/s "
                      "(underestimates it: write-allocate traffic is not counted)")
     lines += ["", "| layout | case | method | M params/s | vs torch fused | vs DeepSpeed | GB/s "
@@ -250,17 +272,22 @@ def format_table(results: list[Result], threads: int) -> str:
         for r in rows.values():
             fused = rows.get(TORCH_FUSED.get(r.case, ""))
             ds = rows.get(DEEPSPEED.get(r.case, ""))
-            pct = f"{100 * r.gbps / probe.gbps:.0f}%" if probe else "n/a"
+            pct = "n/a"
+            if probe:
+                pct = f"{100 * r.gbps / probe.gbps:.0f}%"
             lines.append(f"| {layout} | {r.case} | {r.method} | {r.params_per_s / 1e6:,.0f} | "
                          f"{_ratio(r, fused)} | {_ratio(r, ds)} | {r.gbps:.1f} | {pct} |")
     return "\n".join(lines)
 
 
-def main(numel: int = 2**26, threads: int = 2, repeats: int = 15,
-         layouts: tuple[str, ...] = ("flat", "195"), with_deepspeed: bool = True) -> str:
+def run_benchmark(numel: int = 2**26, threads: int = 2, repeats: int = 15,
+                  layouts: tuple[str, ...] = ("flat", "195"), with_deepspeed: bool = True) -> str:
     results: list[Result] = []
     for layout in layouts:
-        sizes = [numel] if layout == "flat" else transformer_sizes(numel)
+        # "flat": one tensor (no per-tensor overhead); "195": a GPT's many small tensors
+        sizes = [numel]
+        if layout != "flat":
+            sizes = transformer_sizes(numel)
         print(f"[bench] {layout}: {len(sizes)} tensors, {sum(sizes):,} params, "
               f"{repeats} interleaved rounds ...", flush=True)
         results += run_layout(f"{layout} ({len(sizes)})", sizes, threads, repeats,

@@ -98,7 +98,8 @@ class AutoCalibrator:
         self.attempts -= 1
         if self.attempts > 0 and spread(self._times(first, last)) > self.max_spread:
             self._passed = (first, last)
-            self._start = last + 1 - self.skip  # not steady: measure the next window
+            # not steady: measure the next window
+            self._start = last + 1 - self.skip
             return
         self._finish(first, last)
 

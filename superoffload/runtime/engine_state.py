@@ -27,7 +27,7 @@ from superoffload.plan.buckets import Bucket, ParamSpec
 from superoffload.plan.schedule import Schedule
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """``OffloadConfig.precision`` -> the dtype the trainable parameters must have."""
 
 
@@ -144,7 +144,8 @@ def build_buffers(
     alloc = alloc_device if bucket.on_device else alloc_host
     flats: list[torch.Tensor] = []
     if bucket.on_device and model_fp32:
-        master = [p.data for p in params]  # the device weights are the master
+        # the device weights are the master
+        master = [p.data for p in params]
     else:
         flat_master = alloc(numel, torch.float32)
         flats.append(flat_master)
@@ -175,7 +176,10 @@ def build_buffers(
                 for view, p, st in zip(buffers.lp_host, params, states):
                     # a released weight-flow parameter: its weights are the master's
                     # rounding (the kernel's copy rounds to nearest even, as copy_ does)
-                    view.copy_(p.data if p.numel() == view.numel() else st.master)
+                    source = p.data
+                    if p.numel() != view.numel():
+                        source = st.master
+                    view.copy_(source)
     return buffers
 
 
@@ -294,16 +298,17 @@ class EngineState:
                     "offloads dense gradients: build it with sparse=False")
         for i, p in enumerate(self.params):
             if p.device.type == "cpu" and hasattr(p, "device_mesh"):
-                continue  # an FSDP2 shard kept on the host by CPUOffloadPolicy (weight-flow)
+                # an FSDP2 shard kept on the host by CPUOffloadPolicy (weight-flow)
+                continue
             if p.device.type != device.type or (device.type == "cuda"
                                                  and p.device.index != device.index):
                 raise ValueError(f"model parameter {self.names[i]!r} is on {p.device} but "
                                  f"OffloadConfig.device resolves to {device}; move the model "
                                  "first (model.to(...))")
-        if self.model_dtype not in PRECISIONS.values():
+        if self.model_dtype not in PRECISION_DTYPES.values():
             raise TypeError(f"trainable parameters have dtype {self.model_dtype}; use float32, "
                             "bfloat16 or float16")
-        want = PRECISIONS.get(precision)
+        want = PRECISION_DTYPES.get(precision)
         if want is not None and self.model_dtype != want:
             from superoffload.config import ConfigError
 

@@ -28,7 +28,7 @@ import torch
 from superoffload.config import ConfigError, OffloadConfig
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import choose_weights
+from superoffload.plan.simulator import choose_weights
 from superoffload.plan.storage import TierError, check_homes
 from superoffload.plan.weights import WeightChoice
 from superoffload.runtime.devices import DeviceOps
@@ -37,7 +37,7 @@ from superoffload.runtime.launch import Launcher
 from superoffload.runtime.weightflow import WeightFlow
 from superoffload.telemetry.recorder import Recorder
 
-log = logging.getLogger("superoffload.weights")
+_log = logging.getLogger("superoffload.weights")
 
 
 # ------------------------------------------------ which profile "auto" asks the planner with
@@ -49,12 +49,13 @@ def default_profile(device_type: str) -> HardwareProfile:
     if device_type == "cpu":
         from superoffload.plan.measure import cached_profile
 
-        hit = cached_profile()  # never measures inside initialize()
+        # never measures inside initialize()
+        hit = cached_profile()
         return hit if hit is not None else profiles.get("cpu-laptop")
     return profiles.get("h200-pcie")
 
 
-def resolve_profile(profile: HardwareProfile | str | None, device_type: str) -> HardwareProfile:
+def engine_profile(profile: HardwareProfile | str | None, device_type: str) -> HardwareProfile:
     """A HardwareProfile from an instance, a preset name, "measure" or None (the default)."""
     if isinstance(profile, HardwareProfile):
         return profile
@@ -68,7 +69,8 @@ def resolve_profile(profile: HardwareProfile | str | None, device_type: str) -> 
         from superoffload.plan import profiles
 
         return profiles.get(profile)
-    raise TypeError(f"profile: pass a HardwareProfile, a preset name or 'measure', not {type(profile)}")
+    raise TypeError(
+        f"profile: pass a HardwareProfile, a preset name or 'measure', not {type(profile)}")
 
 
 class PolicyHost(Protocol):
@@ -106,7 +108,8 @@ class WeightPolicyController:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
                 raise ValueError(f"initialize({name}={value!r}): use a whole number >= 1 or None")
-        try:  # whatever the policy: weight-flow may be switched on later
+        # whatever the policy: weight-flow may be switched on later
+        try:
             check_homes(engine.config.weight_homes, storage=engine.config.storage_path is not None)
         except TierError as exc:
             raise ConfigError(str(exc)) from None
@@ -127,7 +130,8 @@ class WeightPolicyController:
         self.fixed_weight_bytes = 0
         """Bytes of the model's weights that never stream (all of them under
         weight-stationary): measured when the policy is set, read at every step's close."""
-        self._lock = threading.Lock()  # reconfigure() may come from another thread
+        # reconfigure() may come from another thread
+        self._lock = threading.Lock()
         self._resident_depth = 0
         if self.requested == "auto" and self.batch is not None:
             self.active = self._decide()
@@ -154,7 +158,10 @@ class WeightPolicyController:
 
     def _measure_fixed(self) -> None:
         flow = self.flow
-        skip = set() if flow is None else {id(p) for ps in flow.params for p in ps}
+        # streamed weights are not fixed on the device: they are counted by the flow's peak
+        skip: set[int] = set()
+        if flow is not None:
+            skip = {id(p) for ps in flow.params for p in ps}
         self.fixed_weight_bytes = sum(p.numel() * p.element_size()
                                       for p in self.engine.model.parameters() if id(p) not in skip)
 
@@ -195,7 +202,7 @@ class WeightPolicyController:
     # ------------------------------------------------------------------ decisions
     def profile(self) -> HardwareProfile:
         if self._profile is None:
-            self._profile = resolve_profile(self._profile_arg, self.engine.device_ops.device.type)
+            self._profile = engine_profile(self._profile_arg, self.engine.device_ops.device.type)
         return self._profile
 
     def shape(self) -> ModelShape:
@@ -223,7 +230,7 @@ class WeightPolicyController:
                                 device_memory_bytes=cap)
         self.choice = choice
         text = f"weights='auto' on profile {self.profile().name}: {choice.reason}"
-        log.info(text)
+        _log.info(text)
         self.engine.telemetry.note(self.engine.iteration, text)
         return choice.policy
 
@@ -285,4 +292,5 @@ class WeightPolicyController:
     def _attach(self) -> None:
         self.flow = self.engine.new_flow(self.depth)
         self.flow.attach()
-        self.engine.hooks.extend(self.flow.handles)  # removed with the engine's (lifetime.py)
+        # removed with the engine's (lifetime.py)
+        self.engine.hooks.extend(self.flow.handles)

@@ -4,7 +4,11 @@
 the same iteration core; FSDP2 reduce-scatters the gradients and all-gathers the weights,
 each rank keeps and steps the fp32 masters and moments of its own shards. Build it on every
 rank after ``init_distributed()`` (``so.initialize`` does under torchrun); a model not
-sharded yet is sharded here over the job's mesh (units.py, mesh.py). Besides the transport:
+sharded yet is sharded here over the job's mesh (units.py, mesh.py). FSDP2 stays at this
+edge, as torchtitan applies it to the model outside its training step: this module shards
+the model, sets up its units (``prepare_units``) and puts the hooks that order FSDP2's
+collectives with the engine on them (hooks.py); the step's code is the single-process one,
+over the transport. Besides the transport:
 DCP checkpoints (checkpoint.py); ``master_weights()`` gathers (collective) and
 ``state_dict()`` holds DTensors, as torch optimizers over FSDP2 do; ``reconfigure()`` is
 collective and cannot switch the weight policy (FSDP2 places a unit's shards when it shards
@@ -15,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,16 +28,24 @@ import torch.distributed as dist
 from superoffload.config import RECONFIGURABLE, ConfigError, OffloadConfig
 from superoffload.distributed.budget import HostBudget
 from superoffload.distributed.fsdp import checkpoint
-from superoffload.distributed.fsdp.flow import FsdpFlow
-from superoffload.distributed.fsdp.transport import FsdpTransport, full_cpu
-from superoffload.distributed.fsdp.units import block_modules, is_sharded, shard_model
+from superoffload.distributed.fsdp.comm import guard_collectives
+from superoffload.distributed.fsdp.flow import FsdpFlow, check_flow_units
+from superoffload.distributed.fsdp.fsdp_transport import FsdpTransport, full_cpu
+from superoffload.distributed.fsdp.hooks import UnitHooks
+from superoffload.distributed.fsdp.units import (
+    Unit,
+    block_modules,
+    fsdp_units,
+    is_sharded,
+    shard_model,
+)
 from superoffload.distributed.validation import agree_fingerprint
 from superoffload.kernels.hyper import hypers_of
 from superoffload.plan.schedule import ScheduleFacts
 from superoffload.runtime import contract
 from superoffload.runtime.engine import OffloadEngine
+from superoffload.runtime.engine_state import EngineState
 from superoffload.runtime.optim_view import param_groups_from
-from superoffload.runtime.state import EngineState
 from superoffload.telemetry.recorder import Recorder
 
 
@@ -62,12 +73,28 @@ def agree_before_sharding(model: torch.nn.Module, optimizer: Any, config: Offloa
                       dist.get_process_group_ranks(group))
 
 
+def prepare_units(model: torch.nn.Module, *, flow: bool) -> list[Unit]:
+    """The sharded model's FSDP2 units (root first), set up for the engine: each reduces zeros
+    for a parameter this rank did not use (ranks may use different parameters: DDP's
+    semantics; hooks.py records which), its collectives raise ``DistributedError`` naming a
+    dead or stalled peer (comm.py), and under weight-flow the block units must keep their
+    shards on the host, where the CPU step publishes (flow.py)."""
+    units = fsdp_units(model)
+    for module in (m for u in units for m in u.modules):
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+    guard_collectives([u.modules[0] for u in units])
+    if flow:
+        check_flow_units(units, model)
+    return units
+
+
 def remap_groups(optimizer: Any, before: dict[int, str],
                  after: dict[str, torch.nn.Parameter]) -> Any:
     """Param groups naming the model's parameters from before sharding, rewritten to the
     DTensor parameters ``fully_shard`` put in their place (same names)."""
     if optimizer is None or isinstance(optimizer, Mapping):
-        return optimizer  # hyper-parameters only: the engine takes the model's parameters
+        # hyper-parameters only: the engine takes the model's parameters
+        return optimizer
     out = []
     for g in optimizer:
         params = g.get("params")
@@ -115,11 +142,16 @@ class FsdpOffloadEngine(OffloadEngine):
                         blocks_on_host=config.weights == "flow", mp_policy=mp_policy,
                         group=dist.group.WORLD)
             optimizer = remap_groups(optimizer, before, dict(model.named_parameters()))
-        self.fsdp = FsdpTransport(mesh=mesh, host_available_bytes=host_available_bytes,
+        self.units = prepare_units(model, flow=config.weights == "flow")
+        self.unit_hooks = UnitHooks(self.units)
+        self.fsdp = FsdpTransport(used=self.unit_hooks.usage.used, mesh=mesh,
+                                  host_available_bytes=host_available_bytes,
                                   host_headroom=host_headroom)
         self._thread = threading.get_ident()
         super().__init__(model, optimizer, config, telemetry, transport=self.fsdp, **kwargs)
-        self.fsdp.sync_rule = weakref.WeakMethod(self._grad_sync)
+        self.unit_hooks.install(self.state.index, self.fsdp, self.grad_sync)
+        # removed with the engine's own (runtime/lifetime.py)
+        self.hooks.append(self.unit_hooks)
         if auto:
             self.telemetry.note(0, "weights='auto' runs weight-stationary under data parallel "
                                    "(every rank must choose alike)")
@@ -146,21 +178,22 @@ class FsdpOffloadEngine(OffloadEngine):
         return RECONFIGURABLE - {"weights"}
 
     # ------------------------------------------------------------------ the engine's parts
-    def _facts(self) -> ScheduleFacts:
+    def facts(self) -> ScheduleFacts:
         # the ranks the offloaded state is split over (the planner's dp; HSDP: one replica's),
         # though FSDP2 averages the gradients itself
-        return dataclasses.replace(super()._facts(), dp=self.fsdp.shard_ranks)
+        return dataclasses.replace(super().facts(), dp=self.fsdp.shard_ranks)
 
     def new_flow(self, depth: int) -> FsdpFlow:  # type: ignore[override]
         blocks = {id(b) for b in block_modules(self.model)}
-        units = [m for u in self.fsdp.units for m in u.modules if id(m) in blocks]
-        return FsdpFlow(units, self.fsdp, depth)
+        units = [m for u in self.units for m in u.modules if id(m) in blocks]
+        return FsdpFlow(units, self.unit_hooks, depth)
 
-    def _grad_sync(self) -> bool:
+    def grad_sync(self) -> bool:
         """Root forward: does this micro-step's backward reduce-scatter (hooks.py)?"""
         micro = self.launcher.current.micro_step
-        if micro == 0:  # a new optimizer step: forget which parameters were used
-            self.fsdp.usage.used.clear()
+        # a new optimizer step: forget which parameters were used
+        if micro == 0:
+            self.unit_hooks.usage.used.clear()
         return micro + 1 >= self.config.grad_accum_steps or self.accum_on_host
 
     def reconfigure(self, **changes: Any) -> None:
@@ -177,7 +210,7 @@ class FsdpOffloadEngine(OffloadEngine):
     # ------------------------------------------------------------------ state
     def master_weights(self) -> dict[str, torch.Tensor]:
         """Full fp32 master of every trainable parameter (CPU). Collective."""
-        self._settled("master_weights()")
+        self.settled("master_weights()")
         self.synchronize()
         return {self.state.names[i]: full_cpu(s.master) for i, s in self.export_states().items()}
 
@@ -187,11 +220,11 @@ class FsdpOffloadEngine(OffloadEngine):
 
     def save_checkpoint(self, path: str, extra: Any = None, *, lr_scheduler: Any = None) -> str:
         """DCP checkpoint (checkpoint.py): every rank writes its shards. Collective."""
-        self._settled("save_checkpoint()")
-        return checkpoint.save(self, path, extra=extra, lr_scheduler=lr_scheduler)
+        self.settled("save_checkpoint()")
+        return checkpoint.save_sharded(self, path, extra=extra, lr_scheduler=lr_scheduler)
 
     def load_checkpoint(self, path: str, *, lr_scheduler: Any = None) -> Any:
         """Load a checkpoint written by any world size (DCP reshards; a former ZeRO
         checkpoint is converted). Collective; returns ``extra``."""
-        self._settled("load_checkpoint()")
-        return checkpoint.load(self, path, lr_scheduler=lr_scheduler)
+        self.settled("load_checkpoint()")
+        return checkpoint.load_sharded(self, path, lr_scheduler=lr_scheduler)

@@ -63,9 +63,11 @@ def measure_storage(folder: str | os.PathLike[str], *, size_bytes: int, block_by
         file = engine.open(path, size_bytes)
         try:
             buffer = aligned_empty(min(size_bytes, REQUEST_BYTES), pin=False)
-            buffer.random_(0, 256)  # incompressible, in case the device compresses
+            # incompressible, in case the device compresses
+            buffer.random_(0, 256)
             write_s = timed_pass(engine, file, buffer, write=True)
-            if not file.direct:  # a buffered read right after the write hits the cache
+            # a buffered read right after the write hits the cache
+            if not file.direct:
                 engine.fsync(file)
                 os.posix_fadvise(file.fd_buffered, 0, 0, os.POSIX_FADV_DONTNEED)
             read_s = timed_pass(engine, file, buffer, write=False)

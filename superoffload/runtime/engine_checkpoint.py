@@ -43,15 +43,15 @@ from superoffload.runtime.ckpt_files import (
 )
 from superoffload.runtime.ckpt_folder import checkpoint_folder
 from superoffload.runtime.ckpt_manifest import (
+    ENGINE_FORMAT,
     FILENAME,
-    FORMAT,
     META,
     read_checked,
-    read_manifest,
+    read_meta,
 )
+from superoffload.runtime.engine_state import EngineState, ParamState
 from superoffload.runtime.iteration import EngineStats
 from superoffload.runtime.loss_scaler import LossScaler
-from superoffload.runtime.state import EngineState, ParamState
 from superoffload.runtime.stv import AdaptiveSTV
 from superoffload.runtime.tier import StateTier
 from superoffload.runtime.tier_checkpoint import load_tier, prune, save_tier
@@ -105,7 +105,7 @@ def common_payload(engine: Checkpointable) -> dict[str, Any]:
     """What both checkpoint formats record besides the tensors."""
     return {
         "iteration": engine.iteration,
-        "config": plain(engine.config.to_dict()),
+        "config": plain_data(engine.config.to_dict()),
         "signature": engine.state.signature(),
         "param_groups": param_groups_payload(engine),
         "loss_scaler": engine.scaler.state_dict(),
@@ -121,7 +121,7 @@ def engine_state_dict(engine: Checkpointable, *, tier: bool = True) -> dict[str,
     states = engine.export_states(tier=tier)
     names = engine.state.names
     return {
-        "format": FORMAT,
+        "format": ENGINE_FORMAT,
         **common_payload(engine),
         "state": {
             names[i]: {"master": s.master, "exp_avg": s.exp_avg,
@@ -133,7 +133,8 @@ def engine_state_dict(engine: Checkpointable, *, tier: bool = True) -> dict[str,
 
 
 def _model_state(engine: Checkpointable) -> dict[str, torch.Tensor]:
-    with engine.resident_weights():  # weight-flow: streamed blocks are fetched first
+    # weight-flow: streamed blocks are fetched first
+    with engine.resident_weights():
         state = engine.model.state_dict(keep_vars=True)
         # a tied weight (a head sharing its embedding) stays one tensor, saved once: an export
         # then writes it once, from its fp32 master (docs/export.md, "Tied weights")
@@ -144,7 +145,7 @@ def _model_state(engine: Checkpointable) -> dict[str, torch.Tensor]:
         return {k: copies[id(v)] for k, v in state.items()}
 
 
-def plain(value: Any) -> Any:
+def plain_data(value: Any) -> Any:
     """JSON-safe plain data (tuples become lists)."""
     return json.loads(json.dumps(value, default=str))
 
@@ -170,7 +171,7 @@ def check_compatible(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
     """Refuse a checkpoint of another model or numerics-relevant config, naming the mismatch
     (the fields' roles are declared on OffloadConfig: ``config.NUMERICS_FIELDS``)."""
     check_signature(engine, sd["signature"])
-    mine = plain(engine.config.to_dict())
+    mine = plain_data(engine.config.to_dict())
     for key, value in sd["config"].items():
         if key in NUMERICS_FIELDS and mine.get(key) != value:
             raise CheckpointMismatch(
@@ -184,7 +185,8 @@ def check_compatible(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
     for k, (g_ck, g) in enumerate(zip(sd["param_groups"], groups)):
         names = [st.names[st.index[id(p)]] for p in g["params"]]
         if g_ck["params"] != names:
-            raise CheckpointMismatch(f"param group {k}: its parameters differ from the checkpoint's")
+            raise CheckpointMismatch(
+                f"param group {k}: its parameters differ from the checkpoint's")
 
 
 def restore_common(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
@@ -203,11 +205,13 @@ def restore_common(engine: Checkpointable, sd: Mapping[str, Any]) -> None:
 def load_engine_state_dict(engine: Checkpointable, sd: dict[str, Any],
                            folder: str | None = None) -> None:
     """``folder``: where the checkpoint lies (its storage-tier states are a file there)."""
-    if sd.get("format") != FORMAT:
-        raise CheckpointMismatch(f"checkpoint format {sd.get('format')!r}, expected {FORMAT!r}")
+    if sd.get("format") != ENGINE_FORMAT:
+        raise CheckpointMismatch(
+            f"checkpoint format {sd.get('format')!r}, expected {ENGINE_FORMAT!r}")
     check_compatible(engine, sd)
     engine.synchronize()
-    with engine.resident_weights():  # weight-flow: load into, and re-plan from, real weights
+    # weight-flow: load into, and re-plan from, real weights
+    with engine.resident_weights():
         engine.model.load_state_dict(sd["model"])
         names = engine.state.names
         states = {}
@@ -273,14 +277,16 @@ def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: 
     final = os.path.join(path, FILENAME)
     # two threads saving here: both files come from one save; a failed first save leaves none
     with folder_lock(path), checkpoint_folder(path):
-        installed = read_manifest(path)
-        if tier is not None:  # a copy of the tier's states, streamed: engine.pt names it
+        installed = read_meta(path)
+        # a copy of the tier's states, streamed: engine.pt names it
+        if tier is not None:
             payload["tier"] = save_tier(tier, path, engine.iteration, engine.state.names,
                                         engine.state.steps)
 
-        def publish(digest: FileDigest) -> None:  # the new file is complete, not yet renamed
+        # the new file is complete, not yet renamed
+        def publish(digest: FileDigest) -> None:
             meta: dict[str, Any] = {
-                "format": FORMAT, "iteration": engine.iteration, "config": payload["config"],
+                "format": ENGINE_FORMAT, "iteration": engine.iteration, "config": payload["config"],
                 "parameters": len(payload["signature"]),
                 "files": {FILENAME: {"sha256": digest.sha256, "bytes": digest.nbytes}},
                 "export": how_to_export()}
@@ -294,7 +300,8 @@ def save(engine: Checkpointable, path: str, *, extra: Any = None, lr_scheduler: 
         try:
             write_atomic(payload, final, before_replace=publish)
         except BaseException:
-            if tier is not None:  # engine.pt in place still names its own tier file
+            # engine.pt in place still names its own tier file
+            if tier is not None:
                 prune(path, keep=_tier_files_named(final))
             raise
         if tier is not None:
@@ -310,14 +317,18 @@ def _tier_files_named(final: str) -> list[str]:
     except (OSError, CheckpointCorrupt):
         return []
     entry = payload.get("tier")
-    return [] if entry is None else [str(entry["file"])]
+    # a checkpoint without a storage tier names no file
+    if entry is None:
+        return []
+    return [str(entry["file"])]
 
 
 def load(engine: Checkpointable, path: str, *, lr_scheduler: Any = None) -> Any:
     """Restore everything saved by ``save`` (checksums verified); returns its ``extra``."""
     file = os.path.join(path, FILENAME)
     if not os.path.lexists(file):
-        if os.path.exists(os.path.join(path, "manifest.json")):  # distributed/fsdp/checkpoint.py
+        # distributed/fsdp/checkpoint.py
+        if os.path.exists(os.path.join(path, "manifest.json")):
             raise CheckpointMismatch(
                 f"{path} holds a sharded checkpoint (manifest.json and every rank's files, "
                 "written by the data-parallel engine under torchrun), not engine.pt: load it "

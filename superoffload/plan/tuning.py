@@ -27,7 +27,7 @@ from superoffload.plan.feasible import Feasibility, search
 from superoffload.plan.hardware import HardwareProfile
 from superoffload.plan.schedule import EngineVariant
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.simulate import SimResult, simulate
+from superoffload.plan.simulator import SimResult, simulate
 from superoffload.plan.techniques import PAPER_CLIP_RATE, Techniques
 from superoffload.plan.tier_budget import tier_config
 
@@ -113,6 +113,7 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
     cache: dict[tuple, SimResult] = {}
 
     def run(cfg: OffloadConfig) -> SimResult:
+        # repr: values may be unhashable; "extra" holds notes that change no prediction
         key = tuple(sorted((k, repr(v)) for k, v in cfg.to_dict().items() if k != "extra"))
         if key not in cache:
             cache[key] = simulate(shape, eff, "superoffload", cfg, tech)
@@ -131,9 +132,10 @@ def tune(model_or_shape: Any, prof: HardwareProfile, constraints: Constraints | 
     explanation = _explain(shape, eff, cfg, best, zero, tried, cons)
     if moments:
         explanation += "\n" + moments
-    numerics = ([f"optimizer_state_dtype={cfg.optimizer_state_dtype!r}"]
-                if cfg.optimizer_state_dtype != "fp32" and "optimizer_state_dtype"
-                not in cons.fixed else [])
+    numerics: list[str] = []
+    if cfg.optimizer_state_dtype != "fp32" and "optimizer_state_dtype" not in cons.fixed:
+        # the tuner changed the maths on its own: the config records it for its reader
+        numerics = [f"optimizer_state_dtype={cfg.optimizer_state_dtype!r}"]
     cfg = cfg.replace(extra={**cfg.extra, "planner": {
         "profile": prof.name,
         "predicted_iteration_s": float(best.iteration_s),
@@ -181,7 +183,9 @@ def _search(shape: ModelShape, eff: HardwareProfile, cons: Constraints, base: Of
     found = _descend(cfg, knobs, run, score)
     # a second start where the least is offloaded that fits (the window's low end, frugal
     # casts): one knob at a time cannot reach it from a start that fits with another casting
-    low = feas.config.replace(ratio=feas.ratio_window[0]) if feas.ratio_window else None
+    low = None
+    if feas.ratio_window:
+        low = feas.config.replace(ratio=feas.ratio_window[0])
     if low is not None and "ratio" not in cons.fixed and low != cfg and run(low).fits:
         other = _descend(low, knobs, run, score)
         if score(other[1]) < score(found[1]) * (1 - TIE):
@@ -195,6 +199,7 @@ def _descend(cfg: OffloadConfig, knobs: dict[str, list[Any]],
     """Coordinate descent from ``cfg`` over ``knobs`` (module docstring)."""
     best = run(cfg)
     tried: dict[str, list[tuple[Any, SimResult]]] = {}
+    # a few rounds reach a fixed point in practice; the bound keeps a cycle from looping
     for _round in range(4):
         changed = False
         for name, choices in knobs.items():
@@ -208,6 +213,7 @@ def _descend(cfg: OffloadConfig, knobs: dict[str, list[Any]],
             # settings within TIE of the fastest are equal: take the preferred one
             near = [(v, r) for v, r in results if score(r) <= fastest * (1 + TIE)]
             value, res = min(near, key=lambda vr: (_prefer(name, vr[0]), score(vr[1])))
+            # a preferred value may move within TIE, so ties fall to the paper's defaults
             if value != getattr(cfg, name) and (score(res) < score(best) * (1 + TIE)):
                 cfg, best, changed = cfg.replace(**{name: value}), res, True
         if not changed:
@@ -231,18 +237,20 @@ _BF16_WHAT = ("the host's Adam moments in bf16 with stochastic rounding: 8 B/par
               "through the CPU step (28 -> 20 for the fp32 step) and 4 B/param less host "
               "memory; accuracy (docs/kernel.md): median relative error ~0.4% in m and ~1.5% "
               "in v against fp32 moments, rollback exact to a few bf16 roundings")
-_ALLOW = "Constraints(allow_bf16_moments=True), plan/tune --allow-bf16-moments"
+_ALLOW = "Constraints(allow_bf16_moments=True), plan/tuning --allow-bf16-moments"
 
 
 def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,
                    base: OffloadConfig, run: Callable[[OffloadConfig], SimResult]
-                   ) -> tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]], str]:
+                   ) -> tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]],
+                              str]:
     """The search with fp32 moments and again with bf16 moments; bf16 only when its best is
     BF16_MIN_GAIN faster, or only it fits. Returns the search's result and the line that
     explains the choice."""
     found: dict[str, tuple[OffloadConfig, SimResult, dict[str, list[tuple[Any, SimResult]]]]] = {}
     errors: dict[str, InfeasibleError] = {}
-    for dtype in choices_of("optimizer_state_dtype"):  # fp32 first: bf16 must beat it
+    # fp32 first: bf16 must beat it
+    for dtype in choices_of("optimizer_state_dtype"):
         try:
             found[dtype] = _search(shape, eff, cons, base.replace(optimizer_state_dtype=dtype),
                                    run)
@@ -250,7 +258,8 @@ def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,
             errors[dtype] = exc
     if "fp32" not in found:
         if "bf16" not in found:
-            raise errors["bf16"]  # the more frugal of the two
+            # the more frugal of the two: its problems are the ones to fix
+            raise errors["bf16"]
         return (*found["bf16"], f"- optimizer_state_dtype = 'bf16': CHANGES THE NUMERICS "
                 f"(allowed: {_ALLOW}): {_BF16_WHAT}. Chosen because fp32 moments do not fit: "
                 f"{errors['fp32']}.")
@@ -264,7 +273,8 @@ def _weigh_moments(shape: ModelShape, eff: HardwareProfile, cons: Constraints,
         return (*found["bf16"], f"- optimizer_state_dtype = 'bf16': CHANGES THE NUMERICS "
                 f"(allowed: {_ALLOW}): {_BF16_WHAT}. Predicted {b_best.iteration_s * 1e3:.1f} "
                 f"ms against {f_best.iteration_s * 1e3:.1f} ms with fp32 moments at their own "
-                f"best setting (ratio {f_cfg.ratio:g}, {_fmt('bucket_bytes', f_cfg.bucket_bytes)}): "
+                f"best setting (ratio {f_cfg.ratio:g}, "
+                f"{_fmt('bucket_bytes', f_cfg.bucket_bytes)}): "
                 f"{gain:.1%} faster. Fix optimizer_state_dtype='fp32' to keep fp32 maths.")
     return (*found["fp32"], f"- optimizer_state_dtype = 'fp32': bf16 moments were allowed and "
             f"weighed: their best setting predicts {b_best.iteration_s * 1e3:.1f} ms "
@@ -278,7 +288,11 @@ def _moments_note(eff: HardwareProfile, cfg: OffloadConfig, best: SimResult, con
     split re-chosen: their pass needs more compute), else ''."""
     if "optimizer_state_dtype" in cons.fixed or cfg.optimizer_state_dtype != "fp32":
         return ""
-    fracs = [cfg.cpu_cores_frac] if "cpu_cores_frac" in cons.fixed else _threads_frac(eff)
+    if "cpu_cores_frac" in cons.fixed:
+        fracs = [cfg.cpu_cores_frac]
+    else:
+        # bf16 moments' pass needs more compute: the core split is chosen again for them
+        fracs = _threads_frac(eff)
     alts = [run(cfg.replace(optimizer_state_dtype="bf16", cpu_cores_frac=f)) for f in fracs]
     alt = min((r for r in alts if r.fits), key=lambda r: r.iteration_s, default=None)
     if alt is None or 1.0 - alt.iteration_s / best.iteration_s < BF16_MIN_GAIN:
@@ -303,15 +317,18 @@ def _bf16_hint(shape: ModelShape, eff: HardwareProfile, base: OffloadConfig,
 def _prefer(name: str, value: Any) -> float:
     """Tie-break between equally fast settings: the paper's defaults, less device memory."""
     if name == "ratio":
-        return -float(value)  # more offloaded = less device memory
+        # more offloaded = less device memory
+        return -float(value)
     if name == "bucket_bytes":
+        # the paper's ~64 MB (§4.2), by distance in octaves
         return abs(math.log2(value / (64 * MiB)))
     if name == "speculation":
         return {"on": 0, "adaptive": 1, "off": 2}[value]
     if name == "weights":
         return 0 if value == "stationary" else 1
     if name == "cpu_cores_frac":
-        return float(value)  # as fast with fewer cores: leave the rest to the data pipeline
+        # as fast with fewer cores: leave the rest to the data pipeline
+        return float(value)
     return 0.0
 
 
@@ -375,10 +392,13 @@ def _explain(shape: ModelShape, prof: HardwareProfile, cfg: OffloadConfig, best:
             if not res.fits:
                 parts.append(f"{_fmt(name, value)}: does not fit ({res.problems[0]})")
             else:
-                parts.append(f"{_fmt(name, value)}: {_delta(res.iteration_s / best.iteration_s - 1)}")
+                parts.append(f"{_fmt(name, value)}: "
+                             f"{_delta(res.iteration_s / best.iteration_s - 1)}")
         shown = _fmt(name, chosen)
-        lines.append(f"- {name} = {shown}: {why[name]}. Alternatives: " + ", ".join(
-            parts[:4]) + ("" if len(parts) <= 4 else ", ..."))
+        # four alternatives are enough to see the trend; the rest are elided
+        more = ", ..." if len(parts) > 4 else ""
+        lines.append(f"- {name} = {shown}: {why[name]}. Alternatives: "
+                     + ", ".join(parts[:4]) + more)
     for key, value in sorted(cons.fixed.items()):
         lines.append(f"- {key} = {value!r}: fixed by the constraints.")
     lines.extend(f"- cost model: {r}" for r in best.plan.reasons)
@@ -391,7 +411,9 @@ def _bucket_choices(shape: ModelShape, cons: Constraints) -> list[int]:
     a small model is tuned with several buckets too (a tiny model in one 8 MiB bucket cannot
     overlap anything)."""
     choices = set(cons.bucket_choices)
-    if cons.bucket_choices == BUCKET_CHOICES:  # the defaults, not the caller's own list
+    # the defaults, not the caller's own list
+    if cons.bucket_choices == BUCKET_CHOICES:
+        # fp32 gradient bytes: what the bucket size is measured in
         grad_bytes = 4 * shape.params
         size = 1 << max(MIN_BUCKET_BYTES.bit_length() - 1, (grad_bytes // 64).bit_length())
         while size < min(BUCKET_CHOICES) and size <= 2 * grad_bytes:

@@ -1,9 +1,10 @@
 """`CPUAdam`: a torch.optim.Optimizer over the CPU Adam kernel, with rollback.
 
-NOTE: it subclasses torch.optim.Optimizer (as torchao's CPUOffloadOptimizer does; docs/conventions.md,
-"PyTorch's optimizer contract") so LR schedulers, zero_grad, param groups and state_dict/load_state_dict (through
-torch.save) work as with torch.optim.AdamW; the per-parameter state uses AdamW's keys
-(`step` as a float tensor, `exp_avg`, `exp_avg_sq`), so the two load each other's state.
+NOTE: it subclasses torch.optim.Optimizer (as torchao's CPUOffloadOptimizer does;
+docs/conventions.md, "PyTorch's optimizer contract") so LR schedulers, zero_grad, param groups
+and state_dict/load_state_dict (through torch.save) work as with torch.optim.AdamW; the
+per-parameter state uses AdamW's keys (`step` as a float tensor, `exp_avg`, `exp_avg_sq`), so
+the two load each other's state.
 
 Parameters may be fp32, bf16 or fp16 (a drop-in where people use DeepSpeed's
 CPUAdam or torch AdamW on a bf16 model). A bf16/fp16 parameter gets an fp32 master in
@@ -66,7 +67,8 @@ def _sr_seed(step: int, group: int, batch: int) -> int:
 
 def _moment_dtype(moment_dtype: torch.dtype | None, fp32_optimizer_states: bool | None
                   ) -> torch.dtype:
-    if fp32_optimizer_states is not None:  # DeepSpeedCPUAdam's name for the same switch
+    # DeepSpeedCPUAdam's name for the same switch
+    if fp32_optimizer_states is not None:
         implied = torch.float32 if fp32_optimizer_states else torch.bfloat16
         if moment_dtype is not None and moment_dtype != implied:
             raise ValueError(f"fp32_optimizer_states={fp32_optimizer_states} contradicts "
@@ -111,7 +113,8 @@ class CPUAdam(torch.optim.Optimizer):
                     "amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
                     "fused": fused, "capturable": capturable, "differentiable": differentiable,
                     "moment_dtype": _moment_dtype(moment_dtype, fp32_optimizer_states)}
-        self._hyper(defaults, "CPUAdam")  # refuse bad defaults before any group
+        # refuse bad defaults before any group
+        self._hyper(defaults, "CPUAdam")
         self._cache: dict[int, GroupCache] = {}
         # (group, batch index, batch, step number taken, hyper-parameters used) of each kernel
         # call of the last step(): rollback() inverts each with its own hyper-parameters
@@ -121,15 +124,19 @@ class CPUAdam(torch.optim.Optimizer):
     @staticmethod
     def _hyper(group: dict[str, Any], where: str) -> AdamHyper:
         lr = group["lr"]
-        if isinstance(lr, torch.Tensor):  # torch.optim accepts a tensor lr
+        # torch.optim accepts a tensor lr
+        if isinstance(lr, torch.Tensor):
             group = {**group, "lr": float(lr)}
         return AdamHyper.from_group(group, where)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         where = f"CPUAdam.param_groups[{len(self.param_groups)}]"
-        if isinstance(param_group, dict):  # torch's add_param_group refuses anything else
-            normalise_group(param_group)  # torch's decoupled_weight_decay is our adamw_mode
-            self._hyper({**self.defaults, **param_group}, where)  # before the group joins
+        # torch's add_param_group refuses anything else
+        if isinstance(param_group, dict):
+            # torch's decoupled_weight_decay is our adamw_mode
+            normalise_group(param_group)
+            # before the group joins
+            self._hyper({**self.defaults, **param_group}, where)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         where = f"CPUAdam.param_groups[{len(self.param_groups) - 1}]"
@@ -137,9 +144,11 @@ class CPUAdam(torch.optim.Optimizer):
         group["moment_dtype"] = _moment_dtype(group["moment_dtype"], None)
         for k, p in enumerate(group["params"]):
             sharded = is_dtensor(p)
+            # a device DTensor shard has its own fix (FSDP2's CPU offload policy)
+            if p.device.type != "cpu" and sharded:
+                raise ValueError(_device_shard_refusal(f"{where}['params'][{k}]", p.device))
             if p.device.type != "cpu":
                 raise ValueError(
-                    _device_shard_refusal(f"{where}['params'][{k}]", p.device) if sharded else
                     f"CPUAdam updates CPU parameters only, got one on {p.device}; use "
                     "torch.optim.AdamW on the device or superoffload's engine")
             if p.dtype not in PARAM_DTYPES:
@@ -161,7 +170,8 @@ class CPUAdam(torch.optim.Optimizer):
             normalise_group(group)
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-        self.__dict__.setdefault("threads", None)  # not pickled by Optimizer.__getstate__
+        # not pickled by Optimizer.__getstate__
+        self.__dict__.setdefault("threads", None)
         self.__dict__["_cache"] = {}
         self.__dict__["_last_stepped"] = []
 
@@ -188,7 +198,8 @@ class CPUAdam(torch.optim.Optimizer):
                                       group["moment_dtype"], partial(self._cache.__setitem__, gi))
             for bi, batch in enumerate(batches):
                 count = batch.count()
-                assert count is not None  # current_batches rebuilt the batch otherwise
+                # current_batches rebuilt the batch otherwise
+                assert count is not None
                 self._call(gi, bi, batch, count + 1, grads, hypers[gi], rollback=False)
                 batch.steps.add_(1.0)
                 stepped.append((gi, bi, batch, count + 1, hypers[gi]))
@@ -216,7 +227,8 @@ class CPUAdam(torch.optim.Optimizer):
         stay fp32 (torch casts every floating state tensor to its parameter's dtype, which
         would round an fp32 master of a bf16 parameter to bf16). A torch AdamW state of a
         bf16 model (no master) loads too: the master starts as the parameter, widened."""
-        for gi, g in enumerate(state_dict["param_groups"]):  # refused before anything loads
+        # refused before anything loads
+        for gi, g in enumerate(state_dict["param_groups"]):
             self._hyper({**self.defaults, **normalise_group(
                 {key: v for key, v in g.items() if key != "params"})},
                 f"load_state_dict: param_groups[{gi}]")

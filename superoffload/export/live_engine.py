@@ -1,7 +1,7 @@
 """Reading a run from a live single-process engine (``superoffload.initialize``'s engine, or
 the one inside ``SuperOffloadTrainer``, the Lightning strategy or Accelerate's plugin).
 
-A trainable parameter is read from its fp32 master in the engine's buckets (runtime/state.py
+A trainable parameter is read from its fp32 master in the engine's buckets (runtime/engine_state.py
 ``BucketBuffers``: host buckets hold it on the host, GPU tail buckets on the device), one
 at a time, copied to the CPU; never from the model's bf16 weight. Everything else comes from
 the model's state dict. The engine is synchronized first and must be between iterations (as
@@ -43,7 +43,8 @@ class LiveSource:
                 f"export of a live data-parallel engine ({world} ranks): its fp32 masters are "
                 "sharded over the ranks; call engine.save_checkpoint(path) on every rank, then "
                 "export that folder (python -m superoffload export path out)")
-        engine.raise_if_failed()  # a closed engine has let go of its buffers
+        # a closed engine has let go of its buffers
+        engine.raise_if_failed()
         if engine.launcher.current.micro_step >= engine.config.grad_accum_steps:
             # between backward() and step(): some buckets are stepped with this batch
             raise engine.contract.refuse_mid_iteration("export_hf()")
@@ -79,8 +80,10 @@ class LiveSource:
         """One parameter's fp32 master, copied to the CPU from its bucket's buffers."""
         buf, k = self.where[name]
         tier = self.engine.tier
-        if tier is not None and tier.holds(buf.bucket.id):  # read back through a slot, once
-            b = buf.bucket.id  # per bucket: the export walks a bucket's parameters together
+        # read back through a slot, once
+        if tier is not None and tier.holds(buf.bucket.id):
+            # per bucket: the export walks a bucket's parameters together
+            b = buf.bucket.id
             if self._tier_bucket is None or self._tier_bucket[0] != b:
                 with tier_access.loaded(tier, b, write=False) as held:
                     self._tier_bucket = (b, [m.detach().to(torch.float32, copy=True)

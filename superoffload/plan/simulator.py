@@ -53,7 +53,7 @@ from superoffload.plan.memory import check_fits, memory, offloaded_params
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
-from superoffload.plan.techniques import Techniques, system_of
+from superoffload.plan.techniques import Techniques
 from superoffload.plan.weights import FLOW_MIN_EFFICIENCY, WeightChoice, fmt_gb
 from superoffload.telemetry import events as ev
 
@@ -109,7 +109,8 @@ class SimResult:
     """Seconds of the grad_accum_steps - 1 micro-steps of one optimizer step that only
     accumulate (0 without accumulation): their forward and backward, and accumulating on the
     host the gradients' D2H and host add (plan/sim_core.accumulation_micro_step_s)."""
-    _chunks: list[tuple[str, str, Any, Any, int, Any, Any]] = field(default_factory=list, repr=False)
+    _chunks: list[tuple[str, str, Any, Any, int, Any, Any]] = field(default_factory=list,
+                                                                    repr=False)
     _timeline: list[ev.Span] | None = field(default=None, repr=False)
 
     @property
@@ -129,9 +130,13 @@ class SimResult:
             spans: list[ev.Span] = []
             for lane, kind, starts, ends, it, buckets, nbytes in self._chunks:
                 n = len(starts)
+                # a chunk without buckets (compute, waits) marks its spans with bucket -1
                 b = np.asarray(buckets).tolist() if buckets is not None else [-1] * n
-                nb = (np.asarray(nbytes).tolist() if isinstance(nbytes, (list, np.ndarray))
-                      else [int(nbytes)] * n)
+                if isinstance(nbytes, (list, np.ndarray)):
+                    nb = np.asarray(nbytes).tolist()
+                else:
+                    # one byte count for every span of the chunk
+                    nb = [int(nbytes)] * n
                 spans.extend(
                     ev.Span(lane, kind, s, e, it, bk, x)
                     for s, e, bk, x in zip(np.asarray(starts, float).tolist(),
@@ -150,7 +155,6 @@ class SimResult:
         return {
             "profile": self.profile,
             "system": self.plan.system,
-            "schedule": self.plan.system,  # the old key, for one release (docs/planner.md)
             "params": self.shape.params,
             "iteration_s": self.iteration_s,
             "steady_iteration_s": self.steady_iteration_s,
@@ -174,39 +178,47 @@ class SimResult:
         }
 
 
-def simulate(shape: ModelShape, prof: HardwareProfile, system: str | None = None,
-             config: OffloadConfig | None = None, techniques: Techniques | None = None, *,
-             schedule: str | None = None) -> SimResult:
+def simulate(shape: ModelShape, prof: HardwareProfile, system: str = "superoffload",
+             config: OffloadConfig | None = None,
+             techniques: Techniques | None = None) -> SimResult:
     """Predict the steady-state iteration of `shape` on `prof` running `system` (one of
-    ``plan.SYSTEMS``, default "superoffload"; see the module docstring). ``schedule=`` is the
-    old name of ``system=`` (a DeprecationWarning)."""
-    system = system_of(system, schedule, "simulate", default="superoffload")
+    ``plan.SYSTEMS``; see the module docstring)."""
     if not isinstance(shape, ModelShape):
         raise TypeError(f"simulate: shape must be a ModelShape, got {type(shape).__name__}")
     if not isinstance(prof, HardwareProfile):
         raise TypeError(f"simulate: prof must be a HardwareProfile, got {type(prof).__name__}")
-    prof = parallel.rank_profile(prof, shape.ranks_per_host)  # this rank's share of the host
+    # this rank's share of the host
+    prof = parallel.rank_profile(prof, shape.ranks_per_host)
     auto = None
     if system == "superoffload" and config is not None and config.weights == "auto" and (
             techniques is None or techniques.adaptive_weights):
-        auto = choose_weights(shape, prof, config)  # the engine's rule (plan/weights.py)
+        # the engine's rule (plan/weights.py)
+        auto = choose_weights(shape, prof, config)
     plan = resolve_decided(shape, prof, system, config, techniques, auto=auto)
-    lay = None if plan.system == "zero-offload" else sim_walk.layout(shape, plan)
+    lay = None
+    if plan.system != "zero-offload":
+        # DeepSpeed's schedule has its own timeline (plan/deepspeed.py): no bucket layout
+        lay = sim_walk.layout(shape, plan)
     ends, chunks = _run(shape, prof, plan, N_ITER, None, lay)
+    # the last iteration is the steady state: the pipeline has filled by then
     period = float(ends[-1] - ends[-2])
     penalty = 0.0
     if plan.speculate and plan.rollback_rate > 0 and offloaded_params(shape, plan) > 0:
         # one clipped iteration (index N_ITER-2); its cost shows in the next backward end
         ends_c, _ = _run(shape, prof, plan, N_ITER, N_ITER - 2, lay)
         penalty = max(0.0, float(ends_c[-1] - ends_c[-3]) - 2 * period)
+    # the expected iteration: a rollback costs its penalty at the rate clipping happens
     expected = period + plan.rollback_rate * penalty
     window = (float(ends[-2]), float(ends[-1]))
     lanes = _lane_stats(chunks, window)
     mem = memory(shape, prof, plan)
     accumulation = 0.0
     if plan.system != "zero-offload" and plan.grad_accum_steps > 1:
+        # every micro-step but the last only accumulates; the last is the simulated iteration
         accumulation = (plan.grad_accum_steps - 1) * sim_core.accumulation_micro_step_s(
             shape, prof, plan, lay)
+    # one rank runs no collectives: no backend to name
+    backend = parallel.collective_backend(prof) if shape.dp * shape.dp_replicate > 1 else ""
     return SimResult(
         iteration_s=expected,
         steady_iteration_s=period,
@@ -222,8 +234,7 @@ def simulate(shape: ModelShape, prof: HardwareProfile, system: str | None = None
         profile=prof.name,
         window=window,
         collective_s=_collective_s(shape, prof, plan, lay),
-        collective_backend=(parallel.collective_backend(prof)
-                            if shape.dp * shape.dp_replicate > 1 else ""),
+        collective_backend=backend,
         accumulation_s=accumulation,
         _chunks=chunks,
     )
@@ -259,7 +270,7 @@ def _run(shape: ModelShape, prof: HardwareProfile, plan: Resolved, n_iter: int,
     """The iterations of `plan`'s schedule: DeepSpeed's for "zero-offload", ours otherwise."""
     if plan.system == "zero-offload":
         return deepspeed.zero2_run(shape, prof, plan, n_iter)
-    return sim_core.run(shape, prof, plan, n_iter, clipped_iter, lay)
+    return sim_core.run_timeline(shape, prof, plan, n_iter, clipped_iter, lay)
 
 
 def choose_weights(shape: ModelShape, prof: HardwareProfile, config: OffloadConfig | None = None,
@@ -269,7 +280,8 @@ def choose_weights(shape: ModelShape, prof: HardwareProfile, config: OffloadConf
         raise TypeError(f"choose_weights: shape must be a ModelShape, got {type(shape).__name__}")
     if device_memory_bytes is not None:
         if device_memory_bytes <= 0:
-            raise ValueError(f"device_memory_bytes={device_memory_bytes}: use a positive byte count")
+            raise ValueError(
+                f"device_memory_bytes={device_memory_bytes}: use a positive byte count")
         prof = prof.replace(device_memory_bytes=float(device_memory_bytes))
     base = (config or OffloadConfig()).replace(weights="stationary", extra={})
     stat: SimResult = simulate(shape, prof, "superoffload", base)
@@ -292,13 +304,16 @@ def choose_weights(shape: ModelShape, prof: HardwareProfile, config: OffloadConf
         policy, why = "flow", ("neither policy fits; weight-flow needs the least device memory: "
                                + "; ".join(flow.problems))
     elif eff >= FLOW_MIN_EFFICIENCY and act > resident:
-        policy, why = "flow", (f"both fit; the fetch hides behind compute (efficiency {eff:.3f} >= "
-                               f"{FLOW_MIN_EFFICIENCY}) and activations ({fmt_gb(act)}) outweigh the "
-                               f"resident weights + gradients ({fmt_gb(resident)})")
+        policy, why = "flow", (f"both fit; the fetch hides behind compute (efficiency {eff:.3f} "
+                               f">= {FLOW_MIN_EFFICIENCY}) and activations ({fmt_gb(act)}) "
+                               f"outweigh the resident weights + gradients ({fmt_gb(resident)})")
     else:
-        cause = (f"efficiency {eff:.3f} < {FLOW_MIN_EFFICIENCY}" if eff < FLOW_MIN_EFFICIENCY
-                 else f"activations ({fmt_gb(act)}) do not outweigh the resident weights + "
-                      f"gradients ({fmt_gb(resident)})")
+        # name the first condition that failed: the efficiency, else the activations
+        if eff < FLOW_MIN_EFFICIENCY:
+            cause = f"efficiency {eff:.3f} < {FLOW_MIN_EFFICIENCY}"
+        else:
+            cause = (f"activations ({fmt_gb(act)}) do not outweigh the resident weights + "
+                     f"gradients ({fmt_gb(resident)})")
         policy, why = "stationary", f"both fit and weight-flow would gain nothing: {cause}"
     return WeightChoice(
         policy=policy, reason=f"weights={policy}: {why}; {numbers}", efficiency=eff,
