@@ -1,7 +1,7 @@
 """How the code reads, counted: own-line comments and docstring lines per 1,000 code lines,
 conditional expressions (``a if c else b``) per 1,000 code lines, and lines over the length
-ruff enforces -- the figures the style guide compares with its anchors (docs/conventions.md,
-"Comments say why, at the line").
+ruff enforces -- the figures the style guide states (docs/conventions.md,
+"Comments say why and cite the paper").
 
     python scripts/code_metrics.py                 # superoffload/, as a table
     python scripts/code_metrics.py superoffload/runtime superoffload/plan --json
