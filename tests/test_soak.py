@@ -29,6 +29,8 @@ EVERY = 100
 INJECT = {137: float("nan"), 301: float("inf"), 555: float("nan"), 802: float("-inf")}
 """0-based step -> the value written into one gradient element during that step's backward."""
 SAMPLE_EVERY = 50
+ARCHIVE_BINS_SOAK = 64
+"""Bins per archived series in the soak: full (then doubling its stride) well before step 300."""
 TIMEOUT_S = 240
 
 
@@ -47,6 +49,7 @@ def _worker(mode: str, folder: Path) -> None:
     from superoffload.commands import checkpointing as ck
     from superoffload.data import BatchSampler, load_tokens
     from superoffload.models import GPT, gpt_tiny
+    from superoffload.telemetry.archive import IterationArchive
     from superoffload.train_loop import TrainSettings, make_scheduler, train
 
     torch.set_num_threads(1)
@@ -74,6 +77,10 @@ def _worker(mode: str, folder: Path) -> None:
     target.register_hook(poison)
     runs = ck.RunCheckpoints(folder, keep=2)
     with so.initialize(model, optimizer={"lr": 3e-3, "weight_decay": 0.1}, config=config) as engine:
+        # the archive of iterations gone from the ring grows to ARCHIVE_BINS bins per series
+        # (telemetry/archive.py: bounded, the whole run binned); a small one is full by the
+        # warm-up as the ring is, so the RSS after it measures leaks, not that bounded growth
+        engine.telemetry.archive = IterationArchive(max_bins=ARCHIVE_BINS_SOAK)
         scheduler = make_scheduler(engine.optimizer, settings)
         progress = None
         if mode == "resume":
