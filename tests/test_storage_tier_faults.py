@@ -108,6 +108,55 @@ def test_files_left_by_a_dead_run_are_removed_and_a_live_runs_file_is_kept(
     assert not any(folder.iterdir())  # close() deletes each engine's own file
 
 
+def test_an_unlocked_file_of_a_live_process_is_kept_and_of_a_zombie_removed(
+        tmp_path: Path) -> None:
+    # ranks sharing a folder start together: one may list the folder while another has
+    # created its file but not yet locked it (open_tier creates, allocates, then locks); the
+    # name's pid says it lives, so it is kept. A zombie holds no file: removed.
+    import time
+
+    from superoffload.runtime.tier_open import remove_stale
+
+    folder = tmp_path / "tier"
+    folder.mkdir()
+    starting = folder / f"{PREFIX}{os.getpid()}-0123abcd-rank1.bin"
+    starting.write_bytes(b"x" * 100)
+    child = subprocess.Popen(["true"])
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        deadline = time.monotonic() + 60
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.01)
+        zombie = folder / f"{PREFIX}{child.pid}-0123abcd-rank0.bin"
+        zombie.write_bytes(b"x" * 100)
+        with pytest.warns(StorageNotice, match=zombie.name):
+            removed = remove_stale(folder)
+    finally:
+        child.wait()
+    assert removed == [f"{zombie.name} (100 bytes)"]
+    assert starting.exists() and not zombie.exists()
+
+
+def test_a_locked_file_is_kept_whatever_its_name_says(tmp_path: Path) -> None:
+    # the lock is what a live engine on another host (a shared folder) or a reused pid leaves:
+    # held, the file stays even when the pid in its name is not a process here
+    import fcntl
+
+    from superoffload.runtime.tier_open import remove_stale
+
+    held = tmp_path / f"{PREFIX}999999-0123abcd-rank0.bin"
+    held.write_bytes(b"x" * 100)
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert remove_stale(tmp_path) == [] and held.exists()
+    finally:
+        os.close(fd)
+    with pytest.warns(StorageNotice, match=held.name):
+        assert remove_stale(tmp_path) == [f"{held.name} (100 bytes)"]  # released: stale
+
+
 KILLED = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})

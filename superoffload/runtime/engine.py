@@ -10,9 +10,8 @@ the parameters and buckets; ``plan.schedule.resolve_schedule`` decides what runs
 calls it too, runtime/build.py); a ``Transport`` moves gradients and weights
 (``LocalTransport`` here, FSDP2's in ``superoffload.distributed.fsdp``: the same engine).
 ``backward()`` and ``step()`` hold the phase order; each phase is a function of the frozen
-iteration (runtime/launch.py, runtime/stv.py; the reading order: runtime/__init__.py). A
-lane's exception is raised in the training thread at its next call as an ``EngineError``.
-docs/engine.md, "The parts".
+iteration (runtime/launch.py, runtime/stv.py; the reading order: runtime/__init__.py; the
+parts: docs/engine.md). A lane's exception is raised in the caller as an ``EngineError``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ initial state written through it (docs/storage.md, "Files").
 
 The file of one engine (rank) is ``superoffload-state-<pid>-<random>-rank<r>.bin`` in
 ``OffloadConfig.storage_path``; the engine holds an exclusive ``flock`` on it while it runs.
-A file of that name nobody holds is left over from a run that died (``kill -9``, a crash):
-it is scratch (the state a run resumes from is its checkpoint, docs/storage.md,
-"Durability") and is deleted here, saying so; a file a live run holds is left alone.
+A file of that name nobody holds, whose process is gone, is left over from a run that died
+(``kill -9``, a crash): it is scratch (the state a run resumes from is its checkpoint,
+docs/storage.md, "Durability") and is deleted here, saying so; a file a live run holds is left
+alone, and so is one whose process still lives (it may be between creating its file and
+locking it: ranks sharing a folder start together).
 """
 
 from __future__ import annotations
@@ -177,6 +179,10 @@ def remove_stale(folder: Path) -> list[str]:
             continue
         finally:
             os.close(fd)
+        # unlocked but its process lives: a peer rank between creating its file and locking
+        # it (open_tier creates, allocates, then locks), never a dead run's
+        if owner_alive(path):
+            continue
         size = path.stat().st_size
         path.unlink(missing_ok=True)
         removed.append(f"{path.name} ({size:,} bytes)")
@@ -185,6 +191,19 @@ def remove_stale(folder: Path) -> list[str]:
                       f"that ended without closing their engine: {', '.join(removed)}",
                       StorageNotice, stacklevel=3)
     return removed
+
+
+def owner_alive(path: Path) -> bool:
+    """Whether the process named in a tier file's name (``PREFIX<pid>-...``) still runs on
+    this host (a zombie counts as gone: it holds no file); False for a name without one."""
+    pid_text = path.name[len(PREFIX):].split("-", 1)[0]
+    if not pid_text.isdigit():
+        return False
+    try:
+        state = Path(f"/proc/{int(pid_text)}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def aligned_pool(count: int, nbytes: int, alloc: Callable[[int], torch.Tensor],
