@@ -47,7 +47,7 @@ import numpy as np
 
 from superoffload.plan.device_grads import DeviceGrads, device_grads
 from superoffload.plan.hardware import HardwareProfile
-from superoffload.plan.memory_host import host_side
+from superoffload.plan.memory_host import host_side, staging_bytes_per_element
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
@@ -129,15 +129,7 @@ def memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Memory:
     if off > 0:
         # fp32 copies made on the device for device-side casting, two buckets in flight
         bucket_params = largest_host_bucket(plan)
-        grad_copy = param_copy = 0.0
-        if low:
-            # 4 B per element for each direction cast on the device (§4.4)
-            if plan.grad_cast == "device":
-                grad_copy = 4.0
-            if plan.param_cast == "device":
-                param_copy = 4.0
-        per_param = grad_copy + param_copy
-        resident["staging"] = 2.0 * per_param * bucket_params
+        resident["staging"] = 2.0 * staging_bytes_per_element(plan, low) * bucket_params
     grads = grads_of(shape, plan)
     temporaries = 0.0
     if low and prof.device_type == "cuda" and grads.tail_numel:

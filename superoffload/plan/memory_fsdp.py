@@ -40,7 +40,7 @@ import numpy as np
 
 from superoffload.plan.device_grads import device_grads
 from superoffload.plan.hardware import HardwareProfile
-from superoffload.plan.memory_host import host_side
+from superoffload.plan.memory_host import host_side, staging_bytes_per_element
 from superoffload.plan.memory_types import Memory
 from superoffload.plan.resolved import Resolved
 from superoffload.plan.shapes import ModelShape
@@ -79,15 +79,8 @@ def fsdp_memory(shape: ModelShape, prof: HardwareProfile, plan: Resolved) -> Mem
         # the ablation without buckets: one bucket of everything offloaded
         host_numels = [sum(host_numels)]
     largest_shard = float(np.ceil(max(host_numels, default=0) / n))
-    grad_copy = param_copy = 0.0
-    if low:
-        # fp32 copies for each direction cast on the device (§4.4), two shards in flight
-        if plan.grad_cast == "device":
-            grad_copy = 4.0
-        if plan.param_cast == "device":
-            param_copy = 4.0
-    per_param = grad_copy + param_copy
-    resident["staging"] = 2.0 * per_param * largest_shard
+    # fp32 copies for each direction cast on the device (§4.4), two shards in flight
+    resident["staging"] = 2.0 * staging_bytes_per_element(plan, low) * largest_shard
 
     # backward at layer k, k = 0..top
     moments = np.arange(top + 1)

@@ -80,6 +80,15 @@ def element_of(plan: Resolved) -> ElementBytes:
                         home=lp if flow else 0)
 
 
+def staging_bytes_per_element(plan: Resolved, low: bool) -> float:
+    """Device bytes per element of an offloaded bucket (or shard) in flight for the fp32 copies
+    of device-side casting: 4 B for each direction cast on the device (§4.4); none for an fp32
+    model."""
+    if not low:
+        return 0.0
+    return 4.0 * ((plan.grad_cast == "device") + (plan.param_cast == "device"))
+
+
 def host_buckets(plan: Resolved, dp: int = 1) -> list[Bucket]:
     """The offloaded buckets with this rank's elements (``dp`` > 1: FSDP2 shards, ceil);
     the ablation without buckets offloads one whole-model bucket."""
